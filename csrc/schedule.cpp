@@ -1,0 +1,266 @@
+// Pipeline schedule policies.  See schedule.h.
+#include "schedule.h"
+
+#include <algorithm>
+#include <deque>
+#include <stdexcept>
+#include <string>
+
+namespace varuna {
+
+namespace {
+
+constexpr const char* kValidPolicies = "varuna, gpipe, 1f1b";
+
+Action F(int i) { return {ActionKind::Forward, i}; }
+Action R(int i) { return {ActionKind::Recompute, i}; }
+Action B(int i) { return {ActionKind::Backward, i}; }
+
+// Varuna static schedule (paper §3.2; original generate_schedule.cc).
+//
+// Discrete quanta.  F and R take one quantum; a backward takes two, modelled as
+// `b` followed by a filler `B` that is not emitted.  Each quantum every stage picks
+// one task by strict priority B > b > R > F (or idles); the dependencies created by
+// all picks are applied only after every stage has picked, so they become visible
+// in the next quantum:
+//   F(s,i): s < P-1 -> F[s+1].push(i)   else b[s].push(i)   (last stage: no recompute)
+//   b(s,i): B[s].push(i); s > 0 -> R[s-1].push(i)
+//   R(s,i): b[s].push(i)
+// The emitted per-stage order (F, R, and b emitted as the backward) is the schedule.
+std::vector<std::vector<Action>> varuna_all_stages(int P, int m) {
+    struct Queues {
+        std::deque<int> F, R, b, B;
+        bool empty() const { return F.empty() && R.empty() && b.empty() && B.empty(); }
+    };
+    enum Task : int { kIdle, kF, kR, kb, kB };
+
+    std::vector<Queues> q(static_cast<std::size_t>(P));
+    for (int i = 0; i < m; ++i) q[0].F.push_back(i);
+
+    std::vector<std::vector<Action>> out(static_cast<std::size_t>(P));
+    for (auto& v : out) v.reserve(static_cast<std::size_t>(3) * static_cast<std::size_t>(m));
+
+    std::vector<Task> pick_task(static_cast<std::size_t>(P));
+    std::vector<int> pick_mb(static_cast<std::size_t>(P));
+
+    // Every quantum in which work is outstanding executes at least one task, and there
+    // are at most 4*P*m tasks, so this bound is never reached by a correct simulation.
+    const long long max_quanta = 4LL * P * m + 4;
+    long long quanta = 0;
+    auto all_empty = [&]() {
+        for (const auto& s : q)
+            if (!s.empty()) return false;
+        return true;
+    };
+    while (!all_empty()) {
+        if (++quanta > max_quanta)
+            throw std::logic_error("varuna schedule simulation did not terminate (internal error)");
+        // 1. every stage picks one task
+        for (int s = 0; s < P; ++s) {
+            auto& qs = q[static_cast<std::size_t>(s)];
+            Task t = kIdle;
+            int i = -1;
+            if (!qs.B.empty()) {
+                t = kB; i = qs.B.front(); qs.B.pop_front();
+            } else if (!qs.b.empty()) {
+                t = kb; i = qs.b.front(); qs.b.pop_front();
+            } else if (!qs.R.empty()) {
+                t = kR; i = qs.R.front(); qs.R.pop_front();
+            } else if (!qs.F.empty()) {
+                t = kF; i = qs.F.front(); qs.F.pop_front();
+            }
+            pick_task[static_cast<std::size_t>(s)] = t;
+            pick_mb[static_cast<std::size_t>(s)] = i;
+            auto& o = out[static_cast<std::size_t>(s)];
+            switch (t) {
+                case kF: o.push_back(F(i)); break;
+                case kR: o.push_back(R(i)); break;
+                case kb: o.push_back(B(i)); break;  // the backward is emitted once, as B
+                default: break;                     // idle, or the unemitted filler half
+            }
+        }
+        // 2. apply dependencies for the next quantum
+        for (int s = 0; s < P; ++s) {
+            const int i = pick_mb[static_cast<std::size_t>(s)];
+            switch (pick_task[static_cast<std::size_t>(s)]) {
+                case kF:
+                    if (s < P - 1) q[static_cast<std::size_t>(s + 1)].F.push_back(i);
+                    else q[static_cast<std::size_t>(s)].b.push_back(i);
+                    break;
+                case kb:
+                    q[static_cast<std::size_t>(s)].B.push_back(i);
+                    if (s > 0) q[static_cast<std::size_t>(s - 1)].R.push_back(i);
+                    break;
+                case kR:
+                    q[static_cast<std::size_t>(s)].b.push_back(i);
+                    break;
+                default:
+                    break;
+            }
+        }
+    }
+    return out;
+}
+
+// GPipe: all forwards, then all backwards, both in micro-batch order.
+std::vector<Action> gpipe_stage(int P, int m, int stage, bool recompute) {
+    const bool rc = recompute && stage < P - 1;
+    std::vector<Action> v;
+    v.reserve(static_cast<std::size_t>(rc ? 3 : 2) * static_cast<std::size_t>(m));
+    for (int i = 0; i < m; ++i) v.push_back(F(i));
+    for (int i = 0; i < m; ++i) {
+        if (rc) v.push_back(R(i));
+        v.push_back(B(i));
+    }
+    return v;
+}
+
+// 1F1B (PipeDream-Flush): warm-up min(P-s-1, m) forwards, steady state one F then one
+// B, cool-down the remaining backwards.
+std::vector<Action> one_f_one_b_stage(int P, int m, int stage, bool recompute) {
+    const bool rc = recompute && stage < P - 1;
+    std::vector<Action> v;
+    v.reserve(static_cast<std::size_t>(rc ? 3 : 2) * static_cast<std::size_t>(m));
+    auto backward = [&](int i) {
+        if (rc) v.push_back(R(i));
+        v.push_back(B(i));
+    };
+    const int warmup = std::min(P - stage - 1, m);
+    int f = 0, b = 0;
+    for (; f < warmup; ++f) v.push_back(F(f));
+    while (f < m) {
+        v.push_back(F(f++));
+        backward(b++);
+    }
+    while (b < m) backward(b++);
+    return v;
+}
+
+std::vector<Action> drop_recompute(std::vector<Action> v) {
+    std::vector<Action> out;
+    out.reserve(v.size());
+    for (const auto& a : v)
+        if (a.kind != ActionKind::Recompute) out.push_back(a);
+    return out;
+}
+
+}  // namespace
+
+Policy parse_policy(const std::string& name) {
+    if (name == "varuna") return Policy::Varuna;
+    if (name == "gpipe") return Policy::GPipe;
+    if (name == "1f1b") return Policy::OneFOneB;
+    throw std::invalid_argument("unknown schedule policy '" + name + "'; valid policies are: " +
+                                kValidPolicies);
+}
+
+const char* policy_name(Policy p) {
+    switch (p) {
+        case Policy::Varuna: return "varuna";
+        case Policy::GPipe: return "gpipe";
+        case Policy::OneFOneB: return "1f1b";
+    }
+    return "?";
+}
+
+const char* valid_policy_names() { return kValidPolicies; }
+
+bool default_recompute(Policy p) { return p == Policy::Varuna; }
+
+void validate_shape(int P, int m) {
+    if (P < 1)
+        throw std::invalid_argument("P (number of pipeline stages) must be >= 1, got " +
+                                    std::to_string(P));
+    if (m < 1)
+        throw std::invalid_argument("m (number of micro-batches per mini-batch) must be >= 1, got " +
+                                    std::to_string(m));
+}
+
+void validate_stage(int P, int m, int stage) {
+    validate_shape(P, m);
+    if (stage < 0 || stage >= P)
+        throw std::invalid_argument("stage must satisfy 0 <= stage < P (P=" + std::to_string(P) +
+                                    ", valid stages 0.." + std::to_string(P - 1) + "), got " +
+                                    std::to_string(stage));
+}
+
+std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool recompute) {
+    validate_stage(P, m, stage);
+    switch (policy) {
+        case Policy::GPipe: return gpipe_stage(P, m, stage, recompute);
+        case Policy::OneFOneB: return one_f_one_b_stage(P, m, stage, recompute);
+        case Policy::Varuna: {
+            auto all = varuna_all_stages(P, m);
+            auto v = std::move(all[static_cast<std::size_t>(stage)]);
+            return recompute ? v : drop_recompute(std::move(v));
+        }
+    }
+    throw std::invalid_argument(std::string("unknown schedule policy; valid policies are: ") +
+                                kValidPolicies);
+}
+
+std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, bool recompute) {
+    validate_shape(P, m);
+    if (policy == Policy::Varuna) {
+        auto all = varuna_all_stages(P, m);
+        if (!recompute)
+            for (auto& v : all) v = drop_recompute(std::move(v));
+        return all;
+    }
+    std::vector<std::vector<Action>> all;
+    all.reserve(static_cast<std::size_t>(P));
+    for (int s = 0; s < P; ++s) all.push_back(stage_schedule(policy, P, m, s, recompute));
+    return all;
+}
+
+// ---------------------------------------------------------------------------------
+// StageScheduler
+
+StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute)
+    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute) {
+    list_ = stage_schedule(policy, P, m, stage, recompute);
+    taken_.assign(list_.size(), 0);
+    remaining_ = list_.size();
+    skip_taken();
+}
+
+void StageScheduler::skip_taken() {
+    while (pos_ < list_.size() && taken_[pos_]) ++pos_;
+    if (f_cursor_ < pos_) f_cursor_ = pos_;
+    while (f_cursor_ < list_.size() &&
+           (taken_[f_cursor_] || list_[f_cursor_].kind != ActionKind::Forward))
+        ++f_cursor_;
+}
+
+std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) {
+    if (acts_arrived < 0 || grads_arrived < 0)
+        throw std::invalid_argument("acts_arrived and grads_arrived must be >= 0, got " +
+                                    std::to_string(acts_arrived) + " and " +
+                                    std::to_string(grads_arrived));
+    if (pos_ >= list_.size()) return std::nullopt;
+
+    std::size_t idx = pos_;
+    const Action& head = list_[pos_];
+    if (policy_ == Policy::Varuna && head.kind == ActionKind::Recompute && stage_ < P_ - 1 &&
+        grads_arrived <= head.mb && f_cursor_ < list_.size()) {
+        // Forwards are in micro-batch order, so the earliest remaining F has the
+        // smallest index: if its input is not here, no later one's is either.
+        const int j = list_[f_cursor_].mb;
+        if (stage_ == 0 || acts_arrived > j) idx = f_cursor_;
+    }
+    const Action a = list_[idx];
+    taken_[idx] = 1;
+    --remaining_;
+    skip_taken();
+    return a;
+}
+
+std::vector<Action> StageScheduler::remaining() const {
+    std::vector<Action> v;
+    v.reserve(remaining_);
+    for (std::size_t k = pos_; k < list_.size(); ++k)
+        if (!taken_[k]) v.push_back(list_[k]);
+    return v;
+}
+
+}  // namespace varuna

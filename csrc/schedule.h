@@ -1,0 +1,100 @@
+// Pipeline schedule policies (Varuna, GPipe, 1F1B / PipeDream-Flush).
+//
+// Pure C++17, no Python types: the pybind11 module (bindings.cpp) exposes these
+// to the runtime, and the simulator links them directly.
+//
+// A schedule is, per pipeline stage, the ordered list of actions that stage
+// executes during one mini-batch (one optimizer step):
+//   F(i)  forward of micro-batch i
+//   R(i)  recompute (re-run the forward with autograd on, from the stashed input)
+//   B(i)  backward of micro-batch i
+// Micro-batch indices are 0-based.  The last stage never recomputes.
+//
+// Varuna policy: paper arXiv 2111.04007 §3.2 (original varuna/generate_schedule.cc).
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace varuna {
+
+enum class ActionKind : int { Forward = 0, Recompute = 1, Backward = 2 };
+
+struct Action {
+    ActionKind kind;
+    int mb;  // micro-batch index, 0-based
+
+    bool operator==(const Action& o) const { return kind == o.kind && mb == o.mb; }
+    bool operator!=(const Action& o) const { return !(*this == o); }
+};
+
+enum class Policy : int { Varuna = 0, GPipe = 1, OneFOneB = 2 };
+
+// "varuna" | "gpipe" | "1f1b".  Throws std::invalid_argument listing the valid names.
+Policy parse_policy(const std::string& name);
+const char* policy_name(Policy p);
+// Comma-separated list of valid policy names, for error messages.
+const char* valid_policy_names();
+
+// varuna -> true, gpipe -> false, 1f1b -> false.
+bool default_recompute(Policy p);
+
+// Throws std::invalid_argument unless P >= 1 and m >= 1.
+void validate_shape(int P, int m);
+// Throws std::invalid_argument unless P >= 1, m >= 1 and 0 <= stage < P.
+void validate_stage(int P, int m, int stage);
+
+// Static action list of one stage.
+//   P: number of pipeline stages, m: number of micro-batches per mini-batch,
+//   stage: 0-based stage index, recompute: emit R actions on non-last stages.
+std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool recompute);
+
+// Static action lists of all P stages (index = stage).  For the Varuna policy this
+// runs the quantum simulation once instead of once per stage.
+std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, bool recompute);
+
+// Run-time decision object for one stage.  Holds the remaining static list and hands
+// out the next action given how much input has arrived so far.
+class StageScheduler {
+public:
+    StageScheduler(Policy policy, int P, int m, int stage, bool recompute);
+
+    // acts_arrived: activations received from upstream so far (micro-batches arrive in
+    //   order 0,1,2,..., so this is "activations 0..acts_arrived-1 are here").
+    // grads_arrived: gradients received from downstream so far (same convention).
+    // Returns the next action to execute and removes it from the remaining list, or
+    // std::nullopt when the stage is done.  Throws std::invalid_argument on negative counts.
+    //
+    // Varuna's opportunistic rule (policy varuna only): if the next static action is
+    // R(i) on a non-last stage, the gradient of i has not arrived (grads_arrived <= i)
+    // and the earliest remaining F(j) has its input available (stage 0, or
+    // acts_arrived > j), F(j) is returned instead (the R stays next in line).
+    std::optional<Action> next(int acts_arrived, int grads_arrived);
+
+    // Remaining actions in their current order.
+    std::vector<Action> remaining() const;
+    std::size_t remaining_count() const { return remaining_; }
+    bool done() const { return remaining_ == 0; }
+
+    Policy policy() const { return policy_; }
+    int num_stages() const { return P_; }
+    int num_microbatches() const { return m_; }
+    int stage() const { return stage_; }
+    bool recompute() const { return recompute_; }
+
+private:
+    void skip_taken();
+
+    Policy policy_;
+    int P_, m_, stage_;
+    bool recompute_;
+    std::vector<Action> list_;
+    std::vector<char> taken_;
+    std::size_t pos_ = 0;       // first untaken index
+    std::size_t f_cursor_ = 0;  // first untaken Forward index (monotone)
+    std::size_t remaining_ = 0;
+};
+
+}  // namespace varuna

@@ -1,0 +1,259 @@
+"""Tests for varuna_sdk.data: real GPT-2 BPE, real Shakespeare text, deterministic batches."""
+
+from __future__ import annotations
+
+import ast
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from varuna_sdk.data import (
+    BatchLoader,
+    ByteTokenizer,
+    eval_batches,
+    get_tokenizer,
+    gpt2_tokenizer,
+    load_corpus,
+    shakespeare_text,
+    tokenize_corpus,
+    train_val_split,
+)
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "varuna_sdk" / "data"
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def test_gpt2_known_ids_and_round_trip():
+    tok = gpt2_tokenizer()
+    assert tok is gpt2_tokenizer() is get_tokenizer("gpt2")  # cached
+    assert tok.name == "gpt2" and tok.vocab_size == 50257 and tok.eot_token == 50256
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.encode(" the") == [262]
+    text = "To be, or not to be: that is the question.\n  Whether 'tis nobler — ünïcödé 123!"
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) and 0 <= i < 50257 for i in ids)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text)  # BPE merges, not bytes
+
+
+def test_gpt2_endoftext_handling():
+    tok = gpt2_tokenizer()
+    # Default: treated as plain text, never the special id and never an error.
+    plain = tok.encode("a<|endoftext|>b")
+    assert 50256 not in plain and tok.decode(plain) == "a<|endoftext|>b"
+    special = tok.encode("a<|endoftext|>b", allowed_special={"<|endoftext|>"})
+    assert special == [64, 50256, 65]
+    assert tok.encode("<|endoftext|>", allowed_special="all") == [50256]
+    assert tok.decode([50256]) == "<|endoftext|>"
+
+
+def test_byte_tokenizer():
+    tok = get_tokenizer("byte")
+    assert isinstance(tok, ByteTokenizer)
+    assert tok.name == "byte" and tok.vocab_size == 256 and tok.eot_token is None
+    assert tok.encode("Hi é") == [72, 105, 32, 195, 169]
+    assert tok.decode(tok.encode("Hi é")) == "Hi é"
+    assert tok.decode([72, 0xFF]) == "H\ufffd"  # invalid utf-8 is replaced, no error
+    assert tok.encode_array("Hi").dtype == np.uint16
+
+
+def test_unknown_tokenizer_lists_names():
+    with pytest.raises(ValueError, match=r"gpt2.*byte|byte.*gpt2"):
+        get_tokenizer("gpt5")
+
+
+# ----------------------------------------------------------------------------- corpus
+def test_shakespeare_corpus():
+    text = shakespeare_text()
+    assert len(text.encode("utf-8")) > 4_000_000
+    assert "To be, or not to be" in text
+    assert "Romeo" in text and "Prospero" in text
+    assert load_corpus("shakespeare") is text
+    with pytest.raises(ValueError, match="shakespeare"):
+        load_corpus("wikipedia")
+
+
+# ----------------------------------------------------------------------------- tokenize_corpus
+def test_tokenize_corpus_gpt2_cache(tmp_path):
+    t0 = time.perf_counter()
+    first = tokenize_corpus("shakespeare", "gpt2", cache_dir=tmp_path)
+    cold = time.perf_counter() - t0
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".npy"
+    assert "shakespeare" in files[0].name and "gpt2" in files[0].name
+    assert first.dtype == np.uint16 and first.ndim == 1
+    assert 1_000_000 < len(first) < 2_000_000
+    assert int(first.max()) < 50257
+    # Same ids as encoding directly.
+    tok = gpt2_tokenizer()
+    assert first[:200].tolist() == tok.encode(shakespeare_text()[:5000])[:200]
+
+    t0 = time.perf_counter()
+    second = tokenize_corpus("shakespeare", "gpt2", cache_dir=tmp_path)
+    warm = time.perf_counter() - t0
+    assert np.array_equal(first, second) and second.dtype == first.dtype
+    assert warm < cold, (warm, cold)
+    assert sorted(tmp_path.iterdir()) == files  # no temp files left behind
+
+
+def test_tokenize_corpus_byte_and_corrupt_cache(tmp_path):
+    arr = tokenize_corpus("shakespeare", "byte", cache_dir=tmp_path)
+    assert arr.dtype == np.uint16
+    assert len(arr) == len(shakespeare_text().encode("utf-8"))
+    (path,) = tmp_path.iterdir()
+    path.write_bytes(b"garbage")  # a corrupt cache is rebuilt, not trusted
+    again = tokenize_corpus("shakespeare", "byte", cache_dir=tmp_path)
+    assert np.array_equal(arr, again)
+    with pytest.raises(ValueError, match="shakespeare"):
+        tokenize_corpus("nope", "byte", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="byte"):
+        tokenize_corpus("shakespeare", "nope", cache_dir=tmp_path)
+
+
+def test_train_val_split():
+    tokens = np.arange(1000, dtype=np.uint16)
+    train, val = train_val_split(tokens)
+    assert len(val) == 50 and len(train) == 950
+    assert np.array_equal(np.concatenate([train, val]), tokens)
+    assert val[0] == 950  # held-out part is the tail
+    train, val = train_val_split(tokens, val_fraction=0.1)
+    assert len(val) == 100
+    with pytest.raises(ValueError, match="val_fraction"):
+        train_val_split(tokens, val_fraction=1.0)
+
+
+# ----------------------------------------------------------------------------- BatchLoader
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(123).integers(0, 50257, size=20_000).astype(np.uint16)
+
+
+def test_batch_shapes_and_shift(tokens):
+    loader = BatchLoader(tokens, seq_len=32, global_batch=8, seed=5)
+    x, y = loader.batch(0)
+    assert x.shape == y.shape == (8, 32)
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # Each row is a real window of the token stream.
+    for k, o in enumerate(loader.offsets(0).tolist()):
+        assert x[k].tolist() == tokens[o : o + 32].tolist()
+        assert y[k].tolist() == tokens[o + 1 : o + 33].tolist()
+
+
+def test_batch_determinism(tokens):
+    a = BatchLoader(tokens, seq_len=16, global_batch=4, seed=1)
+    b = BatchLoader(tokens.copy(), seq_len=16, global_batch=4, seed=1)
+    b.batch(99)  # drawing other steps first changes nothing
+    for step in (0, 1, 7, 12345):
+        xa, ya = a.batch(step)
+        xb, yb = b.batch(step)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(a.batch(0)[0], a.batch(1)[0])
+    c = BatchLoader(tokens, seq_len=16, global_batch=4, seed=2)
+    assert not torch.equal(a.batch(0)[0], c.batch(0)[0])
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2, 4])
+def test_replica_slices_concatenate(tokens, num_replicas):
+    loader = BatchLoader(tokens, seq_len=24, global_batch=8, seed=3)
+    for step in (0, 5):
+        x, y = loader.batch(step)
+        parts = [loader.replica_batch(step, r, num_replicas) for r in range(num_replicas)]
+        assert all(p[0].shape == (8 // num_replicas, 24) for p in parts)
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
+
+
+def test_bad_arguments(tokens):
+    with pytest.raises(ValueError, match="seq_len"):
+        BatchLoader(tokens, seq_len=0, global_batch=4)
+    with pytest.raises(ValueError, match="global_batch"):
+        BatchLoader(tokens, seq_len=8, global_batch=0)
+    with pytest.raises(ValueError, match=r"seq_len \+ 1 = 11.*smaller seq_len \(at most 9\)"):
+        BatchLoader(np.arange(10), seq_len=10, global_batch=1)
+    BatchLoader(np.arange(11), seq_len=10, global_batch=1).batch(0)  # exactly enough
+    with pytest.raises(ValueError, match="1-D"):
+        BatchLoader(np.zeros((4, 4), dtype=np.int64), seq_len=2, global_batch=1)
+    loader = BatchLoader(tokens, seq_len=8, global_batch=12)
+    with pytest.raises(ValueError, match=r"valid num_replicas: \[1, 2, 3, 4, 6, 12\]"):
+        loader.replica_batch(0, 0, 5)
+    with pytest.raises(ValueError, match="replica"):
+        loader.replica_batch(0, 4, 4)
+    with pytest.raises(ValueError, match="step"):
+        loader.batch(-1)
+
+
+def test_iteration_and_state_dict_resume(tokens):
+    loader = BatchLoader(tokens, seq_len=16, global_batch=4, seed=9)
+    assert loader.position == 0
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    assert loader.position == 3
+    for step, (x, y) in enumerate(first):
+        assert torch.equal(x, loader.batch(step)[0]) and torch.equal(y, loader.batch(step)[1])
+    state = loader.state_dict()
+    assert state["step"] == 3 and state["seed"] == 9
+    expected = [next(loader) for _ in range(4)]
+
+    resumed = BatchLoader(tokens, seq_len=16, global_batch=4, seed=0)
+    resumed.load_state_dict(state)
+    assert resumed.position == 3 and resumed.seed == 9
+    for (xe, ye), (xr, yr) in zip(expected, resumed):
+        assert torch.equal(xe, xr) and torch.equal(ye, yr)
+    assert resumed.position == 7
+
+    other = BatchLoader(tokens, seq_len=32, global_batch=4)
+    with pytest.raises(ValueError, match="seq_len"):
+        other.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- eval_batches
+def test_eval_batches():
+    val = np.arange(1000, dtype=np.uint16)
+    batches = eval_batches(val, seq_len=10, batch_size=4, max_batches=None)
+    assert len(batches) == 999 // 10 // 4  # 24 full batches
+    x0, y0 = batches[0]
+    assert x0.shape == (4, 10) and x0.dtype == torch.int64
+    assert x0[0].tolist() == list(range(10)) and x0[1].tolist() == list(range(10, 20))
+    assert torch.equal(y0, x0 + 1)
+    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    assert starts == list(range(0, 960, 10))  # non-overlapping, in order
+    again = eval_batches(val, seq_len=10, batch_size=4, max_batches=3)
+    assert len(again) == 3
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
+    with pytest.raises(ValueError, match="batch_size"):
+        eval_batches(val[:20], seq_len=10, batch_size=4, max_batches=1)
+
+
+def test_real_pipeline_byte_level(tmp_path):
+    tokens = tokenize_corpus("shakespeare", "byte", cache_dir=tmp_path)
+    train, val = train_val_split(tokens, 0.05)
+    loader = BatchLoader(train, seq_len=64, global_batch=4, seed=0)
+    x, _ = loader.batch(0)
+    tok = get_tokenizer("byte")
+    text = shakespeare_text()
+    for row in x:
+        assert tok.decode(row.tolist()) in text  # rows are real windows of the corpus
+    assert len(eval_batches(val, 64, 4, max_batches=2)) == 2
+
+
+def test_data_package_does_not_import_runtime_layers():
+    forbidden = ("varuna_sdk.pipeline", "varuna_sdk.cluster", "varuna_sdk.manager")
+    for path in DATA_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    assert node.level == 1, (path, node.module)
+                    continue
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(forbidden), (path, name)

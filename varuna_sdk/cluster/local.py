@@ -1,0 +1,149 @@
+"""Local provider (the embedded default): start the P × D workers of a job as processes on this
+machine, connect them with torch.distributed, and stop them all — on success, on the first
+failure, on timeout and on Ctrl-C — so that no worker is ever left running.
+
+Owns ``free_port``, ``spawn_workers`` (runs ``target(rank, world_size, *args)`` in fresh
+``spawn``-ed processes, each with its process group initialised) and ``WorkerFailure``.
+Results come back as files written by the workers themselves (``torch.save`` of plain tensors,
+loaded with ``weights_only=True``), never as pickles from a socket.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+
+class WorkerFailure(RuntimeError):
+    """One or more workers failed; ``.failures`` maps rank → (exit code, traceback text)."""
+
+    def __init__(self, message: str, failures: dict[int, tuple[int | None, str]]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _pick_backend(backend: str) -> str:
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and torch.distributed.is_nccl_available() else "gloo"
+
+
+def _child(rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float, threads: int,
+           err_dir: str, target: Callable, args: tuple) -> None:
+    os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        backend = _pick_backend(backend)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            target(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may already be gone
+                pass
+    except BaseException:  # noqa: BLE001 - reported to the parent, then exit non-zero
+        Path(err_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+
+
+def spawn_workers(
+    target: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    backend: str = "auto",
+    addr: str = "127.0.0.1",
+    port: int = 0,
+    timeout_s: float = 300.0,
+    threads_per_worker: int = 1,
+    work_dir: str | Path | None = None,
+) -> None:
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` fresh processes with
+    torch.distributed initialised (gloo on CPU, NCCL where every worker has a GPU).
+
+    ``target`` must be importable (a module-level function). Waits for all; on the first failure
+    or after ``timeout_s`` seconds kills every worker's process group and raises
+    ``WorkerFailure`` carrying each failed rank's traceback; on ``KeyboardInterrupt`` stops
+    them all and re-raises. Raises ``ValueError`` for ``world_size < 1``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    port = port or free_port(addr)
+    ctx = mp.get_context("spawn")
+    err_dir = Path(work_dir or ".") / ".varuna-errors"
+    err_dir.mkdir(parents=True, exist_ok=True)
+    for f in err_dir.glob("rank*.err"):
+        f.unlink()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, addr, port, backend, timeout_s, threads_per_worker,
+                                         str(err_dir), target, tuple(args)), name=f"varuna-worker-{r}")
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if all(c == 0 for c in codes):
+                return
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                time.sleep(0.5 if failed else 0.0)  # let peers write their own tracebacks
+                _kill(procs)
+                failures = {}
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (0,):
+                        f = err_dir / f"rank{r}.err"
+                        failures[r] = (p.exitcode, f.read_text() if f.exists() else "")
+                first = failed[0] if failed else None
+                if first is None:
+                    msg = f"workers did not finish within {timeout_s:.0f} s; all {world_size} stopped"
+                else:
+                    tb = failures.get(first, (None, ""))[1].strip().splitlines()
+                    msg = f"worker rank {first} failed (exit {codes[first]}): " + (tb[-1] if tb else "no traceback")
+                raise WorkerFailure(msg, failures)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _kill(procs)
+        raise
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    t = time.monotonic() + 5
+    for p in procs:
+        p.join(timeout=max(0.1, t - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=2)

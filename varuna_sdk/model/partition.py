@@ -1,0 +1,191 @@
+"""Partitioning: which contiguous run of segments each pipeline stage holds, and which
+parameters more than one stage needs.
+
+Owns ``StageMap`` (the stage → segment ranges of one plan), the cost-balanced contiguous split
+(minimise the slowest stage; any P up to the number of segments, not only divisors — the
+original only split uniformly, varuna-original.md §2.3), and the check that a split is
+executable: tensors that skip a cut-point must not cross a stage boundary, and parameters used
+on several stages are either tied automatically or must be declared.
+
+Must never import ``varuna_sdk.pipeline``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .tracer import ModelStructure, describe_segment
+
+
+class PartitionError(ValueError):
+    """A model cannot be split as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class StageMap:
+    """Stage ``s`` holds segments ``ranges[s][0] <= k < ranges[s][1]``; P = ``len(ranges)``."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def P(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def num_segments(self) -> int:
+        return self.ranges[-1][1]
+
+    def segments(self, stage: int) -> range:
+        a, b = self.ranges[stage]
+        return range(a, b)
+
+    def stage_of_segment(self, k: int) -> int:
+        for s, (a, b) in enumerate(self.ranges):
+            if a <= k < b:
+                return s
+        raise IndexError(f"segment {k} is outside 0..{self.num_segments - 1}")
+
+    def to_lists(self) -> list[list[int]]:
+        """Segment indices per stage, e.g. ``[[0, 1, 2], [3, 4]]`` (the YAML form)."""
+        return [list(range(a, b)) for a, b in self.ranges]
+
+    @classmethod
+    def from_lists(cls, lists: Sequence[Sequence[int]], num_segments: int) -> "StageMap":
+        """Build from explicit per-stage segment lists; they must be contiguous, in order, non-empty
+        and cover ``0..num_segments-1`` exactly. Raises ``PartitionError`` saying which rule broke."""
+        if not lists:
+            raise PartitionError("stage boundaries are empty: give one list of segment indices per stage")
+        ranges = []
+        expect = 0
+        for s, segs in enumerate(lists):
+            segs = list(segs)
+            if not segs:
+                raise PartitionError(f"stage {s} has no segments; every stage needs at least one")
+            if segs != list(range(segs[0], segs[0] + len(segs))) or segs[0] != expect:
+                raise PartitionError(
+                    f"stage {s} holds segments {segs}; stages must hold contiguous segments in order, "
+                    f"so stage {s} must start at segment {expect}"
+                )
+            ranges.append((segs[0], segs[-1] + 1))
+            expect = segs[-1] + 1
+        if expect != num_segments:
+            raise PartitionError(
+                f"the stages cover segments 0..{expect - 1} but the model has {num_segments} "
+                f"(0..{num_segments - 1}); the last stage must end at segment {num_segments - 1}"
+            )
+        return cls(tuple(ranges))
+
+    @classmethod
+    def uniform(cls, num_segments: int, P: int) -> "StageMap":
+        """Split as evenly as possible by segment count (the first stages get the extra ones)."""
+        check_depth(num_segments, P)
+        base, extra = divmod(num_segments, P)
+        ranges, a = [], 0
+        for s in range(P):
+            b = a + base + (1 if s < extra else 0)
+            ranges.append((a, b))
+            a = b
+        return cls(tuple(ranges))
+
+
+def check_depth(num_segments: int, P: int) -> None:
+    """Raise ``PartitionError`` unless ``1 <= P <= num_segments``."""
+    if P < 1:
+        raise PartitionError(f"pipeline depth P={P} must be at least 1")
+    if P > num_segments:
+        raise PartitionError(
+            f"pipeline depth P={P} is larger than the model's {num_segments} segments "
+            f"({num_segments - 1} cut-points); choose P <= {num_segments} or add cut-points"
+        )
+
+
+def balanced_stage_map(costs: Sequence[float], P: int) -> StageMap:
+    """Contiguous split of segments with per-segment ``costs`` into ``P`` non-empty stages that
+    minimises the largest stage cost (ties: the earliest boundaries). Exact dynamic programme,
+    O(P·n²) for n segments.
+
+    Raises ``PartitionError`` if ``P`` is not in ``1..len(costs)``.
+    """
+    n = len(costs)
+    check_depth(n, P)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[p][i]: minimal max-cost splitting the first i segments into p stages
+    best = [[inf] * (n + 1) for _ in range(P + 1)]
+    cut = [[0] * (n + 1) for _ in range(P + 1)]
+    best[0][0] = 0.0
+    for p in range(1, P + 1):
+        for i in range(p, n - (P - p) + 1):
+            for j in range(p - 1, i):
+                v = max(best[p - 1][j], prefix[i] - prefix[j])
+                if v < best[p][i] - 1e-12 * max(1.0, abs(v)):
+                    best[p][i] = v
+                    cut[p][i] = j
+    ranges = []
+    i = n
+    for p in range(P, 0, -1):
+        j = cut[p][i]
+        ranges.append((j, i))
+        i = j
+    return StageMap(tuple(reversed(ranges)))
+
+
+def shared_state(
+    structure: ModelStructure,
+    stage_map: StageMap,
+    declared_shared: Iterable[str] | None = None,
+) -> dict[str, list[int]]:
+    """Return ``{canonical name: [stages]}`` for every parameter needed by more than one stage.
+
+    With ``declared_shared=None`` every such parameter is tied automatically (its copies start
+    identical and their gradients are summed, paper §5.2). With a list, only the named ones may
+    be shared. Raises ``PartitionError`` naming the parameter, the stages and the fix when an
+    undeclared parameter, or any buffer (mutable state that cannot be kept identical), is used
+    on several stages, or when a tensor skips a cut-point across a stage boundary.
+    """
+    check_tensor_flow(structure, stage_map)
+    declared = None if declared_shared is None else set(declared_shared)
+    params = set(structure.param_names)
+    out: dict[str, list[int]] = {}
+    for name, segs in structure.state_segments.items():
+        stages = sorted({stage_map.stage_of_segment(k) for k in segs})
+        if len(stages) < 2:
+            continue
+        where = ", ".join(describe_segment(structure, k) for k in segs)
+        if name not in params:
+            raise PartitionError(
+                f"buffer {name!r} is used on stages {stages} ({where}); mutable buffers cannot be kept "
+                "identical across stages. Move its uses into one stage (choose other boundaries) or make "
+                "it a parameter"
+            )
+        if declared is not None and name not in declared:
+            raise PartitionError(
+                f"parameter {name!r} is used on stages {stages} ({where}) but is not declared shared. "
+                f"Add it to shared_params (e.g. shared_params=[{name!r}]) or use automatic tying "
+                "(shared_params=None)"
+            )
+        out[name] = stages
+    return out
+
+
+def check_tensor_flow(structure: ModelStructure, stage_map: StageMap) -> None:
+    """Raise ``PartitionError`` if a tensor produced in one stage is used in another without
+    passing through a cut-point (it would not be sent)."""
+    for prod, cons, op in structure.cross_uses:
+        sp, sc = stage_map.stage_of_segment(prod), stage_map.stage_of_segment(cons)
+        if sp != sc:
+            raise PartitionError(
+                f"a tensor made in {describe_segment(structure, prod)} on stage {sp} is used by {op!r} in "
+                f"{describe_segment(structure, cons)} on stage {sc} without passing through a cut-point. "
+                "Pass it through every CutPoint in between (x, mask = self.cut(x, mask)) or recompute it "
+                "in the later segment"
+            )
+
+
+def stage_state_names(structure: ModelStructure, stage_map: StageMap, stage: int) -> set[str]:
+    """Canonical parameter and buffer names that ``stage`` must materialise."""
+    segs = set(stage_map.segments(stage))
+    return {name for name, used in structure.state_segments.items() if segs.intersection(used)}

@@ -1,0 +1,71 @@
+"""Partition-invariant random numbers: the seed of every random op depends on (seed, step,
+micro-batch, segment) — never on the pipeline depth P, the replica count D or the stage.
+
+This fixes the original's bug (varuna-original.md §8.4) where restoring the RNG for a recompute
+rewound the *global* generator: here every segment of every micro-batch runs under its own
+derived seed inside a forked RNG, so a recompute sees the same dropout masks as its forward,
+different micro-batches see different masks, and the caller's RNG stream is untouched.
+
+Single-process code gets the same numbers with ``segment_rng`` (the reference that tests
+compare against). Must never import ``varuna_sdk.pipeline``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Iterator
+
+import torch
+
+from .cutpoint import observe_cutpoints
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from any printable parts (stable across processes and Python runs)."""
+    h = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def seed_segment(seed: int, step: int, microbatch: int, segment: int) -> None:
+    """Seed torch's generators (CPU and, if present, CUDA) for one segment of one micro-batch.
+
+    ``microbatch`` is the global micro-batch index ``replica * m + i`` so that it does not depend
+    on which replica ran it.
+    """
+    torch.manual_seed(derive_seed("segment", seed, step, microbatch, segment))
+
+
+@contextlib.contextmanager
+def forked_rng() -> Iterator[None]:
+    """Save torch's RNG states (CPU and the current CUDA device), restore them on exit."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices, enabled=True):
+        yield
+
+
+class SegmentSeeder:
+    """Cut-point observer that reseeds at every crossing; tensors pass through unchanged."""
+
+    def __init__(self, seed: int, step: int, microbatch: int):
+        self.seed, self.step, self.microbatch = seed, step, microbatch
+        self.segment = 0
+
+    def start(self) -> None:
+        self.segment = 0
+        seed_segment(self.seed, self.step, self.microbatch, 0)
+
+    def at_cutpoint(self, tensors):
+        self.segment += 1
+        seed_segment(self.seed, self.step, self.microbatch, self.segment)
+        return tensors
+
+
+@contextlib.contextmanager
+def segment_rng(seed: int, step: int, microbatch: int) -> Iterator[SegmentSeeder]:
+    """Run a plain forward with the same random numbers the pipeline uses for micro-batch
+    ``microbatch`` of step ``step``; the caller's RNG state is restored afterwards."""
+    seeder = SegmentSeeder(seed, step, microbatch)
+    with forked_rng(), observe_cutpoints(seeder):
+        seeder.start()
+        yield seeder

@@ -1,0 +1,236 @@
+"""Dry-run tracer: runs the model once on the ``meta`` device (no memory, no real compute) and
+records, per segment, which parameters and buffers it touches, which tensors cross each
+cut-point (dtype, requires_grad, shape), a FLOP estimate, and every tensor that reaches a later
+segment *without* passing through a cut-point.
+
+Paper §5.2 (tracking cross-partition dependencies). Unlike the original (varuna-original.md
+§2.1–2.2: ``sys.settrace`` argument sniffing, full forward on CPU, swallowed exceptions) this
+sees every torch call through a ``TorchFunctionMode``, so parameters read inside builtins
+(``F.linear(x, self.weight)``) and tied weights used through another module are both caught.
+
+Must never import ``varuna_sdk.pipeline``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .cutpoint import crossing_signature, observe_cutpoints
+
+
+@dataclass
+class ModelStructure:
+    """What the dry run learned about a model (plain data; JSON-friendly).
+
+    Attributes:
+        num_segments: cut-point crossings + 1.
+        state_segments: canonical parameter/buffer name → sorted segment indices that use it.
+        param_names: canonical names of parameters (the rest of ``state_segments`` are buffers).
+        unused: canonical names never touched by the forward (placed on segment 0).
+        crossings: for crossing ``k`` (between segment ``k`` and ``k+1``) the signature of each
+            tensor: ``{"dtype", "requires_grad", "shape"}`` at the traced micro-batch size.
+        segment_flops: forward FLOP estimate per segment at the traced micro-batch size.
+        segment_param_bytes: bytes of parameters first used in each segment.
+        cross_uses: ``(producer_segment, consumer_segment, op)`` for tensors that skip a cut-point.
+        segment_modules: per segment, names of modules whose parameters it uses (for messages).
+    """
+
+    num_segments: int
+    state_segments: dict[str, list[int]]
+    param_names: list[str]
+    unused: list[str]
+    crossings: list[list[dict]]
+    segment_flops: list[float]
+    segment_param_bytes: list[int]
+    cross_uses: list[tuple[int, int, str]] = field(default_factory=list)
+    segment_modules: list[list[str]] = field(default_factory=list)
+
+    def segments_of(self, name: str) -> list[int]:
+        return self.state_segments.get(name, [0])
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> float:
+    """Rough forward FLOPs of one torch call (matmul-like ops dominate; elementwise = numel)."""
+    name = getattr(func, "__name__", "")
+    try:
+        if name == "linear":
+            x, w = args[0], args[1]
+            return 2.0 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
+        if name in ("matmul", "bmm", "mm", "__matmul__"):
+            a = args[0]
+            o = out if isinstance(out, torch.Tensor) else None
+            return 2.0 * (o.numel() if o is not None else 0) * a.shape[-1]
+        if name == "scaled_dot_product_attention":
+            q, k = args[0], args[1]
+            return 4.0 * (q.numel() // q.shape[-1]) * k.shape[-2] * q.shape[-1]
+        if name == "embedding":
+            return float(out.numel()) if isinstance(out, torch.Tensor) else 0.0
+    except (AttributeError, IndexError, TypeError):
+        return 0.0
+    return float(sum(t.numel() for t in _tensors(out)))
+
+
+class _Trace:
+    def __init__(self, model: nn.Module):
+        self.segment = 0
+        self.state_ids: dict[int, str] = {}
+        self.param_names: list[str] = []
+        self.module_of: dict[str, str] = {}
+        for mname, mod in model.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                self.module_of.setdefault(f"{mname}.{pname}" if mname else pname, mname)
+            for bname, b in mod.named_buffers(recurse=False):
+                self.module_of.setdefault(f"{mname}.{bname}" if mname else bname, mname)
+        for name, p in model.named_parameters():
+            self.state_ids[id(p)] = name
+            self.param_names.append(name)
+        for name, b in model.named_buffers():
+            self.state_ids.setdefault(id(b), name)
+        self.uses: dict[str, set[int]] = {}
+        self.producer: dict[int, int] = {}
+        self.keep: list[torch.Tensor] = []
+        self.crossings: list[list[dict]] = []
+        self.flops: list[float] = [0.0]
+        self.cross_uses: set[tuple[int, int, str]] = set()
+        self.in_cut = False
+
+    def mark(self, tensors: Sequence[torch.Tensor], segment: int) -> None:
+        for t in tensors:
+            self.producer[id(t)] = segment
+            self.keep.append(t)
+
+    def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        self.in_cut = True
+        try:
+            self.crossings.append(crossing_signature(tensors))
+            self.segment += 1
+            self.flops.append(0.0)
+            out = tuple(
+                t.detach().requires_grad_(bool(t.requires_grad and t.is_floating_point())) for t in tensors
+            )
+            self.mark(out, self.segment)
+        finally:
+            self.in_cut = False
+        return out
+
+
+class _TraceMode(TorchFunctionMode):
+    def __init__(self, trace: _Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.trace
+        if tr.in_cut:
+            return func(*args, **kwargs)
+        seg = tr.segment
+        for t in _tensors((args, kwargs)):
+            name = tr.state_ids.get(id(t))
+            if name is not None:
+                tr.uses.setdefault(name, set()).add(seg)
+                continue
+            prod = tr.producer.get(id(t))
+            if prod is not None and prod != seg:
+                tr.cross_uses.add((prod, seg, getattr(func, "__name__", str(func))))
+        out = func(*args, **kwargs)
+        outs = _tensors(out)
+        tr.mark([t for t in outs if id(t) not in tr.state_ids], seg)
+        tr.flops[seg] += _flops(func, args, kwargs, out)
+        return out
+
+
+def to_meta(obj: Any) -> Any:
+    """Meta-device copies of every tensor in a (nested) tuple/list/dict, same dtype and shape."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj, device="meta")
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_meta(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_meta(v) for k, v in obj.items()}
+    return obj
+
+
+def trace_model(meta_model: nn.Module, sample_inputs: tuple) -> ModelStructure:
+    """Dry-run ``meta_model`` (built on the meta device) on meta copies of ``sample_inputs``.
+
+    Args:
+        meta_model: the full model, every parameter on ``device="meta"``.
+        sample_inputs: positional inputs of one micro-batch, e.g. ``(idx,)`` with ``idx`` of
+            shape ``[micro_batch, seq_len]`` int64. Only shapes and dtypes are used.
+
+    Returns a ``ModelStructure``. Raises ``RuntimeError`` naming the op when the forward cannot
+    run on the meta device (data-dependent Python control flow such as ``if x.sum() > 0``).
+    """
+    trace = _Trace(meta_model)
+    inputs = to_meta(tuple(sample_inputs))
+    trace.mark(_tensors(inputs), 0)
+    was_training = meta_model.training
+    meta_model.train()
+    try:
+        with observe_cutpoints(trace), _TraceMode(trace):
+            meta_model(*inputs)
+    except NotImplementedError as e:
+        raise RuntimeError(
+            f"the dry run on the meta device failed in segment {trace.segment}: {e}. The model's forward "
+            "must not depend on tensor values (no .item() or data-dependent if/for)"
+        ) from e
+    finally:
+        meta_model.train(was_training)
+    n = trace.segment + 1
+    used = set(trace.uses)
+    all_state = list(dict.fromkeys(list(trace.state_ids.values())))
+    unused = [s for s in all_state if s not in used]
+    state_segments = {name: sorted(segs) for name, segs in trace.uses.items()}
+    for s in unused:
+        state_segments[s] = [0]
+    params = dict(meta_model.named_parameters())
+    pbytes = [0] * n
+    seg_modules: list[list[str]] = [[] for _ in range(n)]
+    for name in trace.param_names:
+        segs = state_segments[name]
+        p = params[name]
+        pbytes[segs[0]] += p.numel() * p.element_size()
+        mod = trace.module_of.get(name, "")
+        for s in segs:
+            if mod not in seg_modules[s]:
+                seg_modules[s].append(mod)
+    return ModelStructure(
+        num_segments=n,
+        state_segments=state_segments,
+        param_names=list(trace.param_names),
+        unused=unused,
+        crossings=trace.crossings,
+        segment_flops=[float(f) for f in trace.flops],
+        segment_param_bytes=pbytes,
+        cross_uses=sorted(trace.cross_uses),
+        segment_modules=seg_modules,
+    )
+
+
+def describe_segment(structure: ModelStructure, k: int) -> str:
+    """Short human name of segment ``k`` from the modules it uses (for error messages)."""
+    mods = [m for m in structure.segment_modules[k] if m] if k < len(structure.segment_modules) else []
+    if not mods:
+        return f"segment {k}"
+    shown = ", ".join(mods[:3]) + (", …" if len(mods) > 3 else "")
+    return f"segment {k} ({shown})"
+
+
+def segment_costs(structure: ModelStructure) -> list[float]:
+    """Relative training cost of each segment for balancing without a profile: forward FLOPs ×3
+    (forward + backward ≈ 2× forward), floored so that no segment counts as free."""
+    floor = max(structure.segment_flops) * 1e-3 if structure.segment_flops else 1.0
+    return [3.0 * max(f, floor) if math.isfinite(f) else floor for f in structure.segment_flops]

@@ -1,0 +1,161 @@
+"""Point-to-point transport between adjacent stages: activations forward, gradients backward.
+
+Owns the message format (a fixed-size int64 header describing any mix of tensors — float with
+grad, float without grad, integer masks — followed by the tensors) and ``Channel``/``Receiver``:
+one direction between two ranks over its own two-rank process group, sends asynchronous
+(``isend``), receives on a background thread that fills an ordered inbox. Because each channel
+has its own communicator with one sender and one receiver, the same code runs on gloo (CPU) and
+NCCL (GPU) without ordering deadlocks. Paper §6; the original's thread-per-step CPU copies and
+fixed shapes (varuna-original.md §3.3) are what this replaces.
+
+Nothing received is unpickled: only raw tensor bytes and int64 headers cross the wire.
+Must never import ``varuna_sdk.cluster`` or anything above ``pipeline``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+HEADER_LEN = 128
+DTYPES: list[torch.dtype] = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]
+_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+
+
+class PeerLost(RuntimeError):
+    """A neighbouring stage stopped sending (its process died or the network broke)."""
+
+
+def encode_header(tensors: Sequence[torch.Tensor], flags: Sequence[bool], device: torch.device) -> torch.Tensor:
+    """``[n, (dtype code, requires_grad, ndim, *shape) × n, 0…]`` as an int64 tensor of HEADER_LEN.
+
+    Raises ``ValueError`` for an unsupported dtype or a header that does not fit.
+    """
+    vals: list[int] = [len(tensors)]
+    for t, f in zip(tensors, flags):
+        if t.dtype not in _CODE:
+            raise ValueError(f"cannot send a {t.dtype} tensor between stages; supported: {DTYPES}")
+        vals += [_CODE[t.dtype], int(bool(f)), t.dim(), *t.shape]
+    if len(vals) > HEADER_LEN:
+        raise ValueError(f"{len(tensors)} tensors with {len(vals)} header entries exceed {HEADER_LEN}; "
+                         "send fewer or lower-rank tensors across a cut-point")
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+    return h.to(device)
+
+
+def decode_header(h: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
+    """Inverse of ``encode_header``; raises ``ValueError`` on a malformed header."""
+    v = h.cpu().tolist()
+    n, i, out = int(v[0]), 1, []
+    if not 0 <= n <= HEADER_LEN // 3:
+        raise ValueError(f"malformed stage message header (n={n})")
+    for _ in range(n):
+        code, flag, nd = v[i], v[i + 1], v[i + 2]
+        if not (0 <= code < len(DTYPES)) or not 0 <= nd <= 16:
+            raise ValueError("malformed stage message header")
+        out.append((DTYPES[code], bool(flag), tuple(int(x) for x in v[i + 3 : i + 3 + nd])))
+        i += 3 + nd
+    return out
+
+
+class Channel:
+    """One direction of traffic to/from ``peer`` over a dedicated two-rank ``group``."""
+
+    def __init__(self, peer: int, group, device: torch.device, max_outstanding: int = 64):
+        self.peer, self.group, self.device = peer, group, device
+        self.pending: list[tuple[object, list[torch.Tensor]]] = []
+        self.max_outstanding = max_outstanding
+
+    def send(self, tensors: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> None:
+        """Queue ``tensors`` (detached, contiguous) for asynchronous delivery to the peer."""
+        flags = list(flags) if flags is not None else [False] * len(tensors)
+        payload = [encode_header(tensors, flags, self.device)] + [t.detach().contiguous() for t in tensors]
+        works = [dist.isend(t, self.peer, group=self.group) for t in payload]
+        self.pending.append((works, payload))
+        while len(self.pending) > self.max_outstanding:
+            self._wait_one()
+
+    def _wait_one(self) -> None:
+        works, _ = self.pending.pop(0)
+        for w in works:
+            w.wait()
+
+    def wait_sends(self) -> None:
+        """Block until every queued send has completed."""
+        while self.pending:
+            self._wait_one()
+
+    def recv(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """Blocking receive of one message: (tensors, requires_grad flags)."""
+        h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(h, self.peer, group=self.group)
+        tensors, flags = [], []
+        for dtype, flag, shape in decode_header(h):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(t, self.peer, group=self.group)
+            tensors.append(t)
+            flags.append(flag)
+        return tensors, flags
+
+
+class Receiver:
+    """Receives ``count`` messages on a background thread into an ordered inbox.
+
+    ``arrived`` is how many have landed (the schedule's ``acts_arrived``/``grads_arrived``);
+    ``get(i)`` blocks for message ``i`` and raises ``PeerLost`` if the channel broke or
+    ``timeout_s`` passed.
+    """
+
+    def __init__(self, channel: Channel, count: int, timeout_s: float):
+        self.channel, self.count, self.timeout_s = channel, count, timeout_s
+        self.inbox: list[tuple[list[torch.Tensor], list[bool]]] = []
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"varuna-recv-{channel.peer}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for _ in range(self.count):
+                msg = self.channel.recv()
+                with self.cond:
+                    self.inbox.append(msg)
+                    self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - surfaced to the compute thread in get()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    @property
+    def arrived(self) -> int:
+        return len(self.inbox)
+
+    def get(self, i: int) -> tuple[list[torch.Tensor], list[bool]]:
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            while len(self.inbox) <= i:
+                if self.error is not None:
+                    raise PeerLost(f"stage neighbour rank {self.channel.peer} was lost: {self.error}") from self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerLost(f"no message from rank {self.channel.peer} within {self.timeout_s:.0f} s")
+                self.cond.wait(timeout=min(left, 1.0))
+            return self.inbox[i]
+
+    def release(self, i: int) -> None:
+        """Drop message ``i`` from the inbox once used (keeps memory bounded)."""
+        with self.cond:
+            self.inbox[i] = ([], [])
+
+    def join(self) -> None:
+        self.thread.join(timeout=self.timeout_s)
+        if self.error is not None:
+            raise PeerLost(f"stage neighbour rank {self.channel.peer} was lost: {self.error}") from self.error

@@ -1,0 +1,479 @@
+"""The training engine: ``Varuna(...).step(batch, optimizer)`` on one rank of a P × D job.
+
+Owns one rank's stage: building it (trace on meta, split, materialise only local parameters),
+running the schedule policy (from csrc, the same code the simulator uses) over its
+micro-batches with forward (F), recompute (R) and backward (B) actions, and the end-of-step
+synchronisation: tied-weight gradient sum, data-parallel all-reduce, one world-wide consensus
+of (overflow, grad-norm², loss), global-norm clipping, loss-scale update and the optimizer step.
+Paper §3.2, §5.2, §6; varuna-original.md §3, §8 — with its bugs fixed: fp32 gradients are
+reduced, RNG is forked (never rewound), the loss is the mini-batch mean over all replicas,
+``shared_params=None`` works, and short micro-batches cannot occur (the batch identity is
+validated up front).
+
+A stage's forward runs the user's whole ``forward``: segments before the stage run on the
+``meta`` device (no memory, no compute; tied weights held here are swapped for meta stand-ins
+meanwhile), the received activations are substituted at the stage's first cut-point, and the
+forward stops by exception at its last cut-point.
+
+Never imports ``varuna_sdk.cluster``/``manager``/``planner``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ParallelConfig, validate_parallel
+from ..model.cutpoint import observe_cutpoints
+from ..model.materialize import build_on_meta, materialize
+from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names
+from ..model.rng import forked_rng, seed_segment
+from ..model.tracer import ModelStructure, segment_costs, to_meta, trace_model
+from .comm import Channel, Receiver
+from .groups import Topology, build_groups
+from .scaler import LossScaler
+from .schedule import StageScheduler, default_recompute
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. ``loss`` is the mean over the whole mini-batch (all
+    micro-batches of all replicas); ``grad_norm`` the global L2 norm before clipping (tied
+    weights counted once); ``skipped`` is True when any stage overflowed (fp16)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    time_s: float
+    compute_s: dict[str, float] = field(default_factory=dict)
+
+
+class _StageExit(BaseException):
+    """Raised at the stage's last cut-point to stop the user's forward (not an Exception, so
+    user ``try/except Exception`` blocks cannot swallow it)."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        super().__init__()
+        self.tensors = tensors
+
+
+class _StageRun:
+    """Cut-point observer for one forward of one micro-batch on this stage."""
+
+    def __init__(self, start_cut: int, end_cut: int, received: tuple[torch.Tensor, ...] | None,
+                 seed: int, step: int, mb: int, on_enter: Callable[[], None] | None):
+        self.k = 0
+        self.start_cut, self.end_cut = start_cut, end_cut
+        self.received = received
+        self.seed, self.step, self.mb = seed, step, mb
+        self.on_enter = on_enter
+        self.entered = start_cut < 0
+
+    def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        k = self.k
+        self.k += 1
+        if k == self.end_cut:
+            raise _StageExit(tensors)
+        if k >= self.start_cut:
+            seed_segment(self.seed, self.step, self.mb, k + 1)
+        if k == self.start_cut:
+            self.entered = True
+            if self.on_enter is not None:
+                self.on_enter()
+            return self.received
+        return tensors
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def split_batch(batch: Sequence, global_batch: int, replica_batch: int, replica: int) -> tuple:
+    """This replica's slice of ``(inputs, targets)``. Accepts the global batch (leading dim
+    ``global_batch``) or already the replica's share (leading dim ``replica_batch``).
+
+    Raises ``ValueError`` naming the sizes when the leading dimension is neither.
+    """
+    inputs, targets = batch
+    n = targets.shape[0]
+    if n == replica_batch:
+        return _as_tuple(inputs), targets
+    if n == global_batch:
+        a, b = replica * replica_batch, (replica + 1) * replica_batch
+        return tuple(t[a:b] for t in _as_tuple(inputs)), targets[a:b]
+    raise ValueError(
+        f"batch has {n} examples; step() takes the global batch ({global_batch}) or this replica's "
+        f"share ({replica_batch} = {global_batch} / D)"
+    )
+
+
+class Varuna:
+    """One rank of a pipeline × data-parallel job (paper §3, §6).
+
+    Args:
+        model_fn: ``() -> nn.Module`` building the *whole* model (called on the meta device; only
+            this stage's parameters are then materialised). The model has cut-points
+            (``CutPoint`` modules or ``auto_cutpoints``) and ``forward(*inputs) -> output``.
+        loss_fn: ``(output, targets) -> scalar`` mean loss of one micro-batch.
+        parallel: P, D, global batch, micro-batch size, policy, recompute, boundaries.
+        sample_inputs: positional inputs of one micro-batch (shapes/dtypes only), e.g.
+            ``(torch.zeros(b, T, dtype=torch.long),)``.
+        seed: model seed; weights depend only on (seed, parameter name), never on P or D.
+        init_fn: ``(module, name) -> None`` initialising a module's own parameters
+            (default ``reset_parameters``).
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + shared loss scaler).
+        grad_clip: max global gradient L2 norm, or ``None``.
+        rank: this process's global rank (default ``dist.get_rank()`` or 0).
+        device: default CUDA device ``rank % n_gpus`` with NCCL, else CPU.
+        timeout_s: how long a stage waits for a neighbour before raising ``PeerLost``.
+
+    Raises ``ConfigError``/``PartitionError`` (both ``ValueError``) for an invalid split before
+    any tensor is allocated.
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        loss_fn: LossFn,
+        parallel: ParallelConfig,
+        sample_inputs: Sequence[torch.Tensor],
+        *,
+        seed: int = 0,
+        init_fn: Callable[[nn.Module, str], None] | None = None,
+        precision: str = "fp32",
+        loss_scale: float = 2.0**16,
+        grad_clip: float | None = None,
+        rank: int | None = None,
+        device: torch.device | str | None = None,
+        timeout_s: float = 300.0,
+        structure: ModelStructure | None = None,
+    ):
+        validate_parallel(parallel)
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision={precision!r}; choose fp32, bf16 or fp16")
+        self.parallel = parallel
+        self.topo = Topology(parallel.P, parallel.D)
+        distributed = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if distributed else 0
+        if self.topo.world_size > 1 and not distributed:
+            raise RuntimeError(
+                f"P={parallel.P} × D={parallel.D} needs torch.distributed initialised with "
+                f"{self.topo.world_size} ranks; use varuna_sdk.launch_local() or init_process_group first"
+            )
+        self.rank = rank
+        self.stage, self.replica = self.topo.coords(rank)
+        self.P, self.D, self.m = parallel.P, parallel.D, parallel.num_micro_batches
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.P - 1
+        self.loss_fn, self.seed, self.precision, self.grad_clip = loss_fn, seed, precision, grad_clip
+        self.timeout_s = timeout_s
+        self.policy = parallel.policy
+        self.recompute = default_recompute(self.policy) if parallel.recompute is None else parallel.recompute
+        if device is None:
+            backend = dist.get_backend() if distributed else "gloo"
+            device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+        self.device = torch.device(device)
+
+        # ---- model: trace, split, materialise this stage only --------------------------------
+        self.model = build_on_meta(model_fn)
+        self.structure = structure or trace_model(self.model, tuple(sample_inputs))
+        n = self.structure.num_segments
+        if parallel.boundaries is not None:
+            self.stage_map = StageMap.from_lists(parallel.boundaries, n)
+        else:
+            self.stage_map = balanced_stage_map(segment_costs(self.structure), self.P)
+        self.shared = shared_state(self.structure, self.stage_map, parallel.shared_params)
+        names = stage_state_names(self.structure, self.stage_map, self.stage)
+        materialize(self.model, names, seed=seed, device=self.device, init_fn=init_fn)
+        self.model.train()
+        a, b = self.stage_map.ranges[self.stage]
+        self.start_cut, self.end_cut = a - 1, (b - 1 if b < n else -1)
+        self.send_flags = [c["requires_grad"] for c in self.structure.crossings[self.end_cut]] if not self.is_last else []
+        canonical = dict(self.model.named_parameters())
+        self.params: list[tuple[str, nn.Parameter]] = [(nm, canonical[nm]) for nm in sorted(names) if nm in canonical]
+        self._pre_stage_swaps = self._find_pre_stage_params(canonical)
+
+        # ---- process groups and channels -------------------------------------------------------
+        self.groups = build_groups(self.topo, rank, [tuple(s) for s in self.shared.values()])
+        g = self.groups
+        self.ch_act_out = Channel(self.topo.rank(self.stage + 1, self.replica), g.act_send, self.device) if not self.is_last else None
+        self.ch_act_in = Channel(self.topo.rank(self.stage - 1, self.replica), g.act_recv, self.device) if not self.is_first else None
+        self.ch_grad_out = Channel(self.topo.rank(self.stage - 1, self.replica), g.grad_send, self.device) if not self.is_first else None
+        self.ch_grad_in = Channel(self.topo.rank(self.stage + 1, self.replica), g.grad_recv, self.device) if not self.is_last else None
+
+        self.scaler = LossScaler(scale=loss_scale, enabled=precision == "fp16")
+        self.step_count = 0
+
+    # ------------------------------------------------------------------------------------------
+    def _find_pre_stage_params(self, canonical: dict[str, nn.Parameter]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """Local parameters also used by segments *before* this stage (tied weights): they are
+        swapped for meta stand-ins while those segments run on the meta device."""
+        a = self.stage_map.ranges[self.stage][0]
+        wanted = {id(canonical[nm]) for nm, segs in self.structure.state_segments.items()
+                  if nm in canonical and canonical[nm].device.type != "meta" and min(segs) < a}
+        swaps = []
+        for mod in self.model.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) in wanted:
+                    swaps.append((mod, attr, p))
+        return swaps
+
+    @contextlib.contextmanager
+    def _meta_prefix(self):
+        if not self._pre_stage_swaps:
+            yield lambda: None
+            return
+        metas = [nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                 for _, _, p in self._pre_stage_swaps]
+        restored = [False]
+
+        def restore() -> None:
+            if not restored[0]:
+                for mod, attr, p in self._pre_stage_swaps:
+                    mod._parameters[attr] = p
+                restored[0] = True
+
+        for (mod, attr, _), mp in zip(self._pre_stage_swaps, metas):
+            mod._parameters[attr] = mp
+        try:
+            yield restore
+        finally:
+            restore()
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's parameters (tied ones once) — pass them to a torch optimizer."""
+        return [p for _, p in self.params]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(canonical name, parameter) of this stage, sorted by name."""
+        return list(self.params)
+
+    def _autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _forward(self, inputs: tuple, received: tuple | None, mb: int, grad: bool):
+        """Run this stage's part of the user forward for global micro-batch ``mb``."""
+        with forked_rng(), self._meta_prefix() as restore, torch.set_grad_enabled(grad), self._autocast():
+            run = _StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore)
+            if self.is_first:
+                seed_segment(self.seed, self.step_count, mb, 0)
+                args = inputs
+            else:
+                args = to_meta(inputs)
+            with observe_cutpoints(run):
+                try:
+                    out = self.model(*args)
+                except _StageExit as e:
+                    return e.tensors
+            if not run.entered:
+                raise RuntimeError(
+                    f"stage {self.stage}: the forward never reached cut-point {self.start_cut}; the model "
+                    "must cross the same cut-points on every forward"
+                )
+            if not self.is_last:
+                raise RuntimeError(
+                    f"stage {self.stage}: the forward finished before cut-point {self.end_cut}; the model "
+                    "must cross the same cut-points on every forward"
+                )
+            return out
+
+    # ------------------------------------------------------------------------------------------
+    def step(self, batch: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> StepResult:
+        """One optimizer step on one mini-batch (collective: every rank calls it).
+
+        Args:
+            batch: ``(inputs, targets)`` — inputs a tensor or tuple of tensors with the batch as
+                leading dimension; the global batch or this replica's share (``global/D``).
+            optimizer: built on ``self.parameters()``; stepped here unless the step overflows.
+
+        Returns a ``StepResult`` (loss = mini-batch mean over all replicas). Raises ``PeerLost``
+        if a neighbouring stage dies, ``ValueError`` for a wrongly sized batch.
+        """
+        t0 = time.perf_counter()
+        inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
+        inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+        targets = targets.to(self.device, non_blocking=True)
+        b = self.parallel.micro_batch_size
+        mb_in = [tuple(t[i * b:(i + 1) * b] for t in inputs) for i in range(self.m)]
+        mb_tg = [targets[i * b:(i + 1) * b] for i in range(self.m)]
+        base = self.replica * self.m
+        scale = self.scaler.scale
+        acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
+        grads = Receiver(self.ch_grad_in, self.m, self.timeout_s) if self.ch_grad_in else None
+        sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute)
+        stash: dict[int, tuple] = {}  # mb -> received inputs (recompute) or (leaves, outputs)
+        live: dict[int, tuple] = {}  # mb -> (leaves, outputs) with a graph
+        loss_sum = torch.zeros((), device=self.device)
+        timing = {"F": 0.0, "R": 0.0, "B": 0.0}
+        recv_flags = [c["requires_grad"] for c in self.structure.crossings[self.start_cut]] if not self.is_first else []
+        while True:
+            action = sched.next(acts.arrived if acts else 0, grads.arrived if grads else 0)
+            if action is None:
+                break
+            i, kind = action.mb, action.kind
+            ta = time.perf_counter()
+            if kind == "F":
+                received = None
+                if acts is not None:
+                    tensors, _ = acts.get(i)
+                    acts.release(i)
+                    received = tuple(tensors)
+                with_grad = self.is_last or not self.recompute
+                leaves = self._leaves(received, recv_flags, with_grad)
+                out = self._forward(mb_in[i], leaves, base + i, grad=with_grad)
+                if self.is_last:
+                    loss = self.loss_fn(out, mb_tg[i])
+                    live[i] = (leaves, (loss,))
+                    loss_sum = loss_sum + loss.detach()
+                else:
+                    self.ch_act_out.send(out, self.send_flags)
+                    if with_grad:
+                        live[i] = (leaves, _as_tuple(out))
+                    else:
+                        stash[i] = received
+            elif kind == "R":
+                received = stash.pop(i)
+                leaves = self._leaves(received, recv_flags, True)
+                out = self._forward(mb_in[i], leaves, base + i, grad=True)
+                live[i] = (leaves, _as_tuple(out))
+            else:  # "B"
+                leaves, outs = live.pop(i)
+                if self.is_last:
+                    (outs[0] * (scale / self.m)).backward()
+                else:
+                    g_tensors, _ = grads.get(i)
+                    grads.release(i)
+                    pairs = [(o, g) for o, g, f in zip(outs, g_tensors, self.send_flags) if f and o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if not self.is_first:
+                    self.ch_grad_out.send(self._input_grads(leaves, recv_flags))
+            timing[kind] += time.perf_counter() - ta
+        for r in (acts, grads):
+            if r is not None:
+                r.join()
+        for ch in (self.ch_act_out, self.ch_grad_out):
+            if ch is not None:
+                ch.wait_sends()
+        loss_local = loss_sum / self.m if self.is_last else loss_sum
+        result = self._sync_and_step(optimizer, loss_local)
+        result.time_s = time.perf_counter() - t0
+        result.compute_s = timing
+        self.step_count += 1
+        return result
+
+    def _leaves(self, received: tuple | None, flags: Sequence[bool], with_grad: bool) -> tuple | None:
+        if received is None:
+            return None
+        return tuple(
+            t.detach().requires_grad_(bool(with_grad and f and t.is_floating_point())) for t, f in zip(received, flags)
+        )
+
+    def _input_grads(self, leaves: tuple, flags: Sequence[bool]) -> list[torch.Tensor]:
+        out = []
+        for t, f in zip(leaves, flags):
+            if f and t.is_floating_point():
+                out.append(t.grad if t.grad is not None else torch.zeros_like(t))
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def _sync_and_step(self, optimizer: torch.optim.Optimizer, loss_local: torch.Tensor) -> StepResult:
+        """Tied-weight sum, DP all-reduce (mean over replicas), consensus, clipping, step."""
+        unscale = 1.0 / self.scaler.scale
+        buckets: dict[object, list[torch.Tensor]] = {}
+        for name, p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            key = tuple(self.shared[name]) if name in self.shared else "dp"
+            buckets.setdefault(key, []).append(p.grad)
+        for key, grads in buckets.items():
+            group = self.groups.dp if key == "dp" else self.groups.tied.get(key)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+            flat.mul_(unscale / self.D)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+        norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        finite = torch.ones((), dtype=torch.float32, device=self.device)
+        for name, p in self.params:
+            if name in self.shared and self.shared[name][0] != self.stage:
+                continue  # a tied weight counts once: on the first stage that holds it
+            g = p.grad.float()
+            norm_sq = norm_sq + g.pow(2).sum()
+        finite = torch.isfinite(norm_sq).float()
+        stats = torch.stack([1.0 - finite, torch.nan_to_num(norm_sq, nan=0.0, posinf=0.0) / self.D,
+                             loss_local.float() / self.D])
+        if self.topo.world_size > 1:
+            dist.all_reduce(stats)
+        overflow = bool(stats[0].item() > 0)
+        total_norm = float(stats[1].sqrt().item()) if not overflow else float("inf")
+        loss = float(stats[2].item())
+        if not overflow and self.grad_clip is not None:
+            coef = self.grad_clip / (total_norm + 1e-6)
+            if coef < 1.0:
+                for _, p in self.params:
+                    p.grad.mul_(coef)
+        if not overflow:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.scaler.update(overflow)
+        return StepResult(step=self.step_count, loss=loss, grad_norm=total_norm, skipped=overflow,
+                          loss_scale=self.scaler.scale, time_s=0.0)
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batch: Sequence[torch.Tensor]) -> float:
+        """Mean loss over a held-out mini-batch (forward only, no RNG effect on training;
+        collective). Dropout is off during evaluation."""
+        inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
+        inputs = tuple(t.to(self.device) for t in inputs)
+        targets = targets.to(self.device)
+        b = self.parallel.micro_batch_size
+        acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
+        recv_flags = [False] * (len(self.structure.crossings[self.start_cut]) if not self.is_first else 0)
+        total = torch.zeros((), device=self.device)
+        self.model.eval()
+        try:
+            for i in range(self.m):
+                received = tuple(acts.get(i)[0]) if acts else None
+                if acts:
+                    acts.release(i)
+                out = self._forward(tuple(t[i * b:(i + 1) * b] for t in inputs), self._leaves(received, recv_flags, False),
+                                    self.replica * self.m + i, grad=False)
+                if self.is_last:
+                    total += self.loss_fn(out, targets[i * b:(i + 1) * b]).float()
+                else:
+                    self.ch_act_out.send(out, [False] * len(out))
+        finally:
+            self.model.train()
+        if acts:
+            acts.join()
+        if self.ch_act_out:
+            self.ch_act_out.wait_sends()
+        stat = (total / self.m / self.D).reshape(1)
+        if self.topo.world_size > 1:
+            dist.all_reduce(stat)
+        return float(stat.item())
+
+    def describe(self) -> str:
+        """One line: rank, stage, replica, segments and parameter count of this stage."""
+        a, b = self.stage_map.ranges[self.stage]
+        nparam = sum(p.numel() for _, p in self.params)
+        return (f"rank {self.rank}: stage {self.stage}/{self.P} replica {self.replica}/{self.D} "
+                f"segments {a}..{b - 1} params {nparam:,} policy {self.policy} recompute {self.recompute}")

@@ -1,0 +1,230 @@
+"""Pipeline schedules as data.
+
+This module owns the per-stage order of forward (``F``), recompute (``R``) and
+backward (``B``) actions for one mini-batch, for the policies ``varuna`` (paper
+arXiv 2111.04007 §3.2), ``gpipe`` and ``1f1b`` (PipeDream-Flush), plus the
+run-time :class:`StageScheduler` that applies Varuna's opportunistic reordering.
+The pipeline runtime and the simulator both consume it.  The policies themselves
+are implemented in C++ (``csrc/schedule.cpp``, exposed as ``varuna_sdk._core``);
+this is the Python face.
+
+It must never import torch: schedules are plain data, usable without a GPU stack.
+
+Conventions: ``P`` is the number of pipeline stages, ``m`` the number of
+micro-batches per mini-batch, ``stage`` a 0-based stage index and micro-batch
+indices are 0-based.  The last stage never recomputes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, Sequence
+
+try:
+    from varuna_sdk import _core
+except ImportError as exc:  # pragma: no cover - only without a built extension
+    raise ImportError(
+        "varuna_sdk._core (the C++ schedule extension) is not built; build it with "
+        "`pip install --no-build-isolation -e .` from the repository root"
+    ) from exc
+
+__all__ = [
+    "Action",
+    "POLICIES",
+    "default_recompute",
+    "stage_schedule",
+    "pipeline_schedule",
+    "format_schedule",
+    "parse_schedule",
+    "StageScheduler",
+]
+
+POLICIES: tuple[str, ...] = ("varuna", "gpipe", "1f1b")
+
+_KINDS = ("F", "R", "B")  # index = C++ ActionKind value
+_TOKEN = re.compile(r"([FRB])(\d+)\Z")
+
+
+class Action(NamedTuple):
+    """One scheduled action: ``kind`` is ``'F'`` (forward), ``'R'`` (recompute) or
+    ``'B'`` (backward); ``mb`` is the 0-based micro-batch index."""
+
+    kind: str  # 'F' | 'R' | 'B'
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}"
+
+
+def _action(t: tuple[int, int]) -> Action:
+    return Action(_KINDS[t[0]], t[1])
+
+
+def _check_policy(policy: object) -> str:
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(
+            f"unknown schedule policy {policy!r}; valid policies are: {', '.join(POLICIES)}"
+        )
+    return policy
+
+
+def _check_ints(**values: object) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def default_recompute(policy: str) -> bool:
+    """Whether ``policy`` recomputes activations by default.
+
+    ``varuna`` -> True (it stashes only stage inputs and recomputes just in time,
+    §3.2); ``gpipe`` and ``1f1b`` -> False.
+
+    Raises:
+        ValueError: ``policy`` is not one of :data:`POLICIES`.
+    """
+    return _core.default_recompute(_check_policy(policy))
+
+
+def stage_schedule(
+    policy: str, P: int, m: int, stage: int, recompute: bool | None = None
+) -> list[Action]:
+    """Static action list of one pipeline stage for one mini-batch.
+
+    Args:
+        policy: ``"varuna"`` (paper §3.2: quantum simulation, F/R = 1 quantum,
+            backward = 2, priority backward > recompute > forward), ``"gpipe"``
+            (all forwards then all backwards) or ``"1f1b"`` (PipeDream-Flush:
+            ``min(P-stage-1, m)`` warm-up forwards, then one F / one B).
+        P: number of pipeline stages, >= 1.
+        m: number of micro-batches per mini-batch, >= 1.
+        stage: 0-based stage index, ``0 <= stage < P``.
+        recompute: emit ``R(i)`` before ``B(i)`` on non-last stages.  ``None``
+            uses :func:`default_recompute`.  The last stage never recomputes.
+
+    Returns:
+        The actions in execution order, e.g. ``[F0, F1, R0, B0, ...]``.
+
+    Raises:
+        ValueError: unknown policy, ``P < 1``, ``m < 1`` or ``stage`` out of range;
+            the message names the valid values.
+        TypeError: ``P``, ``m`` or ``stage`` is not an int.
+    """
+    _check_ints(P=P, m=m, stage=stage)
+    return [_action(t) for t in _core.stage_schedule(_check_policy(policy), P, m, stage, recompute)]
+
+
+def pipeline_schedule(
+    policy: str, P: int, m: int, recompute: bool | None = None
+) -> list[list[Action]]:
+    """Static action lists of all ``P`` stages (index = stage).
+
+    Same arguments, units and errors as :func:`stage_schedule` (paper §3.2).
+    """
+    _check_ints(P=P, m=m)
+    return [
+        [_action(t) for t in stage]
+        for stage in _core.pipeline_schedule(_check_policy(policy), P, m, recompute)
+    ]
+
+
+def format_schedule(actions: Sequence[Action]) -> str:
+    """Render actions as space-separated tokens, e.g. ``"F0 F1 R0 B0"``."""
+    return " ".join(str(a) for a in actions)
+
+
+def parse_schedule(text: str) -> list[Action]:
+    """Parse space-separated tokens (``"F0 F1 R0 B0"``) back into actions.
+
+    Commas are accepted as separators too.  An empty string gives ``[]``.
+
+    Raises:
+        ValueError: a token is not ``F``, ``R`` or ``B`` followed by a
+            non-negative integer; the message quotes the token and its position.
+    """
+    actions: list[Action] = []
+    for pos, tok in enumerate(text.replace(",", " ").split()):
+        match = _TOKEN.match(tok)
+        if match is None:
+            raise ValueError(
+                f"bad schedule token {tok!r} at position {pos}; expected F<i>, R<i> or B<i> "
+                "with a non-negative micro-batch index, e.g. 'F0 F1 R0 B0'"
+            )
+        actions.append(Action(match.group(1), int(match.group(2))))
+    return actions
+
+
+class StageScheduler:
+    """Run-time action source for one stage (paper §3.2, opportunistic scheduling).
+
+    Holds the remaining static list of :func:`stage_schedule`.  For policy
+    ``varuna`` only: when the next static action is ``R(i)`` on a non-last stage,
+    the gradient of micro-batch ``i`` has not arrived yet, and the earliest
+    remaining forward ``F(j)`` has its input available (stage 0, or activation
+    ``j`` has arrived), ``F(j)`` is returned first, so the downstream stage keeps
+    being fed instead of the stage waiting on a gradient.  Otherwise the next
+    static action is returned (the caller then blocks on its input if needed).
+
+    Args:
+        policy, P, m, stage, recompute: as in :func:`stage_schedule`.
+
+    Raises:
+        ValueError, TypeError: as in :func:`stage_schedule`.
+    """
+
+    def __init__(
+        self, policy: str, P: int, m: int, stage: int, recompute: bool | None = None
+    ) -> None:
+        _check_ints(P=P, m=m, stage=stage)
+        self._impl = _core.StageScheduler(_check_policy(policy), P, m, stage, recompute)
+
+    def next(self, acts_arrived: int, grads_arrived: int) -> Action | None:
+        """Pop and return the next action to execute, or ``None`` when done.
+
+        Args:
+            acts_arrived: activations received from upstream so far (counted in
+                micro-batches; they arrive in order 0, 1, 2, ...).
+            grads_arrived: gradients received from downstream so far (same order).
+
+        Raises:
+            ValueError: a count is negative.
+            TypeError: a count is not an int.
+        """
+        _check_ints(acts_arrived=acts_arrived, grads_arrived=grads_arrived)
+        t = self._impl.next(acts_arrived, grads_arrived)
+        return None if t is None else _action(t)
+
+    def remaining(self) -> list[Action]:
+        """The actions not yet handed out, in their current order."""
+        return [_action(t) for t in self._impl.remaining()]
+
+    @property
+    def done(self) -> bool:
+        """True once every action has been handed out."""
+        return self._impl.done
+
+    @property
+    def policy(self) -> str:
+        return self._impl.policy
+
+    @property
+    def P(self) -> int:
+        return self._impl.P
+
+    @property
+    def m(self) -> int:
+        return self._impl.m
+
+    @property
+    def stage(self) -> int:
+        return self._impl.stage
+
+    @property
+    def recompute(self) -> bool:
+        return self._impl.recompute
+
+    def __repr__(self) -> str:
+        return (
+            f"StageScheduler(policy={self.policy!r}, P={self.P}, m={self.m}, "
+            f"stage={self.stage}, recompute={self.recompute}, remaining={self._impl.remaining_count()})"
+        )
