@@ -1,0 +1,26 @@
+# varuna-sdk: `make demo` and `make test` each set up what is missing (idempotently) first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-done
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# One place for set-up: a venv with pinned packages and the C++ core built by pip.
+$(STAMP): pyproject.toml CMakeLists.txt csrc/*.cpp csrc/*.h scripts/setup.sh
+	PYTHON=$(PYTHON) bash scripts/setup.sh
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/varuna demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf build $(VENV) .pytest_cache

@@ -1,0 +1,68 @@
+"""Run a ``JobConfig`` on local worker processes (the embedded default provider).
+
+Owns ``train_local``: validate the whole config before anything starts, make the run folder
+(``runs/<name>-<time>/`` with ``config.yaml``, ``metrics.jsonl``, ``summary.json``), prepare the
+tokenized corpus once in the parent (workers then hit the cache), start P × D workers with
+``cluster.local.spawn_workers`` and return the run's summary. Every worker is stopped on
+success, failure, timeout or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cluster.local import spawn_workers
+from .config import JobConfig
+from .data.loader import tokenize_corpus
+from .trainer import model_config, run_worker
+
+
+@dataclass
+class RunResult:
+    """Where a finished run wrote its files, and its headline numbers."""
+
+    run_dir: Path
+    summary: dict
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def metrics(self) -> list[dict]:
+        """Every step's metrics (``metrics.jsonl`` rows)."""
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+
+def new_run_dir(job: JobConfig) -> Path:
+    """A fresh ``<train.run_dir>/<name>-<YYYYmmdd-HHMMSS>`` folder (suffixed if it exists)."""
+    base = Path(job.train.run_dir) / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = base, 1
+    while path.exists():
+        path, k = Path(f"{base}-{k}"), k + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def train_local(job: JobConfig, run_dir: str | Path | None = None) -> RunResult:
+    """Train ``job`` on P × D local processes (gloo on CPU, NCCL with GPUs).
+
+    Raises ``ConfigError`` before starting anything if the config is invalid, and
+    ``WorkerFailure`` (with the failing rank's traceback) if any worker fails; in every case no
+    worker process is left running.
+    """
+    job.validate()
+    model_config(job)  # unknown preset / bad shape -> ValueError now, not in a worker
+    tokenize_corpus(job.data.corpus, job.data.tokenizer)
+    out = Path(run_dir) if run_dir is not None else new_run_dir(job)
+    out.mkdir(parents=True, exist_ok=True)
+    job.to_yaml(out / "config.yaml")
+    spawn_workers(run_worker, job.parallel.world_size, (job.to_dict(), str(out)),
+                  backend=job.launch.backend, addr=job.launch.master_addr, port=job.launch.master_port,
+                  timeout_s=job.launch.timeout_s + 60.0 * job.train.steps, threads_per_worker=job.launch.threads_per_worker,
+                  work_dir=out)
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return RunResult(out, summary)
