@@ -17,7 +17,7 @@ from pathlib import Path
 from .cluster.local import spawn_workers
 from .config import JobConfig
 from .data.loader import tokenize_corpus
-from .trainer import model_config, run_worker
+from .trainer import check_partition, run_worker
 
 
 @dataclass
@@ -54,7 +54,7 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None) -> RunResult:
     worker process is left running.
     """
     job.validate()
-    model_config(job)  # unknown preset / bad shape -> ValueError now, not in a worker
+    check_partition(job)  # unknown preset, bad shape or split -> ValueError now, not in a worker
     tokenize_corpus(job.data.corpus, job.data.tokenizer)
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)
     out.mkdir(parents=True, exist_ok=True)

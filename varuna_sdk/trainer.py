@@ -76,6 +76,25 @@ def build_engine(job: JobConfig, rank: int | None = None) -> Varuna:
                   timeout_s=job.launch.timeout_s)
 
 
+def check_partition(job: JobConfig) -> str:
+    """Trace the job's model on the meta device and split it exactly as the workers will, so a
+    bad P, boundary list or cross-stage use fails in the caller before any process starts.
+    Returns a one-line description of the stage map. Raises ``PartitionError``."""
+    from .model.materialize import build_on_meta
+    from .model.partition import StageMap, balanced_stage_map, shared_state
+    from .model.tracer import segment_costs, trace_model
+
+    cfg, p = model_config(job), job.parallel
+    structure = trace_model(build_on_meta(partial(gpt2, cfg)),
+                            (torch.zeros(p.micro_batch_size, job.data.seq_len, dtype=torch.long),))
+    if p.boundaries is not None:
+        smap = StageMap.from_lists(p.boundaries, structure.num_segments)
+    else:
+        smap = balanced_stage_map(segment_costs(structure), p.P)
+    shared = shared_state(structure, smap, p.shared_params)
+    return f"stages (segments) {smap.to_lists()}, tied across stages: {shared or 'none'}"
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 

@@ -356,7 +356,10 @@ class Varuna:
                 else:
                     g_tensors, _ = grads.get(i)
                     grads.release(i)
-                    pairs = [(o, g) for o, g, f in zip(outs, g_tensors, self.send_flags) if f and o.requires_grad]
+                    # g_tensors holds one gradient per *flagged* output, in order (see _input_grads),
+                    # so pair them with the flagged outputs, not positionally with all outputs.
+                    flagged = [o for o, f in zip(outs, self.send_flags) if f]
+                    pairs = [(o, g) for o, g in zip(flagged, g_tensors) if o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 if not self.is_first:

@@ -1,0 +1,220 @@
+"""Shared helpers of the benchmarks: command line, timing statistics, the benchmark model and
+data, result figures, the printed table and ``benchmarks/results/NAME.json``.
+
+Every benchmark measures its baseline in the same run and reports *ratios*, so results from
+different machines compare by ratio, not by absolute time. Timings are medians over timed steps
+after warm-up; the JSON also keeps the quartiles so that noise is visible.
+
+Imports ``varuna_sdk`` (the model side only); never imported by the SDK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ---- command line ---------------------------------------------------------------------------
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """``--quick`` (fewer steps, for smoke runs), ``--out`` (JSON path override) + ``extra`` flags."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--quick", action="store_true", help="few steps: a smoke run, not a measurement")
+    ap.add_argument("--out", default=None, help="where to write the JSON (default benchmarks/results/NAME.json)")
+    if extra is not None:
+        extra(ap)
+    return ap.parse_args()
+
+
+# ---- timing ---------------------------------------------------------------------------------
+def stats(values: Sequence[float]) -> dict:
+    """Median, quartiles, min, max and count of ``values`` (seconds or bytes)."""
+    v = sorted(float(x) for x in values)
+    if not v:
+        return {"median": float("nan"), "p25": float("nan"), "p75": float("nan"), "min": float("nan"),
+                "max": float("nan"), "n": 0}
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+    return {"median": statistics.median(v), "p25": q[0], "p75": q[2], "min": v[0], "max": v[-1], "n": len(v)}
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class Stopwatch:
+    """Accumulates wall time per named phase: ``with sw("fwd"): ...``; ``sw.take()`` returns and
+    clears the totals of the current step."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+        self._name: str | None = None
+        self._t0 = 0.0
+
+    def __call__(self, name: str) -> "Stopwatch":
+        self._name = name
+        return self
+
+    def __enter__(self) -> "Stopwatch":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.t[self._name] = self.t.get(self._name, 0.0) + time.perf_counter() - self._t0
+
+    def take(self) -> dict[str, float]:
+        out, self.t = self.t, {}
+        return out
+
+
+# ---- machine --------------------------------------------------------------------------------
+def machine_info(**extra) -> dict:
+    """CPU count, torch/python versions, platform and thread settings (+ ``extra``)."""
+    info = {
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    try:
+        info["affinity_cpus"] = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        pass
+    info.update(extra)
+    return info
+
+
+# ---- model and data -------------------------------------------------------------------------
+def bench_gpt2_cfg(n_layer: int = 4, n_embd: int = 128, n_head: int = 4, block_size: int = 128,
+                   vocab_size: int = 256, dropout: float = 0.0):
+    """The benchmark GPT-2: the ``cpu-demo`` shape with a byte vocabulary (256 tokens), so the
+    transformer blocks — not the LM head — dominate the compute (environment.md)."""
+    from varuna_sdk.model import preset
+
+    return preset("cpu-demo", n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=block_size,
+                  vocab_size=vocab_size, dropout=dropout)
+
+
+def make_batch(step: int, B: int, T: int, vocab: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic random token batch ``(inputs [B, T], targets [B, T])`` for ``step``."""
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    x = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def full_model(cfg, seed: int, cutpoints: bool = False) -> torch.nn.Module:
+    """The whole GPT-2 on CPU with exactly the initial weights ``Varuna(..., seed=seed)`` gives
+    (initialisation is keyed by parameter name), as a plain ``nn.Module``."""
+    from functools import partial
+
+    from varuna_sdk.model import build_on_meta, gpt2, init_gpt2, materialize
+
+    model = build_on_meta(lambda: gpt2(cfg, cutpoints=cutpoints))
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    materialize(model, names, seed=seed, device="cpu", init_fn=partial(init_gpt2, n_layer=cfg.n_layer))
+    return model.train()
+
+
+# ---- results --------------------------------------------------------------------------------
+@dataclass
+class Figure:
+    """One reported number and how it compares with the baseline measured in the same run.
+
+    ``ratio`` = value / baseline unless given; ``target`` is a string such as ``"<= 1.05"`` or
+    ``">= 1.0"`` applied to the ratio; ``met`` is ``None`` when there is no target.
+    """
+
+    name: str
+    value: float
+    unit: str
+    baseline: float | None = None
+    ratio: float | None = None
+    target: str | None = None
+    met: bool | None = None
+    detail: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ratio is None and self.baseline not in (None, 0):
+            self.ratio = self.value / self.baseline
+        if self.target is not None and self.ratio is not None and self.met is None:
+            self.met = check_target(self.ratio, self.target)
+
+
+def check_target(ratio: float, target: str) -> bool:
+    op, num = target.split()
+    x = float(num)
+    return {"<=": ratio <= x, ">=": ratio >= x, "<": ratio < x, ">": ratio > x}[op]
+
+
+def _fmt(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if unit == "s":
+        return f"{v * 1e3:.1f} ms"
+    if unit == "B":
+        return f"{v / 2**20:.2f} MiB"
+    if unit == "x":
+        return f"{v:.3f}x"
+    return f"{v:.4g}{(' ' + unit) if unit else ''}"
+
+
+def print_table(title: str, figures: Sequence[Figure]) -> None:
+    """Print ``figures`` as an aligned table (value, baseline, ratio, target, met)."""
+    rows = [("figure", "value", "baseline", "ratio", "target", "met")]
+    for f in figures:
+        met = "-" if f.met is None else ("yes" if f.met else "NO")
+        rows.append((f.name, _fmt(f.value, f.unit), _fmt(f.baseline, f.unit),
+                     "-" if f.ratio is None else f"{f.ratio:.3f}", f.target or "-", met))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    line = "-" * (sum(widths) + 3 * (len(widths) - 1))
+    print(f"\n{title}\n{line}")
+    for k, r in enumerate(rows):
+        print(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            print(line)
+    print(line)
+
+
+def write_results(name: str, figures: Sequence[Figure], notes: str, machine: dict | None = None,
+                  extra: dict | None = None, out: str | Path | None = None) -> Path:
+    """Write ``{"benchmark", "machine", "figures", "notes", ...extra}`` to
+    ``benchmarks/results/NAME.json`` (or ``out``); returns the path."""
+    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "machine": machine or machine_info(),
+           "figures": [asdict(f) for f in figures], "notes": notes}
+    if extra:
+        doc.update(extra)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    tmp.replace(path)
+    print(f"\nwrote {path}")
+    return path
+
+
+def _json_default(o):
+    if isinstance(o, float):
+        return o
+    if isinstance(o, (torch.Tensor,)):
+        return o.tolist()
+    return str(o)
+
+
+def setup_path() -> None:
+    """Make ``varuna_sdk`` importable when a script runs from a checkout without installation."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.append(root)
