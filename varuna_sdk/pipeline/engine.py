@@ -202,6 +202,7 @@ class Varuna:
         canonical = dict(self.model.named_parameters())
         self.params: list[tuple[str, nn.Parameter]] = [(nm, canonical[nm]) for nm in sorted(names) if nm in canonical]
         self._pre_stage_swaps = self._find_pre_stage_params(canonical)
+        self._stub_cache: dict[tuple, list] = {}
 
         # ---- process groups and channels -------------------------------------------------------
         self.groups = build_groups(self.topo, rank, [tuple(s) for s in self.shared.values()])
@@ -229,10 +230,15 @@ class Varuna:
         return swaps
 
     @contextlib.contextmanager
-    def _meta_prefix(self):
-        if not self._pre_stage_swaps:
+    def _meta_prefix(self, inputs: tuple):
+        """While segments before this stage run: modules used only there are replaced by stubs
+        that return their recorded meta outputs (so skipping them costs nothing), and local
+        parameters they share (tied weights) are swapped for meta stand-ins. Yields the
+        ``restore`` callback the stage calls on reaching its first cut-point."""
+        if self.is_first:
             yield lambda: None
             return
+        stubs = self._prefix_stubs(inputs)
         metas = [nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
                  for _, _, p in self._pre_stage_swaps]
         restored = [False]
@@ -241,14 +247,73 @@ class Varuna:
             if not restored[0]:
                 for mod, attr, p in self._pre_stage_swaps:
                     mod._parameters[attr] = p
+                for mod, _ in stubs:
+                    mod.__dict__.pop("forward", None)
                 restored[0] = True
 
         for (mod, attr, _), mp in zip(self._pre_stage_swaps, metas):
             mod._parameters[attr] = mp
+        for mod, outs in stubs:
+            calls = iter(outs)
+            mod.forward = (lambda it: (lambda *a, **k: next(it)))(calls)
         try:
             yield restore
         finally:
             restore()
+
+    def _prefix_stubs(self, inputs: tuple) -> list[tuple[nn.Module, list]]:
+        """Record, once per input shape, the meta outputs of every module that runs only before
+        this stage's first cut-point; return the outermost such modules with their outputs."""
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        cached = self._stub_cache.get(key)
+        if cached is not None:
+            return cached
+        calls: dict[nn.Module, list] = {}
+        parents: dict[nn.Module, nn.Module] = {}
+        for mod in self.model.modules():
+            for child in mod.children():
+                parents.setdefault(child, mod)
+        stop = self.start_cut
+
+        class _Stop:
+            k = 0
+
+            def at_cutpoint(self, tensors):
+                if self.k == stop:
+                    raise _StageExit(tensors)
+                self.k += 1
+                return tensors
+
+        def hook(mod, _args, out):
+            calls.setdefault(mod, []).append(out)
+
+        handles = [m.register_forward_hook(hook) for m in self.model.modules() if m is not self.model]
+        swaps = [(mod, attr, p) for mod, attr, p in self._pre_stage_swaps]
+        try:
+            for mod, attr, p in swaps:
+                mod._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            with torch.no_grad(), observe_cutpoints(_Stop()):
+                try:
+                    self.model(*to_meta(inputs))
+                except _StageExit:
+                    pass
+        finally:
+            for h in handles:
+                h.remove()
+            for mod, attr, p in swaps:
+                mod._parameters[attr] = p
+
+        def covered(m: nn.Module) -> bool:
+            a = parents.get(m)
+            while a is not None:
+                if a in calls:
+                    return True
+                a = parents.get(a)
+            return False
+
+        stubs = [(m, outs) for m, outs in calls.items() if not covered(m)]
+        self._stub_cache[key] = stubs
+        return stubs
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's parameters (tied ones once) — pass them to a torch optimizer."""
@@ -266,7 +331,7 @@ class Varuna:
 
     def _forward(self, inputs: tuple, received: tuple | None, mb: int, grad: bool):
         """Run this stage's part of the user forward for global micro-batch ``mb``."""
-        with forked_rng(), self._meta_prefix() as restore, torch.set_grad_enabled(grad), self._autocast():
+        with forked_rng(), self._meta_prefix(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
             run = _StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore)
             if self.is_first:
                 seed_segment(self.seed, self.step_count, mb, 0)

@@ -1,0 +1,155 @@
+"""The ``Profile``: everything calibration measured, as versioned JSON (never a pickle).
+
+Owns the profile's schema, its JSON round-trip, interpolation over micro-batch sizes, and the
+check that a profile holds what a plan needs — a missing entry is an error naming it, never a
+silent zero. Paper §4.3 (scale-invariant calibration): every figure here is independent of the
+number of GPUs G; the planner combines them for any G.
+
+Units: seconds, bytes, bytes/second. Imports nothing from ``pipeline`` or above.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile is missing something a plan needs, or is of another version."""
+
+
+@dataclass
+class SegmentProfile:
+    """One cut-point segment, each list indexed like ``Profile.micro_batch_sizes``.
+
+    ``fwd_s``: forward without grad (what a recomputing stage runs first); ``rec_s``: forward
+    with grad (recompute, or the forward of a non-recomputing stage); ``bwd_s``: backward;
+    ``out_bytes``: bytes of the tensors crossing the cut-point after it; ``act_bytes``: bytes
+    autograd saves for backward; ``param_bytes``: parameters first used here.
+    """
+
+    fwd_s: list[float]
+    rec_s: list[float]
+    bwd_s: list[float]
+    out_bytes: list[int]
+    act_bytes: list[int]
+    param_bytes: int
+
+
+@dataclass
+class NetworkProfile:
+    """α–β models: p2p one-way time = ``p2p_alpha_s + bytes / p2p_beta_Bps``; ring all-reduce
+    among n = ``2(n-1)·ar_alpha_s + 2(n-1)/n · bytes / ar_beta_Bps``; ``consensus_s`` is the small
+    world-wide all-reduce each step. ``samples`` keeps the raw measurements."""
+
+    p2p_alpha_s: float
+    p2p_beta_Bps: float
+    ar_alpha_s: float
+    ar_beta_Bps: float
+    consensus_s: float
+    samples: dict[str, list] = field(default_factory=dict)
+
+    def p2p_time(self, nbytes: float) -> float:
+        return self.p2p_alpha_s + nbytes / self.p2p_beta_Bps
+
+    def allreduce_time(self, nbytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) * self.ar_alpha_s + 2 * (n - 1) / n * nbytes / self.ar_beta_Bps
+
+
+@dataclass
+class Profile:
+    """Calibration of one model on one kind of device (JSON, versioned)."""
+
+    model: dict[str, Any]
+    hardware: dict[str, Any]
+    software: dict[str, Any]
+    micro_batch_sizes: list[int]
+    segments: list[SegmentProfile]
+    network: NetworkProfile | None
+    per_action_s: float  # framework cost of each F/R/B action (scheduler, RNG fork, send)
+    per_step_s: float  # fixed cost of a step (split, consensus, bookkeeping)
+    opt_s_per_param_byte: float  # optimizer step + gradient sync bookkeeping per parameter byte
+    optimizer_state_factor: float = 2.0  # Adam: exp_avg + exp_avg_sq = 2 × params
+    calibration_s: float = 0.0
+    version: int = PROFILE_VERSION
+
+    # ---- JSON -----------------------------------------------------------------------------
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(asdict(self), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        """Build from parsed JSON; raises ``ProfileError`` naming the missing key or bad version."""
+        if d.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"profile version {d.get('version')!r} is not {PROFILE_VERSION}; re-run calibrate()")
+        try:
+            segs = [SegmentProfile(**s) for s in d["segments"]]
+            net = NetworkProfile(**d["network"]) if d.get("network") is not None else None
+            rest = {k: d[k] for k in ("model", "hardware", "software", "micro_batch_sizes", "per_action_s",
+                                      "per_step_s", "opt_s_per_param_byte")}
+        except KeyError as e:
+            raise ProfileError(f"profile is missing {e.args[0]!r}; re-run calibrate()") from e
+        except TypeError as e:
+            raise ProfileError(f"profile has a malformed entry: {e}") from e
+        opt = {k: d[k] for k in ("optimizer_state_factor", "calibration_s") if k in d}
+        return cls(segments=segs, network=net, **rest, **opt)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        """Read a profile JSON file; raises ``ProfileError`` for a missing file or entry."""
+        p = Path(path)
+        if not p.is_file():
+            raise ProfileError(f"profile file {str(p)!r} does not exist; run calibrate() first")
+        return cls.from_dict(json.loads(p.read_text()))
+
+    # ---- lookups ----------------------------------------------------------------------------
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    def require(self, *, network: bool, micro_batch_size: int | None = None) -> None:
+        """Raise ``ProfileError`` naming what is missing for a plan (network figures for D > 1 or
+        P > 1; the segment lists; a usable micro-batch size)."""
+        if not self.segments:
+            raise ProfileError("profile has no segments; re-run calibrate()")
+        n = len(self.micro_batch_sizes)
+        for i, s in enumerate(self.segments):
+            for key in ("fwd_s", "rec_s", "bwd_s", "out_bytes", "act_bytes"):
+                vals = getattr(s, key)
+                if len(vals) != n:
+                    raise ProfileError(
+                        f"segment {i} has {len(vals)} {key} values for {n} micro-batch sizes; re-run calibrate()")
+        if network and self.network is None:
+            raise ProfileError("profile has no network measurements (p2p, all-reduce), needed for P > 1 or D > 1; "
+                               "run calibrate(network=True)")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ProfileError(f"micro-batch size {micro_batch_size} must be >= 1")
+
+    def at(self, key: str, segment: int, micro_batch_size: int) -> float:
+        """``key`` of ``segment`` at any micro-batch size: piecewise-linear in the measured sizes,
+        extended linearly beyond them (per-example cost of the nearest interval)."""
+        xs = self.micro_batch_sizes
+        ys = getattr(self.segments[segment], key)
+        b = float(micro_batch_size)
+        if len(xs) == 1:
+            return ys[0] * b / xs[0]
+        if b <= xs[0]:
+            i = 0
+        elif b >= xs[-1]:
+            i = len(xs) - 2
+        else:
+            i = max(j for j in range(len(xs) - 1) if xs[j] <= b)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        v = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+        if b < xs[0]:  # below the smallest size: scale down, never below zero
+            v = max(0.0, min(v, y0))
+        return max(0.0, v)
