@@ -103,6 +103,41 @@ class LeakyModel(nn.Module):
         return self.head(x)
 
 
+class _Group(nn.Module):
+    """Owns its cut-points: a cut-point before each of its blocks."""
+
+    def __init__(self, d: int, n: int, dropout: float):
+        super().__init__()
+        self.cuts = nn.ModuleList([CutPoint() for _ in range(n)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU(), nn.Dropout(dropout))
+                                     for _ in range(n)])
+
+    def forward(self, x):
+        for cut, blk in zip(self.cuts, self.blocks):
+            x = cut(x)
+            x = x + blk(x)
+        return x
+
+
+class NestedModel(nn.Module):
+    """Cut-points live inside sub-modules (two groups of blocks), so a whole group - with its
+    cut-points - runs before a later stage's first cut-point."""
+
+    def __init__(self, vocab: int = 64, d: int = 16, groups: int = 2, per_group: int = 2, dropout: float = 0.1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.drop = nn.Dropout(dropout)
+        self.groups = nn.ModuleList([_Group(d, per_group, dropout) for _ in range(groups)])
+        self.cut = CutPoint()
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.drop(self.emb(idx))
+        for g in self.groups:
+            x = g(x)
+        return self.head(self.cut(x))
+
+
 def model_spec(kind: str, model: dict):
     """(model_fn, init_fn, vocab) for a job's model description."""
     if kind == "gpt2":
@@ -110,6 +145,8 @@ def model_spec(kind: str, model: dict):
         return (lambda: gpt2(cfg)), partial(init_gpt2, n_layer=cfg.n_layer), cfg.vocab_size
     if kind == "mixed":
         return (lambda: MixedModel(**model)), None, model.get("vocab", 64)
+    if kind == "nested":
+        return (lambda: NestedModel(**model)), None, model.get("vocab", 64)
     if kind == "leaky":
         return (lambda: LeakyModel(**model)), None, model.get("vocab", 64)
     raise ValueError(f"unknown model kind {kind!r}")
@@ -131,6 +168,14 @@ def job_batch(job: dict, step: int):
     return make_batch(s, p.global_batch, opts.get("T", 16), vocab=vocab, seed=opts.get("data_seed", 0))
 
 
+def eval_batch(job: dict):
+    """A held-out global batch (a step index no training step uses)."""
+    p = ParallelConfig(**job["par"])
+    opts = job.get("opts", {})
+    _, _, vocab = model_spec(job.get("kind", "gpt2"), job.get("model", {}))
+    return make_batch(10_000, p.global_batch, opts.get("T", 16), vocab=vocab, seed=opts.get("data_seed", 0))
+
+
 # ---------------------------------------------------------------------------------------------
 # one job on one rank
 
@@ -138,7 +183,7 @@ def job_batch(job: dict, step: int):
 def run_job(rank: int, job: dict) -> dict:
     """Run one training job on this rank; return a dict of plain data (tensors, str, containers).
 
-    job = {"name", "kind" (gpt2|mixed|leaky), "par" (ParallelConfig kwargs), "model" (model kwargs),
+    job = {"name", "kind" (gpt2|mixed|nested|leaky), "par" (ParallelConfig kwargs), "model" (model kwargs),
     "steps", "opts": {seed, lr, clip, precision, loss_scale, T, inject_inf: (step, stage),
     repeat_batch, history}, "expect_error": bool}.
     With ``expect_error`` the engine's construction error is returned instead of raised.
@@ -187,6 +232,8 @@ def run_job(rank: int, job: dict) -> dict:
            "stage": eng.stage, "replica": eng.replica, "params": snapshot()}
     if keep_history:
         out["history"] = history
+    if opts.get("eval"):
+        out["eval"] = eng.evaluate(eval_batch(job))
     return out
 
 
@@ -257,5 +304,18 @@ def reference_train(job: dict) -> dict:
         opt.step()
         losses.append(total)
         norms.append(float(norm))
-    return {"losses": torch.tensor(losses, dtype=torch.float64), "norms": torch.tensor(norms, dtype=torch.float64),
-            "params": {n: q.detach().clone() for n, q in model.named_parameters()}}
+    out = {"losses": torch.tensor(losses, dtype=torch.float64), "norms": torch.tensor(norms, dtype=torch.float64),
+           "params": {n: q.detach().clone() for n, q in model.named_parameters()}}
+    if opts.get("eval"):
+        inputs, targets = eval_batch(job)
+        model.eval()
+        with torch.no_grad():
+            out["eval"] = sum(loss_fn(model(inputs[j * b:(j + 1) * b]), targets[j * b:(j + 1) * b]).item()
+                              for j in range(n_mb)) / n_mb
+    return out
+
+
+def hanging_worker(rank: int, world: int, out_dir: str) -> None:
+    """Record this process's pid, then never finish (for the spawn timeout path)."""
+    Path(out_dir, f"pid{rank}").write_text(str(os.getpid()))
+    time.sleep(600)

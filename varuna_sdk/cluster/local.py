@@ -120,7 +120,13 @@ def spawn_workers(
                     if p.exitcode not in (0,):
                         f = err_dir / f"rank{r}.err"
                         failures[r] = (p.exitcode, f.read_text() if f.exists() else "")
-                first = failed[0] if failed else None
+                # the root cause is the rank that failed first: its peers fail after it
+                # ("Connection closed by peer"), so order by when each traceback was written
+                def written_at(r: int) -> float:
+                    f = err_dir / f"rank{r}.err"
+                    return f.stat().st_mtime_ns if f.exists() else float("inf")
+
+                first = min(failed, key=lambda r: (written_at(r), r)) if failed else None
                 if first is None:
                     msg = f"workers did not finish within {timeout_s:.0f} s; all {world_size} stopped"
                 else:

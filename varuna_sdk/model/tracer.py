@@ -182,7 +182,9 @@ def trace_model(meta_model: nn.Module, sample_inputs: tuple) -> ModelStructure:
     try:
         with observe_cutpoints(trace), _TraceMode(trace):
             meta_model(*inputs)
-    except NotImplementedError as e:
+    except (NotImplementedError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "meta" not in str(e):
+            raise  # an ordinary error of the user's forward (shapes, dtypes): keep it as it is
         raise RuntimeError(
             f"the dry run on the meta device failed in segment {trace.segment}: {e}. The model's forward "
             "must not depend on tensor values (no .item() or data-dependent if/for)"

@@ -29,6 +29,20 @@ DTYPES: list[torch.dtype] = [
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
 
+_delivery_gate = None
+
+
+def set_delivery_gate(gate) -> None:
+    """Install (or, with ``None``, remove) a process-wide delivery gate — a test/benchmark hook
+    that injects network delay without touching the transport. ``gate.on_send(peer)`` is called on
+    the sending thread just before a message is handed to ``isend``; ``gate.on_recv(peer)`` on the
+    receiving thread once a message from ``peer`` has fully arrived and *before* it becomes
+    visible to the schedule (it may block to delay delivery; later messages on that channel wait
+    behind it, as on an ordered link). Senders' compute is never blocked by it."""
+    global _delivery_gate
+    _delivery_gate = gate
+
+
 class PeerLost(RuntimeError):
     """A neighbouring stage stopped sending (its process died or the network broke)."""
 
@@ -78,6 +92,8 @@ class Channel:
         """Queue ``tensors`` (detached, contiguous) for asynchronous delivery to the peer."""
         flags = list(flags) if flags is not None else [False] * len(tensors)
         payload = [encode_header(tensors, flags, self.device)] + [t.detach().contiguous() for t in tensors]
+        if _delivery_gate is not None:
+            _delivery_gate.on_send(self.peer)
         works = [dist.isend(t, self.peer, group=self.group) for t in payload]
         self.pending.append((works, payload))
         while len(self.pending) > self.max_outstanding:
@@ -126,6 +142,8 @@ class Receiver:
         try:
             for _ in range(self.count):
                 msg = self.channel.recv()
+                if _delivery_gate is not None:
+                    _delivery_gate.on_recv(self.channel.peer)
                 with self.cond:
                     self.inbox.append(msg)
                     self.cond.notify_all()

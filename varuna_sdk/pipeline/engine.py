@@ -274,20 +274,33 @@ class Varuna:
             for child in mod.children():
                 parents.setdefault(child, mod)
         stop = self.start_cut
+        # Modules whose own call crosses a cut-point (``CutPoint`` modules, wrappers around them)
+        # must not be stubbed: the stage has to observe every crossing to count cut-points.
+        running: list[nn.Module] = []
+        crossing: set[nn.Module] = set()
 
         class _Stop:
             k = 0
 
             def at_cutpoint(self, tensors):
+                crossing.update(running)
                 if self.k == stop:
                     raise _StageExit(tensors)
                 self.k += 1
                 return tensors
 
+        def pre_hook(mod, _args):
+            running.append(mod)
+
         def hook(mod, _args, out):
+            running.pop()
             calls.setdefault(mod, []).append(out)
 
-        handles = [m.register_forward_hook(hook) for m in self.model.modules() if m is not self.model]
+        mods = [m for m in self.model.modules() if m is not self.model]
+        # pre-hooks run after, forward hooks before, any cut-point hooks (auto_cutpoints): a block
+        # whose crossing happens in a hook is still stubbed — its hooks run on the stub's output.
+        handles = ([m.register_forward_pre_hook(pre_hook) for m in mods]
+                   + [m.register_forward_hook(hook, prepend=True) for m in mods])
         swaps = [(mod, attr, p) for mod, attr, p in self._pre_stage_swaps]
         try:
             for mod, attr, p in swaps:
@@ -306,12 +319,12 @@ class Varuna:
         def covered(m: nn.Module) -> bool:
             a = parents.get(m)
             while a is not None:
-                if a in calls:
+                if a in calls and a not in crossing:
                     return True
                 a = parents.get(a)
             return False
 
-        stubs = [(m, outs) for m, outs in calls.items() if not covered(m)]
+        stubs = [(m, outs) for m, outs in calls.items() if m not in crossing and not covered(m)]
         self._stub_cache[key] = stubs
         return stubs
 

@@ -1,0 +1,37 @@
+"""Shared fixtures: run a list of training jobs in one set of spawned gloo workers and load the
+per-rank results (``torch.load(weights_only=True)``)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from varuna_sdk.cluster.local import spawn_workers
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def run_suite(tmp_path_factory) -> Callable[..., dict]:
+    """``run_suite(world, jobs, timeout_s=150) -> {job name: [result of rank 0, rank 1, ...]}``.
+
+    Every job runs on the same ``world`` spawned processes, one after another (each job's
+    P × D must equal ``world``), so the ~3 s torch import is paid once per world size.
+    """
+    from _workers import suite_worker
+
+    def run(world: int, jobs: list[dict], timeout_s: float = 150.0) -> dict[str, list[dict]]:
+        out = tmp_path_factory.mktemp(f"suite{world}_{next(_counter)}")
+        for job in jobs:
+            par = job["par"]
+            assert par.get("P", 1) * par.get("D", 1) == world, job["name"]
+        spawn_workers(suite_worker, world, args=(str(out), jobs), timeout_s=timeout_s, work_dir=out,
+                      backend="gloo")
+        return {job["name"]: [torch.load(Path(out) / f"{job['name']}.rank{r}.pt", weights_only=True)
+                              for r in range(world)] for job in jobs}
+
+    return run

@@ -1,0 +1,130 @@
+"""Typed job configuration: YAML round-trip, unknown keys, eager validation with valid choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from varuna_sdk.config import (
+    ConfigError,
+    DataConfig,
+    JobConfig,
+    LaunchConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    validate_parallel,
+)
+
+
+def custom_job() -> JobConfig:
+    return JobConfig(
+        name="round-trip",
+        model=ModelConfig(preset="tiny", n_layer=5, n_head=2, n_embd=64, dropout=0.1),
+        data=DataConfig(corpus="shakespeare", tokenizer="byte", seq_len=64, val_fraction=0.1, seed=9),
+        parallel=ParallelConfig(P=3, D=2, global_batch=24, micro_batch_size=2, policy="1f1b", recompute=True,
+                                boundaries=[[0, 1], [2, 3, 4], [5, 6]], shared_params=["wte.weight"]),
+        train=TrainConfig(steps=7, lr=3e-4, min_lr=0.0, grad_clip=None, precision="bf16", loss_scale=1024.0),
+        launch=LaunchConfig(backend="gloo", master_port=29500, timeout_s=30.0, threads_per_worker=2),
+    )
+
+
+@pytest.mark.parametrize("cfg", [JobConfig(), custom_job()], ids=["defaults", "custom"])
+def test_yaml_round_trip(cfg, tmp_path):
+    text = cfg.to_yaml()
+    back = JobConfig.from_yaml_text(text)
+    assert back == cfg
+    assert back.to_yaml() == text
+    path = tmp_path / "job.yaml"
+    cfg.to_yaml(path)
+    assert JobConfig.from_yaml(path) == cfg
+    assert isinstance(back.parallel, ParallelConfig) and isinstance(back.train, TrainConfig)
+
+
+def test_partial_yaml_fills_defaults():
+    cfg = JobConfig.from_yaml_text("parallel:\n  P: 2\n  global_batch: 16\ntrain:\n  steps: 3\n")
+    assert cfg.parallel == ParallelConfig(P=2, global_batch=16)
+    assert cfg.train.steps == 3 and cfg.train.lr == TrainConfig().lr
+    assert cfg.model == ModelConfig()
+    assert JobConfig.from_yaml_text("") == JobConfig()
+
+
+def test_unknown_keys_are_rejected_with_the_valid_ones_listed():
+    with pytest.raises(ConfigError) as ei:
+        JobConfig.from_yaml_text("parallel:\n  P: 2\n  pipeline_depth: 4\n")
+    msg = str(ei.value)
+    assert "['pipeline_depth']" in msg and "'parallel'" in msg
+    for key in ("P", "D", "global_batch", "micro_batch_size", "policy", "boundaries"):
+        assert f"'{key}'" in msg
+    with pytest.raises(ConfigError, match=r"unknown config section 'trainer'; valid sections: \['data', 'launch', "
+                                          r"'model', 'name', 'parallel', 'train'\]"):
+        JobConfig.from_yaml_text("trainer:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="section 'train' must be a mapping"):
+        JobConfig.from_yaml_text("train: 5\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        JobConfig.from_yaml_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="does not exist"):
+        JobConfig.from_yaml("/nonexistent/job.yaml")
+
+
+def test_batch_identity_and_derived_sizes():
+    p = ParallelConfig(P=4, D=3, global_batch=96, micro_batch_size=4)
+    validate_parallel(p)
+    assert p.num_micro_batches == 8 and p.replica_batch == 32 and p.world_size == 12
+    validate_parallel(ParallelConfig(P=7, D=1, global_batch=5, micro_batch_size=5))  # P plays no part
+
+
+def test_global_batch_not_divisible_by_d_names_valid_choices():
+    with pytest.raises(ConfigError) as ei:
+        validate_parallel(ParallelConfig(P=2, D=3, global_batch=100, micro_batch_size=1))
+    msg = str(ei.value)
+    assert "global batch 100 is not divisible by D=3" in msg
+    assert "Valid D for global batch 100: [1, 2, 4, 5, 10, 20, 25, 50" in msg
+    assert "global batch 99 or 102" in msg
+
+
+def test_micro_batch_not_dividing_replica_share_names_valid_sizes():
+    with pytest.raises(ConfigError, match=r"each replica gets 12 examples .* Valid micro-batch sizes: "
+                                          r"\[1, 2, 3, 4, 6, 12\]"):
+        validate_parallel(ParallelConfig(D=2, global_batch=24, micro_batch_size=5))
+
+
+@pytest.mark.parametrize("field,value", [("P", 0), ("D", -1), ("global_batch", 0), ("micro_batch_size", 1.5),
+                                         ("P", True)])
+def test_non_positive_or_non_integer_sizes(field, value):
+    kw = {"P": 1, "D": 1, "global_batch": 8, "micro_batch_size": 1, field: value}
+    with pytest.raises(ConfigError, match=rf"parallel\.{field}={value!r} must be an integer >= 1"):
+        validate_parallel(ParallelConfig(**kw))
+
+
+def test_bad_policy_and_boundaries():
+    with pytest.raises(ConfigError, match=r"parallel.policy='pipedream'; choose one of \['varuna', 'gpipe', '1f1b'\]"):
+        validate_parallel(ParallelConfig(policy="pipedream"))
+    with pytest.raises(ConfigError, match="boundaries has 1 stages but P=2"):
+        validate_parallel(ParallelConfig(P=2, boundaries=[[0, 1, 2]]))
+
+
+@pytest.mark.parametrize("section,field,value,pattern", [
+    ("train", "precision", "fp8", r"train.precision='fp8'; choose one of \['fp32', 'bf16', 'fp16'\]"),
+    ("train", "steps", 0, "train.steps=0 must be >= 1"),
+    ("train", "lr", 0.0, "train.lr=0.0 must be > 0"),
+    ("train", "min_lr", 1.0, "min_lr=1.0 <= lr"),
+    ("train", "grad_clip", 0.0, "train.grad_clip=0.0 must be > 0, or null"),
+    ("train", "warmup_steps", -1, "warmup_steps=-1 must be >= 0"),
+    ("data", "seq_len", 0, "data.seq_len=0 must be >= 1"),
+    ("data", "val_fraction", 1.0, "val_fraction=1.0 must be between 0 and 1"),
+    ("model", "dropout", 1.0, r"model.dropout=1.0 must be in \[0, 1\)"),
+    ("launch", "backend", "mpi", "launch.backend='mpi'; choose auto, gloo or nccl"),
+    ("launch", "master_port", 70000, "master_port=70000 must be in 0..65535"),
+    ("parallel", "policy", "zb", "parallel.policy='zb'"),
+    ("parallel", "global_batch", 10, "global batch 10 is not divisible by D=3"),
+])
+def test_validate_reports_the_field_and_what_works(section, field, value, pattern):
+    cfg = JobConfig(parallel=ParallelConfig(D=3, global_batch=12))
+    assert cfg.validate() is cfg
+    setattr(getattr(cfg, section), field, value)
+    with pytest.raises(ConfigError, match=pattern):
+        cfg.validate()
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
