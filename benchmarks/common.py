@@ -32,9 +32,15 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="few steps: a smoke run, not a measurement")
     ap.add_argument("--out", default=None, help="where to write the JSON (default benchmarks/results/NAME.json)")
+    ap.add_argument("--wait-idle", type=float, default=None,
+                    help="wait up to this many seconds for the CPUs to go idle before measuring "
+                         "(default 30, or 0 with --quick)")
     if extra is not None:
         extra(ap)
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.wait_idle is None:
+        args.wait_idle = 0.0 if args.quick else 30.0
+    return args
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -128,6 +134,31 @@ def full_model(cfg, seed: int, cutpoints: bool = False) -> torch.nn.Module:
     return model.train()
 
 
+def block_split(n_layer: int, P: int) -> list[list[int]]:
+    """Blocks per stage, as even as possible (earlier stages get the extra block)."""
+    base, extra = divmod(n_layer, P)
+    out, k = [], 0
+    for s in range(P):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(k, k + n)))
+        k += n
+    return out
+
+
+def varuna_boundaries(blocks: list[list[int]]) -> list[list[int]]:
+    """Segments of ``auto_cutpoints`` GPT-2: 0 = embeddings, 1 + i = block i, n_layer + 1 = head."""
+    n_layer = sum(len(b) for b in blocks)
+    out = []
+    for s, bl in enumerate(blocks):
+        segs = [1 + i for i in bl]
+        if s == 0:
+            segs = [0] + segs
+        if s == len(blocks) - 1:
+            segs = segs + [n_layer + 1]
+        out.append(segs)
+    return out
+
+
 # ---- results --------------------------------------------------------------------------------
 @dataclass
 class Figure:
@@ -163,7 +194,7 @@ def _fmt(v: float | None, unit: str = "") -> str:
     if v is None:
         return "-"
     if unit == "s":
-        return f"{v * 1e3:.1f} ms"
+        return f"{v * 1e6:.1f} us" if abs(v) < 1e-3 else f"{v * 1e3:.1f} ms"
     if unit == "B":
         return f"{v / 2**20:.2f} MiB"
     if unit == "x":
@@ -218,3 +249,47 @@ def setup_path() -> None:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.append(root)
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15 minute load averages (rounded), to show how busy the machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        return []
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return idle, sum(vals)
+
+
+def wait_for_idle(max_wait_s: float, idle_frac: float = 0.85, window_s: float = 3.0) -> dict:
+    """Wait (at most ``max_wait_s``) until the machine's CPUs were at least ``idle_frac`` idle over
+    a ``window_s`` window: other work on a shared machine makes timings noisy.
+    Returns what was seen (``waited_s``, ``idle_frac_seen``, ``quiet``), for the JSON."""
+    t0 = time.monotonic()
+    streak, seen = 0, 0.0
+    if max_wait_s <= 0:
+        return {"waited_s": 0.0, "idle_frac_seen": None, "quiet": None}
+    while True:
+        i0, a0 = _cpu_times()
+        time.sleep(window_s)
+        i1, a1 = _cpu_times()
+        seen = (i1 - i0) / max(1, a1 - a0)
+        streak = streak + 1 if seen >= idle_frac else 0
+        waited = time.monotonic() - t0
+        if streak >= 1:
+            return {"waited_s": round(waited, 1), "idle_frac_seen": round(seen, 3), "quiet": True}
+        if waited >= max_wait_s:
+            print(f"note: machine still busy after {waited:.0f} s (CPUs {seen:.0%} idle); measuring anyway")
+            return {"waited_s": round(waited, 1), "idle_frac_seen": round(seen, 3), "quiet": False}

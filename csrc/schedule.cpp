@@ -5,6 +5,7 @@
 #include <deque>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace varuna {
 
@@ -26,8 +27,10 @@ Action B(int i) { return {ActionKind::Backward, i}; }
 //   F(s,i): s < P-1 -> F[s+1].push(i)   else b[s].push(i)   (last stage: no recompute)
 //   b(s,i): B[s].push(i); s > 0 -> R[s-1].push(i)
 //   R(s,i): b[s].push(i)
+// Without recompute the upstream backward is released directly:
+//   b(s,i): B[s].push(i); s > 0 -> b[s-1].push(i)
 // The emitted per-stage order (F, R, and b emitted as the backward) is the schedule.
-std::vector<std::vector<Action>> varuna_all_stages(int P, int m) {
+std::vector<std::vector<Action>> varuna_all_stages(int P, int m, bool recompute) {
     struct Queues {
         std::deque<int> F, R, b, B;
         bool empty() const { return F.empty() && R.empty() && b.empty() && B.empty(); }
@@ -89,7 +92,10 @@ std::vector<std::vector<Action>> varuna_all_stages(int P, int m) {
                     break;
                 case kb:
                     q[static_cast<std::size_t>(s)].B.push_back(i);
-                    if (s > 0) q[static_cast<std::size_t>(s - 1)].R.push_back(i);
+                    if (s > 0) {
+                        auto& up = q[static_cast<std::size_t>(s - 1)];
+                        (recompute ? up.R : up.b).push_back(i);
+                    }
                     break;
                 case kR:
                     q[static_cast<std::size_t>(s)].b.push_back(i);
@@ -134,14 +140,6 @@ std::vector<Action> one_f_one_b_stage(int P, int m, int stage, bool recompute) {
     }
     while (b < m) backward(b++);
     return v;
-}
-
-std::vector<Action> drop_recompute(std::vector<Action> v) {
-    std::vector<Action> out;
-    out.reserve(v.size());
-    for (const auto& a : v)
-        if (a.kind != ActionKind::Recompute) out.push_back(a);
-    return out;
 }
 
 }  // namespace
@@ -190,9 +188,8 @@ std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool 
         case Policy::GPipe: return gpipe_stage(P, m, stage, recompute);
         case Policy::OneFOneB: return one_f_one_b_stage(P, m, stage, recompute);
         case Policy::Varuna: {
-            auto all = varuna_all_stages(P, m);
-            auto v = std::move(all[static_cast<std::size_t>(stage)]);
-            return recompute ? v : drop_recompute(std::move(v));
+            auto all = varuna_all_stages(P, m, recompute);
+            return std::move(all[static_cast<std::size_t>(stage)]);
         }
     }
     throw std::invalid_argument(std::string("unknown schedule policy; valid policies are: ") +
@@ -202,10 +199,7 @@ std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool 
 std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, bool recompute) {
     validate_shape(P, m);
     if (policy == Policy::Varuna) {
-        auto all = varuna_all_stages(P, m);
-        if (!recompute)
-            for (auto& v : all) v = drop_recompute(std::move(v));
-        return all;
+        return varuna_all_stages(P, m, recompute);
     }
     std::vector<std::vector<Action>> all;
     all.reserve(static_cast<std::size_t>(P));
@@ -222,6 +216,24 @@ StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool reco
     taken_.assign(list_.size(), 0);
     remaining_ = list_.size();
     skip_taken();
+}
+
+StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute,
+                               std::vector<Action> list)
+    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute), list_(std::move(list)) {
+    taken_.assign(list_.size(), 0);
+    remaining_ = list_.size();
+    skip_taken();
+}
+
+std::vector<StageScheduler> StageScheduler::for_pipeline(Policy policy, int P, int m, bool recompute) {
+    auto lists = pipeline_schedule(policy, P, m, recompute);  // validates P, m
+    std::vector<StageScheduler> out;
+    out.reserve(lists.size());
+    for (int s = 0; s < P; ++s)
+        out.push_back(StageScheduler(policy, P, m, s, recompute,
+                                     std::move(lists[static_cast<std::size_t>(s)])));
+    return out;
 }
 
 void StageScheduler::skip_taken() {
@@ -241,7 +253,11 @@ std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) 
 
     std::size_t idx = pos_;
     const Action& head = list_[pos_];
-    if (policy_ == Policy::Varuna && head.kind == ActionKind::Recompute && stage_ < P_ - 1 &&
+    // Varuna's opportunistic rule: the next action would wait for a gradient that has not
+    // arrived (a recompute, or a backward when not recomputing) -> run a ready forward first.
+    const bool waits_for_grad = head.kind == ActionKind::Recompute ||
+                                (!recompute_ && head.kind == ActionKind::Backward);
+    if (policy_ == Policy::Varuna && waits_for_grad && stage_ < P_ - 1 &&
         grads_arrived <= head.mb && f_cursor_ < list_.size()) {
         // Forwards are in micro-batch order, so the earliest remaining F has the
         // smallest index: if its input is not here, no later one's is either.

@@ -61,6 +61,12 @@ class StageScheduler {
 public:
     StageScheduler(Policy policy, int P, int m, int stage, bool recompute);
 
+    // The P schedulers of one pipeline (index = stage), identical to constructing
+    // StageScheduler(policy, P, m, s, recompute) for every s, but the static schedule
+    // is computed once (for the Varuna policy one quantum simulation instead of P).
+    // Used by the simulator, which builds schedulers for many configurations.
+    static std::vector<StageScheduler> for_pipeline(Policy policy, int P, int m, bool recompute);
+
     // acts_arrived: activations received from upstream so far (micro-batches arrive in
     //   order 0,1,2,..., so this is "activations 0..acts_arrived-1 are here").
     // grads_arrived: gradients received from downstream so far (same convention).
@@ -85,6 +91,8 @@ public:
     bool recompute() const { return recompute_; }
 
 private:
+    // Trusted: `list` must be stage_schedule(policy, P, m, stage, recompute).
+    StageScheduler(Policy policy, int P, int m, int stage, bool recompute, std::vector<Action> list);
     void skip_taken();
 
     Policy policy_;

@@ -482,6 +482,10 @@ class Varuna:
             buckets.setdefault(key, []).append(p.grad)
         for key, grads in buckets.items():
             group = self.groups.dp if key == "dp" else self.groups.tied.get(key)
+            if group is None:  # nothing to reduce (D = 1): only unscale, in place
+                if unscale / self.D != 1.0:
+                    torch._foreach_mul_(grads, unscale / self.D)
+                continue
             flat = torch.cat([g.reshape(-1) for g in grads])
             if group is not None:
                 dist.all_reduce(flat, group=group)
@@ -492,11 +496,10 @@ class Varuna:
                 off += g.numel()
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         finite = torch.ones((), dtype=torch.float32, device=self.device)
-        for name, p in self.params:
-            if name in self.shared and self.shared[name][0] != self.stage:
-                continue  # a tied weight counts once: on the first stage that holds it
-            g = p.grad.float()
-            norm_sq = norm_sq + g.pow(2).sum()
+        counted = [p.grad for name, p in self.params
+                   if not (name in self.shared and self.shared[name][0] != self.stage)]  # tied: counted once
+        if counted:
+            norm_sq = torch.stack([n.float() for n in torch._foreach_norm(counted)]).pow(2).sum()
         finite = torch.isfinite(norm_sq).float()
         stats = torch.stack([1.0 - finite, torch.nan_to_num(norm_sq, nan=0.0, posinf=0.0) / self.D,
                              loss_local.float() / self.D])

@@ -1,0 +1,253 @@
+"""Peak activation memory per stage with recompute vs without (Varuna policy).
+
+Each configuration runs in fresh gloo processes (one per stage) training the benchmark GPT-2
+(byte vocabulary, 4 blocks, d=128, T=128, m micro-batches of 4) split into P stages. On every
+stage the step runs under ``torch.autograd.graph.saved_tensors_hooks`` that count the bytes of
+tensors saved for backward while they are alive (each storage once; parameters and meta-device
+stand-ins excluded), plus the bytes of stage inputs stashed for recompute (received activations
+held between a no-grad forward and its recompute). The figure per stage is the peak of
+saved + stashed bytes over a step (max over the measured steps: Varuna's opportunistic order
+depends on arrival times). Process RSS growth over the first step (sampled at the same events)
+is reported alongside; it includes allocator behaviour, gradients and receive buffers.
+
+Reference rows use the engine's ``1f1b`` policy without recompute (activations of up to P
+micro-batches in flight) and ``gpipe`` (all m).
+
+Run: ``.venv/bin/python benchmarks/bench_memory.py [--quick] [--P 2 4]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+common.setup_path()
+
+import torch  # noqa: E402
+
+SEED = 13
+T, MICRO = 128, 4
+CONFIGS = {  # name -> (policy, recompute)
+    "varuna_rc": ("varuna", True),
+    "varuna_norc": ("varuna", False),
+    "1f1b_norc": ("1f1b", False),
+    "gpipe_norc": ("gpipe", False),
+}
+LABEL = {"varuna_rc": "Varuna, recompute", "varuna_norc": "Varuna, no recompute",
+         "1f1b_norc": "1F1B (engine), no recompute", "gpipe_norc": "GPipe (engine), no recompute"}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class ActivationMeter:
+    """Live bytes of saved-for-backward tensors (+ stashed stage inputs) and their peak."""
+
+    def __init__(self, param_ptrs: set[int]):
+        self.param_ptrs = param_ptrs
+        self.storages: dict[int, list[int]] = {}  # data_ptr -> [nbytes, refcount]
+        self.saved = 0
+        self.stash = 0
+        self.stashed: dict[int, int] = {}
+        self.peak = 0
+        self.peak_saved = 0
+        self.peak_stash = 0
+        self.rss_peak = 0
+        self.sample_rss = False
+
+    def _update(self) -> None:
+        total = self.saved + self.stash
+        if total > self.peak:
+            self.peak = total
+        self.peak_saved = max(self.peak_saved, self.saved)
+        self.peak_stash = max(self.peak_stash, self.stash)
+        if self.sample_rss:
+            self.rss_peak = max(self.rss_peak, _rss_bytes())
+
+    def reset_peak(self) -> None:
+        self.peak = self.peak_saved = self.peak_stash = self.saved + self.stash
+
+    # saved_tensors_hooks ---------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        if t.device.type == "meta":
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self.param_ptrs or st.nbytes() == 0:
+            return t
+        e = self.storages.get(ptr)
+        if e is None:
+            self.storages[ptr] = [st.nbytes(), 1]
+            self.saved += st.nbytes()
+            self._update()
+        else:
+            e[1] += 1
+        return _Saved(self, ptr, t)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Saved) else h
+
+    def release(self, ptr: int) -> None:
+        e = self.storages[ptr]
+        e[1] -= 1
+        if e[1] == 0:
+            self.saved -= e[0]
+            del self.storages[ptr]
+
+    # stash of received stage inputs (recompute) ----------------------------------------------
+    def stash_add(self, mb: int, tensors) -> None:
+        n = sum(t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta")
+        self.stashed[mb] = n
+        self.stash += n
+        self._update()
+
+    def stash_pop(self, mb: int) -> None:
+        self.stash -= self.stashed.pop(mb, 0)
+
+
+class _Saved:
+    __slots__ = ("meter", "ptr", "t")
+
+    def __init__(self, meter: ActivationMeter, ptr: int, t: torch.Tensor):
+        self.meter, self.ptr, self.t = meter, ptr, t
+
+    def __del__(self):
+        self.meter.release(self.ptr)
+
+
+def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
+    from varuna_sdk.config import ParallelConfig
+    from varuna_sdk.model import gpt2, init_gpt2, lm_loss
+    from varuna_sdk.pipeline.engine import Varuna
+
+    P, m = world, opts["m"]
+    policy, recompute = CONFIGS[opts["config"]]
+    cfg = common.bench_gpt2_cfg()
+    par = ParallelConfig(P=P, D=1, global_batch=m * MICRO, micro_batch_size=MICRO, policy=policy,
+                         recompute=recompute, boundaries=common.varuna_boundaries(common.block_split(cfg.n_layer, P)))
+    eng = Varuna(lambda: gpt2(cfg), lm_loss, par, (torch.zeros(MICRO, T, dtype=torch.long),), seed=SEED,
+                 init_fn=partial(init_gpt2, n_layer=cfg.n_layer), timeout_s=120)
+    opt = torch.optim.AdamW(eng.parameters(), lr=1e-3)
+    meter = ActivationMeter({p.untyped_storage().data_ptr() for p in eng.parameters()})
+
+    orig_forward = eng._forward
+
+    def counted_forward(inputs, received, mb, grad):
+        if received is not None:
+            if not grad:  # forward of the recompute policy: the stage input waits in the stash
+                meter.stash_add(mb, received)
+            else:  # recompute (or a normal forward): from now on autograd holds the input
+                meter.stash_pop(mb)
+        return orig_forward(inputs, received, mb, grad)
+
+    eng._forward = counted_forward
+    B = m * MICRO
+    peaks, rss_delta = [], None
+    for step in range(opts["steps"]):
+        batch = common.make_batch(step, B, T, cfg.vocab_size, seed=2)
+        meter.reset_peak()
+        first = step == 0
+        meter.sample_rss = first
+        rss0 = _rss_bytes()
+        meter.rss_peak = rss0
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            eng.step(batch, opt)
+        if first:
+            rss_delta = meter.rss_peak - rss0
+        peaks.append({"peak": meter.peak, "saved": meter.peak_saved, "stash": meter.peak_stash,
+                      "live_after": meter.saved + meter.stash})
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+        "stage": eng.stage, "peaks": peaks, "rss_delta_first_step": rss_delta,
+        "describe": eng.describe(),
+    }))
+
+
+def run(P: int, config: str, opts: dict, timeout_s: float) -> list[dict]:
+    from varuna_sdk.cluster.local import spawn_workers
+
+    with tempfile.TemporaryDirectory(prefix="bench-mem-") as tmp:
+        spawn_workers(worker, P, args=(tmp, {**opts, "config": config}), backend="gloo", timeout_s=timeout_s,
+                      threads_per_worker=1, work_dir=tmp)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(P)]
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0], lambda ap: (
+        ap.add_argument("--P", type=int, nargs="+", default=None, help="pipeline depths (default 2 4; quick: 2)"),
+        ap.add_argument("--m", type=int, default=8, help="micro-batches per mini-batch (default 8)"),
+        ap.add_argument("--timeout", type=float, default=180.0, help="per-run worker timeout in seconds")))
+    Ps = args.P or ([2] if args.quick else [2, 4])
+    configs = ["varuna_rc", "varuna_norc"] if args.quick else list(CONFIGS)
+    opts = {"m": args.m, "steps": 2 if args.quick else 3}
+    cfg = common.bench_gpt2_cfg()
+    hidden = MICRO * T * cfg.n_embd * 4
+    print(f"model: GPT-2 {cfg.n_layer} blocks d={cfg.n_embd} vocab={cfg.vocab_size} T={T}; {args.m} micro-batches x "
+          f"{MICRO}; one stage boundary activation = {hidden / 2**20:.2f} MiB; {opts['steps']} steps per run")
+
+    idle = common.wait_for_idle(args.wait_idle)
+    t0 = time.monotonic()
+    results: dict[int, dict[str, list[dict]]] = {}
+    for P in Ps:
+        results[P] = {c: run(P, c, opts, args.timeout) for c in configs}
+    wall = time.monotonic() - t0
+
+    figures = []
+    table = {}
+    for P in Ps:
+        for s in range(P):
+            row = {}
+            for c in configs:
+                r = results[P][c][s]
+                row[c] = {"peak": max(p["peak"] for p in r["peaks"]), "saved": max(p["saved"] for p in r["peaks"]),
+                          "stash": max(p["stash"] for p in r["peaks"]), "rss_delta": r["rss_delta_first_step"],
+                          "per_step_peaks": [p["peak"] for p in r["peaks"]],
+                          "leak": [p["live_after"] for p in r["peaks"]]}
+            table[f"P{P}s{s}"] = row
+            rc, norc = row["varuna_rc"], row["varuna_norc"]
+            figures.append(common.Figure(
+                f"P={P} stage {s}: peak activations, recompute vs no recompute", rc["peak"], "B", baseline=norc["peak"],
+                detail={"recompute": rc, "no_recompute": norc}))
+            if 0 < s < P - 1:  # stage 0's input is the token ids (in the batch anyway); the last stage never recomputes
+                figures.append(common.Figure(f"P={P} stage {s}:   of which stashed stage inputs (recompute)", rc["stash"], "B"))
+            figures.append(common.Figure(f"P={P} stage {s}:   RSS growth first step, recompute vs not",
+                                         float(rc["rss_delta"]), "B", baseline=float(norc["rss_delta"])))
+            for c in configs[2:]:
+                figures.append(common.Figure(f"P={P} stage {s}:   reference {LABEL[c]}", row[c]["peak"], "B",
+                                             baseline=norc["peak"]))
+    common.print_table("Peak activation memory per stage (saved-for-backward + stashed inputs)", figures)
+    leaks = {k: {c: v["leak"] for c, v in row.items() if any(v["leak"])} for k, row in table.items()}
+    leaks = {k: v for k, v in leaks.items() if v}
+    if leaks:
+        print(f"\nWARNING: saved tensors still alive after a step: {leaks}")
+
+    notes = (
+        f"Saved-for-backward bytes counted with torch.autograd.graph.saved_tensors_hooks (each storage once while any "
+        f"saved reference is alive; parameters and meta stand-ins excluded) + stage inputs stashed for recompute; peak "
+        f"per stage over a step, max over {opts['steps']} steps; {args.m} micro-batches of {MICRO} x {T} tokens, "
+        f"d={cfg.n_embd} (one boundary activation = {hidden / 2**20:.2f} MiB). Recompute keeps, per micro-batch in flight, "
+        "only the stage input, plus the full activations of the one micro-batch being recomputed/backpropagated; "
+        "without recompute every in-flight micro-batch keeps its full activations. The last stage never recomputes "
+        "(its ratio is ~1). Stage 0's stashed input is the token ids, which stay in the batch anyway (not counted). "
+        "RSS growth is sampled at the same events on the first step in a fresh process and includes allocator "
+        "caching, gradients and receive buffers: indicative only. "
+        f"Workers took {wall:.0f} s in all."
+    )
+    common.write_results("memory", figures, notes, machine=common.machine_info(idle_before=idle, worker_threads=1), extra={"config": {"m": args.m, "micro_batch": MICRO, "T": T,
+                                                                      "model": cfg.to_dict(), **opts},
+                                                           "per_stage": table, "quick": args.quick,
+                                                           "saved_alive_after_step": leaks},
+                         out=args.out)
+
+
+if __name__ == "__main__":
+    main()
