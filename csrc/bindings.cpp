@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "schedule.h"
+#include "search.h"
+#include "simulator.h"
 
 namespace py = pybind11;
 
@@ -33,10 +35,176 @@ bool resolve_recompute(varuna::Policy p, std::optional<bool> recompute) {
     return recompute.has_value() ? *recompute : varuna::default_recompute(p);
 }
 
+// --- simulator helpers ----------------------------------------------------------
+using TiedTuple = std::tuple<std::vector<int>, double>;              // (stages, bytes)
+using SegmentTuple = std::tuple<int, int, double, double>;           // (kind, mb, start, end)
+using TransferTuple = std::tuple<int, int, int, int, double, double>;  // (kind, mb, src, dst, start, end)
+
+void bind_simulator(py::module_& m) {
+    using varuna::SimConfig;
+    using varuna::SimResult;
+    py::class_<SimConfig>(m, "SimConfig",
+                          "Input of simulate(); fields as in csrc/simulator.h (seconds, bytes, bytes/s). "
+                          "Use varuna_sdk.planner.simulate instead.")
+        .def(py::init<>())
+        .def_readwrite("P", &SimConfig::P)
+        .def_readwrite("D", &SimConfig::D)
+        .def_readwrite("m", &SimConfig::m)
+        .def_property(
+            "policy", [](const SimConfig& c) { return std::string(varuna::policy_name(c.policy)); },
+            [](SimConfig& c, const std::string& p) { c.policy = varuna::parse_policy(p); })
+        .def_readwrite("recompute", &SimConfig::recompute)
+        .def_readwrite("fwd", &SimConfig::fwd)
+        .def_readwrite("bwd", &SimConfig::bwd)
+        .def_readwrite("rec", &SimConfig::rec)
+        .def_readwrite("opt", &SimConfig::opt)
+        .def_readwrite("act_bytes", &SimConfig::act_bytes)
+        .def_readwrite("grad_bytes", &SimConfig::grad_bytes)
+        .def_readwrite("dp_bytes", &SimConfig::dp_bytes)
+        .def_property(
+            "tied",
+            [](const SimConfig& c) {
+                std::vector<TiedTuple> out;
+                for (const auto& g : c.tied) out.emplace_back(g.stages, g.bytes);
+                return out;
+            },
+            [](SimConfig& c, const std::vector<TiedTuple>& v) {
+                c.tied.clear();
+                for (const auto& t : v) c.tied.push_back(varuna::TiedGroup{std::get<0>(t), std::get<1>(t)});
+            },
+            "list of (stages, bytes)")
+        .def_readwrite("p2p_alpha", &SimConfig::p2p_alpha)
+        .def_readwrite("p2p_beta", &SimConfig::p2p_beta)
+        .def_readwrite("local_alpha", &SimConfig::local_alpha)
+        .def_readwrite("local_beta", &SimConfig::local_beta)
+        .def_readwrite("ar_alpha", &SimConfig::ar_alpha)
+        .def_readwrite("ar_beta", &SimConfig::ar_beta)
+        .def_readwrite("consensus_latency", &SimConfig::consensus_latency)
+        .def_readwrite("ranks_per_host", &SimConfig::ranks_per_host)
+        .def_readwrite("compute_slots_per_host", &SimConfig::compute_slots_per_host)
+        .def_readwrite("action_overhead", &SimConfig::action_overhead)
+        .def_readwrite("send_overhead", &SimConfig::send_overhead)
+        .def_readwrite("p2p_jitter_sigma", &SimConfig::p2p_jitter_sigma)
+        .def_readwrite("compute_jitter_rel", &SimConfig::compute_jitter_rel)
+        .def_readwrite("seed", &SimConfig::seed)
+        .def_readwrite("rank_compute_scale", &SimConfig::rank_compute_scale)
+        .def_readwrite("record_timeline", &SimConfig::record_timeline)
+        .def_readwrite("extrapolate", &SimConfig::extrapolate)
+        .def_readwrite("extrapolate_cap", &SimConfig::extrapolate_cap)
+        .def_readwrite("replica_shortcut", &SimConfig::replica_shortcut)
+        .def_property(
+            "engine",
+            [](const SimConfig& c) { return std::string(c.engine == 1 ? "event" : c.engine == 2 ? "fast" : "auto"); },
+            [](SimConfig& c, const std::string& e) {
+                if (e == "auto") c.engine = 0;
+                else if (e == "event") c.engine = 1;
+                else if (e == "fast") c.engine = 2;
+                else throw std::invalid_argument("engine must be 'auto', 'event' or 'fast', got '" + e + "'");
+            });
+
+    py::class_<SimResult>(m, "SimResult", "Output of simulate(); see csrc/simulator.h.")
+        .def_readonly("minibatch_time", &SimResult::minibatch_time)
+        .def_readonly("pipeline_time", &SimResult::pipeline_time)
+        .def_readonly("bubble_fraction", &SimResult::bubble_fraction)
+        .def_readonly("stage_busy", &SimResult::stage_busy)
+        .def_readonly("stage_bubble", &SimResult::stage_bubble)
+        .def_readonly("stage_done", &SimResult::stage_done)
+        .def_readonly("peak_stashed", &SimResult::peak_stashed)
+        .def_readonly("peak_live", &SimResult::peak_live)
+        .def_readonly("peak_inflight", &SimResult::peak_inflight)
+        .def_readonly("replicas_simulated", &SimResult::replicas_simulated)
+        .def_readonly("extrapolated", &SimResult::extrapolated)
+        .def_property_readonly("m_simulated",
+                               [](const SimResult& r) { return std::make_tuple(r.m_simulated[0], r.m_simulated[1]); })
+        .def_readonly("actions", &SimResult::events)
+        .def_property_readonly("engine_used",
+                               [](const SimResult& r) { return std::string(r.engine_used == 2 ? "fast" : "event"); })
+        .def_readonly("period", &SimResult::period)
+        .def_property_readonly(
+            "timeline",
+            [](const SimResult& r) {
+                std::vector<std::vector<SegmentTuple>> out(r.timeline.size());
+                for (std::size_t i = 0; i < r.timeline.size(); ++i)
+                    for (const auto& s : r.timeline[i])
+                        out[i].emplace_back(static_cast<int>(s.kind), s.mb, s.start, s.end);
+                return out;
+            },
+            "per simulated rank: [(kind, mb, start, end)], kind 0=F 1=R 2=B 3=WAIT 4=AR 5=TIED 6=SYNC 7=OPT")
+        .def_property_readonly(
+            "transfers",
+            [](const SimResult& r) {
+                std::vector<TransferTuple> out;
+                out.reserve(r.transfers.size());
+                for (const auto& t : r.transfers) out.emplace_back(t.kind, t.mb, t.src, t.dst, t.start, t.end);
+                return out;
+            },
+            "[(kind 0=activation 1=gradient, mb, src rank, dst rank, start, arrival)]");
+
+    m.def(
+        "simulate",
+        [](SimConfig c) {  // by value: the copy is made with the GIL held
+            py::gil_scoped_release nogil;
+            return varuna::simulate(c);
+        },
+        py::arg("config"),
+        "Simulate one mini-batch; raises ValueError on bad input. See varuna_sdk.planner.simulate.");
+    m.def("allreduce_time", &varuna::allreduce_time, py::arg("bytes"), py::arg("n"), py::arg("ar_alpha"),
+          py::arg("ar_beta"), "Ring all-reduce alpha-beta time in seconds (0 when n <= 1 or bytes <= 0).");
+}
+
+void bind_search(py::module_& m) {
+    using varuna::Candidate;
+    using varuna::SearchInput;
+    using varuna::SegmentTable;
+    py::class_<SegmentTable>(m, "SegmentTable", "Per-segment costs at one micro-batch size (seconds, bytes).")
+        .def(py::init<>())
+        .def_readwrite("micro_batch_size", &SegmentTable::micro_batch_size)
+        .def_readwrite("fwd", &SegmentTable::fwd)
+        .def_readwrite("rec", &SegmentTable::rec)
+        .def_readwrite("bwd", &SegmentTable::bwd)
+        .def_readwrite("out_bytes", &SegmentTable::out_bytes)
+        .def_readwrite("act_bytes", &SegmentTable::act_bytes);
+    py::class_<SearchInput>(m, "SearchInput", "Inputs of search(); see csrc/search.h.")
+        .def(py::init<>())
+        .def_readwrite("gpus", &SearchInput::gpus)
+        .def_readwrite("global_batch", &SearchInput::global_batch)
+        .def_property(
+            "policy", [](const SearchInput& c) { return std::string(varuna::policy_name(c.policy)); },
+            [](SearchInput& c, const std::string& p) { c.policy = varuna::parse_policy(p); })
+        .def_readwrite("recompute", &SearchInput::recompute)
+        .def_readwrite("tables", &SearchInput::tables)
+        .def_readwrite("param_bytes", &SearchInput::param_bytes)
+        .def_readwrite("tied_segments", &SearchInput::tied_segments)
+        .def_readwrite("tied_bytes", &SearchInput::tied_bytes)
+        .def_readwrite("optimizer_state_factor", &SearchInput::optimizer_state_factor)
+        .def_readwrite("memory_limit", &SearchInput::memory_limit)
+        .def_readwrite("max_depth", &SearchInput::max_depth)
+        .def_readwrite("fixed_starts", &SearchInput::fixed_starts)
+        .def_readwrite("sim", &SearchInput::sim)
+        .def_readwrite("opt_s_per_param_byte", &SearchInput::opt_s_per_param_byte)
+        .def_readwrite("sim_cap", &SearchInput::sim_cap);
+    py::class_<Candidate>(m, "Candidate", "One configuration found by search().")
+        .def_readonly("P", &Candidate::P)
+        .def_readonly("D", &Candidate::D)
+        .def_readonly("micro_batch_size", &Candidate::micro_batch_size)
+        .def_readonly("m", &Candidate::m)
+        .def_readonly("idle_gpus", &Candidate::idle_gpus)
+        .def_readonly("starts", &Candidate::starts)
+        .def_readonly("minibatch_time", &Candidate::minibatch_time)
+        .def_readonly("bubble_fraction", &Candidate::bubble_fraction)
+        .def_readonly("stage_memory", &Candidate::stage_memory)
+        .def_readonly("stage_compute", &Candidate::stage_compute)
+        .def_readonly("feasible", &Candidate::feasible)
+        .def_readonly("reason", &Candidate::reason);
+    m.def("search", &varuna::search, py::arg("input"), py::call_guard<py::gil_scoped_release>(),
+          "Rank every (P, D, micro-batch) for the input; see csrc/search.h.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-    m.doc() = "varuna-sdk C++ core (schedule policies). Use varuna_sdk.pipeline.schedule instead.";
+    m.doc() = "varuna-sdk C++ core (schedule policies, simulator). Use varuna_sdk.pipeline.schedule and "
+              "varuna_sdk.planner.simulate instead.";
 
     m.attr("FORWARD") = static_cast<int>(varuna::ActionKind::Forward);
     m.attr("RECOMPUTE") = static_cast<int>(varuna::ActionKind::Recompute);
@@ -95,4 +263,7 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("m", &varuna::StageScheduler::num_microbatches)
         .def_property_readonly("stage", &varuna::StageScheduler::stage)
         .def_property_readonly("recompute", &varuna::StageScheduler::recompute);
+
+    bind_simulator(m);
+    bind_search(m);
 }

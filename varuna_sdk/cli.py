@@ -35,6 +35,34 @@ def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> JobConfig:
     return job
 
 
+def _calibrate_or_plan(args: argparse.Namespace) -> int:
+    from .trainer import calibrate_job
+
+    job = JobConfig.from_yaml(Path(args.config)) if args.config else demo_config()
+    if args.cmd == "calibrate":
+        prof = calibrate_job(job, refresh=args.refresh)
+        if args.output:
+            prof.to_json(args.output)
+        print(f"[varuna] calibrated {prof.num_segments} segments at micro-batch sizes {prof.micro_batch_sizes} "
+              f"in {prof.calibration_s:.1f} s" + (f"; wrote {args.output}" if args.output else ""))
+        return 0
+    from .planner.plan import Prices, plan
+    from .profiling.profile import Profile
+
+    prof = Profile.load(args.profile) if args.profile else calibrate_job(job)
+    prices = Prices()
+    if args.spot_price is not None or args.on_demand_price is not None:
+        prices = Prices(spot_per_gpu_hour=args.spot_price if args.spot_price is not None else prices.spot_per_gpu_hour,
+                        on_demand_per_gpu_hour=(args.on_demand_price if args.on_demand_price is not None
+                                                else prices.on_demand_per_gpu_hour), vm_type="user prices", example=False)
+    pl = plan(prof, args.gpus, args.global_batch or job.parallel.global_batch, policy=args.policy or job.parallel.policy,
+              gpus_per_vm=args.gpus_per_vm,
+              network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
+              prices=prices, target_examples=args.target_examples)
+    print(pl.table(top=args.top))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training (Varuna)")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -50,11 +78,29 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"])
         sp.add_argument("--run-dir", dest="run_dir")
     sub.add_parser("config", help="print the demo job's YAML (a starting point for your own)")
+    sp = sub.add_parser("calibrate", help="measure the job's model once and save its profile (JSON)")
+    sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
+    sp.add_argument("-o", "--output", help="where to write the profile (default: the profile cache)")
+    sp.add_argument("--refresh", action="store_true", help="re-measure even if a cached profile exists")
+    sp = sub.add_parser("plan", help="rank every (P, D, micro-batch) for G GPUs with the simulator")
+    sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
+    sp.add_argument("--gpus", type=int, required=True, help="G, the GPUs (workers) available")
+    sp.add_argument("--global-batch", dest="global_batch", type=int)
+    sp.add_argument("--profile", help="a profile JSON from `varuna calibrate` (default: calibrate/cache)")
+    sp.add_argument("--gpus-per-vm", dest="gpus_per_vm", type=int, default=1)
+    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"])
+    sp.add_argument("--bandwidth-gbps", dest="bandwidth_gbps", type=float, help="what-if cross-VM bandwidth (Gbit/s)")
+    sp.add_argument("--spot-price", dest="spot_price", type=float, help="$ per GPU-hour, spot")
+    sp.add_argument("--on-demand-price", dest="on_demand_price", type=float, help="$ per GPU-hour, on-demand")
+    sp.add_argument("--target-examples", dest="target_examples", type=int, help="show time and cost to this many examples")
+    sp.add_argument("--top", type=int, default=12)
     args = parser.parse_args(argv)
     try:
         if args.cmd == "config":
             print(demo_config().to_yaml(), end="")
             return 0
+        if args.cmd in ("calibrate", "plan"):
+            return _calibrate_or_plan(args)
         job = demo_config() if args.cmd == "demo" else JobConfig.from_yaml(Path(args.config))
         job = _apply_overrides(job, args).validate()
         from .cluster.local import WorkerFailure

@@ -61,10 +61,11 @@ class ParallelConfig:
     optimizer step (fixed, never changed by morphing) = ``micro_batch_size`` × m × ``D``.
     ``boundaries`` optionally gives the segment indices of each stage (``[[0, 1], [2, 3]]``);
     ``None`` balances stages on estimated cost. ``recompute`` ``None`` = the policy's default
-    (Varuna: on; GPipe, 1F1B: off)."""
+    (Varuna: on; GPipe, 1F1B: off). ``P``/``D`` ``None`` = let the planner choose for
+    ``launch.gpus`` workers from a calibration (paper §4.4)."""
 
-    P: int = 1
-    D: int = 1
+    P: int | None = 1
+    D: int | None = 1
     global_batch: int = 8
     micro_batch_size: int = 1
     policy: str = "varuna"
@@ -84,7 +85,14 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        if self.P is None or self.D is None:
+            raise ConfigError("P and D are not chosen yet (null = planned); run the planner first")
         return self.P * self.D
+
+    @property
+    def planned(self) -> bool:
+        """True when P or D is left to the planner."""
+        return self.P is None or self.D is None
 
 
 @dataclass
@@ -109,9 +117,11 @@ class TrainConfig:
 @dataclass
 class LaunchConfig:
     """Local launch: torch.distributed backend (``auto`` = NCCL when every worker has a GPU,
-    else gloo), rendezvous address and port (0 = pick a free one), timeouts in seconds."""
+    else gloo), ``gpus`` = workers the planner may use when P/D are null, rendezvous address
+    and port (0 = pick a free one), timeouts in seconds."""
 
     backend: str = "auto"
+    gpus: int = 4
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     timeout_s: float = 120.0
@@ -191,6 +201,8 @@ class JobConfig:
             raise ConfigError(f"model.dropout={self.model.dropout} must be in [0, 1)")
         if self.launch.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"launch.backend={self.launch.backend!r}; choose auto, gloo or nccl")
+        if self.launch.gpus < 1:
+            raise ConfigError(f"launch.gpus={self.launch.gpus} must be >= 1")
         if not 0 <= self.launch.master_port < 65536:
             raise ConfigError(f"launch.master_port={self.launch.master_port} must be in 0..65535 (0 = pick a free port)")
         return self
@@ -216,10 +228,14 @@ def validate_parallel(p: ParallelConfig) -> None:
     """
     for name in ("P", "D", "global_batch", "micro_batch_size"):
         v = getattr(p, name)
+        if v is None and name in ("P", "D"):
+            continue  # chosen by the planner
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"parallel.{name}={v!r} must be an integer >= 1")
     if p.policy not in POLICIES:
         raise ConfigError(f"parallel.policy={p.policy!r}; choose one of {list(POLICIES)}")
+    if p.planned:
+        return
     if p.boundaries is not None and len(p.boundaries) != p.P:
         raise ConfigError(
             f"parallel.boundaries has {len(p.boundaries)} stages but P={p.P}; give one list of segment "

@@ -46,6 +46,29 @@ def new_run_dir(job: JobConfig) -> Path:
     return path
 
 
+def plan_job(job: JobConfig, profile=None):
+    """Choose P, D, micro-batch size and stage boundaries for ``job.launch.gpus`` local workers
+    from a (cached) calibration and the simulator; returns ``(job with parallel filled, Plan)``.
+    Local workers share this machine's cores: the plan models them as one VM with
+    ``os.cpu_count()`` compute slots."""
+    import copy
+    import os
+
+    from .planner.plan import plan
+    from .trainer import calibrate_job
+
+    profile = profile or calibrate_job(job)
+    p = job.parallel
+    pl = plan(profile, job.launch.gpus, p.global_batch, policy=p.policy, recompute=p.recompute,
+              gpus_per_vm=job.launch.gpus, compute_slots_per_vm=os.cpu_count() or 1)
+    best = pl.best
+    job = copy.deepcopy(job)
+    job.parallel.P, job.parallel.D = best.P, best.D
+    job.parallel.micro_batch_size = best.micro_batch_size
+    job.parallel.boundaries = best.stages
+    return job.validate(), pl
+
+
 def train_local(job: JobConfig, run_dir: str | Path | None = None) -> RunResult:
     """Train ``job`` on P × D local processes (gloo on CPU, NCCL with GPUs).
 
@@ -54,6 +77,11 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None) -> RunResult:
     worker process is left running.
     """
     job.validate()
+    if job.parallel.planned:
+        job, pl = plan_job(job)
+        print(pl.table(top=5), flush=True)
+        print(f"[varuna] planned: P={job.parallel.P} x D={job.parallel.D}, micro-batch "
+              f"{job.parallel.micro_batch_size}, stages {job.parallel.boundaries}", flush=True)
     check_partition(job)  # unknown preset, bad shape or split -> ValueError now, not in a worker
     tokenize_corpus(job.data.corpus, job.data.tokenizer)
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)

@@ -95,6 +95,46 @@ def check_partition(job: JobConfig) -> str:
     return f"stages (segments) {smap.to_lists()}, tied across stages: {shared or 'none'}"
 
 
+def profile_key(job: JobConfig) -> str:
+    """Cache key of a job's calibration: model shape, sequence length, precision, torch."""
+    import hashlib
+
+    cfg = model_config(job)
+    text = json.dumps([cfg.to_dict(), job.data.seq_len, job.train.precision, torch.__version__,
+                       job.launch.threads_per_worker], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: bool = False,
+                  micro_batch_sizes: tuple[int, ...] = (1, 2, 4)):
+    """Calibrate the job's GPT-2 once (paper §4.3) and cache the ``Profile`` JSON under
+    ``cache_dir`` (default ``~/.cache/varuna_sdk/profiles``); a cached profile is reused."""
+    from .data.loader import default_cache_dir
+    from .profiling.calibrate import calibrate
+    from .profiling.profile import Profile
+
+    cache = Path(cache_dir) if cache_dir else default_cache_dir() / "profiles"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"{job.name}-{profile_key(job)}.json"
+    if path.exists() and not refresh:
+        return Profile.load(path)
+    cfg = model_config(job)
+    T = job.data.seq_len
+
+    def make_batch(b: int):
+        g = torch.Generator().manual_seed(b)
+        x = torch.randint(0, cfg.vocab_size, (b, T + 1), generator=g)
+        return (x[:, :-1],), x[:, 1:]
+
+    prof = calibrate(partial(gpt2, cfg), lm_loss, make_batch, micro_batch_sizes, seed=job.train.seed,
+                     init_fn=partial(init_gpt2, n_layer=cfg.n_layer), precision=job.train.precision,
+                     threads=job.launch.threads_per_worker, model_info={"name": job.name, "gpt2": cfg.to_dict()})
+    tmp = path.with_suffix(".tmp")
+    prof.to_json(tmp)
+    os.replace(tmp, path)
+    return prof
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 

@@ -197,15 +197,16 @@ def calibrate(
         ]
         per_action, opt_per_byte = _engine_costs(model_fn, loss_fn, make_batch, sizes[0], segments, structure,
                                                  seed, init_fn, precision, device, repeats)
+        params_bytes = {nm: q.numel() * q.element_size() for nm, q in model.named_parameters()}
         del model
     finally:
         torch.set_num_threads(old_threads)
     net = measure_network(threads=threads) if network else None
     return Profile(
         model={"num_segments": n, "param_bytes": sum(structure.segment_param_bytes),
-               "crossings": [[c["dtype"] for c in cr] for cr in structure.crossings], **(model_info or {})},
-        hardware={"device": _device_name(device), "cpu_count": os.cpu_count(), "threads": threads,
-                  "machine": platform.machine()},
+               "crossings": [[c["dtype"] for c in cr] for cr in structure.crossings],
+               "shared": _shared(structure, params_bytes), **(model_info or {})},
+        hardware=_hardware(device, threads),
         software={"torch": torch.__version__, "python": platform.python_version(), "varuna_sdk": _version()},
         micro_batch_sizes=sizes, segments=segments, network=net, per_action_s=per_action, per_step_s=0.0,
         opt_s_per_param_byte=opt_per_byte, calibration_s=time.perf_counter() - t_start,
@@ -236,6 +237,26 @@ def _engine_costs(model_fn, loss_fn, make_batch, b: int, segments, structure, se
     c0 = max(0.0, times[1] - compute - 2 * a)
     pbytes = max(1, sum(s.param_bytes for s in segments))
     return a, c0 / pbytes
+
+
+def _shared(structure, params_bytes: dict[str, int]) -> list[dict]:
+    """Parameters used by more than one segment (tied weights): name, bytes, segments."""
+    return [{"name": nm, "bytes": params_bytes.get(nm, 0), "segments": segs}
+            for nm, segs in structure.state_segments.items() if len(segs) > 1 and nm in params_bytes]
+
+
+def _hardware(device: torch.device, threads: int) -> dict:
+    """Device name, cores, threads; ``memory_bytes`` (the planner's default limit) on a GPU."""
+    hw = {"device": _device_name(device), "cpu_count": os.cpu_count(), "threads": threads,
+          "machine": platform.machine()}
+    if device.type == "cuda":
+        hw["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    else:
+        try:
+            hw["host_memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            pass
+    return hw
 
 
 def _device_name(device: torch.device) -> str:
