@@ -49,6 +49,10 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
     from .planner.plan import Prices, plan
     from .profiling.profile import Profile
 
+    if args.profile and not Path(args.profile).is_file():
+        raise ConfigError(f"profile file {args.profile!r} does not exist; make it with `varuna calibrate "
+                          f"{args.config + ' ' if args.config else ''}-o {args.profile}`, or leave out --profile "
+                          "to calibrate now")
     prof = Profile.load(args.profile) if args.profile else calibrate_job(job)
     prices = Prices()
     if args.spot_price is not None or args.on_demand_price is not None:

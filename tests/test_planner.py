@@ -1,0 +1,444 @@
+"""Tests for the configuration search (``varuna_sdk.planner.plan``, ``csrc/search.cpp``) and the
+``varuna plan`` command, on synthetic profiles whose optimum is known (no calibration here).
+
+What is checked: the balanced split reaches the brute-force bottleneck over all contiguous
+splits; the chosen (P, D, micro-batch) is what an enumeration with the same simulator calls
+(``varuna_sdk.planner.simulate``) picks; every P from 1 to min(G, segments) is offered with the
+batch identity exact and idle GPUs reported; memory exclusions, explicit boundaries, prices and
+the table; the search time's growth in G; ``plan_job`` keeps a P or D the config fixes.
+The simulator itself is covered by ``test_simulator.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from varuna_sdk.config import ConfigError, DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig
+from varuna_sdk.planner.plan import Plan, Prices, candidate_micro_batch_sizes, plan
+from varuna_sdk.planner.simulate import simulate
+from varuna_sdk.profiling.profile import NetworkProfile, Profile, ProfileError, SegmentProfile
+
+GiB = 1024.0**3
+HEAVY = [1, 1, 1, 3, 1, 1, 1, 1]  # 8 uniform segments, one 3x heavier
+
+
+def synthetic_profile(costs, sizes=(1, 2, 4, 8), *, unit_s=0.01, out_bytes=1e6, act_factor=4.0, param_bytes=4e6,
+                      network=True, shared=(), memory_bytes=None, per_action_s=1e-5) -> Profile:
+    """A profile of ``len(costs)`` segments. Segment k at micro-batch b: forward without grad
+    ``costs[k] * unit_s * (0.5 + 0.5 b)`` (per-example cost falls with b, as on real hardware),
+    forward with grad 1.1x that, backward 2x; ``out_bytes * b`` cross each cut-point,
+    ``act_factor`` times that is saved for backward. Network: 50 us + 10 Gbit/s."""
+    segs = []
+    pb = param_bytes if isinstance(param_bytes, (list, tuple)) else [param_bytes] * len(costs)
+    for c, w in zip(costs, pb):
+        f = [c * unit_s * (0.5 + 0.5 * b) for b in sizes]
+        segs.append(SegmentProfile(fwd_s=f, rec_s=[1.1 * x for x in f], bwd_s=[2.0 * x for x in f],
+                                   out_bytes=[int(out_bytes * b) for b in sizes],
+                                   act_bytes=[int(act_factor * out_bytes * b) for b in sizes], param_bytes=int(w)))
+    net = NetworkProfile(p2p_alpha_s=50e-6, p2p_beta_Bps=1.25e9, ar_alpha_s=50e-6, ar_beta_Bps=1.25e9,
+                         consensus_s=1e-4) if network else None
+    hw = {"device": "synthetic"}
+    if memory_bytes is not None:
+        hw["memory_bytes"] = memory_bytes
+    return Profile(model={"num_segments": len(costs), "shared": list(shared)}, hardware=hw, software={},
+                   micro_batch_sizes=list(sizes), segments=segs, network=net, per_action_s=per_action_s,
+                   per_step_s=0.0, opt_s_per_param_byte=0.0)
+
+
+def stage_lists(starts, n):
+    ends = list(starts[1:]) + [n]
+    return [list(range(a, b)) for a, b in zip(starts, ends)]
+
+
+def seg_cost(prof, k, b, last, recompute):
+    """Compute of segment k on a stage per micro-batch: R + B, plus the first F when it recomputes."""
+    c = prof.at("rec_s", k, b) + prof.at("bwd_s", k, b)
+    return c + prof.at("fwd_s", k, b) if recompute and not last else c
+
+
+def bottleneck(prof, stages, b, recompute):
+    P = len(stages)
+    return max(sum(seg_cost(prof, k, b, s == P - 1, recompute) for k in st) for s, st in enumerate(stages))
+
+
+def all_splits(n, P):
+    for cuts in itertools.combinations(range(1, n), P - 1):
+        yield (0, *cuts)
+
+
+def simulate_row(prof, starts, D, b, B, *, policy="varuna", recompute=True) -> float:
+    """One mini-batch of (split, D, micro-batch b) through ``planner.simulate``, with the inputs
+    the search derives from the profile (stage sums, boundary bytes, replica gradients)."""
+    n, P = prof.num_segments, len(starts)
+    fwd, rec, bwd, dp, act = [], [], [], [], []
+    for s, st in enumerate(stage_lists(starts, n)):
+        grad_forward = not recompute or s == P - 1  # a forward with autograd costs a recompute
+        fwd.append(sum(prof.at("rec_s" if grad_forward else "fwd_s", k, b) for k in st))
+        rec.append(sum(prof.at("rec_s", k, b) for k in st))
+        bwd.append(sum(prof.at("bwd_s", k, b) for k in st))
+        dp.append(float(sum(prof.segments[k].param_bytes for k in st)))
+        if s < P - 1:
+            act.append(prof.at("out_bytes", st[-1], b))
+    net = prof.network
+    out = simulate(P=P, D=D, m=B // (b * D), policy=policy, recompute=recompute, fwd=fwd, rec=rec, bwd=bwd,
+                   opt=[0.0] * P, dp_bytes=dp, act_bytes=act, p2p_alpha=net.p2p_alpha_s, p2p_beta=net.p2p_beta_Bps,
+                   local_alpha=net.p2p_alpha_s, local_beta=net.p2p_beta_Bps, ar_alpha=net.ar_alpha_s,
+                   ar_beta=net.ar_beta_Bps, consensus_latency=net.consensus_s, action_overhead=prof.per_action_s)
+    return out.minibatch_time
+
+
+def enumerate_configs(prof, G, B, split_of):
+    """Every (P, D, b) with P*D <= G, D | B and b | B/D, split by ``split_of(P)``: yields
+    (simulated time, P, D, b, starts)."""
+    for P in range(1, min(G, prof.num_segments) + 1):
+        for D in (d for d in range(1, G // P + 1) if B % d == 0):
+            for b in candidate_micro_batch_sizes(prof):
+                if (B // D) % b == 0:
+                    for starts in split_of(P):
+                        yield simulate_row(prof, starts, D, b, B), P, D, b, tuple(starts)
+
+
+def row_for(pl: Plan, P: int):
+    (row,) = [r for r in pl.rows if r.P == P]
+    return row
+
+
+# ---- balanced split ----------------------------------------------------------------------------
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_balanced_split_reaches_the_brute_force_bottleneck(P, recompute):
+    prof = synthetic_profile(HEAVY)
+    pl = plan(prof, P, 64, recompute=recompute)
+    row = row_for(pl, P)
+    assert row.feasible and [k for st in row.stages for k in st] == list(range(8))
+    b = row.micro_batch_size
+    best = min(bottleneck(prof, stage_lists(s, 8), b, recompute) for s in all_splits(8, P))
+    assert bottleneck(prof, row.stages, b, recompute) == pytest.approx(best, rel=1e-6)
+    if not recompute:  # every stage costs the same per unit: the analytic optimum 6, 4, 3 units
+        unit = seg_cost(prof, 0, b, True, False)
+        assert best == pytest.approx({2: 6, 3: 4, 4: 3}[P] * unit, rel=1e-9)
+        if P == 4:  # only the heavy segment alone reaches 3 units
+            assert [3] in row.stages
+
+
+# ---- choice of (P, D, micro-batch) -------------------------------------------------------------
+GB_CASES = [(8, 64), (4, 64), (8, 32), (6, 48), (8, 128), (5, 40), (7, 56), (3, 24)]
+
+
+@pytest.mark.parametrize("G,B", GB_CASES)
+def test_choice_matches_enumeration_with_the_same_simulator(G, B):
+    # parameters large enough that the all-reduce matters, so P > 1 wins in most cases
+    prof = synthetic_profile(HEAVY, param_bytes=4e8)
+    pl = plan(prof, G, B)
+    best = pl.best
+    splits = {r.P: [st[0] for st in r.stages] for r in pl.rows}
+    # the planner's figure is exactly what planner.simulate gives for its configuration (m <= 64:
+    # simulated in full, no steady-state extension)
+    assert best.time_s == pytest.approx(simulate_row(prof, splits[best.P], best.D, best.micro_batch_size, B),
+                                        rel=1e-12)
+    # an enumeration of every (P, D, b) on the planner's split per P picks the same time
+    t, P, D, b, _ = min(enumerate_configs(prof, G, B, lambda P: [splits[P]]))
+    assert best.time_s <= t * (1 + 1e-9), (best, (P, D, b, t))
+    # ... and enumerating every contiguous split too finds at most a few percent more: the split is
+    # balanced on compute, while all-reduce and p2p can favour another (measured gap <= 1.8 %)
+    t_all = min(enumerate_configs(prof, G, B, lambda P: all_splits(8, P)))[0]
+    assert best.time_s <= t_all * 1.05
+
+
+@pytest.mark.xfail(strict=False, reason="known gaps of csrc/search.cpp: it stops at the first micro-batch size "
+                   "with m >= 2P (a smaller one can be faster) and only tries the largest D (fewer replicas "
+                   "can beat a slow all-reduce)")
+@pytest.mark.parametrize("costs,param_bytes,G,B", [
+    ([1] * 8, 4e8, 8, 256),  # P=8: micro-batch 16 (m=16) chosen, micro-batch 8 (m=32) 6 % faster
+    ([1] * 8, 4e8, 4, 64),  # P=4: micro-batch 8 (m=8) chosen, micro-batch 4 (m=16) 0.8 % faster
+    (HEAVY, 1e9, 8, 64),  # P=4 D=1 (4 GPUs idle) beats every plan that uses all 8
+], ids=["early-stop-6pct", "early-stop-1pct", "largest-D"])
+def test_choice_matches_enumeration_known_gaps(costs, param_bytes, G, B):
+    prof = synthetic_profile(costs, param_bytes=param_bytes)
+    pl = plan(prof, G, B)
+    splits = {r.P: [st[0] for st in r.stages] for r in pl.rows}
+    t = min(enumerate_configs(prof, G, B, lambda P: [splits[P]]))[0]
+    assert pl.best.time_s <= t * (1 + 1e-9)
+
+
+# ---- rows: every P, batch identity, idle GPUs --------------------------------------------------
+@pytest.mark.parametrize("n,G,B", [(8, 8, 64), (8, 16, 64), (7, 8, 48), (8, 6, 48), (5, 12, 60)])
+def test_every_P_up_to_min_G_segments_is_offered(n, G, B):
+    prof = synthetic_profile([1] * n)
+    pl = plan(prof, G, B)
+    assert sorted(r.P for r in pl.rows) == list(range(1, min(G, n) + 1))  # not only divisors of n
+    assert all(r.feasible for r in pl.rows)
+    for r in pl.rows:
+        assert 1 <= r.P * r.D <= G and r.idle_gpus == G - r.P * r.D
+        assert r.D == max(d for d in range(1, G // r.P + 1) if B % d == 0)  # the largest D that divides B
+        assert r.micro_batch_size * r.m * r.D == B
+        assert len(r.stages) == r.P and [k for st in r.stages for k in st] == list(range(n))
+        assert r.examples_per_s == pytest.approx(B / r.time_s)
+    # ranked fastest first
+    times = [r.time_s for r in pl.feasible]
+    assert times == sorted(times)
+
+
+def test_idle_gpus_when_P_does_not_divide_G():
+    pl = plan(synthetic_profile([1] * 8), 8, 64)
+    assert {r.P: r.idle_gpus for r in pl.rows} == {1: 0, 2: 0, 3: 2, 4: 0, 5: 3, 6: 2, 7: 1, 8: 0}
+    shown = {int(f[1]): int(f[5]) for f in (line.split() for line in pl.table(top=20).splitlines()[2:])
+             if f and f[0].isdigit()}
+    assert shown == {r.P: r.idle_gpus for r in pl.rows}  # the table's idle column
+
+
+def test_global_batch_not_divisible_by_replicas_lowers_D():
+    pl = plan(synthetic_profile([1] * 8), 8, 36)  # 36 = 4 * 9: D=8 would not divide it
+    d = {r.P: r.D for r in pl.rows}
+    assert d[1] == 6 and d[2] == 4 and d[3] == 2 and d[5] == 1
+    assert all(r.micro_batch_size * r.m * r.D == 36 for r in pl.feasible)
+
+
+def test_no_micro_batch_size_divides_excludes_with_reason():
+    pl = plan(synthetic_profile([1] * 4), 2, 12, micro_batch_sizes=[8])
+    assert not pl.feasible
+    assert all("divides the replica batch" in r.reason for r in pl.rows)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+def test_memory_limit_excludes_small_P_with_a_reason():
+    # 1 GiB of parameters per segment: weights + grads + Adam = 4 GiB each; 10 GiB fits 2 segments
+    prof = synthetic_profile([1] * 8, param_bytes=GiB, memory_bytes=10 * GiB)
+    pl = plan(prof, 8, 64)
+    excluded = {r.P: r.reason for r in pl.excluded}
+    assert sorted(excluded) == [1, 2, 3]
+    assert all("memory" in why and "GiB" in why for why in excluded.values()), excluded
+    assert sorted(r.P for r in pl.feasible) == [4, 5, 6, 7, 8]
+    assert all(max(r.stage_memory_bytes) <= 10 * GiB for r in pl.feasible)
+    assert pl.best.P >= 4
+    text = pl.table()
+    for P in (1, 2, 3):
+        assert sum(line.startswith(f"  excluded P={P} ") for line in text.splitlines()) == 1
+    # an explicit limit overrides the profile's device memory
+    assert sorted(r.P for r in plan(prof, 8, 64, memory_limit_bytes=100 * GiB).feasible) == list(range(1, 9))
+
+
+def test_nothing_fits_best_raises_listing_reasons():
+    prof = synthetic_profile([1] * 4, param_bytes=GiB)
+    pl = plan(prof, 4, 16, memory_limit_bytes=1 * GiB)
+    assert not pl.feasible and len(pl.excluded) == 4
+    with pytest.raises(ValueError, match="no configuration fits 4 GPUs") as e:
+        pl.best
+    for P in range(1, 5):
+        assert f"P={P}: no split into {P} stages fits memory" in str(e.value)
+    assert pl.table().count("  excluded P=") == 4
+
+
+def test_tied_weights_cost_memory_on_the_second_stage():
+    shared = [{"name": "wte.weight", "bytes": 2e8, "segments": [0, 7]}]
+    prof = synthetic_profile([1] * 8, param_bytes=[2e8] + [1e6] * 7, shared=shared)
+    plain = synthetic_profile([1] * 8, param_bytes=[2e8] + [1e6] * 7)
+    bnd = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    tied = plan(prof, 2, 16, boundaries=bnd, micro_batch_sizes=[2]).best
+    untied = plan(plain, 2, 16, boundaries=bnd, micro_batch_sizes=[2]).best
+    assert tied.stage_memory_bytes[0] == pytest.approx(untied.stage_memory_bytes[0])
+    assert tied.stage_memory_bytes[1] - untied.stage_memory_bytes[1] == pytest.approx(2e8 * 4)  # w + g + 2 Adam
+
+
+# ---- explicit boundaries -----------------------------------------------------------------------
+def test_explicit_boundaries_give_exactly_that_split():
+    prof = synthetic_profile(HEAVY)
+    bnd = [[0, 1, 2], [3], [4, 5, 6, 7]]
+    pl = plan(prof, 8, 64, boundaries=bnd)
+    assert [r.P for r in pl.rows] == [3] and pl.best.stages == bnd
+    odd = [[0], [1, 2, 3, 4, 5], [6, 7]]  # deliberately unbalanced: kept as given
+    assert plan(prof, 3, 24, boundaries=odd).best.stages == odd
+    par = plan(prof, 8, 64, boundaries=bnd).parallel_config()
+    assert par.boundaries == bnd and (par.P, par.global_batch) == (3, 64)
+
+
+@pytest.mark.parametrize("bnd,match", [
+    ([[0, 1], [3, 4, 5, 6, 7]], "once each, in order"),  # segment 2 missing
+    ([[1, 2, 3], [4, 5, 6, 7]], "once each, in order"),  # segment 0 missing
+    ([[0, 1], [5, 6, 7], [2, 3, 4]], "once each, in order"),  # out of order
+    ([[0, 1, 2, 3], [4, 5, 6, 7, 8]], "once each, in order"),  # segment 8 does not exist
+    ([[0, 1, 2, 3], []], "at least one segment"),
+    ([[0, 1, 2], [3, 4], [5, 6, 7]], "only gpus=2"),  # P > G: used to kill the process (SIGFPE in C++)
+])
+def test_bad_boundaries_raise_config_error(bnd, match):
+    with pytest.raises(ConfigError, match=match):
+        plan(synthetic_profile(HEAVY), 2, 64, boundaries=bnd)
+
+
+def test_P_above_segment_count_never_appears():
+    pl = plan(synthetic_profile([1] * 3), 64, 64)
+    assert sorted(r.P for r in pl.rows) == [1, 2, 3]
+    assert max(r.P for r in plan(synthetic_profile([1] * 8), 64, 64, max_depth=5).rows) == 5
+
+
+# ---- costs and prices --------------------------------------------------------------------------
+def test_costs_time_to_target_and_prices():
+    prof = synthetic_profile(HEAVY)
+    prices = Prices(spot_per_gpu_hour=1.5, on_demand_per_gpu_hour=4.0, vm_type="my VM", example=False)
+    target = 1_000_000
+    pl = plan(prof, 8, 64, prices=prices, target_examples=target)
+    for r in pl.feasible:
+        gpus_used = r.P * r.D
+        assert r.cost_per_1k_spot == pytest.approx(1000 / r.examples_per_s / 3600 * gpus_used * 1.5, rel=1e-12)
+        assert r.cost_per_1k_on_demand == pytest.approx(1000 / r.examples_per_s / 3600 * gpus_used * 4.0, rel=1e-12)
+        assert r.time_to_target_s == pytest.approx(target / r.examples_per_s, rel=1e-12)
+        assert r.cost_to_target_spot == pytest.approx(r.time_to_target_s / 3600 * gpus_used * 1.5, rel=1e-12)
+    text = pl.table()
+    assert "EXAMPLE" not in text and "to target" in text
+    # default prices are an example and say so
+    default = plan(prof, 8, 64)
+    assert default.prices.example and "prices are an EXAMPLE" in default.table()
+    assert all(math.isnan(r.time_to_target_s) for r in default.rows)
+    assert "to target" not in default.table()
+    r = default.best
+    assert r.cost_per_1k_spot == pytest.approx(1000 / r.examples_per_s / 3600 * r.P * r.D * Prices().spot_per_gpu_hour)
+
+
+def test_table_lists_ranked_rows_and_excluded_lines():
+    prof = synthetic_profile([1] * 8, param_bytes=GiB, memory_bytes=10 * GiB)
+    pl = plan(prof, 8, 64, target_examples=10_000)
+    lines = pl.table(top=20).splitlines()
+    assert lines[0].startswith("plan for G=8 GPUs, global batch 64, policy varuna")
+    assert lines[1].split()[:6] == ["rank", "P", "D", "mbs", "m", "idle"]
+    ranked = [line.split() for line in lines[2:] if line[:4].strip().isdigit()]
+    assert [int(f[0]) for f in ranked] == list(range(1, len(pl.feasible) + 1))
+    assert [(int(f[1]), int(f[2]), int(f[3]), int(f[4])) for f in ranked] == \
+        [(r.P, r.D, r.micro_batch_size, r.m) for r in pl.feasible]
+    assert [line for line in lines if line.startswith("  excluded")] == \
+        [f"  excluded P={r.P} D={r.D}: {r.reason}" for r in pl.excluded]
+    short = pl.table(top=2)
+    assert f"... {len(pl.feasible) - 2} more feasible configurations" in short
+    assert str(pl) == pl.table() and "<pre>" in pl._repr_html_()
+    assert pl.to_dict()["rows"][0]["P"] == pl.rows[0].P
+
+
+# ---- arguments and profile checks --------------------------------------------------------------
+def test_bad_arguments_and_incomplete_profiles():
+    prof = synthetic_profile([1] * 4)
+    with pytest.raises(ConfigError, match="gpus=0"):
+        plan(prof, 0, 8)
+    with pytest.raises(ConfigError, match="global_batch=0"):
+        plan(prof, 2, 0)
+    with pytest.raises(ConfigError, match="policy='zb'"):
+        plan(prof, 2, 8, policy="zb")
+    no_net = synthetic_profile([1] * 4, network=False)
+    with pytest.raises(ProfileError, match="no network measurements"):
+        plan(no_net, 2, 8)
+    assert plan(no_net, 1, 8).best.P == 1  # one GPU needs no network figures
+    bad = synthetic_profile([1] * 4)
+    bad.segments[2].bwd_s[-1] = float("nan")
+    with pytest.raises(ProfileError, match="segment 2 bwd_s at micro-batch size 8 is nan"):
+        plan(bad, 2, 8)
+    bad.segments[2].bwd_s[-1] = -1.0
+    with pytest.raises(ProfileError, match="segment 2 bwd_s at micro-batch size 8 is -1.0"):
+        plan(bad, 2, 8)
+
+
+def test_profile_edited_in_place_is_replanned():
+    prof = synthetic_profile([1] * 4)
+    t0 = plan(prof, 1, 8).best.time_s
+    for s in prof.segments:
+        s.bwd_s = [2 * x for x in s.bwd_s]
+    assert plan(prof, 1, 8).best.time_s > t0 * 1.3  # no stale cached tables
+
+
+def test_policies_and_recompute_flag():
+    prof = synthetic_profile(HEAVY)
+    for policy, rec in (("varuna", True), ("gpipe", False), ("1f1b", False)):
+        pl = plan(prof, 4, 32, policy=policy)
+        assert pl.policy == policy and pl.recompute is rec and pl.feasible
+    assert plan(prof, 4, 32, policy="varuna", recompute=False).recompute is False
+
+
+# ---- search time -------------------------------------------------------------------------------
+def _search_time(prof, G, B=8192, repeats=3):
+    plan(prof, G, B)  # warm
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan(prof, G, B)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_search_time_growth_in_G():
+    """Sanity check only (speed is shown by benchmarks/bench_plan_speed.py). For G below the
+    segment count the search simulates O(G) depths of O(P x max(P + 8, 64)) actions each, so it
+    grows about quadratically there (not worse); beyond the segment count P stops growing and only
+    D changes, so the time grows far less than G."""
+    prof = synthetic_profile([1] * 96)
+    t = {G: _search_time(prof, G) for G in (8, 32, 128, 1024)}
+    assert t[128] / t[8] < 2 * (128 / 8) ** 2, t  # not worse than quadratic (with room for noise)
+    assert t[1024] / t[128] < 0.75 * (1024 / 128), t  # saturated: well below linear (measured ~2.5)
+    assert t[128] < 2.0, t  # generous: the benchmark's target is 0.1 s
+
+
+@pytest.mark.xfail(strict=False, reason="csrc/search.h claims cost about linear in G, but each depth P simulates "
+                   "max(P + 8, 64) micro-batches on P stages, so below the segment count the search is ~O(G^2)")
+def test_search_time_far_below_quadratic_in_G():
+    prof = synthetic_profile([1] * 96)
+    t8, t128 = _search_time(prof, 8), _search_time(prof, 128)
+    assert t128 / t8 < 0.25 * (128 / 8) ** 2, (t8, t128)
+
+
+# ---- launch: planning a job --------------------------------------------------------------------
+def _job(P=None, D=None, gpus=4) -> JobConfig:
+    return JobConfig(name="tiny-plan", model=ModelConfig(preset="tiny", n_layer=6),
+                     data=DataConfig(tokenizer="byte", seq_len=32),
+                     parallel=ParallelConfig(P=P, D=D, global_batch=32, micro_batch_size=1),
+                     launch=LaunchConfig(gpus=gpus))
+
+
+def test_plan_job_fills_parallel_and_keeps_a_fixed_P_or_D():
+    from varuna_sdk.launch import plan_job
+
+    prof = synthetic_profile(HEAVY, param_bytes=4e8)  # 8 segments = tiny GPT-2 with 6 blocks
+    job, pl = plan_job(_job(), prof)
+    best = pl.best
+    assert (job.parallel.P, job.parallel.D, job.parallel.micro_batch_size) == (best.P, best.D, best.micro_batch_size)
+    assert job.parallel.boundaries == best.stages and not job.parallel.planned
+    for P in (1, 2, 3):
+        job, _ = plan_job(_job(P=P), prof)
+        assert job.parallel.P == P and job.parallel.D == max(d for d in range(1, 4 // P + 1) if 32 % d == 0)
+    job, pl = plan_job(_job(D=2), prof)
+    assert (job.parallel.P, job.parallel.D) == (2, 2) and pl.best.D != 2  # only P=2 has D=2 on 4 GPUs
+    with pytest.raises(ConfigError, match="parallel.P=6"):
+        plan_job(_job(P=6), prof)  # more stages than the 4 workers
+
+
+# ---- command line ------------------------------------------------------------------------------
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "varuna_sdk.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_plan_prints_table_and_reports_missing_profile(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    _job(P=2, D=2).to_yaml(cfg)
+    prof = tmp_path / "profile.json"
+    synthetic_profile(HEAVY, param_bytes=4e8).to_json(prof)
+    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof), "--target-examples", "100000")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "plan for G=4 GPUs, global batch 32" in out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[:3] == ["rank", "P", "D"] and lines[2].split()[0] == "1"
+    assert "prices are an EXAMPLE" in out.stdout and "to target" in out.stdout
+    # user prices are not flagged as an example
+    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof), "--spot-price", "0.5", "--global-batch", "64")
+    assert out.returncode == 0 and "EXAMPLE" not in out.stdout and "global batch 64" in out.stdout
+    # a missing profile: exit 2, one clear line, nothing calibrated
+    missing = tmp_path / "nope.json"
+    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(missing))
+    assert out.returncode == 2
+    assert "nope.json" in out.stderr and "does not exist" in out.stderr and "varuna calibrate" in out.stderr
+    assert "Traceback" not in out.stderr
+    # a profile without network figures for G > 1: exit 2 naming what is missing
+    synthetic_profile(HEAVY, network=False).to_json(prof)
+    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof))
+    assert out.returncode == 2 and "no network measurements" in out.stderr and "Traceback" not in out.stderr
