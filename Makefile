@@ -21,6 +21,7 @@ test: setup
 
 bench: setup
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache

@@ -13,16 +13,13 @@ is reported alongside; it includes allocator behaviour, gradients and receive bu
 Reference rows use the engine's ``1f1b`` policy without recompute (activations of up to P
 micro-batches in flight) and ``gpipe`` (all m).
 
-Run: ``.venv/bin/python benchmarks/bench_memory.py [--quick] [--P 2 4]``.
+Run: ``.venv/bin/python benchmarks/bench_memory.py [--quick] [--P 2 4] [--m 8]``.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,7 +30,7 @@ common.setup_path()
 import torch  # noqa: E402
 
 SEED = 13
-T, MICRO = 128, 4
+T, MICRO = common.T, common.MICRO
 CONFIGS = {  # name -> (policy, recompute)
     "varuna_rc": ("varuna", True),
     "varuna_norc": ("varuna", False),
@@ -126,17 +123,10 @@ class _Saved:
 
 
 def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
-    from varuna_sdk.config import ParallelConfig
-    from varuna_sdk.model import gpt2, init_gpt2, lm_loss
-    from varuna_sdk.pipeline.engine import Varuna
-
     P, m = world, opts["m"]
     policy, recompute = CONFIGS[opts["config"]]
     cfg = common.bench_gpt2_cfg()
-    par = ParallelConfig(P=P, D=1, global_batch=m * MICRO, micro_batch_size=MICRO, policy=policy,
-                         recompute=recompute, boundaries=common.varuna_boundaries(common.block_split(cfg.n_layer, P)))
-    eng = Varuna(lambda: gpt2(cfg), lm_loss, par, (torch.zeros(MICRO, T, dtype=torch.long),), seed=SEED,
-                 init_fn=partial(init_gpt2, n_layer=cfg.n_layer), timeout_s=120)
+    eng = common.varuna_engine(cfg, P, m, SEED, policy=policy, recompute=recompute)
     opt = torch.optim.AdamW(eng.parameters(), lr=1e-3)
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in eng.parameters()})
 
@@ -166,27 +156,19 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
             rss_delta = meter.rss_peak - rss0
         peaks.append({"peak": meter.peak, "saved": meter.peak_saved, "stash": meter.peak_stash,
                       "live_after": meter.saved + meter.stash})
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+    common.write_rank(out_dir, rank, {
         "stage": eng.stage, "peaks": peaks, "rss_delta_first_step": rss_delta,
         "describe": eng.describe(),
-    }))
+    })
 
 
 def run(P: int, config: str, opts: dict, timeout_s: float) -> list[dict]:
-    from varuna_sdk.cluster.local import spawn_workers
-
-    with tempfile.TemporaryDirectory(prefix="bench-mem-") as tmp:
-        spawn_workers(worker, P, args=(tmp, {**opts, "config": config}), backend="gloo", timeout_s=timeout_s,
-                      threads_per_worker=1, work_dir=tmp)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(P)]
+    return common.spawn_collect(worker, P, {**opts, "config": config}, timeout_s)[0]
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], lambda ap: (
-        ap.add_argument("--P", type=int, nargs="+", default=None, help="pipeline depths (default 2 4; quick: 2)"),
-        ap.add_argument("--m", type=int, default=8, help="micro-batches per mini-batch (default 8)"),
-        ap.add_argument("--timeout", type=float, default=180.0, help="per-run worker timeout in seconds")))
-    Ps = args.P or ([2] if args.quick else [2, 4])
+    args = common.parse_args(__doc__.splitlines()[0], lambda ap: common.add_pipeline_args(ap, timeout_s=180.0))
+    Ps = args.P
     configs = ["varuna_rc", "varuna_norc"] if args.quick else list(CONFIGS)
     opts = {"m": args.m, "steps": 2 if args.quick else 3}
     cfg = common.bench_gpt2_cfg()
@@ -195,6 +177,7 @@ def main() -> None:
           f"{MICRO}; one stage boundary activation = {hidden / 2**20:.2f} MiB; {opts['steps']} steps per run")
 
     idle = common.wait_for_idle(args.wait_idle)
+    load0 = common.load_average()
     t0 = time.monotonic()
     results: dict[int, dict[str, list[dict]]] = {}
     for P in Ps:
@@ -236,17 +219,19 @@ def main() -> None:
         f"per stage over a step, max over {opts['steps']} steps; {args.m} micro-batches of {MICRO} x {T} tokens, "
         f"d={cfg.n_embd} (one boundary activation = {hidden / 2**20:.2f} MiB). Recompute keeps, per micro-batch in flight, "
         "only the stage input, plus the full activations of the one micro-batch being recomputed/backpropagated; "
-        "without recompute every in-flight micro-batch keeps its full activations. The last stage never recomputes "
+        "without recompute every in-flight micro-batch keeps its full activations, and how many are in flight is "
+        "the policy's: 1F1B at most P - stage, GPipe all m, Varuna's opportunistic rule runs any ready forward ahead "
+        "of a backward whose gradient has not arrived, so up to m (compare the reference rows). "
+        "The last stage never recomputes "
         "(its ratio is ~1). Stage 0's stashed input is the token ids, which stay in the batch anyway (not counted). "
         "RSS growth is sampled at the same events on the first step in a fresh process and includes allocator "
         "caching, gradients and receive buffers: indicative only. "
         f"Workers took {wall:.0f} s in all."
     )
-    common.write_results("memory", figures, notes, machine=common.machine_info(idle_before=idle, worker_threads=1), extra={"config": {"m": args.m, "micro_batch": MICRO, "T": T,
-                                                                      "model": cfg.to_dict(), **opts},
-                                                           "per_stage": table, "quick": args.quick,
-                                                           "saved_alive_after_step": leaks},
-                         out=args.out)
+    machine = common.machine_info(idle_before=idle, worker_threads=1, load_average=[load0, common.load_average()])
+    extra = {"config": {"m": args.m, "micro_batch": MICRO, "T": T, "model": cfg.to_dict(), **opts},
+             "per_stage": table, "quick": args.quick, "saved_alive_after_step": leaks}
+    common.write_results("memory", figures, notes, machine=machine, extra=extra, out=args.out)
 
 
 if __name__ == "__main__":

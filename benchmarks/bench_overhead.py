@@ -19,7 +19,6 @@ import io
 import pstats
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,23 +28,10 @@ common.setup_path()
 
 import torch  # noqa: E402
 
-from varuna_sdk.config import ParallelConfig  # noqa: E402
-from varuna_sdk.model import gpt2, init_gpt2, lm_loss  # noqa: E402
-import varuna_sdk.pipeline.engine as engine_mod  # noqa: E402
-from varuna_sdk.model.rng import derive_seed  # noqa: E402
-from varuna_sdk.pipeline.engine import Varuna  # noqa: E402
-
-_shipped_seed_segment = engine_mod.seed_segment
+from varuna_sdk.model import lm_loss  # noqa: E402
 
 SEED = 7
 LR = 1e-3
-
-
-def timed_optimizer(opt: torch.optim.Optimizer, sink: dict) -> None:
-    """Record the wall time of every ``opt.step`` into ``sink["opt"]`` (step hooks, no patching)."""
-    state = {}
-    opt.register_step_pre_hook(lambda *a: state.__setitem__("t", time.perf_counter()))
-    opt.register_step_post_hook(lambda *a: sink.__setitem__("opt", sink.get("opt", 0.0) + time.perf_counter() - state["t"]))
 
 
 class PlainLoop:
@@ -56,9 +42,9 @@ class PlainLoop:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.b, self.m = b, m
         self.phase: dict[str, float] = {}
-        timed_optimizer(self.opt, self.phase)
+        common.timed_optimizer(self.opt, self.phase)
 
-    def step(self, batch) -> tuple[float, dict]:
+    def step(self, batch) -> tuple[float, dict, float]:
         x, y = batch
         b, m = self.b, self.m
         t0 = time.perf_counter()
@@ -81,52 +67,23 @@ class PlainLoop:
         return dt, ph, total
 
 
-def _cheap_seed_segment(seed: int, step: int, microbatch: int, segment: int) -> None:
-    """What-if replacement of ``varuna_sdk.model.rng.seed_segment``: the same seed, set on the CPU
-    generator directly. ``torch.manual_seed`` also records Python stack traces for lazy CUDA/XPU/MPS
-    seeding (``traceback.format_stack``, three times per call), which costs ~0.2 ms per call here."""
-    torch.default_generator.manual_seed(derive_seed("segment", seed, step, microbatch, segment))
-
-
 class Engine:
-    """The same training through ``Varuna(...).step`` with P=1, D=1. ``cheap_seed=True`` is a
-    diagnostic what-if (not the shipped code): segment reseeding without ``torch.manual_seed``."""
+    """The same training through ``Varuna(...).step`` with P=1, D=1."""
 
-    def __init__(self, cfg, b: int, m: int, T: int, cheap_seed: bool = False):
-        self.cheap_seed = cheap_seed
-        par = ParallelConfig(P=1, D=1, global_batch=b * m, micro_batch_size=b)
-        self.eng = Varuna(lambda: gpt2(cfg), lm_loss, par, (torch.zeros(b, T, dtype=torch.long),),
-                          seed=SEED, init_fn=partial(init_gpt2, n_layer=cfg.n_layer))
+    def __init__(self, cfg, m: int):
+        self.eng = common.varuna_engine(cfg, 1, m, SEED)
         self.opt = torch.optim.AdamW(self.eng.parameters(), lr=LR)
         self.phase: dict[str, float] = {}
-        timed_optimizer(self.opt, self.phase)
+        common.timed_optimizer(self.opt, self.phase)
 
-    def step(self, batch) -> tuple[float, dict]:
-        engine_mod.seed_segment = _cheap_seed_segment if self.cheap_seed else _shipped_seed_segment
-        try:
-            t0 = time.perf_counter()
-            r = self.eng.step(batch, self.opt)
-            dt = time.perf_counter() - t0
-        finally:
-            engine_mod.seed_segment = _shipped_seed_segment
+    def step(self, batch) -> tuple[float, dict, float]:
+        t0 = time.perf_counter()
+        r = self.eng.step(batch, self.opt)
+        dt = time.perf_counter() - t0
         ph = {"fwd": r.compute_s.get("F", 0.0), "bwd": r.compute_s.get("B", 0.0) + r.compute_s.get("R", 0.0),
               "opt": self.phase.pop("opt", 0.0)}
         ph["other"] = dt - sum(ph.values())
         return dt, ph, r.loss
-
-
-def seed_call_cost(n: int = 300) -> tuple[float, float]:
-    """Median seconds per ``torch.manual_seed`` call and per ``default_generator.manual_seed`` call."""
-    a, b = [], []
-    for k in range(n):
-        t0 = time.perf_counter()
-        torch.manual_seed(k)
-        t1 = time.perf_counter()
-        torch.default_generator.manual_seed(k)
-        t2 = time.perf_counter()
-        a.append(t1 - t0)
-        b.append(t2 - t1)
-    return common.median(a), common.median(b)
 
 
 def profile_engine(run, steps: int) -> tuple[str, dict]:
@@ -139,9 +96,8 @@ def profile_engine(run, steps: int) -> tuple[str, dict]:
     s = io.StringIO()
     ps = pstats.Stats(pr, stream=s)
     ps.sort_stats("tottime").print_stats(15)
-    wanted = {("rng.py", "seed_segment"): "seed_segment (torch.manual_seed)",
-              ("traceback.py", "format_stack"): "  of which traceback.format_stack",
-              ("engine.py", "_sync_and_step"): "_sync_and_step (grad flatten/copy, norm, stats, optimizer)",
+    wanted = {("rng.py", "seed_segment"): "seed_segment (per-segment reseeding)",
+              ("engine.py", "_sync_and_step"): "_sync_and_step (grad norm, stats, optimizer)",
               ("engine.py", "_forward"): "_forward (whole stage forward)"}
     cum = {}
     for (fname, _line, func), (_cc, _nc, _tt, ct, _callers) in ps.stats.items():
@@ -156,7 +112,7 @@ def main() -> None:
         ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)"),
         ap.add_argument("--profile", action="store_true", help="cProfile engine steps even when the target is met")))
     torch.set_num_threads(args.threads)
-    T, b, m = 128, 4, 4
+    T, b, m = common.T, common.MICRO, 4
     B = b * m
     cfg = common.bench_gpt2_cfg()
     rounds, per_round, warmup = (3, 1, 1) if args.quick else (16, 1, 3)
@@ -164,8 +120,7 @@ def main() -> None:
           f"{m} micro-batches x {b}; AdamW; fp32; torch threads={args.threads}; "
           f"{rounds} rounds x {per_round} timed steps per system after {warmup} warm-up")
 
-    systems = {"plain": PlainLoop(cfg, b, m), "engine": Engine(cfg, b, m, T),
-               "engine_cheapseed": Engine(cfg, b, m, T, cheap_seed=True)}
+    systems = {"plain": PlainLoop(cfg, b, m), "engine": Engine(cfg, m)}
     times = {k: [] for k in systems}
     phases = {k: [] for k in systems}
     losses = {k: [] for k in systems}
@@ -207,11 +162,6 @@ def main() -> None:
     figures = [main_fig]
     for p in phase_names:
         figures.append(common.Figure(f"  phase {p} (engine vs plain)", ph_med["engine"][p], "s", baseline=ph_med["plain"][p]))
-    figures.append(common.Figure("what-if: engine with cheap segment reseeding", st["engine_cheapseed"]["median"], "s",
-                                 baseline=st["plain"]["median"], detail=st["engine_cheapseed"]))
-    ms_cost, gen_cost = seed_call_cost()
-    seeds_per_step = m * (engine_step_segments := systems["engine"].eng.structure.num_segments)
-    figures.append(common.Figure("torch.manual_seed per call (vs generator.manual_seed)", ms_cost, "s", baseline=gen_cost))
     figures.append(common.Figure("max relative loss difference engine vs plain", max_rel, "", detail={"steps_compared": n}))
     common.print_table("Engine overhead (P=1, D=1) - medians per optimizer step", figures)
     print(f"median of per-round paired ratios engine/plain: {common.median(paired):.3f}; load average {common.load_average()}")
@@ -220,9 +170,6 @@ def main() -> None:
     by_phase = {p: ph_med["engine"][p] - ph_med["plain"][p] for p in phase_names}
     print("\nwhere the difference is (engine - plain, ms per step): "
           + ", ".join(f"{p} {v * 1e3:+.2f}" for p, v in by_phase.items()) + f"; total {excess * 1e3:+.2f}")
-    print(f"segment reseeding: {seeds_per_step} torch.manual_seed calls per step ({engine_step_segments} segments x "
-          f"{m} micro-batches) at ~{ms_cost * 1e3:.3f} ms each at shallow stack depth (more inside the forward, "
-          f"where format_stack walks a deeper stack)")
 
     prof_text, prof_cum = None, {}
     if args.profile or not main_fig.met:
@@ -241,12 +188,8 @@ def main() -> None:
         f"engine/plain = {ratio:.3f}, median of paired per-round ratios {common.median(paired):.3f} "
         f"(target <= 1.05: {'met' if main_fig.met else 'NOT met'}). Per-phase medians engine - plain (ms/step): "
         + ", ".join(f"{p} {v * 1e3:+.2f}" for p, v in by_phase.items())
-        + f". Forward overhead: Varuna reseeds torch's RNG at every segment of every micro-batch "
-        f"({seeds_per_step} calls/step) through torch.manual_seed, which costs {ms_cost * 1e3:.3f} ms/call here because it "
-        f"records Python stack traces for lazy accelerator seeding; generator.manual_seed costs {gen_cost * 1e6:.1f} us. "
-        f"What-if with cheap reseeding: {st['engine_cheapseed']['median'] / st['plain']['median']:.3f}x plain. "
-        f"'other' = everything outside forward/backward/optimizer: for P=1, D=1 _sync_and_step still flattens and copies "
-        f"every gradient (torch.cat + copy back) and computes the grad norm and a stats tensor with .item() syncs. "
+        + ". 'other' = everything outside forward/backward/optimizer: the C++ scheduler, per-micro-batch "
+        "bookkeeping, the grad-norm and stats reduction with its .item() syncs (no gradient flatten at D=1). "
         f"Loss trajectories engine vs plain agree to {max_rel:.1e} relative."
     )
     common.write_results("overhead", figures, notes, machine=common.machine_info(torch_threads=args.threads, load_average=[load0, common.load_average()],

@@ -15,6 +15,11 @@ rest just in time: extra forward compute on every non-last stage), Varuna with
 ``recompute=False`` (stores activations, same work as torch), torch Schedule1F1B and
 ScheduleGPipe (no recompute: store activations).
 
+Per step and rank, the time inside forward/recompute/backward compute (F, R, B: Varuna's action
+timings; torch's ``forward_one_chunk`` + loss and ``backward_one_chunk``) and inside the optimizer
+is recorded too, so the rest of the step (waiting for peers, communication, framework overhead,
+all-reduces) is visible per system: a compute vs idle split.
+
 Jitter: see ``jitter.py`` — seeded exponential delays on message delivery (mean a fraction of one
 micro-batch's forward+backward time on a stage, measured in this run), identical per message for
 every system, never blocking the sender. Figures: median time per mini-batch (from the first
@@ -24,16 +29,13 @@ systems' steps in a round run back to back, so load bursts on a shared machine h
 medians and of minima are printed alongside as a noise check). Targets (DESIGN.md): >= 1.0x
 without jitter, >= 1.1x with.
 
-Run: ``.venv/bin/python benchmarks/bench_schedules.py [--quick] [--P 2 4] [--jitter-frac 0.5]``.
+Run: ``.venv/bin/python benchmarks/bench_schedules.py [--quick] [--P 2 4] [--m 8] [--jitter-frac 0.5]``.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +49,8 @@ from torch import nn  # noqa: E402
 
 SEED = 11
 LR = 1e-3
-T, MICRO = 128, 4
+T, MICRO = common.T, common.MICRO
+MAX_MSGS_PER_MB = 4  # jitter table: messages per link and step, per micro-batch
 SYSTEMS = ("varuna_rc", "varuna_norc", "torch_1f1b", "torch_gpipe")
 LABEL = {"varuna_rc": "Varuna (recompute)", "varuna_norc": "Varuna (no recompute)",
          "torch_1f1b": "torch Schedule1F1B", "torch_gpipe": "torch ScheduleGPipe"}
@@ -78,37 +81,58 @@ class TorchStage(nn.Module):
 
 
 # ---- the systems, inside one worker -----------------------------------------------------------
-class VarunaSystem:
-    def __init__(self, cfg, P: int, m: int, blocks, recompute: bool):
-        from varuna_sdk.config import ParallelConfig
-        from varuna_sdk.model import gpt2, init_gpt2, lm_loss
-        from varuna_sdk.pipeline.engine import Varuna
+PHASES = ("F", "R", "B", "opt", "wait")
 
-        par = ParallelConfig(P=P, D=1, global_batch=m * MICRO, micro_batch_size=MICRO, policy="varuna",
-                             recompute=recompute, boundaries=common.varuna_boundaries(blocks))
-        self.eng = Varuna(lambda: gpt2(cfg), lm_loss, par, (torch.zeros(MICRO, T, dtype=torch.long),),
-                          seed=SEED, init_fn=partial(init_gpt2, n_layer=cfg.n_layer), timeout_s=120)
+
+class System:
+    """Seconds of this rank's last step in compute (``F``, ``R``, ``B``), in the optimizer and,
+    for Varuna, blocked on a message inside an action (``wait``)."""
+
+    def __init__(self):
+        self.phase: dict[str, float] = {}
+
+    def take_phases(self) -> dict[str, float]:
+        out = {k: self.phase.get(k, 0.0) for k in PHASES}
+        self.phase.clear()  # in place: the timing hooks hold this dict
+        return out
+
+
+_recv_wait: dict[str, float] = {}  # Receiver.get blocking time of the Varuna step running now
+
+
+class VarunaSystem(System):
+    def __init__(self, cfg, P: int, m: int, recompute: bool):
+        super().__init__()
+        self.eng = common.varuna_engine(cfg, P, m, SEED, recompute=recompute)
         self.opt = torch.optim.AdamW(self.eng.parameters(), lr=LR)
-        self.last_compute = {}
+        common.timed_optimizer(self.opt, self.phase)
 
     def step(self, batch) -> float | None:
+        _recv_wait.clear()
         r = self.eng.step(batch, self.opt)
-        self.last_compute = r.compute_s
+        for k, v in r.compute_s.items():  # action time less the time blocked on its input
+            self.phase[k] = self.phase.get(k, 0.0) + v - _recv_wait.get(k, 0.0)
+        self.phase["wait"] = sum(_recv_wait.values())
         return r.loss
 
 
-class TorchSystem:
+class TorchSystem(System):
     def __init__(self, cfg, P: int, m: int, blocks, rank: int, schedule_cls, tied_group):
         from torch.distributed.pipelining import PipelineStage
 
         from varuna_sdk.model import lm_loss
 
+        super().__init__()
         full = common.full_model(cfg, SEED)
         self.rank, self.P = rank, P
         self.module = TorchStage(full, blocks[rank], rank == 0, rank == P - 1)
         self.stage = PipelineStage(self.module, rank, P, torch.device("cpu"))
         self.sched = schedule_cls(self.stage, n_microbatches=m, loss_fn=lm_loss)
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
+        common.timed_optimizer(self.opt, self.phase)
+        common.timed_method(self.stage, "forward_one_chunk", self.phase, "F")
+        common.timed_method(self.sched, "_compute_loss", self.phase, "F")  # Varuna's F includes the loss
+        common.timed_method(self.stage, "backward_one_chunk", self.phase, "B")
         self.tied_group = tied_group
         self.tied = None
         if rank == 0:
@@ -163,20 +187,23 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     P, m = world, opts["m"]
     cfg = common.bench_gpt2_cfg()
     blocks = common.block_split(cfg.n_layer, P)
-    gate = jitter.JitterGate(opts["ts_path"], world, rank, max_msgs=4 * m, seed=opts["seed"])
+    gate = jitter.JitterGate(opts["ts_path"], world, rank, max_msgs=MAX_MSGS_PER_MB * m, seed=opts["seed"])
     comm.set_delivery_gate(gate)
+    # activations come from the stage before, gradients from the stage after (D = 1: stage = rank)
+    common.time_receive_waits(_recv_wait, lambda r: "F" if r.channel.peer < rank else "B")
     jitter.install_torch_gate(gate)
 
     tied_group = dist.new_group([0, P - 1])
     systems = {
-        "varuna_rc": VarunaSystem(cfg, P, m, blocks, recompute=True),
-        "varuna_norc": VarunaSystem(cfg, P, m, blocks, recompute=False),
+        "varuna_rc": VarunaSystem(cfg, P, m, recompute=True),
+        "varuna_norc": VarunaSystem(cfg, P, m, recompute=False),
         "torch_1f1b": TorchSystem(cfg, P, m, blocks, rank, Schedule1F1B, tied_group),
         "torch_gpipe": TorchSystem(cfg, P, m, blocks, rank, ScheduleGPipe, tied_group),
     }
     B = m * MICRO
     counters = {(s, j): 0 for s in systems for j in (False, True)}
     spans = {f"{s}|{int(j)}": [] for s in systems for j in (False, True)}
+    phases = {k: [] for k in spans}  # per recorded step: this rank's PHASES seconds
     first_loss = {}
 
     def one_step(name: str, jit: bool, record: bool) -> None:
@@ -185,13 +212,16 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
         batch = common.make_batch(key, B, T, cfg.vocab_size, seed=3)
         gate.begin(key=key, enabled=jit)
         dist.barrier()
-        t0 = time.monotonic()
+        t0, c0, k0 = time.monotonic(), time.process_time(), time.thread_time()
         loss = systems[name].step(batch)
-        t1 = time.monotonic()
+        t1, c1, k1 = time.monotonic(), time.process_time(), time.thread_time()
+        ph = systems[name].take_phases()
+        ph["cpu"], ph["cpu_main"] = c1 - c0, k1 - k0  # CPU seconds: all threads / this (compute) thread
         if name not in first_loss and loss is not None:
             first_loss[name] = loss
         if record:
             spans[f"{name}|{int(jit)}"].append((t0, t1))
+            phases[f"{name}|{int(jit)}"].append(ph)
 
     # warm-up without jitter (torch infers shapes on its first step)
     for name in systems:
@@ -210,43 +240,63 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
                 one_step(name, jit, record=True)
     dist.barrier()
     pg_cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "spans": spans, "first_loss": first_loss, "per_mb_compute_s": float(per_mb),
+    common.write_rank(out_dir, rank, {
+        "rank": rank, "spans": spans, "phases": phases, "first_loss": first_loss, "per_mb_compute_s": float(per_mb),
         "jitter_mean_s": gate.mean_s, "applied_delays": gate.delays,
         "gloo_supports_coalescing": bool(getattr(pg_cpu, "supports_coalescing", False)),
         "blocks": blocks,
-    }))
+    })
 
 
 # ---- parent ---------------------------------------------------------------------------------
 def run_P(P: int, opts: dict, timeout_s: float) -> dict:
-    from varuna_sdk.cluster.local import spawn_workers
+    def prepare(tmp: Path) -> dict:
+        ts_path = str(tmp / "send_times.f64")
+        jitter.create_send_time_table(ts_path, P, MAX_MSGS_PER_MB * opts["m"])
+        return {"ts_path": ts_path}
 
-    with tempfile.TemporaryDirectory(prefix="bench-sched-") as tmp:
-        ts_path = str(Path(tmp) / "send_times.f64")
-        jitter.create_send_time_table(ts_path, P, 4 * opts["m"])
-        t0 = time.monotonic()
-        spawn_workers(worker, P, args=(tmp, {**opts, "ts_path": ts_path}), backend="gloo", timeout_s=timeout_s,
-                      threads_per_worker=1, work_dir=tmp)
-        wall = time.monotonic() - t0
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(P)]
+    ranks, wall = common.spawn_collect(worker, P, opts, timeout_s, prepare)
     out = {"wall_s": wall, "per_mb_compute_s": ranks[0]["per_mb_compute_s"], "jitter_mean_s": ranks[0]["jitter_mean_s"],
            "blocks": ranks[0]["blocks"], "gloo_supports_coalescing": ranks[0]["gloo_supports_coalescing"],
-           "first_loss": ranks[-1]["first_loss"], "times": {}, "stats": {},
+           "first_loss": ranks[-1]["first_loss"], "times": {}, "stats": {}, "split": {}, "cpu": {},
            "applied_delay_mean_s": common.median([d for r in ranks for d in r["applied_delays"]] or [0.0])}
     for key in ranks[0]["spans"]:
         n = len(ranks[0]["spans"][key])
         times = [max(r["spans"][key][i][1] for r in ranks) - min(r["spans"][key][i][0] for r in ranks) for i in range(n)]
         out["times"][key] = times
         out["stats"][key] = common.stats(times)
+        out["split"][key] = split_of(ranks, key)
+        cpu = [sum(r["phases"][key][i]["cpu"] for r in ranks) for i in range(n)]
+        cpu_main = [sum(r["phases"][key][i]["cpu_main"] for r in ranks) for i in range(n)]
+        out["cpu"][key] = {"cpu_s": common.median(cpu), "cpu_main_s": common.median(cpu_main),
+                           "cores_busy": common.median([c / (common.cpu_count() * t) for c, t in zip(cpu, times)])}
     return out
 
 
-def static_order(P: int, m: int) -> str:
-    """Stage 0's static Varuna order without recompute, e.g. ``F0 F1 F2 B0 B1 B2 F3 ...``."""
+def split_of(ranks: list[dict], key: str) -> list[dict]:
+    """Per rank, medians over the recorded steps (seconds): the rank's own step time (barrier exit
+    to return), compute (F + R + B), F, R, B, optimizer, the rest = step - compute - optimizer
+    (waiting for peers, communication, all-reduces, framework overhead) and, for Varuna, ``wait``:
+    the part of the rest spent blocked inside an action on its input; ``busy`` = compute / step;
+    ``cpu``/``cpu_main``: CPU seconds of the process (all threads) / of its compute thread."""
+    out = []
+    for r in ranks:
+        steps = [t1 - t0 for t0, t1 in r["spans"][key]]
+        ph = r["phases"][key]
+        comp = [p["F"] + p["R"] + p["B"] for p in ph]
+        row = {"step": common.median(steps), "compute": common.median(comp),
+               **{k: common.median([p[k] for p in ph]) for k in PHASES + ("cpu", "cpu_main")},
+               "rest": common.median([s - c - p["opt"] for s, c, p in zip(steps, comp, ph)]),
+               "busy": common.median([c / s for s, c in zip(steps, comp)])}
+        out.append(row)
+    return out
+
+
+def static_order(P: int, m: int, stage: int = 0) -> str:
+    """A stage's static Varuna order without recompute, e.g. ``F0 F1 F2 B0 F3 B1 ...``."""
     from varuna_sdk.pipeline.schedule import format_schedule, stage_schedule
 
-    return format_schedule(stage_schedule("varuna", P, m, 0, recompute=False))
+    return format_schedule(stage_schedule("varuna", P, m, stage, recompute=False))
 
 
 def robustness(times: dict, v: str, base: str, jit: int) -> dict:
@@ -258,14 +308,44 @@ def robustness(times: dict, v: str, base: str, jit: int) -> dict:
             "ratio_of_minima": min(b) / min(a)}
 
 
+def print_split(P: int, split: dict, cpu: dict) -> None:
+    """Per system and rank (no jitter): medians in ms of step, compute (F/R/B), optimizer, rest."""
+    print(f"P={P} no jitter, per rank (median ms per step): step = compute [F R B] + optimizer + rest "
+          "(waiting, communication, all-reduces, framework; Varuna: w = of which blocked on a message inside an "
+          "action); busy = compute / step")
+    for s_ in SYSTEMS:
+        cells = [f"r{k} {x['step'] * 1e3:.0f} = {x['compute'] * 1e3:.0f} [{x['F'] * 1e3:.0f} {x['R'] * 1e3:.0f} "
+                 f"{x['B'] * 1e3:.0f}] + {x['opt'] * 1e3:.1f} + {x['rest'] * 1e3:.0f}"
+                 + (f" (w {x['wait'] * 1e3:.0f})" if s_.startswith("varuna") else "") + f" ({x['busy']:.0%})"
+                 for k, x in enumerate(split[f"{s_}|0"])]
+        print(f"  {LABEL[s_]:24s} " + "; ".join(cells))
+    print(f"P={P} CPU time per mini-batch, all ranks (median ms): all threads | compute threads | cores busy = "
+          f"CPU / ({common.cpu_count()} cores x time per mini-batch)")
+    for j in (0, 1):
+        for s_ in SYSTEMS:
+            c = cpu[f"{s_}|{j}"]
+            print(f"  {LABEL[s_] + (' +jitter' if j else ''):32s} {c['cpu_s'] * 1e3:6.0f} | {c['cpu_main_s'] * 1e3:6.0f} | "
+                  f"{c['cores_busy']:.0%}")
+
+
+def split_summary(P: int, split: dict, cpu: dict) -> str:
+    """One sentence per P for the notes: compute and rest per rank, Varuna vs torch 1F1B, no jitter."""
+    def fmt(key: str) -> str:
+        return "/".join(f"{x['compute'] * 1e3:.0f}+{x['rest'] * 1e3:.0f}" for x in split[key])
+
+    return (f"P={P} compute+rest per rank (ms, no jitter): " + ", ".join(f"{LABEL[s_]} {fmt(s_ + '|0')}"
+                                                                         for s_ in SYSTEMS)
+            + "; CPU ms per mini-batch, all ranks, and cores busy: "
+            + ", ".join(f"{LABEL[s_]} {cpu[s_ + '|0']['cpu_s'] * 1e3:.0f} ({cpu[s_ + '|0']['cores_busy']:.0%})"
+                        for s_ in SYSTEMS))
+
+
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], lambda ap: (
-        ap.add_argument("--P", type=int, nargs="+", default=None, help="pipeline depths (default 2 4; quick: 2)"),
-        ap.add_argument("--m", type=int, default=8, help="micro-batches per mini-batch (default 8)"),
+        common.add_pipeline_args(ap, timeout_s=300.0),
         ap.add_argument("--jitter-frac", type=float, default=0.5,
-                        help="mean delay as a fraction of one micro-batch's forward+backward time on a stage"),
-        ap.add_argument("--timeout", type=float, default=300.0, help="per-P worker timeout in seconds")))
-    Ps = args.P or ([2] if args.quick else [2, 4])
+                        help="mean delay as a fraction of one micro-batch's forward+backward time on a stage")))
+    Ps = args.P
     opts = {"m": args.m, "jitter_frac": args.jitter_frac, "seed": 5,
             "warmup": 1 if args.quick else 2, "rounds": 2 if args.quick else 12}
     cfg = common.bench_gpt2_cfg()
@@ -282,7 +362,7 @@ def main() -> None:
         per_P[P] = res
         st = res["stats"]
         med = {k: v["median"] for k, v in st.items()}
-        note_p = " (4 processes on 2 cores: oversubscribed)" if P > (common.cpu_count()) else ""
+        note_p = f" ({P} processes on {common.cpu_count()} cores: oversubscribed)" if P > common.cpu_count() else ""
         print(f"\nP={P}{note_p}: blocks per stage {res['blocks']}; per-micro-batch stage compute "
               f"{res['per_mb_compute_s'] * 1e3:.1f} ms; jitter mean {res['jitter_mean_s'] * 1e3:.1f} ms "
               f"(median applied wait {res['applied_delay_mean_s'] * 1e3:.1f} ms); workers {res['wall_s']:.0f} s")
@@ -291,11 +371,13 @@ def main() -> None:
             for j in (0, 1) for s_ in SYSTEMS))
         print("first-step losses (same weights, same batch): "
               + ", ".join(f"{LABEL[k]} {v:.6f}" for k, v in sorted(res["first_loss"].items())))
+        print_split(P, res["split"], res["cpu"])
         for jit in (0, 1):
             tag = "jitter" if jit else "no jitter"
             for s in SYSTEMS:
                 figures.append(common.Figure(f"P={P} {tag}: time per mini-batch, {LABEL[s]}", med[f"{s}|{jit}"], "s",
-                                             detail=st[f"{s}|{jit}"]))
+                                             detail={**st[f"{s}|{jit}"], "per_rank_split_s": res["split"][f"{s}|{jit}"],
+                                                     "cpu_all_ranks": res["cpu"][f"{s}|{jit}"]}))
             target = ">= 1.1" if jit else ">= 1.0"
             for v in ("varuna_rc", "varuna_norc"):
                 for base in ("torch_1f1b", "torch_gpipe"):
@@ -327,12 +409,14 @@ def main() -> None:
         f"micro-batches ({args.m} x {MICRO}); tied embedding/LM-head gradient summed between first and last stage in "
         "both; AdamW; gloo on CPU, one torch thread per process; systems interleaved round by round in the same "
         "processes. Activation storage: Varuna (recompute) keeps only each micro-batch's stage input between "
-        "forward and backward and recomputes the stage forward just in time (extra compute on every non-last stage, "
-        "so on compute-bound CPU it pays ~1 extra forward per micro-batch on those stages); Varuna (no recompute), "
-        "torch 1F1B and torch GPipe keep full activations (GPipe for all m micro-batches at once). "
-        "Varuna's opportunistic reordering (a forward while a late gradient is awaited) applies only with recompute "
-        "(it reorders around R actions); without recompute Varuna runs its static schedule. Varuna additionally "
-        "runs one world all-reduce per step (overflow, grad-norm, loss consensus). "
+        "forward and backward and recomputes the stage forward just in time (one extra forward per micro-batch on "
+        "every non-last stage, which a compute-bound CPU pays in full); Varuna (no recompute), torch 1F1B and torch "
+        "GPipe keep full activations (GPipe for all m micro-batches at once). Without recompute Varuna releases the "
+        "upstream backward directly, and its opportunistic rule runs a ready forward ahead of a recompute or "
+        "backward whose gradient has not arrived; static orders without recompute: "
+        + "; ".join(f"P={P} stage 0: {static_order(P, args.m)}" for P in Ps)
+        + ". Varuna additionally runs one world all-reduce per step (overflow, grad-norm, loss consensus); its "
+        "per-step engine overhead at P=1 is measured by bench_overhead (overhead.json). "
         f"Jitter: seeded exponential delivery delays, mean {args.jitter_frac} x the slowest stage's pure forward+backward "
         "time per micro-batch (measured in-run without communication), "
         "counted from the sender's hand-off, in-order per link, identical per message for every system (jitter.py). "
@@ -340,14 +424,16 @@ def main() -> None:
         "to back, so a burst of other load on this shared 2-core machine hits both); the ratio of medians and of "
         "minima are kept in each figure's detail. "
         f"Targets met {len(met)}/{len(ratio_figs)}: {summary}. "
-        "Reading: on this CPU testbed compute is the bottleneck and the network is loopback, the regime least "
-        "favourable to recompute; Varuna (recompute) runs 2F+B per micro-batch on non-last stages vs F+B, so ~0.75-0.8x "
-        "1F1B without jitter is what the extra forward costs. Without recompute Varuna runs its static order, e.g. "
-        + "; ".join(f"P={P} stage 0: {static_order(P, args.m)}" for P in Ps)
-        + ", which lets later stages idle while stage 0 runs several backwards before the next forwards; its "
-        "opportunistic rule only fires at R actions. The Varuna engine also pays its per-step overhead "
-        "(see overhead.json: segment reseeding through torch.manual_seed). P=4 runs 4 processes on 2 cores. "
-        f"Load average during the run: {load0} -> {load1} (other work on the machine adds noise)."
+        "Compute vs idle: per rank, compute = time inside F/R/B (Varuna's action timings less the time an action "
+        "blocked on its input message; torch's forward_one_chunk + loss and backward_one_chunk), "
+        "rest = step - compute - optimizer (waiting for peers, communication, "
+        "all-reduces, framework); CPU = process CPU time (all threads) summed over ranks, cores busy = CPU / "
+        "(cores x time per mini-batch); each time-per-mini-batch figure's detail has per_rank_split_s and "
+        "cpu_all_ranks. "
+        + " ".join(split_summary(P, per_P[P]["split"], per_P[P]["cpu"]) + "." for P in Ps)
+        + "".join(f" P={P} runs {P} processes on {common.cpu_count()} cores (oversubscribed)." for P in Ps
+                  if P > common.cpu_count())
+        + f" Load average during the run: {load0} -> {load1} (other work on the machine adds noise)."
     )
     extra = {"config": {"m": args.m, "micro_batch": MICRO, "T": T, "model": cfg.to_dict(), **opts},
              "per_P": {str(P): {k: v for k, v in r.items() if k != "times"} | {"times": r["times"]} for P, r in per_P.items()},

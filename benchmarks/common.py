@@ -18,12 +18,15 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+T = 128  # tokens per sequence in every benchmark
+MICRO = 4  # sequences per micro-batch in every benchmark
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -38,9 +41,20 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     if extra is not None:
         extra(ap)
     args = ap.parse_args()
+    if hasattr(args, "P") and args.P is None:  # add_pipeline_args
+        args.P = [2] if args.quick else [2, 4]
     if args.wait_idle is None:
         args.wait_idle = 0.0 if args.quick else 30.0
     return args
+
+
+def add_pipeline_args(ap: argparse.ArgumentParser, timeout_s: float) -> None:
+    """``--P`` (pipeline depths: default 2 4, quick 2), ``--m`` (micro-batches, default 8) and
+    ``--timeout`` (seconds per multi-process run) of the multi-stage benchmarks."""
+    ap.add_argument("--P", type=int, nargs="+", default=None, help="pipeline depths (default 2 4; quick: 2)")
+    ap.add_argument("--m", type=int, default=8, help="micro-batches per mini-batch (default 8)")
+    ap.add_argument("--timeout", type=float, default=timeout_s,
+                    help=f"per-run worker timeout in seconds (default {timeout_s:g})")
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -58,29 +72,46 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-class Stopwatch:
-    """Accumulates wall time per named phase: ``with sw("fwd"): ...``; ``sw.take()`` returns and
-    clears the totals of the current step."""
+def timed_optimizer(opt: torch.optim.Optimizer, sink: dict, key: str = "opt") -> None:
+    """Add the wall time of every ``opt.step`` to ``sink[key]`` (step hooks, no patching)."""
+    state = {}
+    opt.register_step_pre_hook(lambda *a: state.__setitem__("t", time.perf_counter()))
+    opt.register_step_post_hook(
+        lambda *a: sink.__setitem__(key, sink.get(key, 0.0) + time.perf_counter() - state["t"]))
 
-    def __init__(self) -> None:
-        self.t: dict[str, float] = {}
-        self._name: str | None = None
-        self._t0 = 0.0
 
-    def __call__(self, name: str) -> "Stopwatch":
-        self._name = name
-        return self
+def timed_method(obj: object, name: str, sink: dict, key: str) -> None:
+    """Wrap ``obj.name`` (on the instance) so that each call adds its wall time to ``sink[key]``."""
+    fn = getattr(obj, name)
 
-    def __enter__(self) -> "Stopwatch":
-        self._t0 = time.perf_counter()
-        return self
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
 
-    def __exit__(self, *exc) -> None:
-        self.t[self._name] = self.t.get(self._name, 0.0) + time.perf_counter() - self._t0
+    setattr(obj, name, wrapper)
 
-    def take(self) -> dict[str, float]:
-        out, self.t = self.t, {}
-        return out
+
+def time_receive_waits(sink: dict, key_of: Callable[[object], str]) -> None:
+    """Wrap ``varuna_sdk.pipeline.comm.Receiver.get`` (class-wide, in this process) so that the
+    time each call blocks for its message is added to ``sink[key_of(receiver)]``. The engine times
+    whole actions (``StepResult.compute_s``), and an action whose input has not arrived blocks in
+    ``get``: compute alone is the action time less this wait."""
+    from varuna_sdk.pipeline import comm
+
+    orig = comm.Receiver.get
+
+    def get(self, i):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, i)
+        finally:
+            key = key_of(self)
+            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+
+    comm.Receiver.get = get
 
 
 # ---- machine --------------------------------------------------------------------------------
@@ -159,6 +190,48 @@ def varuna_boundaries(blocks: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def varuna_engine(cfg, P: int, m: int, seed: int, *, policy: str = "varuna", recompute: bool | None = None,
+                  timeout_s: float = 120.0):
+    """``Varuna`` on the benchmark GPT-2: P stages split at ``block_split`` (P = 1: the whole model),
+    D = 1, m micro-batches of ``MICRO`` x ``T`` tokens, name-keyed initial weights from ``seed``.
+    Inside a worker of ``spawn_collect`` when P > 1."""
+    from functools import partial
+
+    from varuna_sdk.config import ParallelConfig
+    from varuna_sdk.model import gpt2, init_gpt2, lm_loss
+    from varuna_sdk.pipeline.engine import Varuna
+
+    boundaries = varuna_boundaries(block_split(cfg.n_layer, P)) if P > 1 else None
+    par = ParallelConfig(P=P, D=1, global_batch=m * MICRO, micro_batch_size=MICRO, policy=policy,
+                         recompute=recompute, boundaries=boundaries)
+    return Varuna(lambda: gpt2(cfg), lm_loss, par, (torch.zeros(MICRO, T, dtype=torch.long),), seed=seed,
+                  init_fn=partial(init_gpt2, n_layer=cfg.n_layer), timeout_s=timeout_s)
+
+
+# ---- worker processes -----------------------------------------------------------------------
+def spawn_collect(worker: Callable, P: int, opts: dict, timeout_s: float, prepare: Callable[[Path], dict] | None = None
+                  ) -> tuple[list[dict], float]:
+    """Run ``worker(rank, P, out_dir, opts)`` in P fresh gloo processes (one torch thread each);
+    every worker ends with ``write_rank``. ``prepare(out_dir)`` may add options (files the workers
+    share) before they start. Returns the ranks' documents in rank order and the wall seconds."""
+    import tempfile
+
+    from varuna_sdk.cluster.local import spawn_workers
+
+    with tempfile.TemporaryDirectory(prefix="varuna-bench-") as tmp:
+        opts = {**opts, **(prepare(Path(tmp)) if prepare else {})}
+        t0 = time.monotonic()
+        spawn_workers(worker, P, args=(tmp, opts), backend="gloo", timeout_s=timeout_s, threads_per_worker=1,
+                      work_dir=tmp)
+        wall = time.monotonic() - t0
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(P)], wall
+
+
+def write_rank(out_dir: str, rank: int, doc: dict) -> None:
+    """A worker's result for ``spawn_collect``."""
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(doc))
+
+
 # ---- results --------------------------------------------------------------------------------
 @dataclass
 class Figure:
@@ -190,15 +263,20 @@ def check_target(ratio: float, target: str) -> bool:
     return {"<=": ratio <= x, ">=": ratio >= x, "<": ratio < x, ">": ratio > x}[op]
 
 
-def _fmt(v: float | None, unit: str = "") -> str:
+def fmt_value(v: float | None, unit: str = "") -> str:
+    """Human-readable ``v`` in ``unit``: seconds as us/ms/s, bytes as MiB, ``mb/s`` as mini-batches/s."""
     if v is None:
         return "-"
     if unit == "s":
-        return f"{v * 1e6:.1f} us" if abs(v) < 1e-3 else f"{v * 1e3:.1f} ms"
+        if abs(v) < 1e-3:
+            return f"{v * 1e6:.1f} us"
+        return f"{v * 1e3:.1f} ms" if abs(v) < 10 else f"{v:.1f} s"
     if unit == "B":
         return f"{v / 2**20:.2f} MiB"
     if unit == "x":
         return f"{v:.3f}x"
+    if unit == "mb/s":
+        return f"{v:.2f} mini-batches/s"
     return f"{v:.4g}{(' ' + unit) if unit else ''}"
 
 
@@ -207,7 +285,7 @@ def print_table(title: str, figures: Sequence[Figure]) -> None:
     rows = [("figure", "value", "baseline", "ratio", "target", "met")]
     for f in figures:
         met = "-" if f.met is None else ("yes" if f.met else "NO")
-        rows.append((f.name, _fmt(f.value, f.unit), _fmt(f.baseline, f.unit),
+        rows.append((f.name, fmt_value(f.value, f.unit), fmt_value(f.baseline, f.unit),
                      "-" if f.ratio is None else f"{f.ratio:.3f}", f.target or "-", met))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = "-" * (sum(widths) + 3 * (len(widths) - 1))
@@ -221,11 +299,12 @@ def print_table(title: str, figures: Sequence[Figure]) -> None:
 
 def write_results(name: str, figures: Sequence[Figure], notes: str, machine: dict | None = None,
                   extra: dict | None = None, out: str | Path | None = None) -> Path:
-    """Write ``{"benchmark", "machine", "figures", "notes", ...extra}`` to
-    ``benchmarks/results/NAME.json`` (or ``out``); returns the path."""
+    """Write ``{"benchmark", "date", "machine", "figures", "notes", ...extra}`` to
+    ``benchmarks/results/NAME.json`` (or ``out``); ``date`` is UTC, ISO 8601; returns the path."""
     path = Path(out) if out else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "machine": machine or machine_info(),
+    doc = {"benchmark": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine or machine_info(),
            "figures": [asdict(f) for f in figures], "notes": notes}
     if extra:
         doc.update(extra)

@@ -81,17 +81,39 @@ def decode_header(h: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, .
 
 
 class Channel:
-    """One direction of traffic to/from ``peer`` over a dedicated two-rank ``group``."""
+    """One direction of traffic to/from ``peer`` over a dedicated two-rank ``group``.
+
+    Within a step every micro-batch crosses a cut-point with the same tensor signature (the
+    batch identity makes micro-batches equal), so the header travels once per step: after
+    ``begin_step()`` the first message carries it and the rest are bare tensors — one send per
+    tensor, nothing else. Raises ``ValueError`` if the signature changes within a step.
+    """
 
     def __init__(self, peer: int, group, device: torch.device, max_outstanding: int = 64):
         self.peer, self.group, self.device = peer, group, device
         self.pending: list[tuple[object, list[torch.Tensor]]] = []
         self.max_outstanding = max_outstanding
+        self._send_sig: tuple | None = None
+        self._recv_sig: list[tuple[torch.dtype, bool, tuple[int, ...]]] | None = None
+
+    def begin_step(self) -> None:
+        """Forget the per-step signature: the next message sends (or expects) a header."""
+        self._send_sig = None
+        self._recv_sig = None
 
     def send(self, tensors: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> None:
         """Queue ``tensors`` (detached, contiguous) for asynchronous delivery to the peer."""
         flags = list(flags) if flags is not None else [False] * len(tensors)
-        payload = [encode_header(tensors, flags, self.device)] + [t.detach().contiguous() for t in tensors]
+        sig = tuple((t.dtype, bool(f), tuple(t.shape)) for t, f in zip(tensors, flags))
+        payload = [t.detach().contiguous() for t in tensors]
+        if self._send_sig is None:
+            payload.insert(0, encode_header(tensors, flags, self.device))
+            self._send_sig = sig
+        elif sig != self._send_sig:
+            raise ValueError(
+                f"the tensors crossing a cut-point changed within a step ({self._send_sig} -> {sig}); every "
+                "micro-batch must send the same shapes and dtypes"
+            )
         if _delivery_gate is not None:
             _delivery_gate.on_send(self.peer)
         works = [dist.isend(t, self.peer, group=self.group) for t in payload]
@@ -111,10 +133,12 @@ class Channel:
 
     def recv(self) -> tuple[list[torch.Tensor], list[bool]]:
         """Blocking receive of one message: (tensors, requires_grad flags)."""
-        h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(h, self.peer, group=self.group)
+        if self._recv_sig is None:
+            h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            dist.recv(h, self.peer, group=self.group)
+            self._recv_sig = decode_header(h)
         tensors, flags = [], []
-        for dtype, flag, shape in decode_header(h):
+        for dtype, flag, shape in self._recv_sig:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(t, self.peer, group=self.group)
             tensors.append(t)

@@ -389,6 +389,7 @@ class Varuna:
         mb_tg = [targets[i * b:(i + 1) * b] for i in range(self.m)]
         base = self.replica * self.m
         scale = self.scaler.scale
+        self._begin_step()
         acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
         grads = Receiver(self.ch_grad_in, self.m, self.timeout_s) if self.ch_grad_in else None
         sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute)
@@ -455,6 +456,11 @@ class Varuna:
         result.compute_s = timing
         self.step_count += 1
         return result
+
+    def _begin_step(self) -> None:
+        for ch in (self.ch_act_out, self.ch_act_in, self.ch_grad_out, self.ch_grad_in):
+            if ch is not None:
+                ch.begin_step()
 
     def _leaves(self, received: tuple | None, flags: Sequence[bool], with_grad: bool) -> tuple | None:
         if received is None:
@@ -529,6 +535,7 @@ class Varuna:
         inputs = tuple(t.to(self.device) for t in inputs)
         targets = targets.to(self.device)
         b = self.parallel.micro_batch_size
+        self._begin_step()
         acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
         recv_flags = [False] * (len(self.structure.crossings[self.start_cut]) if not self.is_first else 0)
         total = torch.zeros((), device=self.device)
