@@ -3,6 +3,21 @@
 # `make test` and .ci/run. Needs only Python 3.11 and the OS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The SSH test hosts (tests/ssh_hosts.py) need sshd. Install openssh-server when it is missing
+# (root + apt only); otherwise say why and go on: the SSH tests then skip with that reason.
+if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing openssh-server (for the SSH test hosts)"
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server >/dev/null 2>&1; then
+      apt-get update -qq >/dev/null 2>&1 || true
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server >/dev/null \
+        || echo "setup: could not install openssh-server; the SSH tests will be skipped" >&2
+    fi
+  else
+    echo "setup: sshd not found and cannot install it (needs root and apt-get);" \
+         "the SSH tests will be skipped — install openssh-server to run them" >&2
+  fi
+fi
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 VENV=.venv
 if [ ! -x "$VENV/bin/python" ]; then

@@ -35,3 +35,13 @@ def run_suite(tmp_path_factory) -> Callable[..., dict]:
                               for r in range(world)] for job in jobs}
 
     return run
+
+
+@pytest.fixture
+def ssh_hosts(request, tmp_path_factory):
+    """``TestHosts`` (tests/ssh_hosts.py): real sshd "VMs" on loopback addresses; ``.add()`` a
+    host, ``.remove(host)`` pre-empts it (kills its sshd and everything it started). Every host
+    is removed by a finalizer, even when the test fails. Skips when sshd is not installed."""
+    from ssh_hosts import test_hosts_fixture
+
+    return test_hosts_fixture(request, tmp_path_factory)

@@ -1,0 +1,491 @@
+"""SSH test hosts: real "VMs" on this machine, each its own ``sshd`` on its own loopback address.
+
+``TestHosts(root)`` creates hosts with ``add()``: per host a fresh ed25519 host key, an sshd
+config (key auth only, ``StrictModes no``, ``UsePAM no``, ``Subsystem sftp internal-sftp``) and
+``sshd -D -e -f CONFIG`` listening on ``127.0.0.x`` (port 22 when free, else a free port). One
+client key authorises all hosts; ``known_hosts`` lists every host's key; ``options()`` gives the
+``SSHOptions`` to reach them.
+
+Pre-emption is real process death: ``remove(host)`` kills the host's sshd *and every process
+it started* — each sshd runs in its own cgroup (v2), so sessions that called ``setsid``,
+double-forked daemons and workers are all found and killed (``cgroup.kill``); where no cgroup v2
+is writable the fallback finds processes by ancestry and by ``SSH_CONNECTION`` and stops them
+before killing them. ``remove`` verifies nothing is left and raises if something is.
+
+``close()`` removes every host; the pytest fixture (``test_hosts_fixture``, registered in
+``conftest.py`` as ``ssh_hosts``) calls it from a finalizer, so it runs even when the test fails
+or times out. A run that was SIGKILLed leaves cgroups named after its dead pid: the next
+``TestHosts`` reaps them.
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from varuna_sdk.cluster.hosts import Host
+from varuna_sdk.cluster.ssh import SSHOptions
+
+_PREFIX = "varuna-testhosts-"
+
+
+def sshd_path() -> str | None:
+    found = shutil.which("sshd")
+    if found:
+        return found
+    return "/usr/sbin/sshd" if os.access("/usr/sbin/sshd", os.X_OK) else None
+
+
+def skip_reason() -> str | None:
+    """Why SSH test hosts cannot run here (None when they can)."""
+    if sshd_path() is None:
+        return ("sshd is not installed: run `bash scripts/setup.sh` as root (installs "
+                "openssh-server) or `apt-get install -y openssh-server`")
+    if shutil.which("ssh-keygen") is None:
+        return "ssh-keygen is not installed (package openssh-client)"
+    return None
+
+
+# -------------------------------------------------------------------------------------- cgroups
+def _cgroup2_base() -> Path | None:
+    """Our own cgroup v2 directory, if a cgroup2 hierarchy is mounted and writable."""
+    mount = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if right.split()[0] == "cgroup2":
+                mount = left.split()[4]
+                break
+    if mount is None:
+        return None
+    rel = ""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            if line.startswith("0::"):
+                rel = line.strip()[3:]
+    base = Path(mount) / rel.lstrip("/")
+    if not base.is_dir() or not os.access(base, os.W_OK):
+        return None
+    return base
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cgroup_pids(cg: Path) -> list[int]:
+    pids: list[int] = []
+    for sub in [cg, *[p for p in cg.rglob("*") if p.is_dir()]]:
+        try:
+            pids += [int(x) for x in (sub / "cgroup.procs").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+def _kill_cgroup(cg: Path, timeout_s: float = 10.0) -> list[int]:
+    """Kill every process in cgroup ``cg`` (and below), wait until it is empty, remove it.
+    Returns the pids that were killed."""
+    pids = _cgroup_pids(cg)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if (cg / "cgroup.kill").exists():
+            (cg / "cgroup.kill").write_text("1")
+        else:  # kernel < 5.14: freeze, kill each, thaw
+            for pid in _cgroup_pids(cg):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if not _cgroup_pids(cg):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {_cgroup_pids(cg)} of {cg} survived SIGKILL")
+        time.sleep(0.02)
+    for sub in sorted([p for p in cg.rglob("*") if p.is_dir()], key=lambda p: -len(p.parts)):
+        _rmdir_retry(sub, deadline)
+    _rmdir_retry(cg, deadline)
+    return pids
+
+
+def _rmdir_retry(d: Path, deadline: float) -> None:
+    while True:
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:  # EBUSY while the last zombies are reaped
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def reap_stale(base: Path | None = None) -> list[str]:
+    """Remove test-host cgroups left by test runs that died without cleaning up."""
+    base = base or _cgroup2_base()
+    reaped: list[str] = []
+    if base is None:
+        return reaped
+    for d in base.glob(_PREFIX + "*"):
+        try:
+            owner = int(d.name[len(_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if owner != os.getpid() and not _pid_alive(owner):
+            _kill_cgroup(d)
+            reaped.append(d.name)
+    return reaped
+
+
+# ----------------------------------------------------------------------------- /proc fallback
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, SSH_CONNECTION or '') of every live (non-zombie) process."""
+    table: dict[int, tuple[int, str]] = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat_ = (p / "stat").read_text()
+            state, ppid = stat_[stat_.rindex(")") + 2:].split()[:2]
+            if state == "Z":  # dead already (init may reap it late)
+                continue
+            ppid = int(ppid)
+            conn = ""
+            try:
+                for kv in (p / "environ").read_bytes().split(b"\0"):
+                    if kv.startswith(b"SSH_CONNECTION="):
+                        conn = kv[15:].decode(errors="replace")
+            except (PermissionError, ProcessLookupError):
+                pass
+            table[int(p.name)] = (ppid, conn)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    return table
+
+
+def _host_pids_proc(root_pid: int, address: str, port: int) -> set[int]:
+    table = _proc_table()
+    found = {root_pid} if root_pid in table else set()
+    for pid, (_, conn) in table.items():
+        parts = conn.split()
+        if len(parts) == 4 and parts[2] == address and parts[3] == str(port):
+            found.add(pid)
+    grew = True
+    while grew:
+        kids = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
+        grew = bool(kids)
+        found |= kids
+    return found
+
+
+# ----------------------------------------------------------------------------------- test hosts
+class _Running:
+    def __init__(self, host: Host, proc: subprocess.Popen, dir_: Path, cgroup: Path | None,
+                 pubkey: str):
+        self.host, self.proc, self.dir, self.cgroup, self.pubkey = host, proc, dir_, cgroup, pubkey
+
+
+def _addr_port_free(address: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, port))
+            return True
+        except OSError:
+            return False
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _keygen(path: Path, comment: str) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+                   check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, timeout=30)
+    return Path(str(path) + ".pub").read_text().strip()
+
+
+class TestHosts:
+    """A set of SSH test hosts under ``root`` (see the module docstring)."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, root: Path, *, python: str = sys.executable, prefer_port_22: bool = True,
+                 isolation: str = "auto"):
+        reason = skip_reason()
+        if reason:
+            raise RuntimeError(reason)
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.python = os.path.abspath(python)
+        self.prefer_port_22 = prefer_port_22 and os.geteuid() == 0
+        self.sshd = sshd_path()
+        self.user = getpass.getuser()
+        self.known_hosts = self.root / "known_hosts"
+        self.client_key = self.root / "id_ed25519"
+        self._client_pub = _keygen(self.client_key, "varuna-test-client")
+        (self.root / "authorized_keys").write_text(self._client_pub + "\n")
+        self.known_hosts.write_text("")
+        if os.geteuid() == 0:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        if isolation not in ("auto", "cgroup", "proc"):
+            raise ValueError(f"isolation={isolation!r}: use 'auto', 'cgroup' or 'proc'")
+        cg_base = _cgroup2_base() if isolation != "proc" else None
+        if isolation == "cgroup" and cg_base is None:
+            raise RuntimeError("isolation='cgroup': no writable cgroup v2 hierarchy here")
+        self.cgroup_root: Path | None = None
+        if cg_base is not None:
+            try:
+                reap_stale(cg_base)
+                self.cgroup_root = cg_base / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
+                self.cgroup_root.mkdir()
+            except OSError:
+                self.cgroup_root = None
+        self._hosts: dict[str, _Running] = {}
+        self._next = 0
+        # start addresses at a per-process offset so concurrent test runs rarely collide
+        self._octet = 2 + (os.getpid() * 7) % 200
+        self.closed = False
+
+    # ---------------------------------------------------------------------------------------
+    @property
+    def hosts(self) -> list[Host]:
+        return [r.host for r in self._hosts.values()]
+
+    @property
+    def isolation(self) -> str:
+        return "cgroup" if self.cgroup_root is not None else "proc"
+
+    def options(self, **overrides) -> SSHOptions:
+        kw = dict(known_hosts=self.known_hosts, connect_timeout_s=5.0, command_timeout_s=30.0,
+                  kill_grace_s=1.0)
+        kw.update(overrides)
+        return SSHOptions(**kw)
+
+    def unused_address(self) -> str:
+        """A loopback address where nothing listens on port 22 (for 'unreachable' tests)."""
+        for _ in range(250):
+            addr = self._take_address()
+            if _addr_port_free(addr, 22) and _addr_port_free(addr, 2222):
+                return addr
+        raise RuntimeError("no unused loopback address found")
+
+    def _take_address(self) -> str:
+        addr = f"127.0.0.{self._octet}"
+        self._octet = 2 + (self._octet - 1) % 253
+        return addr
+
+    def add(self, name: str | None = None, *, gpus: int = 0, address: str | None = None,
+            port: int | None = None) -> Host:
+        """Create and start one host; returns its ``Host`` (already in ``known_hosts``).
+        ``address``/``port`` pin where it listens (default: the next free 127.0.0.x, port 22
+        when free, else a free port)."""
+        if self.closed:
+            raise RuntimeError("TestHosts is closed")
+        name = name or f"vm{self._next}"
+        self._next += 1
+        if name in self._hosts:
+            raise ValueError(f"test host {name} exists")
+        hdir = self.root / name
+        hdir.mkdir()
+        hostkey = hdir / "ssh_host_ed25519_key"
+        pub = _keygen(hostkey, f"varuna-test-{name}")
+        last_err = ""
+        for _ in range(1 if address else 20):
+            addr = address or self._take_address()
+            if any(r.host.address == addr for r in self._hosts.values()):
+                continue
+            if port is not None:
+                p = port
+            else:
+                p = 22 if self.prefer_port_22 and _addr_port_free(addr, 22) else _free_port(addr)
+            # known_hosts first: a client may connect the moment sshd listens
+            self._write_known_hosts(extra=(Host(name=name, address=addr, port=p), pub))
+            running = self._start(name, hdir, hostkey, addr, p, gpus, pub)
+            if running is not None:
+                self._hosts[name] = running
+                self._write_known_hosts()
+                return running.host
+            last_err = (hdir / "sshd.log").read_text()[-500:]
+        self._write_known_hosts()
+        raise RuntimeError(f"could not start sshd for {name}: {last_err}")
+
+    def authorize(self, public_key: str) -> None:
+        """Let ``public_key`` (an OpenSSH ``.pub`` line) log in to every host."""
+        with open(self.root / "authorized_keys", "a") as f:
+            f.write(public_key.strip() + "\n")
+
+    def _start(self, name: str, hdir: Path, hostkey: Path, addr: str, port: int, gpus: int,
+               pub: str) -> _Running | None:
+        cfg = hdir / "sshd_config"
+        cfg.write_text("\n".join([
+            f"ListenAddress {addr}:{port}",
+            f"HostKey {hostkey}",
+            f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
+            "PidFile none",
+            "StrictModes no",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "HostbasedAuthentication no",
+            "PermitRootLogin prohibit-password",
+            "UsePAM no",
+            "UseDNS no",
+            "PrintMotd no",
+            "X11Forwarding no",
+            "AllowTcpForwarding no",
+            "MaxSessions 64",
+            "MaxStartups 64:30:128",
+            "LogLevel INFO",
+            "Subsystem sftp internal-sftp",
+            "",
+        ]))
+        cg = None
+        argv = [self.sshd, "-D", "-e", "-f", str(cfg)]
+        if self.cgroup_root is not None:
+            cg = self.cgroup_root / name
+            cg.mkdir(exist_ok=True)
+            # join the cgroup *before* exec, so nothing sshd starts can escape it
+            argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cg), *argv]
+        log = open(hdir / "sshd.log", "ab")
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True, close_fds=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                if cg is not None:
+                    _kill_cgroup(cg)
+                return None
+            try:
+                with socket.create_connection((addr, port), timeout=1) as s:
+                    if s.recv(64).startswith(b"SSH-"):
+                        break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            self._kill(proc, cg, addr, port)
+            return None
+        host = Host(name=name, address=addr, port=port, user=self.user,
+                    key_path=self.client_key, gpus=gpus, python=self.python,
+                    workdir=str(hdir / "work"), labels={"kind": "test-host"})
+        (hdir / "work").mkdir(exist_ok=True)
+        return _Running(host, proc, hdir, cg, pub)
+
+    def _write_known_hosts(self, extra: tuple[Host, str] | None = None) -> None:
+        entries = [(r.host, r.pubkey) for r in self._hosts.values()]
+        if extra is not None:
+            entries.append(extra)
+        lines = [f"{h.known_hosts_name} {' '.join(pub.split()[:2])}" for h, pub in entries]
+        tmp = self.known_hosts.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, self.known_hosts)
+
+    def pids(self, host: Host | str) -> list[int]:
+        """Every live process of the host: its sshd, sessions and what they started."""
+        r = self._hosts[host if isinstance(host, str) else host.name]
+        if r.cgroup is not None:
+            return sorted(_cgroup_pids(r.cgroup))
+        return sorted(_host_pids_proc(r.proc.pid, r.host.address, r.host.port))
+
+    def remove(self, host: Host | str) -> list[int]:
+        """Pre-empt ``host``: kill its sshd and every process it started; verify none is left.
+        Returns the pids that were killed."""
+        name = host if isinstance(host, str) else host.name
+        r = self._hosts.pop(name)
+        self._write_known_hosts()
+        return self._kill(r.proc, r.cgroup, r.host.address, r.host.port)
+
+    def _kill(self, proc: subprocess.Popen, cg: Path | None, addr: str, port: int) -> list[int]:
+        if cg is not None:
+            killed = _kill_cgroup(cg)
+        else:
+            killed_set: set[int] = set()
+            deadline = time.monotonic() + 10
+            while True:
+                found = _host_pids_proc(proc.pid, addr, port) - {os.getpid()}
+                if not found:
+                    break
+                for sig in (signal.SIGSTOP, signal.SIGKILL):  # stop first: no new forks
+                    for pid in found:
+                        try:
+                            os.kill(pid, sig)
+                        except ProcessLookupError:
+                            pass
+                killed_set |= found
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"processes {sorted(found)} of test host {addr} survive")
+                time.sleep(0.05)
+            killed = sorted(killed_set)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        left = [p for p in killed if _pid_alive(p) and not _is_zombie(p)]
+        if left:
+            raise RuntimeError(f"test host {addr}: processes {left} are still alive after removal")
+        return killed
+
+    def close(self) -> None:
+        """Remove every host and the cgroup root; idempotent."""
+        errors = []
+        for name in list(self._hosts):
+            try:
+                self.remove(name)
+            except Exception as e:  # keep cleaning the others
+                errors.append(f"{name}: {e}")
+        if self.cgroup_root is not None and self.cgroup_root.exists():
+            try:
+                _kill_cgroup(self.cgroup_root)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"cgroup root: {e}")
+        self.closed = True
+        if errors:
+            raise RuntimeError("test host cleanup failed: " + "; ".join(errors))
+
+    def __enter__(self) -> "TestHosts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        s = Path(f"/proc/{pid}/stat").read_text()
+        return s[s.rindex(")") + 2] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_hosts_fixture(request, tmp_path_factory):
+    """Body of the ``ssh_hosts`` fixture: a ``TestHosts`` removed by a finalizer (runs even when
+    the test fails or times out). Skips with the reason when sshd is not installed."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    hosts = TestHosts(tmp_path_factory.mktemp("sshhosts"))
+    request.addfinalizer(hosts.close)
+    return hosts

@@ -1,0 +1,173 @@
+"""Long-lived description of the machines a job runs on: ``Host`` (one VM reached over SSH) and
+``Secret`` (a value that must never be printed).
+
+A ``Host`` says *where* a VM is and *how* to reach it (address, port, user, key file, the
+environment variable that holds the key's passphrase), and what it offers (GPUs, the absolute
+path of the Python that runs workers, a work folder). It holds no connection and no secret
+value: connections live in ``cluster.ssh``, and a passphrase is read from the environment only
+at connect time, so a ``Host`` can be logged, compared, written to YAML and sent to the
+dashboard freely.
+
+Owns: ``Host``, ``Secret``, ``HostError``. Must never import paramiko, torch or anything above
+``cluster`` (manager, notebook, cli).
+"""
+
+from __future__ import annotations
+
+import getpass
+import ipaddress
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class HostError(ValueError):
+    """A host description is invalid; the message says which field and what to change."""
+
+
+class Secret:
+    """A string that prints as ``***`` (``repr``, ``str``, f-strings, logging, tracebacks).
+
+    Read the value with ``.reveal()`` at the one place that needs it (the SSH key loader, the
+    remote environment sender). ``Secret.from_env(NAME)`` reads an environment variable.
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str):
+        if not isinstance(value, str):
+            raise TypeError("Secret holds a str")
+        self._value = value
+
+    @classmethod
+    def from_env(cls, name: str) -> "Secret | None":
+        value = os.environ.get(name)
+        return None if value is None else cls(value)
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    def __str__(self) -> str:
+        return "***"
+
+    def __format__(self, spec: str) -> str:
+        return "***"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(("Secret", self._value))
+
+    def __reduce__(self):  # never pickle the value by accident
+        raise TypeError("a Secret cannot be pickled; pass the name of its environment variable")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One VM reached over SSH.
+
+    name:    short unique name used in logs and the dashboard (``vm0``, ``spot-eastus-3``).
+    address: IP address or DNS name the SSH client connects to; also what other workers use to
+             reach this VM (e.g. ``MASTER_ADDR`` when it runs rank 0).
+    port:    SSH port.
+    user:    login user (default: the local user).
+    key_path: private key file for key authentication (None: the SSH layer's default key).
+    key_passphrase_env: name of the environment variable holding the key's passphrase (the
+             value is read at connect time and never stored here).
+    gpus:    GPUs the VM offers (0: CPU-only, gloo).
+    python:  absolute path of the Python interpreter that runs workers on the VM (the venv's
+             ``bin/python``); remote commands use it directly, never a login shell's PATH.
+    workdir: folder on the VM where code is synced and runs (None: the user's home).
+    labels:  free-form string tags (zone, instance type, provider id).
+    """
+
+    name: str
+    address: str
+    port: int = 22
+    user: str = field(default_factory=getpass.getuser)
+    key_path: Path | None = None
+    key_passphrase_env: str | None = None
+    gpus: int = 0
+    python: str | None = None
+    workdir: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise HostError(f"host name {self.name!r}: use letters, digits, '.', '_' or '-' "
+                            "(no spaces), starting with a letter or digit")
+        if not isinstance(self.address, str) or not self.address or any(c.isspace() for c in self.address):
+            raise HostError(f"host {self.name}: address {self.address!r} must be an IP address or "
+                            "a DNS name without spaces")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535:
+            raise HostError(f"host {self.name}: port {self.port!r} must be an integer in 1..65535")
+        if not isinstance(self.user, str) or not self.user or any(c.isspace() for c in self.user):
+            raise HostError(f"host {self.name}: user {self.user!r} must be a non-empty login name")
+        if self.key_path is not None:
+            object.__setattr__(self, "key_path", Path(self.key_path).expanduser())
+        if self.key_passphrase_env is not None and not _ENV_NAME.match(self.key_passphrase_env):
+            raise HostError(f"host {self.name}: key_passphrase_env {self.key_passphrase_env!r} must "
+                            "be the NAME of an environment variable (not the passphrase itself)")
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 0:
+            raise HostError(f"host {self.name}: gpus {self.gpus!r} must be an integer >= 0")
+        if self.python is not None and not self.python.startswith("/"):
+            raise HostError(f"host {self.name}: python {self.python!r} must be an absolute path on "
+                            "the VM (e.g. /opt/venv/bin/python), so that workers never depend on "
+                            "a login shell's PATH")
+        if self.workdir is not None and not str(self.workdir).startswith("/"):
+            raise HostError(f"host {self.name}: workdir {self.workdir!r} must be an absolute path")
+        labels = dict(self.labels)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise HostError(f"host {self.name}: labels must map strings to strings")
+        object.__setattr__(self, "labels", labels)
+
+    def __hash__(self) -> int:  # labels is a dict: hash on identity fields only
+        return hash((self.name, self.address, self.port, self.user))
+
+    @property
+    def endpoint(self) -> str:
+        """``user@address:port`` (what logs and error messages name)."""
+        return f"{self.user}@{self.address}:{self.port}"
+
+    @property
+    def known_hosts_name(self) -> str:
+        """The name OpenSSH and paramiko use for this host in a known_hosts file."""
+        return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        try:
+            return ipaddress.ip_address(self.address).is_loopback
+        except ValueError:
+            return self.address == "localhost"
+
+    def passphrase(self) -> Secret | None:
+        """The key's passphrase from ``key_passphrase_env`` (None when unset or not configured)."""
+        return Secret.from_env(self.key_passphrase_env) if self.key_passphrase_env else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["key_path"] = None if self.key_path is None else str(self.key_path)
+        d["labels"] = dict(self.labels)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Host":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise HostError(f"host {d.get('name', '?')}: unknown field(s) {unknown}; "
+                            f"known fields are {sorted(known)}")
+        return cls(**dict(d))
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.endpoint})"
