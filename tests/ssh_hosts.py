@@ -6,11 +6,12 @@ config (key auth only, ``StrictModes no``, ``UsePAM no``, ``Subsystem sftp inter
 client key authorises all hosts; ``known_hosts`` lists every host's key; ``options()`` gives the
 ``SSHOptions`` to reach them.
 
-Pre-emption is real process death: ``remove(host)`` kills the host's sshd *and every process
-it started* — each sshd runs in its own cgroup (v2), so sessions that called ``setsid``,
-double-forked daemons and workers are all found and killed (``cgroup.kill``); where no cgroup v2
-is writable the fallback finds processes by ancestry and by ``SSH_CONNECTION`` and stops them
-before killing them. ``remove`` verifies nothing is left and raises if something is.
+A hung VM (or one whose network is cut) is ``freeze(host)``: everything it runs stops, its
+sockets stay open. Pre-emption is real process death: ``remove(host)`` kills the host's sshd
+*and every process it started* — each sshd runs in its own cgroup (v2), so sessions that called
+``setsid``, double-forked daemons and workers are all found and killed (``cgroup.kill``); where
+no cgroup v2 is writable the fallback finds processes by ancestry and by ``SSH_CONNECTION`` and
+stops them before killing them. ``remove`` verifies nothing is left and raises if something is.
 
 ``close()`` removes every host; the pytest fixture (``test_hosts_fixture``, registered in
 ``conftest.py`` as ``ssh_hosts``) calls it from a finalizer, so it runs even when the test fails
@@ -408,6 +409,27 @@ class TestHosts:
         if r.cgroup is not None:
             return sorted(_cgroup_pids(r.cgroup))
         return sorted(_host_pids_proc(r.proc.pid, r.host.address, r.host.port))
+
+    def freeze(self, host: Host | str, frozen: bool = True) -> None:
+        """Freeze ``host`` like a VM that hangs or whose network is cut: its sshd and every
+        process it started stop running (cgroup v2 ``cgroup.freeze``, else SIGSTOP), their
+        sockets stay open and send nothing. ``freeze(host, False)`` thaws; ``remove`` works on a
+        frozen host."""
+        r = self._hosts[host if isinstance(host, str) else host.name]
+        if r.cgroup is not None:
+            (r.cgroup / "cgroup.freeze").write_text("1" if frozen else "0")
+            want = f"frozen {1 if frozen else 0}"
+            deadline = time.monotonic() + 10
+            while want not in (r.cgroup / "cgroup.events").read_text():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"test host {r.host.name}: cgroup did not reach '{want}'")
+                time.sleep(0.01)
+            return
+        for pid in _host_pids_proc(r.proc.pid, r.host.address, r.host.port) - {os.getpid()}:
+            try:
+                os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def remove(self, host: Host | str) -> list[int]:
         """Pre-empt ``host``: kill its sshd and every process it started; verify none is left.

@@ -26,7 +26,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from .hosts import Host, Secret
 from .ssh import RemoteProcess, SSHError, SSHPool
@@ -144,11 +144,17 @@ class RemoteJob:
         return {w.rank: (w.host.name, w.exit_code, "\n".join(w.stderr_tail))
                 for w in self.workers if w.failed() or not w.done()}
 
-    def stop(self, grace_s: float | None = None) -> bool:
+    def stop(self, grace_s: float | None = None, *, gone: Collection[str] = ()) -> bool:
         """Stop every worker's whole process session on every VM (in parallel): SIGTERM, SIGKILL
-        after ``grace_s``. True when nothing is left anywhere."""
+        after ``grace_s``. True when nothing is left anywhere. ``gone``: names of VMs known to be
+        lost (pre-empted, declared lost by the manager): their workers' channels are closed
+        without trying to reach the VM (which would cost a connect timeout)."""
         self.stopped = True
-        live = [w for w in self.workers if w.process is not None]
+        for w in self.workers:
+            if w.process is not None and w.host.name in gone:
+                w.process.killed = True
+                w.process._close_channel()
+        live = [w for w in self.workers if w.process is not None and w.host.name not in gone]
         if not live:
             return True
         with ThreadPoolExecutor(max_workers=min(16, len(live))) as ex:

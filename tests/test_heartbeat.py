@@ -1,0 +1,260 @@
+"""Heartbeats (``varuna_sdk.manager.heartbeat``) over real TCP sockets between real processes:
+heartbeats recorded in the event log, bad MACs / malformed / replayed messages rejected and
+logged, a worker that freezes or dies declared lost within 2 intervals, clean and failed exits
+not mistaken for losses, and the job secret never written anywhere."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from varuna_sdk.cluster.hosts import Secret
+from varuna_sdk.manager.events import EventLog, Kind
+from varuna_sdk.manager.heartbeat import (ENV_TOKEN, HeartbeatClient, HeartbeatServer, derive_key,
+                                          encode)
+
+pytestmark = pytest.mark.timeout(60)
+
+I = 0.5  # heartbeat interval of these tests (s)
+
+CLIENT = textwrap.dedent("""
+    import os, sys, time
+    from varuna_sdk.manager.heartbeat import HeartbeatClient
+    c = HeartbeatClient.from_env()
+    c.start()
+    step = 0
+    mode = sys.argv[1]
+    while True:
+        c.record_step(step, loss=5.0 - 0.1 * step, compute_s={"F": 0.04, "R": 0.04, "B": 0.08},
+                      micro_batches=4, step_time_s=0.2)
+        step += 1
+        if mode in ("ok", "failed") and step == 3:
+            c.close(status=mode, error="ValueError: boom" if mode == "failed" else None)
+            sys.exit(0 if mode == "ok" else 1)
+        print("step", step, flush=True)
+        time.sleep(0.2)
+""")
+
+
+@pytest.fixture
+def job(tmp_path):
+    secret = Secret(secrets.token_urlsafe(24))
+    log = EventLog(tmp_path / "events.db")
+    server = HeartbeatServer("job-hb", secret, log, interval_s=I).start()
+    procs: list[subprocess.Popen] = []
+
+    def spawn(host: str, rank: int, mode: str = "run", token: str | None = None) -> subprocess.Popen:
+        env = {**os.environ, **server.worker_env(), ENV_TOKEN: token or secret.reveal(),
+               "VARUNA_JOB_ID": "job-hb", "VARUNA_HOST": host, "RANK": str(rank)}
+        p = subprocess.Popen([sys.executable, "-c", CLIENT, mode], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        return p
+
+    yield server, log, secret, spawn
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        p.stdout.close()
+        p.stderr.close()
+    server.close()
+    log.close()
+
+
+def _wait_line(p: subprocess.Popen, text: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if text in line:
+            return
+        if not line and p.poll() is not None:
+            raise AssertionError(f"client exited: {p.stderr.read()}")
+    raise AssertionError(f"no {text!r} from the client")
+
+
+def test_heartbeats_are_recorded(job):
+    server, log, secret, spawn = job
+    spawn("vm0", 0)
+    spawn("vm1", 1)
+    assert server.wait_heartbeats(2, timeout_s=20, min_step=2)
+    time.sleep(3.2 * I)
+    rows = log.heartbeats(job_id="job-hb", rank=1)
+    assert len(rows) >= 2 and rows[-1].host == "vm1" and rows[-1].step >= 2
+    r = rows[-1]
+    assert r.fwd_s == pytest.approx(0.01) and r.recompute_s == pytest.approx(0.01)
+    assert r.bwd_s == pytest.approx(0.02) and r.loss == pytest.approx(5.0 - 0.1 * r.step)
+    assert r.mem_bytes > 10_000_000 and r.payload["peak_rss_bytes"] >= r.payload["rss_bytes"] > 0
+    steady = rows[2:]  # after the hello and the at-once report of the first step
+    gaps = [b.time - a.time for a, b in zip(steady, steady[1:])]
+    assert all(0.5 * I < g < 1.6 * I for g in gaps), gaps
+    joined = log.events(kind=Kind.WORKER_JOINED)
+    assert {(e.host, e.rank) for e in joined} == {("vm0", 0), ("vm1", 1)}
+    assert not server.lost_hosts()
+
+
+def test_bad_mac_malformed_and_replayed_messages_are_rejected_and_logged(job, caplog):
+    caplog.set_level(logging.DEBUG)
+    server, log, secret, spawn = job
+    wrong = spawn("vm-evil", 7, token="not-the-job-secret")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not log.events(kind=Kind.AUTH_FAILED):
+        time.sleep(0.05)
+    ev = log.events(kind=Kind.AUTH_FAILED)
+    assert ev and "bad MAC" in ev[0].payload["reason"] and ev[0].payload["peer"].startswith("127.")
+    assert not log.heartbeats(rank=7) and ("vm-evil", 7) not in server.senders()
+    wrong.kill()  # (it would retry, and be rejected, about once per interval)
+    wrong.wait(10)
+    time.sleep(0.1)
+    before = sum("bad MAC" in e.payload["reason"] for e in log.events(kind=Kind.AUTH_FAILED))
+
+    addr = server.address
+    key = derive_key(secret)
+
+    def conn() -> tuple[socket.socket, str]:
+        s = socket.create_connection(addr, timeout=5)
+        greeting = json.loads(s.makefile().readline())
+        return s, greeting["nonce"]
+
+    def closed(s: socket.socket) -> bool:
+        s.settimeout(5)
+        try:
+            return s.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    base = {"v": 1, "type": "hb", "job": "job-hb", "host": "vm9", "rank": 9, "step": 1}
+    # 1. a pickle (never unpickled): not JSON
+    import pickle
+    s, _ = conn()
+    s.sendall(pickle.dumps({"step": 1}) + b"\n")
+    assert closed(s)
+    # 2. an altered message keeps its old MAC
+    s, nonce = conn()
+    line = json.loads(encode(key, {**base, "seq": 1, "nonce": nonce, "time": 0}))
+    line["msg"] = line["msg"].replace('"step":1', '"step":999')
+    s.sendall((json.dumps(line) + "\n").encode())
+    assert closed(s)
+    # 3. a valid line replayed on another connection (other nonce)
+    s, nonce = conn()
+    good = encode(key, {**base, "seq": 1, "nonce": nonce, "time": 0})
+    s.sendall(good)
+    s2, _ = conn()
+    s2.sendall(good)
+    assert closed(s2)
+    # 4. the same line replayed on its own connection (seq does not increase)
+    s.sendall(good)
+    assert closed(s)
+    # 5. oversized
+    s, _ = conn()
+    s.sendall(b"x" * 70_000)
+    assert closed(s)
+    time.sleep(0.2)
+    reasons = [e.payload["reason"] for e in log.events(kind=Kind.AUTH_FAILED)]
+    assert any("not a JSON line" in r for r in reasons)
+    assert sum("bad MAC" in r for r in reasons) == before + 1
+    assert any("nonce of another connection" in r for r in reasons)
+    assert any("seq did not increase" in r for r in reasons)
+    assert any("longer than" in r for r in reasons)
+    assert [r.step for r in log.heartbeats(rank=9)] == [1]  # only the one authentic message
+    assert "rejected: bad MAC" in caplog.text
+
+
+def test_frozen_worker_is_lost_within_two_intervals(job):
+    server, log, secret, spawn = job
+    spawn("vm0", 0)
+    p = spawn("vm1", 1)
+    assert server.wait_heartbeats(2, timeout_s=20, min_step=1)
+    p.send_signal(signal.SIGSTOP)  # the VM freezes: socket open, nothing sent
+    t_stop = time.monotonic()
+    ev = server.wait_for(Kind.HOST_LOST, timeout_s=5 * I, host="vm1")
+    latency = time.monotonic() - t_stop
+    p.kill()
+    assert ev is not None, log.events()
+    assert ev.payload["reason"] == "heartbeat_timeout" and ev.payload["ranks"] == [1]
+    assert latency <= 2 * I + 0.1, latency
+    assert 2 * I - 0.05 <= ev.payload["since_last_heartbeat_s"] <= 2 * I + 0.1
+    assert ev.payload["detection_latency_s"] == ev.payload["since_last_heartbeat_s"]
+    assert log.events(kind=Kind.HOST_LOST)[0].payload == ev.payload
+    assert set(server.lost_hosts()) == {"vm1"}  # vm0 keeps beating
+    time.sleep(2.5 * I)
+    assert set(server.lost_hosts()) == {"vm1"}
+    print(f"frozen worker: lost {latency:.3f}s after SIGSTOP (interval {I}s)")
+
+
+def test_killed_worker_is_lost_at_once_and_only_once(job):
+    server, log, secret, spawn = job
+    p = spawn("vm1", 1)
+    assert server.wait_heartbeats(1, timeout_s=20, min_step=1)
+    t_kill = time.monotonic()
+    p.kill()  # the process dies: its socket closes without a goodbye
+    ev = server.wait_for(Kind.HOST_LOST, timeout_s=5 * I, host="vm1")
+    latency = time.monotonic() - t_kill
+    assert ev is not None and ev.payload["reason"] == "connection_closed"
+    assert latency < 2 * I, latency
+    assert [e.kind for e in log.events(host="vm1")][-2:] == [Kind.WORKER_DISCONNECTED, Kind.HOST_LOST]
+    server.report_exit("vm1", 1, -9)  # the launcher notices too: no second host_lost
+    time.sleep(2.5 * I)
+    assert len(log.events(kind=Kind.HOST_LOST)) == 1
+    print(f"killed worker: lost {latency:.3f}s after SIGKILL (interval {I}s)")
+
+
+def test_goodbyes_are_not_losses_reports_and_no_shows_are(job):
+    server, log, secret, spawn = job
+    ok, failed = spawn("vm0", 0, "ok"), spawn("vm1", 1, "failed")
+    assert ok.wait(20) == 0 and failed.wait(20) == 1
+    time.sleep(3 * I)
+    assert not server.lost_hosts(), log.events()
+    fin = log.events(kind=Kind.WORKER_FINISHED)
+    bad = log.events(kind=Kind.WORKER_FAILED)
+    assert [e.host for e in fin] == ["vm0"] and [e.host for e in bad] == ["vm1"]
+    assert bad[0].payload["error"] == "ValueError: boom" and bad[0].payload["last_step"] == 2
+    # the launcher reports a process death before any heartbeat timeout
+    server.expect("vm2", 2, within_s=30)
+    p = spawn("vm2", 2)
+    assert server.wait_heartbeats(1, timeout_s=20)
+    p.kill()
+    server.report_exit("vm2", 2, -9, at=time.monotonic())
+    ev = server.wait_for(Kind.HOST_LOST, timeout_s=1, host="vm2")
+    assert ev.payload["reason"] == "worker_process_died" and ev.payload["exit_code"] == -9
+    assert ev.payload["detection_latency_s"] < 0.1
+    # a worker that never joins (its VM died during bootstrap) is lost after its allowance
+    server.expect("vm3", 3, within_s=2 * I)
+    ev = server.wait_for(Kind.HOST_LOST, timeout_s=4 * I, host="vm3")
+    assert ev is not None and ev.payload["reason"] == "never_joined"
+    # a job stopped on purpose: silence is not a loss
+    q = spawn("vm4", 4)
+    assert server.wait_heartbeats(1, timeout_s=20, min_step=1)
+    server.stop_expecting()
+    q.kill()
+    time.sleep(3 * I)
+    assert set(server.lost_hosts()) == {"vm2", "vm3"}
+
+
+def test_secret_never_written_anywhere(job, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    server, log, secret, spawn = job
+    p = spawn("vm0", 0)
+    spawn("vm-evil", 5, token="wrong-" + secret.reveal()[:6])
+    assert server.wait_heartbeats(1, timeout_s=20, min_step=2)
+    p.kill()
+    assert server.wait_for(Kind.HOST_LOST, timeout_s=5 * I)
+    log.append("checkpoint", payload={"ok": True})  # flush some more through the WAL
+    raw = b"".join(f.read_bytes() for f in tmp_path.glob("events.db*"))
+    key = derive_key(secret)
+    for needle in (secret.reveal().encode(), key, key.hex().encode()):
+        assert needle not in raw
+    assert secret.reveal() not in caplog.text and key.hex() not in caplog.text
+    assert secret.reveal() not in repr(server.__dict__) and "***" in repr(secret)
+    with pytest.raises(RuntimeError, match="VARUNA_JOB_TOKEN is not"):
+        HeartbeatClient.from_env({"VARUNA_HEARTBEAT_ADDR": "127.0.0.1:1"})

@@ -1,0 +1,320 @@
+"""The job's event log: one embedded SQLite file (stdlib ``sqlite3``, WAL mode) that the manager
+appends to and the dashboard reads.
+
+Three append-only tables, every row stamped with wall-clock ``time`` (Unix seconds) and
+``job_id``:
+
+- ``events``     — what happened: ``kind`` (see ``Kind``), ``host``, ``rank``, ``payload`` (JSON
+  object). Host lost, worker joined/failed, authentication failures, pre-emption notices, ...
+- ``heartbeats`` — one row per worker heartbeat: ``step``, per-micro-batch forward / recompute /
+  backward compute seconds, ``loss``, memory, plus the full message as JSON.
+- ``metrics``    — one row per training step (the job's ``metrics.jsonl`` line as JSON, with
+  ``step`` and ``loss`` as columns for queries).
+
+Concurrency: **one writer, any number of readers**. The writer (``EventLog(path)``) holds one
+connection guarded by a lock, so several threads of the manager process may append; readers
+(``EventLog.reader(path)``, e.g. the dashboard, possibly in other processes) open the file
+read-only. WAL mode means readers never block the writer and always see a consistent snapshot;
+``busy_timeout`` absorbs the brief checkpoint locks.
+
+Secrets never go here: payloads are plain JSON written by the manager, and the heartbeat server
+stores a worker's message only after its MAC was verified — the MAC key itself is never stored.
+
+Owns ``EventLog``, ``Event``, ``HeartbeatRow``, ``Kind``. Imports only the standard library;
+must never import torch, ``cluster`` or anything above the manager.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    time    REAL    NOT NULL,
+    job_id  TEXT,
+    kind    TEXT    NOT NULL,
+    host    TEXT,
+    rank    INTEGER,
+    payload TEXT    NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_job_kind ON events (job_id, kind, id);
+CREATE TABLE IF NOT EXISTS heartbeats (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    time         REAL    NOT NULL,
+    job_id       TEXT,
+    host         TEXT,
+    rank         INTEGER,
+    step         INTEGER,
+    loss         REAL,
+    fwd_s        REAL,
+    recompute_s  REAL,
+    bwd_s        REAL,
+    step_time_s  REAL,
+    mem_bytes    INTEGER,
+    payload      TEXT    NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS heartbeats_job_rank ON heartbeats (job_id, rank, id);
+CREATE TABLE IF NOT EXISTS metrics (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    time    REAL    NOT NULL,
+    job_id  TEXT,
+    step    INTEGER,
+    loss    REAL,
+    payload TEXT    NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS metrics_job_step ON metrics (job_id, step);
+"""
+
+
+class Kind:
+    """Event kinds the SDK writes (free strings are allowed too; these are the shared names)."""
+
+    JOB_STARTED = "job_started"
+    JOB_STOPPED = "job_stopped"
+    HEARTBEAT_SERVER_STARTED = "heartbeat_server_started"
+    HEARTBEAT_SERVER_STOPPED = "heartbeat_server_stopped"
+    WORKER_JOINED = "worker_joined"          # first authenticated message of a worker
+    WORKER_REJOINED = "worker_rejoined"      # it reconnected after a dropped connection
+    WORKER_DISCONNECTED = "worker_disconnected"  # connection closed without a goodbye
+    WORKER_FINISHED = "worker_finished"      # clean goodbye (training done)
+    WORKER_FAILED = "worker_failed"          # goodbye with an error (its traceback summary)
+    WORKER_EXITED = "worker_exited"          # the launcher saw the process end
+    HOST_LOST = "host_lost"                  # heartbeats stopped / process died / VM gone
+    AUTH_FAILED = "auth_failed"              # a message with a bad MAC, malformed, replayed
+    PREEMPTION_NOTICE = "preemption_notice"
+    BOOTSTRAP = "bootstrap"
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    time: float
+    job_id: str | None
+    kind: str
+    host: str | None
+    rank: int | None
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HeartbeatRow:
+    id: int
+    time: float
+    job_id: str | None
+    host: str | None
+    rank: int | None
+    step: int | None
+    loss: float | None
+    fwd_s: float | None
+    recompute_s: float | None
+    bwd_s: float | None
+    step_time_s: float | None
+    mem_bytes: int | None
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+def _json(payload: Mapping[str, Any] | None) -> str:
+    """Strict JSON of a payload (NaN/inf become null: the dashboard's JSON parser rejects them)."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, Mapping):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(dict(payload or {})), allow_nan=False, default=str, separators=(",", ":"))
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+class EventLog:
+    """The job's event log at ``path`` (created with its folder if missing).
+
+    ``EventLog(path)`` is the writer; ``EventLog.reader(path)`` a read-only handle. Both are
+    context managers. Queries return plain dataclasses, oldest first.
+    """
+
+    def __init__(self, path: str | Path, *, readonly: bool = False, timeout_s: float = 10.0):
+        self.path = Path(path)
+        self.readonly = readonly
+        self._lock = threading.RLock()
+        if readonly:
+            if not self.path.exists():
+                raise FileNotFoundError(f"event log {self.path} does not exist (has the job started?)")
+            uri = f"file:{self.path.resolve()}?mode=ro"
+            self._db = sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False,
+                                       isolation_level=None)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), timeout=timeout_s, check_same_thread=False,
+                                       isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            with self._tx():
+                for stmt in _SCHEMA.strip().split(";"):
+                    if stmt.strip():
+                        self._db.execute(stmt)
+                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
+                                 (str(SCHEMA_VERSION),))
+        self._db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+        self._closed = False
+
+    @classmethod
+    def reader(cls, path: str | Path, timeout_s: float = 10.0) -> "EventLog":
+        """A read-only handle (the dashboard's); never blocks the writer (WAL)."""
+        return cls(path, readonly=True, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------------------- plumbing
+    class _Tx:
+        def __init__(self, log: "EventLog"):
+            self.log = log
+
+        def __enter__(self):
+            self.log._lock.acquire()
+            self.log._db.execute("BEGIN IMMEDIATE")
+
+        def __exit__(self, exc_type, *exc):
+            try:
+                self.log._db.execute("ROLLBACK" if exc_type else "COMMIT")
+            finally:
+                self.log._lock.release()
+
+    def _tx(self) -> "_Tx":
+        if self.readonly:
+            raise PermissionError(f"event log {self.path} was opened read-only")
+        return EventLog._Tx(self)
+
+    def _query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    # -------------------------------------------------------------------------------- writing
+    def append(self, kind: str, *, job_id: str | None = None, host: str | None = None,
+               rank: int | None = None, payload: Mapping[str, Any] | None = None,
+               time_s: float | None = None) -> int:
+        """Record one event; returns its id (ids grow: readers poll with ``since_id``)."""
+        if not isinstance(kind, str) or not kind:
+            raise ValueError("event kind must be a non-empty string")
+        with self._tx():
+            cur = self._db.execute(
+                "INSERT INTO events (time, job_id, kind, host, rank, payload) VALUES (?,?,?,?,?,?)",
+                (time.time() if time_s is None else time_s, job_id, kind, host, rank, _json(payload)))
+            return cur.lastrowid
+
+    def append_heartbeat(self, message: Mapping[str, Any], *, job_id: str | None = None,
+                         host: str | None = None, rank: int | None = None,
+                         time_s: float | None = None) -> int:
+        """Record one heartbeat (``message`` as the worker sent it: ``step``, ``loss``, ``fwd_s``,
+        ``recompute_s``, ``bwd_s``, ``step_time_s``, ``mem_bytes`` ...)."""
+        m = message
+        with self._tx():
+            cur = self._db.execute(
+                "INSERT INTO heartbeats (time, job_id, host, rank, step, loss, fwd_s, recompute_s, "
+                "bwd_s, step_time_s, mem_bytes, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (time.time() if time_s is None else time_s, job_id, host, rank, _int(m.get("step")),
+                 _num(m.get("loss")), _num(m.get("fwd_s")), _num(m.get("recompute_s")),
+                 _num(m.get("bwd_s")), _num(m.get("step_time_s")), _int(m.get("mem_bytes")),
+                 _json(m)))
+            return cur.lastrowid
+
+    def append_metric(self, step: int, values: Mapping[str, Any], *, job_id: str | None = None,
+                      time_s: float | None = None) -> int:
+        """Record one training step's metrics (a ``metrics.jsonl`` row)."""
+        with self._tx():
+            cur = self._db.execute(
+                "INSERT INTO metrics (time, job_id, step, loss, payload) VALUES (?,?,?,?,?)",
+                (time.time() if time_s is None else time_s, job_id, int(step),
+                 _num(values.get("loss")), _json(values)))
+            return cur.lastrowid
+
+    # ------------------------------------------------------------------------------- querying
+    def events(self, *, job_id: str | None = None, kind: str | Iterable[str] | None = None,
+               host: str | None = None, since_id: int = 0, since_time: float | None = None,
+               limit: int | None = None) -> list[Event]:
+        """Events matching every given filter, oldest first. ``since_id``: only ids above it
+        (a reader's cursor)."""
+        where, args = ["id > ?"], [since_id]
+        if job_id is not None:
+            where.append("job_id = ?"); args.append(job_id)
+        if kind is not None:
+            kinds = [kind] if isinstance(kind, str) else list(kind)
+            where.append(f"kind IN ({','.join('?' * len(kinds))})"); args += kinds
+        if host is not None:
+            where.append("host = ?"); args.append(host)
+        if since_time is not None:
+            where.append("time >= ?"); args.append(since_time)
+        sql = ("SELECT id, time, job_id, kind, host, rank, payload FROM events WHERE "
+               + " AND ".join(where) + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""))
+        return [Event(*row[:6], json.loads(row[6])) for row in self._query(sql, args)]
+
+    def heartbeats(self, *, job_id: str | None = None, host: str | None = None,
+                   rank: int | None = None, since_id: int = 0,
+                   limit: int | None = None) -> list[HeartbeatRow]:
+        where, args = ["id > ?"], [since_id]
+        for col, v in (("job_id", job_id), ("host", host), ("rank", rank)):
+            if v is not None:
+                where.append(f"{col} = ?"); args.append(v)
+        sql = ("SELECT id, time, job_id, host, rank, step, loss, fwd_s, recompute_s, bwd_s, "
+               "step_time_s, mem_bytes, payload FROM heartbeats WHERE " + " AND ".join(where)
+               + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""))
+        return [HeartbeatRow(*row[:12], json.loads(row[12])) for row in self._query(sql, args)]
+
+    def latest_heartbeats(self, job_id: str | None = None) -> dict[int, HeartbeatRow]:
+        """The last heartbeat of every rank (of ``job_id``): rank → row."""
+        where, args = "", []
+        if job_id is not None:
+            where, args = "WHERE job_id = ?", [job_id]
+        sql = ("SELECT id, time, job_id, host, rank, step, loss, fwd_s, recompute_s, bwd_s, "
+               "step_time_s, mem_bytes, payload FROM heartbeats WHERE id IN "
+               f"(SELECT MAX(id) FROM heartbeats {where} GROUP BY rank) ORDER BY rank")
+        return {row[4]: HeartbeatRow(*row[:12], json.loads(row[12])) for row in self._query(sql, args)}
+
+    def metrics(self, *, job_id: str | None = None, since_id: int = 0) -> list[dict[str, Any]]:
+        """Per-step metrics rows as dicts (the stored JSON plus ``id``, ``time``, ``job_id``)."""
+        where, args = ["id > ?"], [since_id]
+        if job_id is not None:
+            where.append("job_id = ?"); args.append(job_id)
+        rows = self._query("SELECT id, time, job_id, payload FROM metrics WHERE "
+                           + " AND ".join(where) + " ORDER BY id", args)
+        return [{**json.loads(p), "id": i, "time": t, "job_id": j} for i, t, j, p in rows]
+
+    def count(self, table: str = "events") -> int:
+        if table not in ("events", "heartbeats", "metrics"):
+            raise ValueError(f"unknown table {table!r}")
+        return self._query(f"SELECT COUNT(*) FROM {table}")[0][0]
+
+    # -------------------------------------------------------------------------------- closing
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._db.close()
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<EventLog {self.path}{' (read-only)' if self.readonly else ''}>"
