@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,7 +25,7 @@ from .config import JobConfig
 from .data.loader import BatchLoader, eval_batches, tokenize_corpus, train_val_split
 from .data.tokenizer import get_tokenizer
 from .model.gpt2 import GPT2Config, gpt2, init_gpt2, lm_loss, preset
-from .pipeline.engine import Varuna
+from .pipeline.engine import StepResult, Varuna
 
 
 def model_config(job: JobConfig) -> GPT2Config:
@@ -145,9 +146,12 @@ def evaluate(engine: Varuna, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str) -> None:
+def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
+               on_step: Callable[[int, StepResult], None] | None = None) -> None:
     """Entry point of one worker (``spawn_workers`` target): train ``job`` and, on rank 0, write
-    ``metrics.jsonl`` and ``summary.json`` into ``run_dir``."""
+    ``metrics.jsonl`` and ``summary.json`` into ``run_dir``. ``on_step(step, result)``, if given,
+    is called on every rank after each optimizer step (``varuna_sdk.worker`` feeds the worker's
+    heartbeat with it); it must be cheap and must not raise."""
     job = JobConfig.from_dict(job_dict).validate()
     d, p, t = job.data, job.parallel, job.train
     tokens = tokenize_corpus(d.corpus, d.tokenizer)
@@ -178,6 +182,8 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str) -> None
                 g["lr"] = lr_at(step, job)
             batch = loader.replica_batch(step, engine.replica, p.D)
             r = engine.step(batch, opt)
+            if on_step is not None:
+                on_step(step, r)
             if lead:
                 m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
                                 loss_scale=r.loss_scale, step_time_s=r.time_s,

@@ -3,13 +3,16 @@ machine, connect them with torch.distributed, and stop them all — on success, 
 failure, on timeout and on Ctrl-C — so that no worker is ever left running.
 
 Owns ``free_port``, ``spawn_workers`` (runs ``target(rank, world_size, *args)`` in fresh
-``spawn``-ed processes, each with its process group initialised) and ``WorkerFailure``.
+``spawn``-ed processes, each with its process group initialised), ``WorkerFailure`` and
+``retain_freed_memory`` (the allocator setting of every worker process).
 Results come back as files written by the workers themselves (``torch.save`` of plain tensors,
 loaded with ``weights_only=True``), never as pickles from a socket.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import multiprocessing as mp
 import os
@@ -36,6 +39,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters
+_GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
+
+
+def retain_freed_memory(enable: bool = True) -> bool:
+    """Keep memory that torch frees inside the process for reuse (glibc: never trim the heap, never
+    ``mmap`` a large tensor) instead of handing it back to the kernel after every step.
+
+    With glibc's defaults every large CPU tensor (logits, embedding gradients, all-reduce buffers,
+    optimizer temporaries) is a fresh ``mmap``: its pages are faulted in and zeroed by the kernel
+    each time — for the demo GPT-2 ~280k page faults and a third of the step in system time — and
+    page faults of processes sharing a machine serialise, so step times grow erratically with the
+    number of workers. Retained, the memory is reused at the process's peak footprint (which the
+    planner's memory model counts anyway). Every worker calls this at start (``spawn_workers``,
+    ``varuna_sdk.worker``); calibration measures under the same setting. ``enable=False`` restores
+    glibc's default thresholds. Returns False (and does nothing) where the C library is not glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    values = {_M_TRIM_THRESHOLD: 2**31 - 1, _M_MMAP_MAX: 0} if enable else _GLIBC_DEFAULTS
+    return all(mallopt(k, v) == 1 for k, v in values.items())
+
+
+@contextlib.contextmanager
+def retained_memory():
+    """``retain_freed_memory()`` for the duration of a block (calibration in the user's process)."""
+    on = retain_freed_memory(True)
+    try:
+        yield on
+    finally:
+        if on:
+            retain_freed_memory(False)
+
+
 def _pick_backend(backend: str) -> str:
     if backend != "auto":
         return backend
@@ -48,6 +88,7 @@ def _child(rank: int, world_size: int, addr: str, port: int, backend: str, timeo
            err_dir: str, target: Callable, args: tuple) -> None:
     os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)})
+    retain_freed_memory()
     try:
         import torch
         import torch.distributed as dist
