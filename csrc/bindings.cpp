@@ -82,6 +82,7 @@ void bind_simulator(py::module_& m) {
         .def_readwrite("consensus_latency", &SimConfig::consensus_latency)
         .def_readwrite("ranks_per_host", &SimConfig::ranks_per_host)
         .def_readwrite("compute_slots_per_host", &SimConfig::compute_slots_per_host)
+        .def_readwrite("time_share_slots", &SimConfig::time_share_slots)
         .def_readwrite("action_overhead", &SimConfig::action_overhead)
         .def_readwrite("send_overhead", &SimConfig::send_overhead)
         .def_readwrite("p2p_jitter_sigma", &SimConfig::p2p_jitter_sigma)
@@ -182,6 +183,9 @@ void bind_search(py::module_& m) {
         .def_readwrite("fixed_starts", &SearchInput::fixed_starts)
         .def_readwrite("sim", &SearchInput::sim)
         .def_readwrite("opt_s_per_param_byte", &SearchInput::opt_s_per_param_byte)
+        .def_readwrite("ar_cpu_share", &SearchInput::ar_cpu_share)
+        .def_readwrite("opt_parallelism", &SearchInput::opt_parallelism)
+        .def_readwrite("compute_interference", &SearchInput::compute_interference)
         .def_readwrite("sim_cap", &SearchInput::sim_cap);
     py::class_<Candidate>(m, "Candidate", "One configuration found by search().")
         .def_readonly("P", &Candidate::P)

@@ -30,6 +30,143 @@ double seg_cost(const SearchInput& in, const SegmentTable& t, int k, bool last) 
     return c;
 }
 
+// Processor sharing: jobs of work[i] seconds (alone) start together on a host that runs
+// `parallel` of them at full speed; each active job progresses at min(1, parallel / active).
+// Returns each job's completion time.
+std::vector<double> shared_completion(const std::vector<double>& work, double parallel) {
+    const std::size_t n = work.size();
+    std::vector<std::size_t> order(n);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return work[a] < work[b]; });
+    std::vector<double> done(n, 0.0);
+    double t = 0.0, progress = 0.0;
+    for (std::size_t i = 0; i < n; ++i) {
+        const double active = static_cast<double>(n - i);
+        const double rate = std::min(1.0, parallel / active);
+        t += (work[order[i]] - progress) / rate;
+        progress = work[order[i]];
+        done[order[i]] = t;
+    }
+    return done;
+}
+
+// The byte count whose all-reduce among n ranks takes `seconds` (>= its own time): how a
+// collective slowed down by shared cores is handed to the simulator (ring alpha-beta).
+double stretched_bytes(double bytes, int n, double seconds, const SimConfig& cfg) {
+    const double base = allreduce_time(bytes, n, cfg.ar_alpha, cfg.ar_beta);
+    if (n <= 1 || bytes <= 0.0 || !(seconds > base) || !std::isfinite(cfg.ar_beta)) return bytes;
+    return bytes + (seconds - base) * n / (2.0 * (n - 1)) * cfg.ar_beta;
+}
+
+// Synchronisation phase on hosts whose ranks share compute slots (cfg.compute_slots_per_host
+// > 0: workers sharing a machine's cores).  The simulator runs a stage's all-reduces and
+// optimizer as if alone; here they are stretched by the sharing of the host, all ranks
+// entering each part together (the engine: DP all-reduce, tied all-reduces, world-wide
+// consensus, then every rank's end of step at once):
+//  * an all-reduce participant keeps in.ar_cpu_share of a core busy: the host's participants
+//    share its slots (processor sharing);
+//  * the end of step (norm, clipping, optimizer: memory-bound) runs at full speed on at most
+//    in.opt_parallelism ranks of a host at once (memory bandwidth), never more than its slots.
+void share_sync_phase(const SearchInput& in, SimConfig& cfg) {
+    if (cfg.compute_slots_per_host <= 0) return;
+    const int P = cfg.P, D = cfg.D, R = P * D;
+    const int rph = std::max(1, cfg.ranks_per_host);
+    const double slots = cfg.compute_slots_per_host;
+    const double u = std::min(1.0, std::max(1e-3, in.ar_cpu_share));
+    // per host, the completion of each rank's job of work(r) seconds (0 = none)
+    auto per_host = [&](const std::vector<double>& work, double parallel) {
+        std::vector<double> done(static_cast<std::size_t>(R), 0.0);
+        for (int h = 0; h * rph < R; ++h) {
+            std::vector<double> w;
+            std::vector<int> who;
+            for (int r = h * rph; r < std::min(R, (h + 1) * rph); ++r)
+                if (work[static_cast<std::size_t>(r)] > 0.0) {
+                    w.push_back(work[static_cast<std::size_t>(r)]);
+                    who.push_back(r);
+                }
+            const std::vector<double> c = shared_completion(w, parallel);
+            for (std::size_t i = 0; i < who.size(); ++i) done[static_cast<std::size_t>(who[i])] = c[i];
+        }
+        return done;
+    };
+    std::vector<double> work(static_cast<std::size_t>(R), 0.0);
+    if (D > 1) {  // data-parallel all-reduces of every stage at once
+        for (int r = 0; r < R; ++r)
+            work[static_cast<std::size_t>(r)] =
+                allreduce_time(cfg.dp_bytes[static_cast<std::size_t>(r % P)], D, cfg.ar_alpha, cfg.ar_beta);
+        const std::vector<double> done = per_host(work, slots / u);
+        for (int s = 0; s < P; ++s) {
+            double t = 0.0;
+            for (int d = 0; d < D; ++d) t = std::max(t, done[static_cast<std::size_t>(d * P + s)]);
+            auto& b = cfg.dp_bytes[static_cast<std::size_t>(s)];
+            b = stretched_bytes(b, D, t, cfg);
+        }
+    }
+    for (auto& g : cfg.tied) {  // one tied group after the other, its members at once
+        const int n = static_cast<int>(g.stages.size()) * D;
+        std::fill(work.begin(), work.end(), 0.0);
+        const double w = allreduce_time(g.bytes, n, cfg.ar_alpha, cfg.ar_beta);
+        for (int d = 0; d < D; ++d)
+            for (int s : g.stages) work[static_cast<std::size_t>(d * P + s)] = w;
+        const std::vector<double> done = per_host(work, slots / u);
+        g.bytes = stretched_bytes(g.bytes, n, *std::max_element(done.begin(), done.end()), cfg);
+    }
+    // every rank's end of step at once, after the consensus
+    const double par = in.opt_parallelism > 0.0 ? std::min(slots, in.opt_parallelism) : slots;
+    for (int r = 0; r < R; ++r) work[static_cast<std::size_t>(r)] = cfg.opt[static_cast<std::size_t>(r % P)];
+    const std::vector<double> done = per_host(work, par);
+    for (int s = 0; s < P; ++s) {
+        double t = 0.0;
+        for (int d = 0; d < D; ++d) t = std::max(t, done[static_cast<std::size_t>(d * P + s)]);
+        cfg.opt[static_cast<std::size_t>(s)] = t;
+    }
+}
+
+// Compute interference on hosts whose ranks share a machine (compute_slots_per_host > 0):
+// each rank's compute runs 1 + in.compute_interference x (expected number of the host's
+// other cores busy meanwhile) slower.  The expectation treats the other ranks of the host as
+// independently busy for the fraction of the pipeline phase `busy` gives (their work over its
+// length, from a first simulation), at most slots - 1 of them on other cores.  Returns the
+// per-rank scales (empty when nothing changes).
+std::vector<double> interference_scales(const SearchInput& in, const SimConfig& cfg, const SimResult& r) {
+    const int P = cfg.P, R = P * cfg.D;
+    const int rph = std::max(1, cfg.ranks_per_host), k = cfg.compute_slots_per_host;
+    if (k <= 1 || in.compute_interference <= 0.0 || R < 2 || rph < 2 || !(r.pipeline_time > 0.0)) return {};
+    std::vector<double> busy(static_cast<std::size_t>(R));
+    for (int q = 0; q < R; ++q)
+        busy[static_cast<std::size_t>(q)] =
+            std::min(1.0, r.stage_busy[static_cast<std::size_t>(q % P)] / r.pipeline_time);
+    std::vector<double> scale(static_cast<std::size_t>(R), 1.0);
+    bool any = false;
+    for (int q = 0; q < R; ++q) {
+        const int h0 = (q / rph) * rph, h1 = std::min(R, h0 + rph);
+        double others = 0.0;
+        if (h1 - h0 > 64) {  // many ranks per host: the mean, capped, is close enough
+            for (int j = h0; j < h1; ++j)
+                if (j != q) others += busy[static_cast<std::size_t>(j)];
+            others = std::min<double>(k - 1, others);
+            scale[static_cast<std::size_t>(q)] = 1.0 + in.compute_interference * others;
+            any = any || others > 0.0;
+            continue;
+        }
+        std::vector<double> dist{1.0};  // distribution of the number of other busy ranks
+        for (int j = h0; j < h1; ++j) {
+            if (j == q) continue;
+            const double b = busy[static_cast<std::size_t>(j)];
+            std::vector<double> next(dist.size() + 1, 0.0);
+            for (std::size_t x = 0; x < dist.size(); ++x) {
+                next[x] += dist[x] * (1.0 - b);
+                next[x + 1] += dist[x] * b;
+            }
+            dist.swap(next);
+        }
+        for (std::size_t x = 0; x < dist.size(); ++x) others += dist[x] * std::min<double>(k - 1, static_cast<double>(x));
+        scale[static_cast<std::size_t>(q)] = 1.0 + in.compute_interference * others;
+        any = any || others > 0.0;
+    }
+    return any ? scale : std::vector<double>{};
+}
+
 std::string gib(double bytes) {
     char buf[64];
     std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
@@ -146,6 +283,9 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
     cfg.tied.clear();
     cfg.record_timeline = false;
     cfg.extrapolate = false;
+    // ranks sharing a host's compute slots (workers on one machine's cores) are time-sliced,
+    // as the OS does, rather than queued for a free slot
+    cfg.time_share_slots = cfg.compute_slots_per_host > 0;
     std::vector<int> stage_of(n, 0);
     for (int s = 0; s < P; ++s) {
         const int a = c.starts[s], b = s + 1 < P ? c.starts[s + 1] : n;
@@ -180,6 +320,7 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
         cfg.opt[s] = in.opt_s_per_param_byte * w;
         c.stage_compute.push_back(cfg.rec[s] + cfg.bwd[s] + (in.recompute && s + 1 < P ? cfg.fwd[s] : 0.0));
     }
+    share_sync_phase(in, cfg);
     // Long mini-batches: simulate the first m_sim micro-batches (fill, warm-up and the start
     // of the steady state, where the peaks occur) and add (m - m_sim) times the steady-state
     // rate, which a work-conserving pipeline sets by its slowest resource: a stage's compute
@@ -213,6 +354,12 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
         cfg.m = m_sim;
     }
     SimResult r = simulate(cfg);
+    const std::vector<double> scales = interference_scales(in, cfg, r);
+    if (!scales.empty()) {
+        cfg.rank_compute_scale = scales;
+        r = simulate(cfg);
+        if (m_sim < c.m) rate *= *std::max_element(scales.begin(), scales.end());
+    }
     c.minibatch_time = r.minibatch_time + (c.m - m_sim) * rate;
     c.bubble_fraction = r.bubble_fraction;
     if (m_sim < c.m) {  // bubbles shrink as the steady state grows

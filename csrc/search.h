@@ -45,6 +45,15 @@ struct SearchInput {
     std::vector<int> fixed_starts;
     SimConfig sim;                           // network, placement, overheads (P/D/m/costs filled in)
     double opt_s_per_param_byte = 0.0;
+    // Sharing of a host's cores in the synchronisation phase (used only with
+    // sim.compute_slots_per_host > 0): the share of a core each all-reduce participant keeps
+    // busy, and how many ranks' end-of-step work (memory-bound) a host runs at full speed at
+    // once (0 = as many as it has compute slots).
+    double ar_cpu_share = 1.0;
+    double opt_parallelism = 0.0;
+    // Slowdown of compute per other busy core of the host (shared memory bandwidth, caches);
+    // applied to each rank by the expected number of its host's other cores busy meanwhile.
+    double compute_interference = 0.0;
     // Longest mini-batch simulated event by event; longer ones add the steady-state rate
     // for the remaining micro-batches (0 = max(P + 8, 64)).
     int sim_cap = 0;

@@ -162,7 +162,16 @@ private:
         int acts_seen = 0, grads_seen = 0;  // arrived by the last decision time
         // outbound links: free again at
         double act_link_free = 0.0, grad_link_free = 0.0;
+        // time-shared slots: work left in the running action, and its current end
+        double remaining = 0.0, expected_end = -1.0;
     };
+    // time-shared slots: the ranks running on a host, since when at which rate
+    struct Host {
+        std::vector<int> running;
+        double since = 0.0, rate = 1.0;
+    };
+    void share_update(int h, double t);      // progress of the host's actions up to t
+    void share_reschedule(int h, double t);  // new rate and end events from t
 
     void setup();
     void push(double t, Prio p, int r) {
@@ -200,6 +209,8 @@ private:
     std::vector<int> f_count_;
     std::vector<int> free_slots_;
     std::vector<std::deque<int>> slot_queue_;
+    bool share_ = false;
+    std::vector<Host> hosts_;
     std::priority_queue<Event, std::vector<Event>, EvLater> heap_;
     long long actions_ = 0;
     std::vector<std::vector<Segment>> timeline_v_;
@@ -263,6 +274,8 @@ void Engine::setup() {
     if (slots_) {
         free_slots_.assign(static_cast<std::size_t>(nhosts), c_.compute_slots_per_host);
         slot_queue_.assign(static_cast<std::size_t>(nhosts), {});
+        share_ = c_.time_share_slots;
+        if (share_) hosts_.assign(static_cast<std::size_t>(nhosts), Host{});
     }
     if (timeline_) timeline_v_.assign(static_cast<std::size_t>(R), {});
 }
@@ -325,6 +338,11 @@ PipelineRun Engine::run_events() {
         const int r = static_cast<int>(ev.key & 0xffffffffu);
         switch (static_cast<Prio>(ev.key >> 32)) {
             case kEnd: {
+                if (share_) {  // a rescheduled action's earlier end events are stale
+                    auto& k = ranks_[static_cast<std::size_t>(r)];
+                    if (ev.t != k.expected_end) break;
+                    k.expected_end = -1.0;
+                }
                 end_action(r, ev.t);
                 // Decide right away unless another event at or before (t, decide, r) is
                 // pending: ties must see every end / arrival at t first.
@@ -402,9 +420,37 @@ void Engine::input_ready(int r, double ready, double now) {
     }
 }
 
+void Engine::share_update(int h, double t) {
+    auto& host = hosts_[static_cast<std::size_t>(h)];
+    const double done = (t - host.since) * host.rate;
+    for (int q : host.running) {
+        auto& kq = ranks_[static_cast<std::size_t>(q)];
+        kq.remaining = std::max(0.0, kq.remaining - done);
+    }
+    host.since = t;
+}
+
+void Engine::share_reschedule(int h, double t) {
+    auto& host = hosts_[static_cast<std::size_t>(h)];
+    const double n = static_cast<double>(host.running.size());
+    host.rate = n > 0 ? std::min(1.0, c_.compute_slots_per_host / n) : 1.0;
+    for (int q : host.running) {
+        auto& kq = ranks_[static_cast<std::size_t>(q)];
+        kq.expected_end = t + kq.remaining / host.rate;
+        push(kq.expected_end, kEnd, q);
+    }
+}
+
 void Engine::request_slot(int r, double t) {
     auto& k = ranks_[static_cast<std::size_t>(r)];
     const auto h = static_cast<std::size_t>(k.host);
+    if (share_) {  // runs at once, sharing the host with its running actions
+        share_update(k.host, t);
+        k.remaining = begin_action(r, t) - t;
+        hosts_[h].running.push_back(r);
+        share_reschedule(k.host, t);
+        return;
+    }
     if (free_slots_[h] > 0) {
         --free_slots_[h];
         start_action(r, t);
@@ -417,6 +463,16 @@ void Engine::request_slot(int r, double t) {
 void Engine::start_action(int r, double t) { push(begin_action(r, t), kEnd, r); }
 
 void Engine::end_action(int r, double t) {
+    if (share_) {
+        const int h = ranks_[static_cast<std::size_t>(r)].host;
+        share_update(h, t);
+        auto& run = hosts_[static_cast<std::size_t>(h)].running;
+        run.erase(std::find(run.begin(), run.end(), r));
+        share_reschedule(h, t);
+        if (timeline_) timeline_v_[static_cast<std::size_t>(r)].back().end = t;  // stretched
+        complete_action(r, t);
+        return;
+    }
     complete_action(r, t);
     if (slots_) {
         const auto h = static_cast<std::size_t>(ranks_[static_cast<std::size_t>(r)].host);

@@ -23,7 +23,10 @@
 //   * compute slots: with compute_slots_per_host = k > 0 at most k actions run at once
 //     on a host (workers sharing cores or one GPU); a rank whose input is ready but
 //     finds no slot waits (FIFO by request time, then rank) - recorded as WAIT.
-//     0 = unlimited.
+//     0 = unlimited.  With time_share_slots the host's ready actions all run at once
+//     instead, each progressing at min(1, k / running) (processor sharing, as an OS
+//     time-slices cores among processes): no WAIT; an action's segment spans its
+//     stretched wall time, stage_busy still counts its work.
 // Messages.  After F(i) on a non-last stage the activation goes to stage s+1 of the
 //   same replica; after B(i) on stage s > 0 the gradient goes to stage s-1.  Each
 //   link direction carries one transfer at a time, FIFO:
@@ -153,6 +156,10 @@ struct SimConfig {
     // Placement.
     int ranks_per_host = 1;          // >= 1
     int compute_slots_per_host = 0;  // 0 = unlimited
+    // How ranks share a host's slots: false = queue (an action waits for a free slot, then
+    // runs at full speed); true = time-sharing, as an OS shares cores among processes: every
+    // ready action runs at once, each at min(1, slots / running actions) of full speed.
+    bool time_share_slots = false;
 
     // Fixed costs (seconds).
     double action_overhead = 0.0;  // added to every F/R/B

@@ -305,6 +305,9 @@ def plan(
     inp.memory_limit = float(limit or 0)
     inp.max_depth = int(max_depth or 0)
     inp.opt_s_per_param_byte = profile.opt_s_per_param_byte
+    inp.opt_parallelism = profile.opt_parallelism
+    inp.compute_interference = profile.compute_interference
+    inp.ar_cpu_share = profile.network.ar_cpu_share if profile.network is not None else 1.0
     if boundaries is not None:
         _check_boundaries(boundaries, profile.num_segments, gpus)
         inp.fixed_starts = [b[0] for b in boundaries]

@@ -1,15 +1,22 @@
 """Scale-invariant calibration (paper §4.3): measure once, plan for any number of GPUs.
 
 Owns ``calibrate``: on one device, every cut-point segment's forward (without and with grad),
-backward time at a few micro-batch sizes, the bytes crossing each cut-point and
-the bytes autograd saves; the engine's fixed costs (per action, per parameter byte of optimizer
-step); and, in a few spawned processes, point-to-point α/β and ring all-reduce α/β. Nothing
-here depends on G, so it runs once per model and device. Segment times come from one forward
-with a timestamp at each cut-point crossing and one backward with a gradient hook on each
-crossing tensor — a single pass measures every segment at once.
+backward time at a few micro-batch sizes, the bytes crossing each cut-point and the bytes
+autograd saves; the engine's own costs, read off real steps of the engine at P=1 (per action,
+end of step per parameter byte, fixed per step); and, in a few spawned processes sharing the
+machine (``measure_host``), point-to-point α/β through the pipeline's ``Channel``, ring
+all-reduce α/β of a gradient bucket as the engine reduces it, the share of a core an all-reduce
+participant keeps busy, how many processes' end-of-step work the machine runs at full speed at
+once, and how much compute slows down when the other cores compute too. Nothing here depends on
+G, so it runs once per model and device; the planner maps it onto a placement (who shares which
+cores). Segment times come from one forward with a timestamp at each cut-point crossing and one
+backward with a gradient hook on each crossing tensor — a single pass measures every segment at
+once. Everything is measured as the workers run: with freed memory retained
+(``cluster.local.retain_freed_memory``), sizes and probes interleaved so that a machine whose
+speed drifts shifts them alike, medians over repetitions.
 
 Depends on ``model``, ``pipeline`` (to time the real engine) and ``cluster.local`` (to spawn
-the network probes); nothing depends on it except ``planner`` and the front ends.
+the probes); nothing depends on it except ``planner`` and the front ends.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import platform
 import statistics
 import tempfile
@@ -95,7 +103,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_segments(model: nn.Module, loss_fn, inputs: tuple, targets, n: int,
-                   device: torch.device, autocast) -> dict[str, list[float] | list[int]]:
+                   device: torch.device, autocast, count_saved: bool = False) -> dict[str, list[float] | list[int]]:
+    """One forward without grad, one with grad and its backward, timed per segment.
+    ``count_saved``: also attribute the bytes autograd saves to segments (``act_bytes``) — a
+    hook on every saved tensor, which slows the forward: use it on an untimed pass."""
     out: dict = {}
     # forward without grad (first forward of a recomputing stage)
     clock = _Clock()
@@ -106,10 +117,12 @@ def _time_segments(model: nn.Module, loss_fn, inputs: tuple, targets, n: int,
         _sync(device)
         out["fwd_s"] = _diffs(t0, clock.times, time.perf_counter())
     out["out_bytes"] = clock.out_bytes + [0]
-    # forward with grad (= recompute) and backward, with saved-tensor accounting
+    # forward with grad (= recompute) and backward, optionally with saved-tensor accounting
     clock = _Clock(hook_grads=True)
     saved = _SavedBytes(clock, n)
-    with observe_cutpoints(clock), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), autocast():
+    hooks = (torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if count_saved
+             else contextlib.nullcontext())
+    with observe_cutpoints(clock), hooks, autocast():
         _sync(device)
         t0 = time.perf_counter()
         loss = loss_fn(model(*inputs), targets)
@@ -141,12 +154,13 @@ def calibrate(
     seed: int = 0,
     init_fn: Callable[[nn.Module, str], None] | None = None,
     precision: str = "fp32",
-    repeats: int = 5,
-    warmup: int = 2,
+    repeats: int = 9,
+    warmup: int = 3,
     network: bool = True,
     threads: int = 1,
     device: str | torch.device = "cpu",
     model_info: dict | None = None,
+    grad_clip: float | None = 1.0,
 ) -> Profile:
     """Measure a model once (paper §4.3) and return a ``Profile``.
 
@@ -158,85 +172,134 @@ def calibrate(
         repeats, warmup: timed and untimed passes per size (medians are kept).
         network: also measure p2p and all-reduce in spawned processes (needed for P or D > 1).
         threads: torch intra-op threads, as each worker will use.
+        grad_clip: the clipping the job will use (``TrainConfig.grad_clip``; its pass over the
+            gradients is part of the end-of-step cost).
 
     Raises ``ValueError`` for an empty or non-positive size list. Units: seconds and bytes.
     """
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"micro_batch_sizes={list(micro_batch_sizes)} must be positive integers")
+    from ..cluster.local import retained_memory
+
     t_start = time.perf_counter()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     device = torch.device(device)
-    try:
-        meta_model = build_on_meta(model_fn)
-        inputs0, _ = make_batch(sizes[0])
-        structure = trace_model(meta_model, tuple(inputs0))
-        n = structure.num_segments
-        model = build_on_meta(model_fn)
-        materialize(model, [nm for nm, _ in model.named_parameters()] + [nm for nm, _ in model.named_buffers()],
-                    seed=seed, device=device, init_fn=init_fn)
-        model.train()
-        autocast = (contextlib.nullcontext if precision == "fp32" else
-                    lambda: torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16))
-        per_size: dict[str, list[list]] = {k: [] for k in ("fwd_s", "rec_s", "bwd_s", "out_bytes", "act_bytes")}
-        for b in sizes:
-            inputs, targets = make_batch(b)
-            inputs = tuple(t.to(device) for t in inputs)
-            targets = targets.to(device)
-            runs = [_time_segments(model, loss_fn, inputs, targets, n, device, autocast)
-                    for _ in range(warmup + repeats)][warmup:]
-            for key in ("fwd_s", "rec_s", "bwd_s"):
-                per_size[key].append(_median_lists([r[key] for r in runs]))
-            per_size["out_bytes"].append(runs[-1]["out_bytes"])
-            per_size["act_bytes"].append(runs[-1]["act_bytes"])
-        segments = [
-            SegmentProfile(**{k: [per_size[k][j][i] for j in range(len(sizes))] for k in per_size},
-                           param_bytes=int(structure.segment_param_bytes[i]))
-            for i in range(n)
-        ]
-        per_action, opt_per_byte = _engine_costs(model_fn, loss_fn, make_batch, sizes[0], segments, structure,
-                                                 seed, init_fn, precision, device, repeats)
-        params_bytes = {nm: q.numel() * q.element_size() for nm, q in model.named_parameters()}
-        del model
-    finally:
-        torch.set_num_threads(old_threads)
-    net = measure_network(threads=threads) if network else None
+    # as in every worker process: memory freed by torch is reused, not faulted in afresh
+    with retained_memory():
+        try:
+            meta_model = build_on_meta(model_fn)
+            inputs0, _ = make_batch(sizes[0])
+            structure = trace_model(meta_model, tuple(inputs0))
+            n = structure.num_segments
+            model = build_on_meta(model_fn)
+            materialize(model, [nm for nm, _ in model.named_parameters()] + [nm for nm, _ in model.named_buffers()],
+                        seed=seed, device=device, init_fn=init_fn)
+            model.train()
+            autocast = (contextlib.nullcontext if precision == "fp32" else
+                        lambda: torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16))
+            batches = {}
+            for b in sizes:
+                inputs, targets = make_batch(b)
+                batches[b] = (tuple(t.to(device) for t in inputs), targets.to(device))
+            # rounds over the sizes (not one size after the other), so that a machine that speeds
+            # up or slows down meanwhile shifts every size alike
+            saved = {b: _time_segments(model, loss_fn, *batches[b], n, device, autocast, count_saved=True)["act_bytes"]
+                     for b in sizes}  # untimed: the accounting hooks slow the forward
+            runs: dict[int, list[dict]] = {b: [] for b in sizes}
+            for i in range(warmup + repeats):
+                for b in sizes:
+                    r = _time_segments(model, loss_fn, *batches[b], n, device, autocast)
+                    if i >= warmup:
+                        runs[b].append(r)
+            per_size: dict[str, list[list]] = {k: [] for k in ("fwd_s", "rec_s", "bwd_s", "out_bytes", "act_bytes")}
+            for b in sizes:
+                for key in ("fwd_s", "rec_s", "bwd_s"):
+                    per_size[key].append(_median_lists([r[key] for r in runs[b]]))
+                per_size["out_bytes"].append(runs[b][-1]["out_bytes"])
+                per_size["act_bytes"].append(saved[b])
+            segments = [
+                SegmentProfile(**{k: [per_size[k][j][i] for j in range(len(sizes))] for k in per_size},
+                               param_bytes=int(structure.segment_param_bytes[i]))
+                for i in range(n)
+            ]
+            params_bytes = {nm: q.numel() * q.element_size() for nm, q in model.named_parameters()}
+            b0 = sizes[0]
+
+            def segment_compute() -> float:  # Σ(rec + bwd) of one pass at b0, for a paired difference
+                r = _time_segments(model, loss_fn, *batches[b0], n, device, autocast)
+                return sum(r["rec_s"]) + sum(r["bwd_s"])
+
+            costs = _engine_costs(model_fn, loss_fn, make_batch, b0, segment_compute, structure, seed, init_fn,
+                                  precision, device, warmup, repeats, grad_clip)
+            del model
+        finally:
+            torch.set_num_threads(old_threads)
+    net, opt_par, interference = None, 0.0, 0.0
+    if network:
+        probe = _compute_probe(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]], precision)
+        if device.type != "cpu":
+            probe = None
+        net, opt_par, interference = measure_host(threads=threads, opt_bytes=sum(structure.segment_param_bytes),
+                                                  compute=probe)
     return Profile(
         model={"num_segments": n, "param_bytes": sum(structure.segment_param_bytes),
                "crossings": [[c["dtype"] for c in cr] for cr in structure.crossings],
                "shared": _shared(structure, params_bytes), **(model_info or {})},
         hardware=_hardware(device, threads),
         software={"torch": torch.__version__, "python": platform.python_version(), "varuna_sdk": _version()},
-        micro_batch_sizes=sizes, segments=segments, network=net, per_action_s=per_action, per_step_s=0.0,
-        opt_s_per_param_byte=opt_per_byte, calibration_s=time.perf_counter() - t_start,
+        micro_batch_sizes=sizes, segments=segments, network=net, per_action_s=costs["per_action_s"],
+        per_step_s=costs["per_step_s"], opt_s_per_param_byte=costs["opt_s_per_param_byte"],
+        opt_parallelism=opt_par, compute_interference=interference, calibration_s=time.perf_counter() - t_start,
     )
 
 
-def _engine_costs(model_fn, loss_fn, make_batch, b: int, segments, structure, seed, init_fn, precision, device,
-                  repeats: int) -> tuple[float, float]:
-    """Fit the engine's own costs from real steps at P=1: step(m) = c0 + m·(Σ compute + 2a)."""
+def _engine_costs(model_fn, loss_fn, make_batch, b: int, segment_compute: Callable[[], float], structure, seed,
+                  init_fn, precision, device, warmup: int, repeats: int, grad_clip: float | None,
+                  m: int = 4) -> dict[str, float]:
+    """The engine's own costs, read off real steps of ``Varuna`` at P=1, D=1 with ``m``
+    micro-batches of size ``b`` (measured, not fitted: the step reports each action's time):
+
+    * ``per_action_s``: what an F or B action costs beyond its segments' compute (scheduler,
+      RNG fork, cut-point bookkeeping, gradient accumulation), ``(F + B - m·Σ(rec + bwd)) / 2m``,
+      each step paired with a segment pass (``segment_compute()``) run just before it;
+    * ``opt_s_per_param_byte``: the end of the step (gradient norm, clipping, optimizer step;
+      no collective runs at P=D=1) per parameter byte;
+    * ``per_step_s``: the rest of the step (batch split, receivers, schedule set-up).
+    """
     from ..pipeline.engine import Varuna
 
     inputs, targets = make_batch(b)
-    times = {}
-    for m in (1, 4):
-        par = ParallelConfig(P=1, D=1, global_batch=b * m, micro_batch_size=b, recompute=False)
-        eng = Varuna(model_fn, loss_fn, par, tuple(inputs), seed=seed, init_fn=init_fn, precision=precision,
-                     device=device, structure=structure)
-        opt = torch.optim.AdamW(eng.parameters(), lr=1e-4)
-        batch = (tuple(torch.cat([t] * m) for t in inputs), torch.cat([targets] * m))
-        samples = []
-        for i in range(2 + repeats):
-            r = eng.step(batch, opt)
-            if i >= 2:
-                samples.append(r.time_s)
-        times[m] = statistics.median(samples)
-    compute = sum(s.rec_s[0] + s.bwd_s[0] for s in segments)
-    a = max(0.0, ((times[4] - times[1]) / 3 - compute) / 2)
-    c0 = max(0.0, times[1] - compute - 2 * a)
-    pbytes = max(1, sum(s.param_bytes for s in segments))
-    return a, c0 / pbytes
+    par = ParallelConfig(P=1, D=1, global_batch=b * m, micro_batch_size=b, recompute=False)
+    eng = Varuna(model_fn, loss_fn, par, tuple(inputs), seed=seed, init_fn=init_fn, precision=precision,
+                 device=device, structure=structure, grad_clip=grad_clip)
+    opt = torch.optim.AdamW(eng.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    sync_s: list[float] = []
+    sync = eng._sync_and_step
+
+    def timed_sync(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return sync(*args, **kwargs)
+        finally:
+            sync_s.append(time.perf_counter() - t0)
+
+    eng._sync_and_step = timed_sync  # this instance only: the end-of-step phase, timed
+    batch = (tuple(torch.cat([t] * m).to(device) for t in inputs), torch.cat([targets] * m).to(device))
+    action, end, rest = [], [], []
+    for i in range(warmup + repeats):
+        compute = segment_compute()
+        r = eng.step(batch, opt)
+        if i >= warmup:
+            acts = r.compute_s["F"] + r.compute_s["B"]
+            action.append((acts - m * compute) / (2 * m))
+            end.append(sync_s[-1])
+            rest.append(r.time_s - acts - sync_s[-1])
+    pbytes = max(1, sum(structure.segment_param_bytes))
+    return {"per_action_s": max(0.0, statistics.median(action)),
+            "opt_s_per_param_byte": statistics.median(end) / pbytes,
+            "per_step_s": max(0.0, statistics.median(rest))}
 
 
 def _shared(structure, params_bytes: dict[str, int]) -> list[dict]:
@@ -272,39 +335,75 @@ def _version() -> str:
 
 
 # ---- network --------------------------------------------------------------------------------
-def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int) -> None:
+def _bucket_allreduce(parts: list[torch.Tensor], group, scale: float) -> None:
+    """All-reduce a gradient bucket the way the engine does (``Varuna._sync_and_step``): flatten,
+    all-reduce, scale, copy back — so the probe's α–β include the copies around the collective."""
     import torch.distributed as dist
 
-    res: dict[str, list] = {"p2p": [], "allreduce": [], "consensus": []}
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    dist.all_reduce(flat, group=group)
+    flat.mul_(scale)
+    off = 0
+    for p in parts:
+        p.copy_(flat[off:off + p.numel()].view_as(p))
+        off += p.numel()
+
+
+_WARMUP = 2  # untimed repetitions of each probe (connections, buffers, the allocator's heap)
+
+
+def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, opt_bytes: int,
+                compute: dict | None = None) -> None:
+    import torch.distributed as dist
+
+    from ..pipeline.comm import Channel
+
+    cores = os.cpu_count() or 1
+    res: dict[str, list] = {"p2p": [], "allreduce": [], "ar_cpu": [], "consensus": [], "opt": [], "cpu_count": cores}
     pair = dist.new_group([0, 1])
+    # p2p as the pipeline sends: a Channel (header + tensors, own two-rank communicator per direction)
+    fwd_g, bwd_g = dist.new_group([0, 1]), dist.new_group([0, 1])
+    dev = torch.device("cpu")
+    if rank < 2:
+        there = Channel(1 - rank, fwd_g if rank == 0 else bwd_g, dev)
+        back = Channel(1 - rank, bwd_g if rank == 0 else fwd_g, dev)
     for nbytes in sizes:
         t = torch.zeros(max(1, nbytes // 4))
         samples = []
-        for i in range(reps + 1):
+        if rank < 2:  # a new signature: the first (untimed) message carries the header
+            there.begin_step()
+            back.begin_step()
+        for i in range(reps + _WARMUP):
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
-                dist.send(t, 1, group=pair)
-                dist.recv(t, 1, group=pair)
+                there.send([t])
+                there.wait_sends()
+                back.recv()
             elif rank == 1:
-                dist.recv(t, 0, group=pair)
-                dist.send(t, 0, group=pair)
-            if i:
+                back.recv()
+                there.send([t])
+                there.wait_sends()
+            if i >= _WARMUP:
                 samples.append((time.perf_counter() - t0) / 2)
         res["p2p"].append([nbytes, statistics.median(samples)])
     groups = {2: pair, world: None} if world > 2 else {2: pair}
-    for n, grp in groups.items():
-        for nbytes in sizes:
-            t = torch.ones(max(1, nbytes // 4))
-            samples = []
-            for i in range(reps + 1):
+    parts = {b: [torch.ones(max(1, b // 16)) for _ in range(4)] for b in sizes}
+    walls: dict[tuple, list] = {(n, b): [] for n in groups for b in sizes}
+    shares: dict[tuple, list] = {(n, b): [] for n in groups for b in sizes}
+    for i in range(2 * reps + _WARMUP):  # interleaved: every group size sees the same machine
+        for n, grp in groups.items():
+            for nbytes in sizes:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 if rank < n:
-                    dist.all_reduce(t, group=grp)
-                if i:
-                    samples.append(time.perf_counter() - t0)
-            res["allreduce"].append([n, nbytes, statistics.median(samples)])
+                    _bucket_allreduce(parts[nbytes], grp, 1.0 / n)
+                if i >= _WARMUP:
+                    walls[n, nbytes].append(time.perf_counter() - t0)
+                    shares[n, nbytes].append((time.process_time() - c0) / walls[n, nbytes][-1])
+    for (n, nbytes), w in walls.items():
+        res["allreduce"].append([n, nbytes, statistics.median(w)])
+        res["ar_cpu"].append([n, nbytes, statistics.median(shares[n, nbytes])])  # rank 0's CPU share
     small = torch.zeros(3)
     samples = []
     for i in range(reps * 3 + 1):
@@ -314,35 +413,141 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int) ->
         if i:
             samples.append(time.perf_counter() - t0)
     res["consensus"] = [world, statistics.median(samples)]
+    if opt_bytes > 0:
+        # the end of a step is memory-bound passes over the parameters (norm, clip, AdamW): its
+        # time with 1 process, then with one per core at once (all ranks step together)
+        params = [torch.nn.Parameter(torch.randn(max(1, opt_bytes // 16))) for _ in range(4)]
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        ks = sorted({1, min(world, cores)})
+        samples = {k: [] for k in ks}
+        for i in range(3 * reps + _WARMUP):  # alternating, so that both see the same machine
+            for k in ks:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank < k:
+                    opt.step()
+                if i >= _WARMUP:
+                    samples[k].append(time.perf_counter() - t0)
+        res["opt"] = [[k, statistics.median(samples[k])] for k in ks]
+    if compute is not None:
+        # the model's forward + backward in 1 process, then in one per core at once: how much
+        # compute slows down when the machine's other cores compute too (memory, caches)
+        ks = sorted({1, min(world, cores)})
+        model = None
+        if rank < ks[-1]:
+            model = build_on_meta(compute["model_fn"])
+            materialize(model, [nm for nm, _ in model.named_parameters()] + [nm for nm, _ in model.named_buffers()],
+                        seed=compute["seed"], device=dev, init_fn=compute["init_fn"])
+            model.train()
+        samples = {k: [] for k in ks}
+        for i in range(reps + _WARMUP):
+            for k in ks:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank < k:
+                    compute["loss_fn"](model(*compute["inputs"]), compute["targets"]).backward()
+                    model.zero_grad(set_to_none=True)
+                if i >= _WARMUP:
+                    samples[k].append(time.perf_counter() - t0)
+        res["compute"] = [[k, statistics.median(samples[k])] for k in ks]
     if rank == 0:
         Path(out).write_text(json.dumps(res))
 
 
-def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``time = alpha + x / beta`` over ``(x, time)`` points; alpha ≥ 0, beta > 0."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+def fit_alpha_beta(points: Sequence[tuple[float, float]], relative: bool = True) -> tuple[float, float]:
+    """Least-squares ``time = alpha + x / beta`` over ``(x, time)`` points; alpha ≥ 0, beta > 0.
+    ``relative``: minimise relative residuals (weights 1/time²), so that the small sizes fix the
+    latency and the large ones the bandwidth, instead of the largest size deciding both."""
+    ws = [1.0 / max(p[1], 1e-12) ** 2 if relative else 1.0 for p in points]
+    sw = sum(ws)
+    mx = sum(w * p[0] for w, p in zip(ws, points)) / sw
+    my = sum(w * p[1] for w, p in zip(ws, points)) / sw
+    var = sum(w * (p[0] - mx) ** 2 for w, p in zip(ws, points))
+    slope = sum(w * (p[0] - mx) * (p[1] - my) for w, p in zip(ws, points)) / var if var > 0 else 0.0
     slope = max(slope, 1e-15)
     alpha = max(0.0, my - slope * mx)
     return alpha, 1.0 / slope
 
 
-def measure_network(world: int = 4, sizes: Sequence[int] = (4096, 262144, 4 << 20), reps: int = 5,
-                    threads: int = 1, timeout_s: float = 120.0) -> NetworkProfile:
-    """Measure p2p and ring all-reduce between ``world`` local processes (gloo/NCCL) and fit α–β
-    models. Raises ``WorkerFailure`` if a probe process fails or times out."""
+def oversubscription(demand: float, cores: int) -> float:
+    """How much slower work that needs ``demand`` cores in all runs on ``cores`` cores (≥ 1)."""
+    return max(1.0, demand / cores) if cores > 0 else 1.0
+
+
+def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20, 32 << 20), reps: int = 9,
+                 threads: int = 1, timeout_s: float = 120.0, opt_bytes: int = 0,
+                 compute: dict | None = None) -> tuple[NetworkProfile, float, float]:
+    """Measure p2p (the pipeline's ``Channel``), bucket all-reduce (flatten, ring all-reduce,
+    scale, copy back, as the engine does) and, with ``opt_bytes``, the end-of-step memory
+    contention between ``world`` local processes (gloo/NCCL); fit α–β models.
+
+    The probes share this machine's cores. α–β come from the all-reduces with a core per
+    participant; with more participants than cores an all-reduce is stretched by
+    ``max(1, u·n / cores)``, ``u`` being the share of a core a participant keeps busy — read off
+    those crowded probes when there are any, else its CPU time / wall time — and the planner
+    applies the same sharing to its own placement.
+
+    Returns ``(network, opt_parallelism, compute_interference)``: ``cores × t(1 process) /
+    t(one per core)`` of AdamW steps over ``opt_bytes`` of parameters (0.0 without
+    ``opt_bytes``), and how much slower the model's forward + backward runs per other busy core,
+    ``(t(one per core) / t(1 process) - 1) / (cores - 1)`` (0.0 without ``compute``: a dict of
+    picklable ``model_fn``, ``loss_fn``, ``init_fn``, ``seed``, ``inputs``, ``targets``).
+    Raises ``WorkerFailure`` if a probe process fails or times out."""
     from ..cluster.local import spawn_workers
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "net.json"
-        spawn_workers(_net_worker, world, (str(out), list(sizes), reps), timeout_s=timeout_s,
-                      threads_per_worker=threads, work_dir=d)
+        spawn_workers(_net_worker, world, (str(out), list(sizes), reps, int(opt_bytes), compute),
+                      timeout_s=timeout_s, threads_per_worker=threads, work_dir=d)
         res = json.loads(out.read_text())
+    cores = max(1, int(res.get("cpu_count") or 1) // max(1, threads))
     p_alpha, p_beta = fit_alpha_beta([(b, t) for b, t in res["p2p"]])
-    # ring: t = 2(n-1)·α + 2(n-1)/n · bytes/β  → regress t/(2(n-1)) on bytes/n
-    ar_alpha, ar_beta = fit_alpha_beta([(b / n, t / (2 * (n - 1))) for n, b, t in res["allreduce"]])
-    return NetworkProfile(p2p_alpha_s=p_alpha, p2p_beta_Bps=p_beta, ar_alpha_s=ar_alpha, ar_beta_Bps=ar_beta,
-                          consensus_s=res["consensus"][1], samples=res)
+    # ring α–β from the all-reduces with a core per participant (absolute residuals: the large
+    # buckets, which gradients are, decide the bandwidth); all of them if there are none
+    ar = res["allreduce"]
+    alone = [row for row in ar if row[0] <= cores] or ar
+    ar_alpha, ar_beta = fit_alpha_beta([(b / n, t / (2 * (n - 1))) for n, b, t in alone], relative=False)
+    # sharing: with more participants than cores, t = ring(n) · max(1, u·n / cores); u from those
+    # probes (buckets of >= 1 MiB) if any, else from the CPU time a participant used
+    crowded = [(n, b, t) for n, b, t in ar if n > cores and b >= 1 << 20]
+    if crowded:
+        stretch = statistics.median(t / (2 * (n - 1) * ar_alpha + 2 * (n - 1) / n * b / ar_beta)
+                                    for n, b, t in crowded)
+        share = statistics.median(cores / n for n, _, _ in crowded) * stretch
+    else:
+        n_min = min(n for n, _, _ in res["ar_cpu"])
+        share = max((row for row in res["ar_cpu"] if row[0] == n_min), key=lambda row: row[1])[2]
+    share = min(1.0, max(0.05, share))
+    opt_par = 0.0
+    if res.get("opt"):
+        (k1, t1), (k, tk) = res["opt"][0], res["opt"][-1]
+        opt_par = min(float(k), max(1.0, k * t1 / tk)) if k > k1 else float(k)
+    interference = 0.0
+    if res.get("compute") and len(res["compute"]) > 1:
+        (_, t1), (k, tk) = res["compute"][0], res["compute"][-1]
+        interference = max(0.0, (tk / t1 - 1.0) / (k - 1))
+    net = NetworkProfile(p2p_alpha_s=p_alpha, p2p_beta_Bps=p_beta, ar_alpha_s=ar_alpha, ar_beta_Bps=ar_beta,
+                         consensus_s=res["consensus"][1], samples=res, ar_cpu_share=share)
+    return net, opt_par, interference
+
+
+def measure_network(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20, 32 << 20), reps: int = 9,
+                    threads: int = 1, timeout_s: float = 120.0) -> NetworkProfile:
+    """The network part of ``measure_host``: p2p and all-reduce α–β, consensus latency."""
+    return measure_host(world, sizes, reps, threads, timeout_s)[0]
+
+
+def _compute_probe(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precision: str) -> dict | None:
+    """What the probe processes need to run the model (``measure_host(compute=...)``), or None
+    when it cannot travel to them (a lambda or closure: not picklable) or is not fp32 on CPU."""
+    if precision != "fp32":
+        return None
+    probe = {"model_fn": model_fn, "loss_fn": loss_fn, "init_fn": init_fn, "seed": seed,
+             "inputs": tuple(t.cpu() for t in batch[0]), "targets": batch[1].cpu()}
+    try:
+        pickle.dumps({k: v for k, v in probe.items() if k not in ("inputs", "targets")})
+    except Exception:  # noqa: BLE001 - any pickling failure means: no compute probe
+        return None
+    return probe

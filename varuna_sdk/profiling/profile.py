@@ -43,8 +43,13 @@ class SegmentProfile:
 @dataclass
 class NetworkProfile:
     """α–β models: p2p one-way time = ``p2p_alpha_s + bytes / p2p_beta_Bps``; ring all-reduce
-    among n = ``2(n-1)·ar_alpha_s + 2(n-1)/n · bytes / ar_beta_Bps``; ``consensus_s`` is the small
-    world-wide all-reduce each step. ``samples`` keeps the raw measurements."""
+    among n = ``2(n-1)·ar_alpha_s + 2(n-1)/n · bytes / ar_beta_Bps`` (one process per core: the
+    flatten / scale / copy-back around the collective included); ``consensus_s`` is the small
+    world-wide all-reduce each step. ``ar_cpu_share``: the fraction u of a core each participant
+    keeps busy during an all-reduce — where a host has fewer cores than u × participants, the
+    planner stretches the collective by that sharing (measured from all-reduces with more
+    processes than cores where the calibrating machine has them, else CPU time / wall time).
+    ``samples`` keeps the raw measurements."""
 
     p2p_alpha_s: float
     p2p_beta_Bps: float
@@ -52,6 +57,7 @@ class NetworkProfile:
     ar_beta_Bps: float
     consensus_s: float
     samples: dict[str, list] = field(default_factory=dict)
+    ar_cpu_share: float = 1.0
 
     def p2p_time(self, nbytes: float) -> float:
         return self.p2p_alpha_s + nbytes / self.p2p_beta_Bps
@@ -73,11 +79,18 @@ class Profile:
     segments: list[SegmentProfile]
     network: NetworkProfile | None
     per_action_s: float  # framework cost of each F/R/B action (scheduler, RNG fork, send)
-    per_step_s: float  # fixed cost of a step (split, consensus, bookkeeping)
-    opt_s_per_param_byte: float  # optimizer step + gradient sync bookkeeping per parameter byte
+    per_step_s: float  # fixed cost of a step (split, receivers, schedule set-up)
+    opt_s_per_param_byte: float  # end of step per parameter byte: gradient norm, clipping, optimizer step
     optimizer_state_factor: float = 2.0  # Adam: exp_avg + exp_avg_sq = 2 × params
     calibration_s: float = 0.0
     version: int = PROFILE_VERSION
+    # How many processes' end-of-step work (memory-bound passes over the parameters) the machine
+    # runs at full speed at once: cores × (time alone) / (time with every core doing it). Below
+    # the core count when memory bandwidth, not cores, is the limit; 0 = not measured (= cores).
+    opt_parallelism: float = 0.0
+    # How much slower compute runs per other busy core of the machine (shared memory bandwidth
+    # and caches): t(every core runs the model) / t(alone) - 1, per extra core; 0 = not measured.
+    compute_interference: float = 0.0
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_json(self, path: str | Path | None = None) -> str:
@@ -100,7 +113,8 @@ class Profile:
             raise ProfileError(f"profile is missing {e.args[0]!r}; re-run calibrate()") from e
         except TypeError as e:
             raise ProfileError(f"profile has a malformed entry: {e}") from e
-        opt = {k: d[k] for k in ("optimizer_state_factor", "calibration_s") if k in d}
+        opt = {k: d[k] for k in ("optimizer_state_factor", "calibration_s", "opt_parallelism",
+                                            "compute_interference") if k in d}
         return cls(segments=segs, network=net, **rest, **opt)
 
     @classmethod

@@ -1,0 +1,324 @@
+"""The simulator's accuracy on this machine: predicted vs measured mini-batch time of the demo
+GPT-2 for several (P, D, micro-batch size, global batch) on local workers.
+
+One calibration (``calibrate_job``: scale-invariant, measured once, independent of G) feeds
+``plan(profile, gpus=P*D, global_batch=B, boundaries=..., micro_batch_sizes=[mbs],
+gpus_per_vm=P*D, compute_slots_per_vm=cpu count)`` for every configuration: all workers share this
+machine's cores, which the simulator models as compute slots of one VM. Each configuration then
+runs for real (``trainer.build_engine`` in P x D spawned gloo workers, one torch thread each, the
+demo's AdamW, random tokens) with the same stage boundaries and micro-batch size.
+
+Measured: per step, the mean over ranks of their ``step`` time (a rank's step period; the span
+from the first rank entering to the last leaving is kept too), median over the timed steps after
+``--warmup`` untimed ones (the allocator's heap grows over the first steps). This machine is
+shared: a step counts only if other processes used < 5 % of the CPUs meanwhile (machine-wide busy
+time from /proc/stat minus the workers' own CPU time); a run with fewer than half its steps clean
+is repeated after waiting for idle CPUs. Every configuration runs ``--rounds`` times, interleaved
+(A B C ... A B C ...), and the median is over the clean steps of all rounds, so that a machine
+whose speed drifts over minutes shifts every configuration alike.
+
+Per configuration the JSON keeps, next to the pair and the relative error, a breakdown per stage:
+F/R/B compute (the engine's ``StepResult.compute_s`` less the time blocked on an input), waits,
+pipeline phase, synchronisation (all-reduces, consensus, norm, clipping) and optimizer, CPU time
+and page faults — to trace a gap to its source.
+
+Targets (DESIGN.md): |error| <= 5 % on every configuration; aggregate max |error| <= 5 % (aim 3 %).
+
+Run: ``.venv/bin/python benchmarks/bench_sim_accuracy.py [--quick] [--steps 6] [--rounds 2]
+[--configs 1,1,2,8 2,1,2,8] [--profile PROFILE.json] [--save-profile PATH]`` (about 7 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+common.setup_path()
+
+import torch  # noqa: E402
+
+# (P, D, micro-batch size, global batch)
+CONFIGS = [(1, 1, 2, 8), (2, 1, 2, 8), (1, 2, 2, 8), (2, 2, 2, 16), (3, 1, 1, 8), (4, 1, 2, 16)]
+# Stage boundaries over the demo GPT-2's 6 cut-point segments (0 embeddings, 1-4 blocks, 5 final
+# LayerNorm + tied LM head + loss) — passed explicitly to both the engine and the planner.
+BOUNDARIES = {
+    1: [[0, 1, 2, 3, 4, 5]],
+    2: [[0, 1, 2, 3, 4], [5]],
+    3: [[0, 1, 2], [3, 4], [5]],
+    4: [[0, 1], [2, 3], [4], [5]],
+}
+TARGET = 0.05
+AIM = 0.03
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc/stat units per second
+FOREIGN_MAX = 0.05  # a step is clean if other processes used < 5 % of the machine's CPU meanwhile
+
+
+def demo_job(P: int, D: int, mbs: int, B: int):
+    """The demo job (cpu-demo GPT-2, 50,257-token vocabulary, seq_len 128) at (P, D, mbs, B)."""
+    from varuna_sdk.cli import demo_config
+
+    job = demo_config()
+    p = job.parallel
+    p.P, p.D, p.micro_batch_size, p.global_batch = P, D, mbs, B
+    p.boundaries = BOUNDARIES[P] if P > 1 else None
+    job.launch.threads_per_worker = 1
+    return job.validate()
+
+
+def _worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
+    """One rank: the demo job's engine and AdamW, ``warmup + steps`` steps on random tokens."""
+    from varuna_sdk.config import JobConfig
+    from varuna_sdk.trainer import build_engine, model_config
+
+    job = JobConfig.from_dict(opts["job"]).validate()
+    p, t = job.parallel, job.train
+    engine = build_engine(job, rank)
+    decay = [q for _, q in engine.named_parameters() if q.dim() >= 2]
+    no_decay = [q for _, q in engine.named_parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(0.9, 0.95))
+    sink: dict = {}
+    common.timed_optimizer(opt, sink, "opt")
+    common.timed_method(engine, "_sync_and_step", sink, "sync")
+    _time_waits(engine, sink)
+    vocab = model_config(job).vocab_size
+    steps = []
+    for i in range(opts["warmup"] + opts["steps"]):
+        x, y = common.make_batch(i, p.global_batch, job.data.seq_len, vocab=vocab, seed=3)
+        sink.clear()
+        u0, c0 = resource.getrusage(resource.RUSAGE_SELF), common._cpu_times()
+        t0 = time.perf_counter()
+        r = engine.step(((x,), y), opt)
+        t1 = time.perf_counter()
+        u1, c1 = resource.getrusage(resource.RUSAGE_SELF), common._cpu_times()
+        steps.append({"t0": t0, "t1": t1, "time_s": r.time_s, "compute_s": dict(r.compute_s),
+                      "wait_s": {"F": sink.get("wait_F", 0.0), "B": sink.get("wait_B", 0.0)},
+                      "sync_s": sink.get("sync", 0.0), "opt_s": sink.get("opt", 0.0),
+                      "cpu_user_s": u1.ru_utime - u0.ru_utime, "cpu_sys_s": u1.ru_stime - u0.ru_stime,
+                      "page_faults": u1.ru_minflt - u0.ru_minflt,
+                      "machine_busy_s": ((c1[1] - c1[0]) - (c0[1] - c0[0])) / TICKS})
+    common.write_rank(out_dir, rank, {"rank": rank, "stage": engine.stage, "replica": engine.replica,
+                                      "steps": steps[opts["warmup"]:]})
+
+
+def _time_waits(engine, sink: dict) -> None:
+    """Time spent blocked on an input inside F (activation) and B (gradient) actions: the
+    engine's ``compute_s`` includes it, so compute alone is ``compute_s - wait``."""
+    from varuna_sdk.pipeline import comm
+
+    orig = comm.Receiver.get
+
+    def get(self, i):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, i)
+        finally:
+            key = "wait_F" if self.channel is engine.ch_act_in else "wait_B"
+            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+
+    comm.Receiver.get = get
+
+
+def foreign_cpu(docs: list[dict], i: int) -> float:
+    """Share of the machine's CPU that processes other than the workers used during step ``i``
+    (machine-wide busy time seen by rank 0 minus every rank's own CPU time; jiffy resolution)."""
+    st0 = docs[0]["steps"][i]
+    own = sum(d["steps"][i]["cpu_user_s"] + d["steps"][i]["cpu_sys_s"] for d in docs)
+    return max(0.0, st0["machine_busy_s"] - own) / ((os.cpu_count() or 1) * (st0["t1"] - st0["t0"]))
+
+
+def run_config(P: int, D: int, mbs: int, B: int, steps: int, warmup: int, timeout_s: float, wait_idle: float,
+               attempts: int) -> dict:
+    """One run of the configuration: its ranks' per-step records, only the steps during which no
+    other process used the CPUs (a shared machine). If fewer than half the timed steps are clean,
+    wait for idle CPUs and run again (at most ``attempts`` runs; the one with most clean steps counts)."""
+    job = demo_job(P, D, mbs, B)
+    best = None
+    for attempt in range(attempts):
+        idle = common.wait_for_idle(wait_idle)
+        docs, wall = common.spawn_collect(_worker, P * D, {"job": job.to_dict(), "steps": steps, "warmup": warmup},
+                                          timeout_s)
+        foreign = [foreign_cpu(docs, i) for i in range(len(docs[0]["steps"]))]
+        clean = [i for i, f in enumerate(foreign) if f < FOREIGN_MAX]
+        if best is None or len(clean) > len(best[2]):
+            best = (docs, wall, clean, foreign, idle, attempt + 1)
+        if 2 * len(clean) >= steps:
+            break
+        print(f"    {len(clean)}/{steps} steps free of other processes' CPU use; "
+              + ("running again" if attempt + 1 < attempts else "keeping the best run"), flush=True)
+    docs, wall, clean, foreign, idle, runs = best
+    quiet = bool(clean)
+    if not clean:  # never quiet: keep every step, marked as such
+        clean = list(range(len(foreign)))
+    for d in docs:
+        d["steps"] = [d["steps"][i] for i in clean]
+    return {"docs": docs, "wall_s": wall, "foreign_cpu": foreign, "clean_steps": len(clean) if quiet else 0,
+            "attempts": runs, "idle_before": idle}
+
+
+def summarize(P: int, run_list: list[dict]) -> dict:
+    """Mini-batch time and per-stage breakdown over the clean steps of every run (round)."""
+    # a rank's step() time is its step period (the loop around it only draws the batch); the
+    # mini-batch time is their mean over ranks (equal up to the skew of the optimizer ends)
+    steps = [[d["steps"][i] for d in run["docs"]] for run in run_list for i in range(len(run["docs"][0]["steps"]))]
+    stage_of = [d["stage"] for d in run_list[0]["docs"]]
+    times = [statistics.mean(st["t1"] - st["t0"] for st in ranks) for ranks in steps]
+    spans = [max(st["t1"] for st in ranks) - min(st["t0"] for st in ranks) for ranks in steps]
+    stages = []
+    for s in range(P):
+        def med(f):
+            return statistics.median(statistics.mean(f(st) for st, sg in zip(ranks, stage_of) if sg == s)
+                                     for ranks in steps)
+
+        stages.append({k: med(lambda st, k=k: st["compute_s"][k] - st["wait_s"].get(k, 0.0)) for k in ("F", "R", "B")}
+                      | {f"wait_{k}": med(lambda st, k=k: st["wait_s"][k]) for k in ("F", "B")}
+                      | {"pipeline_s": med(lambda st: st["time_s"] - st["sync_s"]),
+                         "sync_s": med(lambda st: st["sync_s"] - st["opt_s"]),
+                         "opt_s": med(lambda st: st["opt_s"]),
+                         "step_s": med(lambda st: st["time_s"]),
+                         "cpu_user_s": med(lambda st: st["cpu_user_s"]), "cpu_sys_s": med(lambda st: st["cpu_sys_s"]),
+                         "page_faults": med(lambda st: st["page_faults"])})
+    rounds = [statistics.median(statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"] for d in run["docs"])
+                                for i in range(len(run["docs"][0]["steps"]))) for run in run_list]
+    return {"time_s": statistics.median(times), "stats": common.stats(times), "round_medians_s": rounds,
+            "stages": stages, "span_s": statistics.median(spans),
+            "clean_steps": sum(run["clean_steps"] for run in run_list),
+            "runs": [{k: v for k, v in run.items() if k != "docs"} for run in run_list]}
+
+
+def predict(profile, P: int, D: int, mbs: int, B: int) -> dict:
+    """The planner's simulated mini-batch time for exactly this configuration."""
+    from varuna_sdk.planner.plan import plan
+
+    pl = plan(profile, gpus=P * D, global_batch=B, boundaries=BOUNDARIES[P], micro_batch_sizes=[mbs],
+              gpus_per_vm=P * D, compute_slots_per_vm=os.cpu_count() or 1)
+    row = pl.rows[0]
+    if not row.feasible:
+        raise RuntimeError(f"planner rejects P={P} D={D} mbs={mbs} B={B}: {row.reason}")
+    assert (row.P, row.D, row.micro_batch_size) == (P, D, mbs) and row.stages == BOUNDARIES[P], row
+    return {"time_s": row.time_s, "bubble_fraction": row.bubble_fraction, "m": row.m}
+
+
+def calibrate_once(path: str | None):
+    """One calibration of the demo model, the same for every configuration: measured afresh, or
+    loaded from ``path`` (a profile JSON, e.g. from ``varuna calibrate -o``)."""
+    from varuna_sdk.profiling.profile import Profile
+    from varuna_sdk.trainer import calibrate_job
+
+    if path:
+        return Profile.load(path)
+    with tempfile.TemporaryDirectory(prefix="varuna-calib-") as d:
+        return calibrate_job(demo_job(1, 1, 2, 8), cache_dir=d)
+
+
+def _profile_summary(profile) -> dict:
+    """The calibrated costs besides the segment times (what the cost model adds)."""
+    net = profile.network
+    out = {"per_action_s": profile.per_action_s, "per_step_s": profile.per_step_s,
+           "opt_s_per_param_byte": profile.opt_s_per_param_byte, "opt_parallelism": profile.opt_parallelism,
+           "compute_interference": profile.compute_interference}
+    if net is not None:
+        out |= {"p2p_alpha_s": net.p2p_alpha_s, "p2p_beta_Bps": net.p2p_beta_Bps, "ar_alpha_s": net.ar_alpha_s,
+                "ar_beta_Bps": net.ar_beta_Bps, "ar_cpu_share": net.ar_cpu_share, "consensus_s": net.consensus_s}
+    return out
+
+
+def _parse_configs(specs: list[str] | None) -> list[tuple[int, int, int, int]]:
+    if not specs:
+        return CONFIGS
+    out = []
+    for s in specs:
+        P, D, mbs, B = (int(x) for x in s.split(","))
+        if P not in BOUNDARIES:
+            raise SystemExit(f"--configs: P={P} has no stage boundaries here; choose P in {sorted(BOUNDARIES)}")
+        out.append((P, D, mbs, B))
+    return out
+
+
+def main() -> None:
+    def extra(ap):
+        ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 6, quick 2)")
+        ap.add_argument("--warmup", type=int, default=8,
+                        help="untimed steps first (default 8: the heap reaches its size over the first steps)")
+        ap.add_argument("--configs", nargs="+", default=None, help="P,D,mbs,B ... (default: the six of the brief)")
+        ap.add_argument("--profile", default=None, help="use this profile JSON instead of calibrating afresh")
+        ap.add_argument("--save-profile", default=None, help="also write the calibration used to this path")
+        ap.add_argument("--timeout", type=float, default=600.0, help="per-configuration worker timeout (s)")
+        ap.add_argument("--rounds", type=int, default=None,
+                        help="runs of every configuration, interleaved (default 2, quick 1)")
+        ap.add_argument("--attempts", type=int, default=3,
+                        help="runs per configuration at most, until half the timed steps are clean (default 3)")
+
+    args = common.parse_args(__doc__.splitlines()[0], extra)
+    steps = args.steps or (2 if args.quick else 6)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    configs = _parse_configs(args.configs)
+    load0 = common.load_average()
+    idle = common.wait_for_idle(args.wait_idle)  # before the calibration; each run waits again
+    t0 = time.perf_counter()
+    profile = calibrate_once(args.profile)
+    calib_s = time.perf_counter() - t0
+    if args.save_profile:
+        profile.to_json(args.save_profile)
+    print(f"calibrated in {calib_s:.1f} s: " + ", ".join(f"{k} {v:.4g}" for k, v in _profile_summary(profile).items()))
+    # rounds over the configurations (A B C ... A B C ...): a machine whose speed drifts over
+    # minutes (other tenants) shifts every configuration alike, and the median takes both rounds
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for rnd in range(args.rounds):
+        for c in configs:
+            runs[c].append(run_config(*c, steps, args.warmup, args.timeout, args.wait_idle, args.attempts))
+            P, D, mbs, B = c
+            med = statistics.median(statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"]
+                                                    for d in runs[c][-1]["docs"])
+                                    for i in range(len(runs[c][-1]["docs"][0]["steps"])))
+            print(f"  round {rnd + 1}: P={P} D={D} mbs={mbs} B={B}: {med * 1e3:.1f} ms", flush=True)
+    figures, rows = [], []
+    for (P, D, mbs, B) in configs:
+        name = f"P={P} D={D} mbs={mbs} B={B}"
+        sim = predict(profile, P, D, mbs, B)
+        meas = summarize(P, runs[(P, D, mbs, B)])
+        err = sim["time_s"] / meas["time_s"] - 1.0
+        rows.append({"config": {"P": P, "D": D, "micro_batch_size": mbs, "global_batch": B, "m": sim["m"],
+                                "boundaries": BOUNDARIES[P]}, "measured": meas, "simulated": sim, "rel_error": err})
+        print(f"{name:>24}: measured {meas['time_s'] * 1e3:8.1f} ms (p25 {meas['stats']['p25'] * 1e3:.1f}, "
+              f"p75 {meas['stats']['p75'] * 1e3:.1f}, {meas['clean_steps']} clean steps)  simulated "
+              f"{sim['time_s'] * 1e3:8.1f} ms  error {err:+.1%}", flush=True)
+        for s, st in enumerate(meas["stages"]):
+            print(f"{'':>26}stage {s}: F {st['F'] * 1e3:7.1f} R {st['R'] * 1e3:7.1f} B {st['B'] * 1e3:7.1f} "
+                  f"wait F {st['wait_F'] * 1e3:6.1f} B {st['wait_B'] * 1e3:6.1f} "
+                  f"pipeline {st['pipeline_s'] * 1e3:7.1f} sync {st['sync_s'] * 1e3:6.1f} "
+                  f"opt {st['opt_s'] * 1e3:6.1f} ms | cpu user {st['cpu_user_s'] * 1e3:6.1f} "
+                  f"sys {st['cpu_sys_s'] * 1e3:6.1f} ms, {st['page_faults']:.0f} faults", flush=True)
+        figures.append(common.Figure(name=f"simulated / measured mini-batch time, {name}", value=sim["time_s"],
+                                     unit="s", baseline=meas["time_s"], ratio=abs(err), target=f"<= {TARGET}",
+                                     detail={"rel_error": err, "measured": meas["stats"],
+                                             "round_medians_s": meas["round_medians_s"]}))
+    worst = max(abs(r["rel_error"]) for r in rows)
+    figures.append(common.Figure(name="max |simulated / measured - 1| over configurations", value=worst, unit="",
+                                 ratio=worst, target=f"<= {TARGET}",
+                                 detail={"aim": AIM, "aim_met": worst <= AIM,
+                                         "mean_abs_error": statistics.mean(abs(r["rel_error"]) for r in rows)}))
+    common.print_table("Simulator accuracy (ratio column = |relative error|)", figures)
+    notes = ("One calibration (calibrate_job) feeds plan() for every configuration with the run's stage "
+             "boundaries and micro-batch size, gpus_per_vm = P*D, compute_slots_per_vm = cpu count (all "
+             "workers share this machine's cores). Measured: median over timed steps of the mean over ranks "
+             "of their step() time (random tokens, demo AdamW). Ratio = "
+             "|simulated/measured - 1|.")
+    common.write_results("sim_accuracy", figures, notes, out=args.out,
+                         machine=common.machine_info(worker_threads=1, idle_before=idle,
+                                                     load_average=[load0, common.load_average()]),
+                         extra={"calibration_s": calib_s, "profile": _profile_summary(profile),
+                             "configs": rows, "steps": steps, "warmup": args.warmup, "rounds": args.rounds,
+                             "quick": args.quick})
+
+
+if __name__ == "__main__":
+    main()

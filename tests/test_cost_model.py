@@ -1,0 +1,130 @@
+"""Tests for the cost model that maps a calibration onto a placement where ranks share a machine
+(``csrc/search.cpp`` evaluate, the simulator's time-shared compute slots, the new ``Profile``
+figures): time-sharing of cores instead of queueing, the synchronisation phase stretched by the
+sharing of a host (all-reduce CPU share, optimizer parallelism), compute interference, and the
+α–β fits of the calibration. Synthetic numbers only; ``benchmarks/bench_sim_accuracy.py``
+measures the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from varuna_sdk import _core
+from varuna_sdk.planner.plan import plan
+from varuna_sdk.planner.simulate import SimInput, SimOutput, allreduce_time
+from varuna_sdk.profiling.calibrate import fit_alpha_beta, oversubscription
+from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile
+
+
+def run(inp: SimInput, time_share: bool) -> SimOutput:
+    cfg = inp.to_core()
+    cfg.time_share_slots = time_share
+    return SimOutput.from_core(_core.simulate(cfg), inp.record_timeline)
+
+
+# ---- time-shared slots --------------------------------------------------------------------------
+def test_time_shared_slots_stretch_actions_instead_of_queueing():
+    m, f, b = 8, 1.0, 2.0
+    inp = SimInput(P=2, m=m, fwd=f, bwd=b, policy="1f1b", ranks_per_host=2, compute_slots_per_host=1,
+                   record_timeline=True)
+    queued, shared = run(inp, False), run(inp, True)
+    assert any(s.kind == "WAIT" for rank in queued.timeline for s in rank)
+    assert not any(s.kind == "WAIT" for rank in shared.timeline for s in rank)
+    # work is work: busy time is the compute, whatever the sharing
+    assert shared.stage_busy == pytest.approx([m * (f + b)] * 2)
+    # one core for both ranks: never faster than all their work one after the other
+    assert shared.pipeline_time >= 2 * m * (f + b) - 1e-9
+    # while both run, each action takes twice its work
+    walls = [s.end - s.start for rank in shared.timeline for s in rank if s.kind in "FB"]
+    assert max(walls) == pytest.approx(2 * b)
+    # actions still start only when their inputs are there, in the scheduler's order
+    for s, rank in enumerate(shared.timeline):
+        acts = [x for x in rank if x.kind in "FB"]
+        assert all(a.end <= c.start + 1e-12 for a, c in zip(acts, acts[1:]))
+
+
+def test_time_sharing_without_contention_changes_nothing():
+    inp = SimInput(P=3, m=6, D=2, fwd=[1.0, 0.5, 2.0], bwd=[2.0, 1.0, 3.0], ranks_per_host=3,
+                   compute_slots_per_host=3, p2p_alpha=0.1)
+    a, b = run(inp, False), run(inp, True)
+    assert a.minibatch_time == b.minibatch_time and a.stage_busy == b.stage_busy
+
+
+def test_time_sharing_slows_a_bottleneck_that_shares_its_core():
+    # a heavy last stage and two light ones on two cores: queued, the light stages wait for the
+    # free core; time-shared (as the OS does), they also take turns with the heavy stage
+    inp = SimInput(P=3, m=8, fwd=[0.3, 0.3, 3.0], bwd=[0.6, 0.6, 4.0], ranks_per_host=3,
+                   compute_slots_per_host=2)
+    queued, shared = run(inp, False), run(inp, True)
+    assert shared.minibatch_time > queued.minibatch_time
+
+
+# ---- the planner's mapping ----------------------------------------------------------------------
+def profile(opt_parallelism=0.0, ar_cpu_share=1.0, compute_interference=0.0, opt_s_per_param_byte=1e-9,
+            param_bytes=100e6) -> Profile:
+    segs = [SegmentProfile(fwd_s=[0.1], rec_s=[0.12], bwd_s=[0.2], out_bytes=[1e6], act_bytes=[4e6],
+                           param_bytes=int(param_bytes / 2)) for _ in range(2)]
+    net = NetworkProfile(p2p_alpha_s=1e-4, p2p_beta_Bps=1e9, ar_alpha_s=1e-4, ar_beta_Bps=1e9, consensus_s=1e-3,
+                         ar_cpu_share=ar_cpu_share)
+    return Profile(model={"num_segments": 2, "shared": []}, hardware={}, software={}, micro_batch_sizes=[1],
+                   segments=segs, network=net, per_action_s=0.0, per_step_s=0.0,
+                   opt_s_per_param_byte=opt_s_per_param_byte, opt_parallelism=opt_parallelism,
+                   compute_interference=compute_interference)
+
+
+def one_host(prof: Profile, P: int, D: int, slots: int) -> float:
+    bounds = [[0, 1]] if P == 1 else [[0], [1]]
+    row = plan(prof, P * D, 4 * D, boundaries=bounds, micro_batch_sizes=[1], gpus_per_vm=P * D,
+               compute_slots_per_vm=slots).rows[0]
+    assert (row.P, row.D) == (P, D)
+    return row.time_s
+
+
+def test_optimizer_steps_of_a_host_share_its_memory_bandwidth():
+    # two replicas step their optimizers at once on a 2-core machine that sustains 1 (memory-bound)
+    w = 1e-9 * 100e6  # one rank's end of step
+    assert one_host(profile(opt_parallelism=1.0), 1, 2, 2) - one_host(profile(opt_parallelism=2.0), 1, 2, 2) == \
+        pytest.approx(w, rel=1e-6)
+    # unmeasured (0) = as many as the slots
+    assert one_host(profile(opt_parallelism=0.0), 1, 2, 2) == one_host(profile(opt_parallelism=2.0), 1, 2, 2)
+    # no compute slots (GPUs): no sharing at all
+    assert one_host(profile(opt_parallelism=1.0), 1, 2, 0) == one_host(profile(opt_parallelism=2.0), 1, 2, 0)
+
+
+def test_all_reduce_of_a_crowded_host_is_stretched_by_its_cpu_share():
+    # 4 replicas all-reduce 100 MB among themselves on 2 cores: each keeps u of a core busy
+    ar = allreduce_time(100e6, 4, 1e-4, 1e9)
+    full, half = one_host(profile(ar_cpu_share=1.0), 1, 4, 2), one_host(profile(ar_cpu_share=0.5), 1, 4, 2)
+    assert full - half == pytest.approx(ar * (oversubscription(4 * 1.0, 2) - oversubscription(4 * 0.5, 2)), rel=1e-6)
+    # a share the cores can carry costs nothing extra: u·n = 2 cores' worth
+    assert half == one_host(profile(ar_cpu_share=0.25), 1, 4, 2)
+
+
+def test_compute_interference_slows_ranks_whose_host_is_busy():
+    base = one_host(profile(compute_interference=0.0), 1, 2, 2)
+    slow = one_host(profile(compute_interference=0.05), 1, 2, 2)
+    alone = one_host(profile(compute_interference=0.05), 1, 1, 2)
+    assert slow > base  # two replicas computing side by side
+    assert alone == one_host(profile(compute_interference=0.0), 1, 1, 2)  # nobody to interfere
+
+
+# ---- profile and fits ---------------------------------------------------------------------------
+def test_new_figures_round_trip_and_old_profiles_load():
+    prof = profile(opt_parallelism=1.4, ar_cpu_share=0.6, compute_interference=0.03)
+    d = json.loads(prof.to_json())
+    assert Profile.from_dict(d) == prof
+    for key in ("opt_parallelism", "compute_interference"):
+        del d[key]
+    del d["network"]["ar_cpu_share"]
+    old = Profile.from_dict(d)  # a profile from before these figures: neutral defaults
+    assert (old.opt_parallelism, old.compute_interference, old.network.ar_cpu_share) == (0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_alpha_beta_fit_recovers_exact_data(relative):
+    pts = [(x, 2e-4 + x / 3e9) for x in (4096, 1 << 20, 8 << 20, 32 << 20)]
+    alpha, beta = fit_alpha_beta(pts, relative=relative)
+    assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(3e9, rel=1e-6)
