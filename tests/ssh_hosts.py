@@ -502,6 +502,33 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def procs_mentioning(text: str) -> list[int]:
+    """Live (non-zombie) processes of this machine whose command line contains ``text``."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                if text.encode() in (p / "cmdline").read_bytes() and not _is_zombie(int(p.name)):
+                    found.append(int(p.name))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                pass
+    return found
+
+
+def worker_processes(ssh_hosts, hosts) -> list[tuple[int, str]]:
+    """Live non-sshd processes of the given test hosts (what a job could leave behind)."""
+    out = []
+    for h in hosts:
+        for p in ssh_hosts.pids(h):
+            try:
+                comm = Path(f"/proc/{p}/comm").read_text().strip()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if comm != "sshd" and not _is_zombie(p):
+                out.append((p, comm))
+    return out
+
+
 def test_hosts_fixture(request, tmp_path_factory):
     """Body of the ``ssh_hosts`` fixture: a ``TestHosts`` removed by a finalizer (runs even when
     the test fails or times out). Skips with the reason when sshd is not installed."""

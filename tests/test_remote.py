@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ssh_hosts import _is_zombie, skip_reason
+from ssh_hosts import skip_reason, worker_processes
 from varuna_sdk.cluster.hosts import Secret
 from varuna_sdk.cluster.local import free_port
 from varuna_sdk.cluster.remote import RemoteWorkerFailure, WorkerSpec, launch
@@ -43,18 +43,6 @@ class Lines:
         return False
 
 
-def _worker_processes(ssh_hosts, hosts) -> list[tuple[int, str]]:
-    """Live non-sshd processes of the hosts (what a job could leave behind)."""
-    out = []
-    for h in hosts:
-        for p in ssh_hosts.pids(h):
-            try:
-                comm = Path(f"/proc/{p}/comm").read_text().strip()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if comm != "sshd" and not _is_zombie(p):
-                out.append((p, comm))
-    return out
 
 
 ALL_REDUCE = textwrap.dedent("""
@@ -94,7 +82,7 @@ def test_two_workers_all_reduce_over_ssh(ssh_hosts, caplog):
         assert (f"[{h.name} rank {r}] rank={r} world=2 sum=[3.0, 30.0] host={h.name} job=job-ar "
                 f"master={master} token_len={len(token.reveal())}") in out, sink.text()
     assert token.reveal() not in caplog.text and token.reveal() not in sink.text()
-    assert not _worker_processes(ssh_hosts, hosts)
+    assert not worker_processes(ssh_hosts, hosts)
     print(f"2-host gloo all_reduce over SSH: started in {started:.2f}s, done in {took:.1f}s")
 
 
@@ -114,13 +102,13 @@ def test_stop_leaves_no_process_behind(ssh_hosts):
         specs = [WorkerSpec(h, r, [h.python, "-c", CHILDREN]) for r, h in enumerate(hosts)]
         job = launch(specs, pool=pool, master_addr=hosts[0].address, master_port=1, sink=sink)
         assert sink.wait_for("ready", 2), sink.text()
-        before = _worker_processes(ssh_hosts, hosts)
+        before = worker_processes(ssh_hosts, hosts)
         assert sum(c == "python" for _, c in before) == 4, before  # worker + child, per host
         t0 = time.monotonic()
         assert job.stop() is True
         took = time.monotonic() - t0
         assert job.done() and all(w.process.killed for w in job.workers)
-    assert not _worker_processes(ssh_hosts, hosts)
+    assert not worker_processes(ssh_hosts, hosts)
     assert "[vm0 rank 0] ready 0" in sink.text() and "[vm1 rank 1] ready 1" in sink.text()
     print(f"stop(): 2 workers and their children gone in {took * 1e3:.0f} ms")
 
@@ -152,7 +140,7 @@ def test_worker_crash_reaches_the_user_and_stops_the_rest(ssh_hosts):
     assert "[vm1 rank 1] Traceback (most recent call last):" in err
     assert "[vm1 rank 1] ValueError: boom at rank 1" in err
     assert e.value.failures[1][0] == "vm1" and "in inner" in e.value.failures[1][2]
-    assert not _worker_processes(ssh_hosts, hosts)  # rank 0 was stopped
+    assert not worker_processes(ssh_hosts, hosts)  # rank 0 was stopped
 
 
 @pytest.mark.timeout(30)

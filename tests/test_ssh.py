@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ssh_hosts import TestHosts, _cgroup2_base, _is_zombie, skip_reason
+from ssh_hosts import TestHosts, _cgroup2_base, _is_zombie, skip_reason, procs_mentioning
 from varuna_sdk.cluster.hosts import Host, Secret
 from varuna_sdk.cluster.ssh import (AuthenticationError, CommandError, CommandTimeout,
                                     HostKeyError, HostUnreachableError, SFTPError, SSHConnection,
@@ -40,17 +40,6 @@ def _comms(pids) -> list[str]:
     return out
 
 
-def _procs_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains ``text``."""
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit() and int(p.name) != os.getpid():
-            try:
-                if text.encode() in (p / "cmdline").read_bytes() and not _is_zombie(int(p.name)):
-                    found.append(int(p.name))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                pass
-    return found
 
 
 # --------------------------------------------------------------------------------- commands
@@ -361,10 +350,10 @@ def test_no_sshd_or_process_left_after_the_hosts_are_closed(tmp_path):
         for h in hosts:
             SSHConnection(h, th.options()).start("sleep 60").wait_started()
         pids = [p for h in hosts for p in th.pids(h)]
-        assert len(pids) >= 3 * 3 and _procs_mentioning(str(root))
+        assert len(pids) >= 3 * 3 and procs_mentioning(str(root))
         cg = th.cgroup_root
     assert not [p for p in pids if _alive(p)]
-    assert not _procs_mentioning(str(root))
+    assert not procs_mentioning(str(root))
     assert cg is None or not cg.exists()
 
 
@@ -419,7 +408,7 @@ def test_fixture_cleans_up_when_tests_fail(tmp_path):
     roots = record.read_text().split()
     assert len(roots) == 3
     for root in roots:
-        assert not _procs_mentioning(root), root
+        assert not procs_mentioning(root), root
 
 
 @pytest.mark.skipif(_cgroup2_base() is None, reason="needs a writable cgroup v2 hierarchy")
@@ -438,7 +427,7 @@ def test_hosts_of_a_killed_test_run_are_reaped(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     cg = Path(r.stdout.strip())
     assert r.returncode == -9 and cg.is_dir()
-    orphans = _procs_mentioning(str(tmp_path / "dead"))
+    orphans = procs_mentioning(str(tmp_path / "dead"))
     assert len(orphans) == 2  # two sshd survived their test process
     with TestHosts(tmp_path / "next"):
         pass

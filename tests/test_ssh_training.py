@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ssh_hosts import _is_zombie, skip_reason
+from ssh_hosts import _is_zombie, skip_reason, worker_processes, procs_mentioning
 from varuna_sdk.cluster.bootstrap import bootstrap
 from varuna_sdk.cluster.hosts import Secret
 from varuna_sdk.cluster.local import free_port
@@ -107,29 +107,8 @@ class SSHJob:
         self.events.close()
 
 
-def _worker_processes(ssh_hosts, hosts) -> list[tuple[int, str]]:
-    out = []
-    for h in hosts:
-        for p in ssh_hosts.pids(h):
-            try:
-                comm = Path(f"/proc/{p}/comm").read_text().strip()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if comm != "sshd" and not _is_zombie(p):
-                out.append((p, comm))
-    return out
 
 
-def _procs_running(text: str) -> list[int]:
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit() and int(p.name) != os.getpid():
-            try:
-                if text.encode() in (p / "cmdline").read_bytes() and not _is_zombie(int(p.name)):
-                    found.append(int(p.name))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                pass
-    return found
 
 
 @pytest.mark.timeout(420)
@@ -178,7 +157,7 @@ def test_p2_d2_over_ssh_matches_local_losses(ssh_hosts, tmp_path):
     ssh_losses = [r["loss"] for r in ssh_rows]
     for a, b in zip(ssh_losses, ref_losses):
         assert math.isclose(a, b, rel_tol=1e-5), (ssh_losses, ref_losses)
-    assert not _worker_processes(ssh_hosts, hosts)
+    assert not worker_processes(ssh_hosts, hosts)
     print(f"\nP=2 x D=2 over SSH on 4 VMs: bootstrap {run.t_boot:.2f}s, launch {run.t_launch:.2f}s, "
           f"first step done {t_first:.1f}s, 5 steps done {t_total:.1f}s "
           f"(train_local: {t_local:.1f}s); losses {['%.5f' % x for x in ssh_losses]} "
@@ -230,8 +209,8 @@ def test_vm_lost_mid_training_is_detected_and_job_stopped(ssh_hosts, tmp_path, h
     finally:
         run.close()
     survivors = [h for h in hosts if h.name != victim.name]
-    assert not _worker_processes(ssh_hosts, survivors)
-    assert not _procs_running(ENTRY)
+    assert not worker_processes(ssh_hosts, survivors)
+    assert not procs_mentioning(ENTRY)
     ssh_hosts.close()
     left = [p for pids in sshd_pids.values() for p in pids
             if Path(f"/proc/{p}").exists() and not _is_zombie(p)]
