@@ -88,7 +88,8 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     sink: dict = {}
     common.timed_optimizer(opt, sink, "opt")
     common.timed_method(engine, "_sync_and_step", sink, "sync")
-    _time_waits(engine, sink)
+    # time blocked on an input inside F (activation) and B (gradient): compute = compute_s - wait
+    common.time_receive_waits(sink, lambda rcv: "wait_F" if rcv.channel is engine.ch_act_in else "wait_B")
     vocab = model_config(job).vocab_size
     steps = []
     for i in range(opts["warmup"] + opts["steps"]):
@@ -107,24 +108,6 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
                       "machine_busy_s": ((c1[1] - c1[0]) - (c0[1] - c0[0])) / TICKS})
     common.write_rank(out_dir, rank, {"rank": rank, "stage": engine.stage, "replica": engine.replica,
                                       "steps": steps[opts["warmup"]:]})
-
-
-def _time_waits(engine, sink: dict) -> None:
-    """Time spent blocked on an input inside F (activation) and B (gradient) actions: the
-    engine's ``compute_s`` includes it, so compute alone is ``compute_s - wait``."""
-    from varuna_sdk.pipeline import comm
-
-    orig = comm.Receiver.get
-
-    def get(self, i):
-        t0 = time.perf_counter()
-        try:
-            return orig(self, i)
-        finally:
-            key = "wait_F" if self.channel is engine.ch_act_in else "wait_B"
-            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
-
-    comm.Receiver.get = get
 
 
 def foreign_cpu(docs: list[dict], i: int) -> float:

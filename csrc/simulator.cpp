@@ -165,6 +165,27 @@ private:
         // time-shared slots: work left in the running action, and its current end
         double remaining = 0.0, expected_end = -1.0;
     };
+    // When the input of action a (F: activation, B on a non-last stage: gradient) is ready
+    // for rank k deciding at t; false (and k marked waiting) if the message is not sent yet.
+    // Shared by both engines so that they wait by the same rule.
+    bool input_ready_time(Rank& k, const Action& a, std::size_t row, double t, double& ready) const {
+        const std::vector<double>* arr = nullptr;
+        int sent = 0, kind = -1;
+        if (a.kind == ActionKind::Forward && k.stage > 0) {
+            arr = &act_arr_, sent = k.acts_sent, kind = 0;
+        } else if (a.kind == ActionKind::Backward && k.stage < P_ - 1) {
+            arr = &grad_arr_, sent = k.grads_sent, kind = 1;
+        }
+        ready = t;
+        if (arr == nullptr) return true;
+        if (a.mb >= sent) {
+            k.waiting_kind = kind;
+            k.waiting_mb = a.mb;
+            return false;
+        }
+        ready = std::max(t, (*arr)[row + static_cast<std::size_t>(a.mb)]);
+        return true;
+    }
     // time-shared slots: the ranks running on a host, since when at which rate
     struct Host {
         std::vector<int> running;
@@ -392,21 +413,7 @@ void Engine::decide(int r, double t) {
     }
     k.cur = *a;
     double ready = t;
-    if (a->kind == ActionKind::Forward && s > 0) {
-        if (a->mb >= k.acts_sent) {
-            k.waiting_kind = 0;
-            k.waiting_mb = a->mb;
-            return;
-        }
-        ready = std::max(t, act_arr_[row + static_cast<std::size_t>(a->mb)]);
-    } else if (a->kind == ActionKind::Backward && s < P_ - 1) {
-        if (a->mb >= k.grads_sent) {
-            k.waiting_kind = 1;
-            k.waiting_mb = a->mb;
-            return;
-        }
-        ready = std::max(t, grad_arr_[row + static_cast<std::size_t>(a->mb)]);
-    }
+    if (!input_ready_time(k, *a, row, t, ready)) return;
     input_ready(r, ready, t);
 }
 
@@ -646,21 +653,7 @@ bool Engine::try_advance(int r) {
         }
         k.cur = *a;
         double ready = t;
-        if (a->kind == ActionKind::Forward && s > 0) {
-            if (a->mb >= k.acts_sent) {
-                k.waiting_kind = 0;
-                k.waiting_mb = a->mb;
-                continue;
-            }
-            ready = std::max(t, act_arr_[row + static_cast<std::size_t>(a->mb)]);
-        } else if (a->kind == ActionKind::Backward && s < P_ - 1) {
-            if (a->mb >= k.grads_sent) {
-                k.waiting_kind = 1;
-                k.waiting_mb = a->mb;
-                continue;
-            }
-            ready = std::max(t, grad_arr_[row + static_cast<std::size_t>(a->mb)]);
-        }
+        if (!input_ready_time(k, *a, row, t, ready)) continue;
         const double end = begin_action(r, ready);
         complete_action(r, end);
         k.t_free = end;
