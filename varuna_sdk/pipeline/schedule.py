@@ -20,13 +20,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Sequence
 
-try:
-    from varuna_sdk import _core
-except ImportError as exc:  # pragma: no cover - only without a built extension
-    raise ImportError(
-        "varuna_sdk._core (the C++ schedule extension) is not built; build it with "
-        "`pip install --no-build-isolation -e .` from the repository root"
-    ) from exc
+from varuna_sdk._native import core as _core
 
 __all__ = [
     "Action",

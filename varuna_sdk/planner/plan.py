@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import _core
+from .._native import core as _core
 from ..config import POLICIES, ConfigError, ParallelConfig
 from ..profiling.profile import Profile, ProfileError
 
