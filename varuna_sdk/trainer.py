@@ -3,8 +3,9 @@
 Owns: building the GPT-2 job from a config (data, model, engine, AdamW, warm-up + cosine
 learning rate), the per-step line and the JSON-lines metrics file (``metrics.jsonl`` in the run
 folder, one object per step, written by rank 0; the dashboard reads it), and the held-out
-perplexity at start and end (``summary.json``). Sits above ``pipeline`` and ``data``; never
-imports ``cluster``/``manager``.
+perplexity at start and end (``summary.json``), and the job's cached calibration
+(``calibrate_job``). Sits above ``pipeline``, ``data`` and ``profiling``; never imports
+``manager`` (heartbeats are fed through the ``on_step`` callback).
 """
 
 from __future__ import annotations
