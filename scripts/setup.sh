@@ -3,19 +3,28 @@
 # `make test` and .ci/run. Needs only Python 3.11 and the OS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The SSH test hosts (tests/ssh_hosts.py) need sshd. Install openssh-server when it is missing
-# (root + apt only); otherwise say why and go on: the SSH tests then skip with that reason.
-if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+# System tools the tests use, installed when missing (root + apt only); otherwise say why and go
+# on: the tests that need them then skip with that reason.
+#   sshd      — the SSH test hosts (tests/ssh_hosts.py)
+#   ip        — network namespaces for the "network cut" test hosts (iproute2)
+#   chromium  — the dashboard's browser tests (driven by Python playwright, never `playwright install`)
+need_pkgs=""
+{ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ]; } || need_pkgs="$need_pkgs openssh-server"
+{ command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ]; } || need_pkgs="$need_pkgs iproute2"
+[ -x /usr/bin/chromium ] || need_pkgs="$need_pkgs chromium"
+if [ -n "$need_pkgs" ]; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing openssh-server (for the SSH test hosts)"
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server >/dev/null 2>&1; then
+    echo "setup: installing$need_pkgs (for the test hosts and browser tests)"
+    # shellcheck disable=SC2086
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need_pkgs >/dev/null 2>&1; then
       apt-get update -qq >/dev/null 2>&1 || true
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server >/dev/null \
-        || echo "setup: could not install openssh-server; the SSH tests will be skipped" >&2
+      # shellcheck disable=SC2086
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need_pkgs >/dev/null \
+        || echo "setup: could not install$need_pkgs; the tests that need them will be skipped" >&2
     fi
   else
-    echo "setup: sshd not found and cannot install it (needs root and apt-get);" \
-         "the SSH tests will be skipped — install openssh-server to run them" >&2
+    echo "setup: missing$need_pkgs and cannot install (needs root and apt-get);" \
+         "the tests that need them will be skipped" >&2
   fi
 fi
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"

@@ -92,8 +92,24 @@ class Kind:
     WORKER_EXITED = "worker_exited"          # the launcher saw the process end
     HOST_LOST = "host_lost"                  # heartbeats stopped / process died / VM gone
     AUTH_FAILED = "auth_failed"              # a message with a bad MAC, malformed, replayed
-    PREEMPTION_NOTICE = "preemption_notice"
+    PREEMPTION_NOTICE = "preemption_notice"  # payload: {"deadline": unix s, "lead_s": s}
     BOOTSTRAP = "bootstrap"
+    # Provider / VM pool (``host`` column names the VM; payload may carry {"gpus": n, "price_per_hour": $})
+    HOST_ADDED = "host_added"                # a VM joined the pool (acquired, returned by the cloud)
+    HOST_REMOVED = "host_removed"            # the provider took a VM away (pre-empted, released)
+    # Manager (payload shapes are the dashboard's contract; extra keys are allowed)
+    JOB_STATE = "job_state"                  # {"state": "RUNNING", "previous": "PROVISIONING", "reason": str}
+    PLAN = "plan"                            # {"generation", "gpus", "P", "D", "micro_batch_size",
+                                             #  "num_micro_batches", "boundaries": [[seg,...] per stage],
+                                             #  "hosts": [name per rank], "predicted_step_s", "examples_per_s",
+                                             #  "bubble", "mem_per_stage_bytes": [...], "rows": [ranked table
+                                             #  rows as dicts], "timeline": [{"stage", "action", "micro_batch",
+                                             #  "start_s", "end_s"}] (simulated one mini-batch)}
+    MORPH = "morph"                          # {"cause": "notice"|"loss"|"grow"|"straggler"|"failure",
+                                             #  "old": {"P","D",...}, "new": {"P","D",...}, "downtime_s",
+                                             #  "steps_lost", "from_step", "resume_step"}
+    CHECKPOINT = "checkpoint"                # {"step", "path", "bytes", "seconds", "remote": url|None}
+    STRAGGLER = "straggler"                  # {"rank", "slowdown": x vs peers' median, "action": "excluded"|"kept"}
 
 
 @dataclass(frozen=True)
