@@ -202,6 +202,10 @@ void bind_search(py::module_& m) {
         .def_readonly("reason", &Candidate::reason);
     m.def("search", &varuna::search, py::arg("input"), py::call_guard<py::gil_scoped_release>(),
           "Rank every (P, D, micro-batch) for the input; see csrc/search.h.");
+    m.def("simulate_candidate", &varuna::simulate_candidate, py::arg("input"), py::arg("P"), py::arg("D"),
+          py::arg("table_index"), py::arg("starts"), py::arg("rank_scale"), py::arg("record_timeline"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Simulate one candidate for its full m (timeline, straggler what-ifs); see csrc/search.h.");
 }
 
 }  // namespace

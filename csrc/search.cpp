@@ -248,25 +248,11 @@ std::vector<int> balance(const SearchInput& in, const SegmentTable& t, int P, in
     return best;
 }
 
-Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
-    const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
+// The simulator configuration of one candidate (stage costs, bytes, tied groups, placement)
+// for its full m; fills c.stage_compute.
+SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTable& t) {
     const int n = static_cast<int>(t.fwd.size());
-    Candidate c;
-    c.P = P;
-    c.D = D;
-    c.micro_batch_size = t.micro_batch_size;
-    c.m = in.global_batch / (t.micro_batch_size * D);
-    c.idle_gpus = in.gpus - P * D;
-    if (!in.fixed_starts.empty()) {
-        c.starts = in.fixed_starts;
-    } else {
-        c.starts = balance(in, t, P, c.m);
-    }
-    if (c.starts.empty()) {
-        c.reason = "no split into " + std::to_string(P) + " stages fits memory (" + gib(in.memory_limit) +
-                   " per GPU) at micro-batch " + std::to_string(t.micro_batch_size);
-        return c;
-    }
+    const int P = c.P, D = c.D;
     SimConfig cfg = in.sim;
     cfg.P = P;
     cfg.D = D;
@@ -321,6 +307,29 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
         c.stage_compute.push_back(cfg.rec[s] + cfg.bwd[s] + (in.recompute && s + 1 < P ? cfg.fwd[s] : 0.0));
     }
     share_sync_phase(in, cfg);
+    return cfg;
+}
+
+Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
+    const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
+    const int n = static_cast<int>(t.fwd.size());
+    Candidate c;
+    c.P = P;
+    c.D = D;
+    c.micro_batch_size = t.micro_batch_size;
+    c.m = in.global_batch / (t.micro_batch_size * D);
+    c.idle_gpus = in.gpus - P * D;
+    if (!in.fixed_starts.empty()) {
+        c.starts = in.fixed_starts;
+    } else {
+        c.starts = balance(in, t, P, c.m);
+    }
+    if (c.starts.empty()) {
+        c.reason = "no split into " + std::to_string(P) + " stages fits memory (" + gib(in.memory_limit) +
+                   " per GPU) at micro-batch " + std::to_string(t.micro_batch_size);
+        return c;
+    }
+    SimConfig cfg = candidate_config(in, c, t);
     // Long mini-batches: simulate the first m_sim micro-batches (fill, warm-up and the start
     // of the steady state, where the peaks occur) and add (m - m_sim) times the steady-state
     // rate, which a work-conserving pipeline sets by its slowest resource: a stage's compute
@@ -380,6 +389,39 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
         }
     }
     return c;
+}
+
+SimResult simulate_candidate(const SearchInput& in, int P, int D, int ti, const std::vector<int>& starts,
+                             const std::vector<double>& rank_scale, bool record_timeline) {
+    const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
+    const int n = static_cast<int>(t.fwd.size());
+    if (P < 1 || D < 1) throw std::invalid_argument("P and D must be >= 1");
+    if (static_cast<int>(starts.size()) != P || starts.empty() || starts[0] != 0)
+        throw std::invalid_argument("starts must hold P first-segment indices beginning at 0");
+    for (int s = 1; s < P; ++s)
+        if (starts[s] <= starts[s - 1] || starts[s] >= n) throw std::invalid_argument("starts must increase within the segments");
+    if (!rank_scale.empty() && static_cast<int>(rank_scale.size()) != P * D)
+        throw std::invalid_argument("rank_scale must have P*D entries");
+    Candidate c;
+    c.P = P;
+    c.D = D;
+    c.micro_batch_size = t.micro_batch_size;
+    c.m = in.global_batch / (t.micro_batch_size * D);
+    if (c.m < 1) throw std::invalid_argument("global batch smaller than micro-batch x D");
+    c.starts = starts;
+    SimConfig cfg = candidate_config(in, c, t);
+    cfg.record_timeline = record_timeline;
+    SimResult r = simulate(cfg);
+    std::vector<double> scales = interference_scales(in, cfg, r);
+    if (!rank_scale.empty()) {
+        if (scales.empty()) scales.assign(static_cast<std::size_t>(P * D), 1.0);
+        for (std::size_t q = 0; q < scales.size(); ++q) scales[q] *= rank_scale[q];
+    }
+    if (!scales.empty()) {
+        cfg.rank_compute_scale = scales;
+        r = simulate(cfg);
+    }
+    return r;
 }
 
 std::vector<Candidate> search(const SearchInput& in) {

@@ -81,6 +81,13 @@ std::vector<int> balance(const SearchInput& in, const SegmentTable& t, int P, in
 // Evaluate one (P, D, b) fully (split, simulate, memory).
 Candidate evaluate(const SearchInput& in, int P, int D, int table_index);
 
+// One candidate's mini-batch simulated event by event for its full m (no steady-state
+// shortcut), with the same costs evaluate() uses, optionally recording the timeline and with
+// extra per-rank compute slowdowns (stragglers; size P*D, empty = none).  For Gantt charts and
+// what-if questions ("is the job faster without this slow worker?").
+SimResult simulate_candidate(const SearchInput& in, int P, int D, int table_index, const std::vector<int>& starts,
+                             const std::vector<double>& rank_scale, bool record_timeline);
+
 // All depths, ranked: feasible first by minibatch_time, then infeasible ones.
 std::vector<Candidate> search(const SearchInput& in);
 

@@ -442,3 +442,29 @@ def test_cli_plan_prints_table_and_reports_missing_profile(tmp_path):
     synthetic_profile(HEAVY, network=False).to_json(prof)
     out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof))
     assert out.returncode == 2 and "no network measurements" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_simulate_reproduces_the_row_and_models_a_straggler():
+    """``Plan.simulate`` re-runs a ranked row event by event with the search's own costs: same
+    mini-batch time (m below the steady-state cap, so the search simulated it exactly), a Gantt
+    timeline for every rank, and a slowed rank costs time in proportion to its stage's work."""
+    prof = synthetic_profile(HEAVY)
+    pl = plan(prof, 4, 16)
+    row = next(r for r in pl.feasible if r.P == 2)
+    out = pl.simulate(row)
+    assert out.minibatch_time == pytest.approx(row.time_s, rel=1e-12)
+    assert len(out.timeline) == row.P * out.replicas_simulated
+    for rank in out.timeline:
+        kinds = [s.kind for s in rank]
+        assert kinds.count("F") == row.m and kinds.count("B") == row.m
+        assert all(s.end >= s.start >= 0.0 for s in rank)
+    slow = [1.0] * (row.P * row.D)
+    slow[0] = 3.0
+    worse = pl.simulate(row, rank_scale=slow, record_timeline=False)
+    assert worse.minibatch_time > out.minibatch_time * 1.2
+    with pytest.raises(ValueError, match="rank_scale has 1 entries"):
+        pl.simulate(row, rank_scale=[2.0])
+    bad = next((r for r in pl.rows if not r.feasible), None)
+    if bad is not None:
+        with pytest.raises(ValueError, match="not feasible"):
+            pl.simulate(bad)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 import numpy as np
@@ -79,6 +79,8 @@ class Plan:
     target_examples: int | None
     search_s: float
     notes: list[str] = field(default_factory=list)
+    _search: object = field(default=None, repr=False, compare=False)
+    _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def feasible(self) -> list[PlanRow]:
@@ -135,7 +137,37 @@ class Plan:
         return f"<pre>{html.escape(self.table())}</pre>"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain data (JSON-able): every public field, rows and prices as dicts."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")}
+
+    def simulate(self, row: PlanRow | None = None, *, rank_scale: Sequence[float] | None = None,
+                 record_timeline: bool = True) -> "SimOutput":
+        """Simulate ``row`` (default: the best) event by event for its full m with the costs the
+        search used: the per-stage Gantt timeline (``SimOutput.timeline``, seconds from the
+        mini-batch's start, per rank = replica*P + stage) for the dashboard, and what-ifs:
+        ``rank_scale`` (length P*D) slows ranks' compute down (a straggler at 1.5x: 1.5).
+
+        Raises ``ValueError`` for an infeasible row or a ``rank_scale`` of the wrong length.
+        """
+        from .simulate import SimOutput
+
+        row = row or self.best
+        if not row.feasible or not row.stages:
+            raise ValueError(f"P={row.P} D={row.D} is not feasible ({row.reason}); simulate a feasible row")
+        if self._search is None or row.micro_batch_size not in self._sizes:
+            raise ValueError("this Plan was not made by plan() (no search input kept); call plan() again")
+        scale = [float(x) for x in rank_scale] if rank_scale is not None else []
+        if scale and len(scale) != row.P * row.D:
+            raise ValueError(f"rank_scale has {len(scale)} entries; P*D = {row.P * row.D} needed")
+        r = _core.simulate_candidate(self._search, row.P, row.D, self._sizes.index(row.micro_batch_size),
+                                     [st[0] for st in row.stages], scale, bool(record_timeline))
+        return SimOutput.from_core(r, bool(record_timeline))
+
+
+def _plain(v):
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return asdict(v) if hasattr(v, "__dataclass_fields__") else v
 
 
 def _dur(s: float) -> str:
@@ -349,7 +381,8 @@ def plan(
     if sizes and max(sizes) > max(profile.micro_batch_sizes):
         notes.append(f"micro-batch sizes above {max(profile.micro_batch_sizes)} are extrapolated from the profile")
     return Plan(gpus=gpus, global_batch=global_batch, policy=policy, recompute=rec, rows=rows, prices=prices,
-                target_examples=target_examples, search_s=time.perf_counter() - t0, notes=notes)
+                target_examples=target_examples, search_s=time.perf_counter() - t0, notes=notes,
+                _search=inp, _sizes=list(sizes))
 
 
 __all__ = ["Plan", "PlanRow", "Prices", "plan", "candidate_micro_batch_sizes", "ProfileError"]
