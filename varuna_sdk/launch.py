@@ -51,34 +51,11 @@ def plan_job(job: JobConfig, profile=None):
     from a (cached) calibration and the simulator; returns ``(job with parallel filled, Plan)``.
     A P or D the config fixes is kept (only the other is chosen); ``ConfigError`` if no plan has it.
     Local workers share this machine's cores: the plan models them as one VM with
-    ``os.cpu_count()`` compute slots."""
-    import copy
-    import os
-
-    from .config import ConfigError
-    from .planner.plan import plan
+    ``os.cpu_count()`` compute slots (see ``planner.plan.plan_for_job``)."""
+    from .planner.plan import plan_for_job
     from .trainer import calibrate_job
 
-    profile = profile or calibrate_job(job)
-    p = job.parallel
-    pl = plan(profile, job.launch.gpus, p.global_batch, policy=p.policy, recompute=p.recompute,
-              gpus_per_vm=job.launch.gpus, compute_slots_per_vm=os.cpu_count() or 1,
-              max_depth=p.P if p.P is not None else None)
-    if p.P is None and p.D is None:
-        best = pl.best
-    else:
-        fits = [r for r in pl.feasible if (p.P is None or r.P == p.P) and (p.D is None or r.D == p.D)]
-        if not fits:
-            offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
-            fixed = " and ".join(f"{k}={v}" for k, v in (("P", p.P), ("D", p.D)) if v is not None)
-            raise ConfigError(f"no plan for launch.gpus={job.launch.gpus} and global batch {p.global_batch} has "
-                              f"parallel.{fixed}; feasible plans: {offered}. Set both P and D to null, or change them")
-        best = fits[0]
-    job = copy.deepcopy(job)
-    job.parallel.P, job.parallel.D = best.P, best.D
-    job.parallel.micro_batch_size = best.micro_batch_size
-    job.parallel.boundaries = best.stages
-    return job.validate(), pl
+    return plan_for_job(job, profile or calibrate_job(job))
 
 
 def train_local(job: JobConfig, run_dir: str | Path | None = None) -> RunResult:

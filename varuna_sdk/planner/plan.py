@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from .._native import core as _core
-from ..config import POLICIES, ConfigError, ParallelConfig
+from ..config import POLICIES, ConfigError, JobConfig, ParallelConfig
 from ..profiling.profile import Profile, ProfileError
 
 
@@ -385,4 +385,44 @@ def plan(
                 _search=inp, _sizes=list(sizes))
 
 
-__all__ = ["Plan", "PlanRow", "Prices", "plan", "candidate_micro_batch_sizes", "ProfileError"]
+def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, gpus_per_vm: int | None = None,
+                 compute_slots_per_vm: int | None = None, keep_fixed: bool = True) -> tuple[JobConfig, Plan]:
+    """Plan ``job`` for ``gpus`` workers (default ``job.launch.gpus``) and return a copy of it
+    with ``parallel`` filled in from the best row (P, D, micro-batch size, stage boundaries),
+    and the ``Plan``. The global batch, policy and recompute setting are the job's.
+
+    Placement defaults model local workers: all ``gpus`` on one VM whose compute is shared by
+    ``os.cpu_count()`` cores; pass ``gpus_per_vm``/``compute_slots_per_vm`` for real VMs.
+    ``keep_fixed``: a P or D the config fixes is kept (only the other is chosen); the manager
+    passes False when the GPUs changed under a morph. Raises ``ConfigError`` when no feasible
+    plan has the fixed P/D (listing the feasible ones) or none fits at all.
+    """
+    import copy
+    import os
+
+    p = job.parallel
+    G = int(gpus if gpus is not None else job.launch.gpus)
+    fixed_P = p.P if keep_fixed else None
+    fixed_D = p.D if keep_fixed else None
+    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=p.recompute,
+              gpus_per_vm=gpus_per_vm or G, compute_slots_per_vm=compute_slots_per_vm if compute_slots_per_vm is not None
+              else (os.cpu_count() or 1), max_depth=fixed_P)
+    fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
+    if not fits:
+        offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
+        fixed = " and ".join(f"{k}={v}" for k, v in (("P", fixed_P), ("D", fixed_D)) if v is not None)
+        if not fixed:
+            raise ConfigError(f"no configuration fits {G} workers and global batch {p.global_batch}: "
+                              + "; ".join(f"P={r.P}: {r.reason}" for r in pl.rows[:6]))
+        raise ConfigError(f"no plan for {G} workers and global batch {p.global_batch} has parallel.{fixed}; "
+                          f"feasible plans: {offered}. Set both P and D to null, or change them")
+    best = fits[0]
+    job = copy.deepcopy(job)
+    job.parallel.P, job.parallel.D = best.P, best.D
+    job.parallel.micro_batch_size = best.micro_batch_size
+    job.parallel.boundaries = best.stages
+    job.launch.gpus = G
+    return job.validate(), pl
+
+
+__all__ = ["plan_for_job", "Plan", "PlanRow", "Prices", "plan", "candidate_micro_batch_sizes", "ProfileError"]
