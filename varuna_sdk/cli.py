@@ -1,4 +1,5 @@
-"""The ``varuna`` command: ``varuna train CONFIG.yaml``, ``varuna demo``, ``varuna config``.
+"""The ``varuna`` command: ``varuna train CONFIG.yaml``, ``varuna demo``, ``varuna config``,
+``varuna dashboard RUN_DIR`` (imports the top-level ``dashboard`` package only for that command).
 
 Owns argument parsing and turning ``ConfigError``/``WorkerFailure`` into one clear line and a
 non-zero exit. Sits at the top of the dependency graph.
@@ -67,6 +68,38 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    """``varuna dashboard RUN_DIR``: serve the job's dashboard behind a login until Ctrl-C.
+    Prints the URL and where the credentials come from, never the password."""
+    try:
+        from dashboard.server import load_credentials, serve
+        from dashboard.store import resolve_event_log
+    except ImportError as e:
+        print(f"varuna: the dashboard needs panel and bokeh ({e}); install the project with `pip install -e .`",
+              file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
+    if args.refresh <= 0:
+        raise ValueError(f"--refresh {args.refresh} must be > 0 seconds")
+    db = resolve_event_log(args.run_dir)
+    creds, where = load_credentials(args.run_dir, args.credentials)
+    server = serve(args.run_dir, credentials=creds, port=args.port, address=args.address,
+                   allow_origins=args.allow_origin, job_id=args.job_id, refresh_s=args.refresh, start=False)
+    host = "localhost" if args.address in ("127.0.0.1", "::1", "localhost") else args.address
+    print(f"[varuna] dashboard of {db} at http://{host}:{server.port}/ (read-only; sign in with {where}); "
+          "Ctrl-C stops it", flush=True)
+    server.start()
+    try:
+        server.io_loop.start()  # panel stops the loop on Ctrl-C
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    print("[varuna] dashboard stopped", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training (Varuna)")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -98,6 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--on-demand-price", dest="on_demand_price", type=float, help="$ per GPU-hour, on-demand")
     sp.add_argument("--target-examples", dest="target_examples", type=int, help="show time and cost to this many examples")
     sp.add_argument("--top", type=int, default=12)
+    sp = sub.add_parser("dashboard", help="serve a job's live dashboard to the team (read-only, login required)")
+    sp.add_argument("run_dir", help="the job's run folder (holding events.db), or the events.db file")
+    sp.add_argument("--port", type=int, default=5006, help="TCP port (default 5006; 0 picks a free one)")
+    sp.add_argument("--address", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1; 0.0.0.0 serves every interface)")
+    sp.add_argument("--credentials", help='JSON file {"user": "password", ...}, mode 0600 (default: '
+                    "$VARUNA_DASHBOARD_PASSWORD, else RUN_DIR/dashboard-credentials.json, generated once)")
+    sp.add_argument("--allow-origin", dest="allow_origin", action="append", default=[], metavar="HOST:PORT",
+                    help="another host:port browsers load the page from (e.g. a proxy); repeatable")
+    sp.add_argument("--job-id", dest="job_id", help="show only this job's rows of a shared event log")
+    sp.add_argument("--refresh", type=float, default=1.0, help="seconds between reads of the event log")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "config":
@@ -105,6 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd in ("calibrate", "plan"):
             return _calibrate_or_plan(args)
+        if args.cmd == "dashboard":
+            try:
+                return _dashboard(args)
+            except (FileNotFoundError, PermissionError) as e:
+                print(f"varuna: {e}", file=sys.stderr)
+                return 2
+            except OSError as e:  # the port is taken, the address is not ours
+                print(f"varuna: cannot serve on {args.address}:{args.port}: {e.strerror or e}; pick another "
+                      "--port or --address", file=sys.stderr)
+                return 2
         job = demo_config() if args.cmd == "demo" else JobConfig.from_yaml(Path(args.config))
         job = _apply_overrides(job, args).validate()
         from .cluster.local import WorkerFailure
