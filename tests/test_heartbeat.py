@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -133,7 +134,8 @@ def test_bad_mac_malformed_and_replayed_messages_are_rejected_and_logged(job, ca
         except ConnectionResetError:
             return True
 
-    base = {"v": 1, "type": "hb", "job": "job-hb", "host": "vm9", "rank": 9, "step": 1}
+    base = {"v": 1, "type": "hb", "job": "job-hb", "host": "vm9", "rank": 9, "step": 1,
+            "cnonce": secrets.token_hex(16)}
     # 1. a pickle (never unpickled): not JSON
     import pickle
     s, _ = conn()
@@ -258,3 +260,273 @@ def test_secret_never_written_anywhere(job, tmp_path, caplog):
     assert secret.reveal() not in repr(server.__dict__) and "***" in repr(secret)
     with pytest.raises(RuntimeError, match="VARUNA_JOB_TOKEN is not"):
         HeartbeatClient.from_env({"VARUNA_HEARTBEAT_ADDR": "127.0.0.1:1"})
+
+
+# --------------------------------------------------------------------- stop command and metrics
+STOPPER = textwrap.dedent("""
+    import sys, time
+    from varuna_sdk.manager.heartbeat import HeartbeatClient
+    c = HeartbeatClient.from_env()
+    c.start()
+    step = 0
+    while not c.stop_requested:          # the training loop polls at each mini-batch boundary
+        c.record_step(step, loss=1.0)
+        step += 1
+        time.sleep(0.02)
+    print(f"stopping after step {step - 1}: {c.stop_reason}", flush=True)
+    c.close(status="stopped")
+""")
+
+
+def test_stop_command_reaches_running_and_late_workers(job):
+    server, log, secret, spawn = job
+    env_run = {**os.environ, **server.worker_env(), ENV_TOKEN: secret.reveal(), "VARUNA_JOB_ID": "job-hb"}
+
+    def start(host, rank):
+        return subprocess.Popen([sys.executable, "-c", STOPPER], env={**env_run, "VARUNA_HOST": host,
+                                "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    early = start("vm0", 0)
+    try:
+        assert server.wait_heartbeats(1, timeout_s=20, min_step=3)
+        t0 = time.monotonic()
+        server.request_stop("notice", generation=3)
+        assert early.wait(10) == 0, early.stderr.read()
+        took = time.monotonic() - t0
+        out = early.stdout.read()
+        assert "stopping after step" in out and out.strip().endswith(": notice"), out
+        assert took < 2 * I + 1.0, took  # sent at once, read at once (plus the interpreter's exit)
+        late = start("vm1", 1)  # connects after the request: told on its first message
+        assert late.wait(20) == 0, late.stderr.read()
+        assert "stopping after step" in late.stdout.read()
+    finally:
+        for p in (early, locals().get("late")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(5)
+    time.sleep(0.2)
+    assert [e.payload for e in log.events(kind="stop_requested")] == [{"reason": "notice", "generation": 3}]
+    fin = log.events(kind=Kind.WORKER_FINISHED)
+    assert sorted(e.host for e in fin) == ["vm0", "vm1"] and all(e.payload["status"] == "stopped" for e in fin)
+    assert not log.events(kind=Kind.WORKER_FAILED) and not server.lost_hosts()
+    print(f"stop command: worker stopped and exited {took:.3f}s after request_stop")
+
+
+def test_forged_or_replayed_stop_commands_are_ignored(tmp_path):
+    """A fake manager sends the client stop lines that are signed with the client-direction key
+    (a reflected worker line), replayed from an earlier connection, or correct: only the last
+    one is obeyed; a bad line makes the client drop the connection."""
+    secret = Secret(secrets.token_urlsafe(24))
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(10)
+    client = HeartbeatClient(srv.getsockname(), secret, job_id="j", host="vm0", rank=0, interval_s=0.2)
+    client.start()
+
+    def accept():
+        s, _ = srv.accept()
+        nonce = secrets.token_hex(16)
+        s.sendall((json.dumps({"v": 1, "nonce": nonce}) + "\n").encode())
+        f = s.makefile("rb")
+        hello = json.loads(json.loads(f.readline())["msg"])
+        assert hello["type"] == "hello" and hello["nonce"] == nonce
+        return s, f, nonce, hello["cnonce"]
+
+    def stop_line(key, nonce, cnonce, seq=1):
+        return encode(key, {"v": 1, "job": "j", "seq": seq, "nonce": nonce, "cnonce": cnonce,
+                            "time": 0, "type": "stop", "reason": "forged"})
+
+    def dropped(f) -> bool:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if f.readline() == b"":
+                return True
+        return False
+
+    try:
+        s1, f1, n1, c1 = accept()
+        s1.sendall(stop_line(derive_key(secret, "client"), n1, c1))  # reflected key
+        assert dropped(f1) and not client.stop_requested
+        s2, f2, n2, c2 = accept()
+        s2.sendall(stop_line(derive_key(secret, "server"), n2, c1))  # cnonce of connection 1
+        assert dropped(f2) and not client.stop_requested
+        s3, f3, n3, c3 = accept()
+        assert c3 not in (c1, c2)
+        s3.sendall(stop_line(derive_key(secret, "server"), n3, c3))
+        deadline = time.monotonic() + 5
+        while not client.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.stop_requested and client.stop_reason == "forged"
+    finally:
+        client.close(timeout_s=0.5)
+        srv.close()
+
+
+class _Proxy:
+    """A TCP relay between the clients and the server whose connections can be cut."""
+
+    def __init__(self, target):
+        self.target = target
+        self.srv = socket.socket()
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.srv.bind(("127.0.0.1", 0))
+        self.address = self.srv.getsockname()
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.lock = threading.Lock()
+        self.cuts = 0
+
+    def start(self):
+        self.srv.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self):
+        while True:
+            try:
+                a, _ = self.srv.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            with self.lock:
+                self.pairs.append((a, b))
+            for x, y in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(x, y), daemon=True).start()
+
+    @staticmethod
+    def _pump(x, y):
+        try:
+            while True:
+                data = x.recv(65536)
+                if not data:
+                    break
+                y.sendall(data)
+        except OSError:
+            pass
+        for s in (x, y):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self):
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+            self.cuts += 1
+        for a, b in pairs:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self):
+        self.cut()
+        self.srv.close()
+
+
+METRICS = textwrap.dedent("""
+    import sys, time
+    from varuna_sdk.manager.heartbeat import HeartbeatClient
+    c = HeartbeatClient.from_env()
+    c.start()
+    n = int(sys.argv[1])
+    for step in range(n):
+        c.record_step(step, loss=10.0 - step / n)
+        c.record_metrics({"step": step, "loss": 10.0 - step / n, "lr": 1e-3, "note": "x" * 200})
+        time.sleep(0.004)
+    print("recorded", flush=True)
+    c.close(status="ok", timeout_s=10)
+    print(f"dropped={c.metrics_dropped} pending={c.pending_metrics} connects={c.connects}", flush=True)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_every_metrics_row_arrives_once_across_dropped_connections(job):
+    """Rank 0's per-step rows reach the metrics table exactly once each, in order of steps,
+    although the connection is cut three times while they stream (rows in flight are sent
+    again on the next connection and de-duplicated by step)."""
+    _, log, secret, spawn = job
+    # a reconnect through the proxy takes a moment: not a loss here (this test is about rows)
+    server = HeartbeatServer("job-hb", secret, log, interval_s=I, reconnect_grace_s=5.0).start()
+    proxy = _Proxy(server.address).start()
+    n = 600
+    env = {**os.environ, ENV_TOKEN: secret.reveal(), "VARUNA_JOB_ID": "job-hb", "VARUNA_HOST": "vm0",
+           "RANK": "0", "VARUNA_HEARTBEAT_ADDR": f"{proxy.address[0]}:{proxy.address[1]}",
+           "VARUNA_HEARTBEAT_INTERVAL": repr(I)}
+    p = subprocess.Popen([sys.executable, "-c", METRICS, str(n)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):
+            deadline = time.monotonic() + 20
+            before = server.metrics_recorded
+            while server.metrics_recorded < before + 50 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proxy.cut()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        proxy.close()
+        server.close()
+    assert p.returncode == 0, err
+    assert "dropped=0 pending=0" in out, out
+    connects = int(out.split("connects=")[1])
+    assert connects >= 4, out  # it really reconnected after each cut
+    rows = log.metrics(job_id="job-hb")
+    assert [r["step"] for r in sorted(rows, key=lambda r: r["step"])] == list(range(n))
+    assert len(rows) == n  # once each
+    assert all(r["loss"] == pytest.approx(10.0 - r["step"] / n) and r["note"] == "x" * 200 for r in rows)
+    assert server.last_metric_step == n - 1
+    assert log.events(kind=Kind.WORKER_FINISHED) and not server.lost_hosts()
+    print(f"{n} metrics rows over {connects} connections ({proxy.cuts} cuts): all recorded once")
+
+
+def test_metrics_queue_is_bounded_and_overflow_is_reported(job):
+    server, log, secret, spawn = job
+    proxy = _Proxy(server.address)  # not listening yet: the manager is unreachable
+    client = HeartbeatClient(proxy.address, secret, job_id="job-hb", host="vm0", rank=0,
+                             interval_s=I, max_pending_metrics=5)
+    client.start()
+    try:
+        for step in range(8):
+            client.record_metrics({"step": step, "loss": float(step)})
+        with pytest.raises(ValueError, match="integer 'step'"):
+            client.record_metrics({"loss": 1.0})
+        assert client.metrics_dropped == 3 and client.pending_metrics == 5
+        proxy.start()  # the manager comes back
+        deadline = time.monotonic() + 20
+        while client.pending_metrics and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.pending_metrics == 0
+    finally:
+        client.close()
+        proxy.close()
+    time.sleep(0.2)
+    assert [r["step"] for r in log.metrics()] == [0, 1, 2, 3, 4]
+    ev = log.events(kind="metrics_dropped")
+    assert ev and ev[0].payload == {"rows": 3} and ev[0].host == "vm0"
+
+
+def test_a_worker_cut_off_from_its_manager_stops_by_itself(tmp_path):
+    secret = Secret(secrets.token_urlsafe(24))
+    log = EventLog(tmp_path / "events.db")
+    server = HeartbeatServer("job-o", secret, log, interval_s=I).start()
+    client = HeartbeatClient(server.address, secret, job_id="job-o", host="vm0", rank=0,
+                             interval_s=I, orphan_after_s=1.5)
+    client.start()
+    try:
+        assert server.wait_heartbeats(1, timeout_s=20)
+        time.sleep(2.0)
+        assert not client.stop_requested  # connected: no matter how long
+        server.close()  # the manager dies
+        t0 = time.monotonic()
+        while not client.stop_requested and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert client.stop_requested and client.stop_reason == "manager unreachable"
+        assert 1.5 <= took < 3.0, took
+    finally:
+        client.close(timeout_s=0.5)
+        log.close()

@@ -1,38 +1,41 @@
-"""Entry point started on every worker VM: ``python -m varuna_sdk.worker CONFIG.yaml RUN_DIR``.
+"""Entry point started on every worker VM (and, for local hosts, as a local subprocess):
+``python -m varuna_sdk.worker CONFIG.yaml RUN_DIR``.
 
 Reads its rank, world size and rendezvous from the environment (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``), initialises torch.distributed (NCCL with a GPU, else gloo)
-and runs the training loop. Local jobs use ``cluster.local.spawn_workers`` instead, which calls
-the same ``trainer.run_worker``.
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; ``VARUNA_GENERATION`` = which launch of the job
+this is, 0 first, +1 per morph), initialises torch.distributed (NCCL with a GPU, else gloo) and
+runs the training loop (``trainer.run_worker``). ``manager.generation.Generation`` starts it and
+sets that environment; ``cluster.local.spawn_workers`` calls the same ``run_worker`` in-process.
 
 Heartbeats: when the launcher set ``VARUNA_HEARTBEAT_ADDR`` (and ``VARUNA_JOB_TOKEN``), a
-``manager.heartbeat.HeartbeatClient`` reports this worker's step, loss, per-micro-batch compute
-times and memory to the manager every interval, and says goodbye at the end ("ok", or "failed"
-with the exception's last line) so that a crash is never taken for a lost VM.
+``manager.heartbeat.HeartbeatClient`` starts *before torch is imported* (the manager hears from
+the worker while it is still starting) and reports this worker's step, loss, per-micro-batch
+compute times and memory every interval; rank 0 also hands it every step's metrics row (the
+``metrics.jsonl`` line) for the manager's metrics table. The training loop polls the client's
+``stop_requested`` at every mini-batch boundary (the manager's ``stop`` command: the workers agree,
+checkpoint and return "stopped"). At the end the worker says goodbye — "ok", "stopped", or
+"failed" with the exception's last line — so a crash is never taken for a lost VM.
+
+Imports ``config``, ``cluster.local``, ``manager.heartbeat`` and ``trainer`` (torch lazily, after
+the heartbeat client started).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from .manager.heartbeat import STOPPED, HeartbeatClient
 
-from .cluster.local import retain_freed_memory
-from .config import JobConfig
-from .manager.heartbeat import HeartbeatClient
-from .trainer import run_worker
-
-HEARTBEATS = True  # main() runs a heartbeat client (varuna_sdk.manager.heartbeat_worker checks)
+ENV_GENERATION = "VARUNA_GENERATION"
 
 
 def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None) -> int:
-    """Run one worker. ``heartbeat``: an already started client (else one from the environment,
-    or none); main feeds it after every step and closes it."""
+    """Run one worker; returns the process exit code (0: completed or stopped on request, 2:
+    bad usage). ``heartbeat``: an already started client (else one from the environment, or
+    none); main feeds it after every step and closes it."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m varuna_sdk.worker CONFIG.yaml RUN_DIR", file=sys.stderr)
@@ -41,33 +44,54 @@ def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None
     if hb is not None and not hb.started:
         hb.start()
     try:
-        _train(argv, hb)
+        status = _train(argv, hb)
     except BaseException as e:
         if hb is not None:
             hb.close(status="failed", error="".join(traceback.format_exception_only(e)).strip())
         raise
     if hb is not None:
-        hb.close(status="ok")
+        hb.close(status=STOPPED if status == STOPPED else "ok")
     return 0
 
 
-def _train(argv: list[str], hb: HeartbeatClient | None) -> None:
+def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
+    """Train; returns the outcome's status ("completed" or "stopped")."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from .cluster.local import retain_freed_memory
+    from .config import JobConfig
+    from .trainer import run_worker
+
     job = JobConfig.from_yaml(argv[0]).validate()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    generation = int(os.environ.get(ENV_GENERATION, "0"))
     backend = "nccl" if torch.cuda.is_available() and job.launch.backend != "gloo" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     torch.set_num_threads(job.launch.threads_per_worker)
     retain_freed_memory()
     m = job.parallel.num_micro_batches
-    on_step = None if hb is None else (lambda step, r: hb.record_step(
-        step, loss=r.loss, compute_s=r.compute_s, micro_batches=m, step_time_s=r.time_s))
+    kwargs: dict = {"generation": generation}
+    if hb is not None:
+        def on_step(step, r, metrics) -> None:
+            hb.record_step(step, loss=r.loss, compute_s=r.compute_s, micro_batches=m,
+                           step_time_s=r.time_s)
+            if rank == 0:
+                hb.record_metrics(metrics)
+
+        kwargs["on_step"] = on_step
+        kwargs["should_stop"] = lambda: hb.stop_requested  # every rank polls (agreed each step)
     Path(argv[1]).mkdir(parents=True, exist_ok=True)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=job.launch.timeout_s))
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=job.launch.timeout_s))
     try:
-        run_worker(rank, world, job.to_dict(), argv[1], on_step=on_step)
+        outcome = run_worker(rank, world, job.to_dict(), argv[1], **kwargs)
     finally:
         dist.destroy_process_group()
+    return getattr(outcome, "status", "completed")
 
 
 if __name__ == "__main__":

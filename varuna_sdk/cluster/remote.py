@@ -1,5 +1,6 @@
-"""Remote workers: start one job's worker processes on VMs over SSH, stream their output back
-prefixed by VM and rank, notice when one fails, and stop them all leaving no process behind.
+"""Remote workers: start one job's worker processes on VMs over SSH (or, for local hosts, as
+subprocesses of this machine), stream their output back prefixed by VM and rank, notice when one
+fails, and stop them all leaving no process behind.
 
 Each worker runs in its own session on its VM (``SSHConnection.start``), with the job's
 environment — ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
@@ -11,8 +12,14 @@ parallel and reports whether anything survived.
 The command is the caller's (normally ``[host.python, "-m", "varuna_sdk.worker", ...]`` —
 the venv's Python by absolute path, never a login shell's PATH).
 
+Local hosts (``cluster.localproc.is_local``: the embedded default's slots) take the same path
+without SSH: ``launch`` starts their workers with ``localproc.start_local`` — own session, same
+environment, same prefixed output — and ``RemoteJob`` waits for and stops them like the others,
+so one job may mix both (all must reach rank 0's ``MASTER_ADDR``).
+
 Owns: ``WorkerSpec``, ``RemoteWorker``, ``RemoteJob``, ``launch``, ``RemoteWorkerFailure``.
-Imports ``cluster.hosts`` and ``cluster.ssh`` only; must never import torch or the manager.
+Imports ``cluster.hosts``, ``cluster.ssh`` and ``cluster.localproc`` only; must never import torch
+or the manager.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Mapping, Sequence
 
 from .hosts import Host, Secret
+from .localproc import LocalProcess, is_local, start_local
 from .ssh import RemoteProcess, SSHError, SSHPool
 
 log = logging.getLogger(__name__)
@@ -73,7 +81,7 @@ class RemoteWorker:
         self.prefix = f"[{spec.host.name} rank {spec.rank}]"
         self.stdout_tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self.process: RemoteProcess | None = None
+        self.process: RemoteProcess | LocalProcess | None = None
 
     @property
     def exit_code(self) -> int | None:
@@ -94,7 +102,7 @@ class RemoteJob:
     """The workers of one job. ``wait()`` until all exit (raising on the first failure after
     stopping the others), ``stop()`` them all; a context manager that stops on exit."""
 
-    def __init__(self, job_id: str, workers: list[RemoteWorker], pool: SSHPool):
+    def __init__(self, job_id: str, workers: list[RemoteWorker], pool: SSHPool | None):
         self.job_id, self.workers, self.pool = job_id, workers, pool
         self._changed = threading.Event()
         self.stopped = False
@@ -173,17 +181,20 @@ class RemoteJob:
             self.stop()
 
 
-def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool, master_addr: str, master_port: int,
+def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool | None, master_addr: str, master_port: int,
            job_id: str | None = None, token: Secret | None = None,
            env: Mapping[str, str | Secret] | None = None, sink: LineSink | None = print_sink,
-           tail_lines: int = 50) -> RemoteJob:
+           tail_lines: int = 50,
+           on_exit: Callable[[RemoteWorker], None] | None = None) -> RemoteJob:
     """Start every worker of ``specs`` (world size = len(specs), ranks 0..N-1 exactly once).
 
     Each gets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``,
     ``VARUNA_JOB_ID``, ``VARUNA_HOST`` and ``VARUNA_JOB_TOKEN`` (``token`` or a fresh random
     one), then ``env`` and the spec's own ``env``. Output lines go to ``sink`` prefixed
-    ``[host rank N]``. If any worker cannot be started, those already started are stopped and
-    the error is raised.
+    ``[host rank N]``. Workers of local hosts (``localproc.is_local``) start as subprocesses
+    here (``pool`` may be None when every host is local). ``on_exit(worker)`` is called (from a
+    reader thread) when a worker's process ends or its connection is lost. If any worker cannot
+    be started, those already started are stopped and the error is raised.
     """
     ranks = sorted(s.rank for s in specs)
     if ranks != list(range(len(specs))):
@@ -191,6 +202,8 @@ def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool, master_addr: str, mast
     for s in specs:
         if not s.command:
             raise ValueError(f"rank {s.rank}: empty command")
+        if pool is None and not is_local(s.host):
+            raise ValueError(f"rank {s.rank}: host {s.host.name} is reached over SSH: pass pool=SSHPool(...)")
     job_id = job_id or uuid.uuid4().hex[:12]
     token = token or Secret(_secrets.token_urlsafe(24))
     workers = [RemoteWorker(s, tail_lines) for s in sorted(specs, key=lambda s: s.rank)]
@@ -206,6 +219,14 @@ def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool, master_addr: str, mast
         wenv.update(env or {})
         wenv.update(s.env)
 
+        assigned = threading.Event()
+
+        def ended() -> None:
+            assigned.wait(30.0)  # (a process may end before start() returned it)
+            job._notify()
+            if on_exit is not None:
+                on_exit(w)
+
         def line(stream: str, tail: collections.deque):
             def on(text: str) -> None:
                 tail.append(text)
@@ -213,10 +234,22 @@ def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool, master_addr: str, mast
                     sink(stream, w, f"{w.prefix} {text}")
             return on
 
-        w.process = pool.get(s.host).start(
-            list(s.command), env=wenv, cwd=s.cwd or s.host.workdir,
-            on_stdout=line("stdout", w.stdout_tail), on_stderr=line("stderr", w.stderr_tail),
-            collect=False, on_exit=job._notify)
+        if is_local(s.host):
+            try:
+                w.process = start_local(
+                    s.host, list(s.command), env=wenv, cwd=s.cwd or s.host.workdir,
+                    on_stdout=line("stdout", w.stdout_tail), on_stderr=line("stderr", w.stderr_tail),
+                    on_exit=ended, kill_grace_s=pool.options.kill_grace_s if pool else 2.0)
+            finally:
+                assigned.set()
+            return
+        try:
+            w.process = pool.get(s.host).start(
+                list(s.command), env=wenv, cwd=s.cwd or s.host.workdir,
+                on_stdout=line("stdout", w.stdout_tail), on_stderr=line("stderr", w.stderr_tail),
+                collect=False, on_exit=ended)
+        finally:
+            assigned.set()
         if w.process.wait_started(15.0) is None and not w.process.done():
             raise SSHError(s.host, f"rank {s.rank}: the worker did not report its session id")
 

@@ -14,7 +14,10 @@ authenticated heartbeat in the job's ``EventLog`` and declares a host lost — o
 event, with ``detection_latency_s`` and ``since_last_heartbeat_s`` in its payload — when
 
 - no heartbeat of one of its workers arrived for ``miss_limit`` (2) intervals (VM frozen,
-  network cut, pre-empted without a notice);
+  network cut, pre-empted without a notice) — or, before the worker reported its first
+  training step, for ``startup_grace_s`` (default 15 s) if that is longer: importing torch and
+  initialising the process group can hold the interpreter for seconds on a busy VM, and that
+  silence is not a loss (a start-up that *dies* is still caught at once, below);
 - a worker's connection closed without a goodbye (its process died — killed, OOM, VM gone) and
   it did not reconnect within ``reconnect_grace_s`` (default half an interval);
 - the launcher reports that a worker's process died (``report_exit``) or that the VM is gone
@@ -22,20 +25,43 @@ event, with ``detection_latency_s`` and ``since_last_heartbeat_s`` in its payloa
 - a worker announced with ``expect(...)`` never joined within its start-up allowance (a VM lost
   during bootstrap).
 
+**Metrics** (``HeartbeatClient.record_metrics``, rank 0): every training step's metrics row (the
+``metrics.jsonl`` line) rides on the next heartbeat (``"metrics": [row, ...]``; a backlog too big
+for one line follows at once in ``"metrics"`` messages). The server appends each row to the event
+log's metrics table — the dashboard's source — once per step, and acknowledges the message; the
+client keeps every row until acknowledged and sends unacknowledged rows again after a reconnect
+(and flushes them before its goodbye), so no step is dropped while the manager is reachable. The
+client's queue is bounded (``max_pending_metrics``); rows dropped because it overflowed (a manager
+unreachable for that many steps) are counted and reported (``metrics_dropped`` event).
+
+**Stop command** (server → client): ``HeartbeatServer.request_stop(reason)`` sends every worker
+(and every worker that connects later) a signed ``stop`` message; the client then reports
+``stop_requested`` = True, which the training loop polls at each mini-batch boundary
+(``run_worker(should_stop=...)``: the workers agree, checkpoint and end with ``bye`` status
+``"stopped"``). Unlike a signal, it reaches workers on every VM over the channel that is already
+authenticated.
+
 Wire format — JSON lines, never pickle. On accept the server sends ``{"v":1,"nonce":HEX}``.
-Each client line is ``{"mac": HEX, "msg": TEXT}`` where ``TEXT`` is a JSON object (``v``,
-``type`` = ``hello``/``hb``/``bye``, ``job``, ``host``, ``rank``, ``seq``, ``nonce``, ``time``
-and the type's fields) and ``mac = HMAC-SHA256(key, TEXT)`` with
-``key = HMAC-SHA256(job secret, "varuna-heartbeat-v1")``. The server checks the MAC (constant
-time) *before* parsing ``TEXT``; then the job id, the connection's nonce (no replay from another
-connection) and a strictly increasing ``seq`` (no replay within one). Any failure — bad MAC,
-malformed, oversized, wrong job, replay — is recorded as an ``auth_failed`` event (peer address
-and reason, never the message or the secret) and the connection is closed. The job secret is a
-``Secret``: it is never logged, stored in the event log or put in an exception.
+Each line either way is ``{"mac": HEX, "msg": TEXT}`` where ``TEXT`` is a JSON object and
+``mac = HMAC-SHA256(key, TEXT)``. Client lines (``type`` = ``hello``/``hb``/``metrics``/``bye``;
+``v``, ``job``, ``host``, ``rank``, ``seq``, ``nonce``, ``cnonce`` (the client's random nonce of
+this connection), ``time`` and the type's fields) use ``key = HMAC-SHA256(job secret,
+"varuna-heartbeat-v1")``; server lines (``type`` = ``ack``/``stop``; ``v``, ``job``, ``seq``,
+``nonce``, ``cnonce``, ``time``) use the other direction's key
+``HMAC-SHA256(job secret, "varuna-heartbeat-v1/server")``, so a client line can never pass for a
+server line. The server checks the MAC (constant time) *before* parsing ``TEXT``; then the job
+id, the connection's nonce (no replay from another connection) and a strictly increasing ``seq``
+(no replay within one); the client checks the same of server lines with both nonces (its own
+fresh ``cnonce`` stops a replayed ``stop`` of an earlier connection). Any failure on the server —
+bad MAC, malformed, oversized, wrong job, replay — is recorded as an ``auth_failed`` event (peer
+address and reason, never the message or the secret) and the connection is closed; the client
+drops a connection that sends a bad line. The job secret is a ``Secret``: it is never logged,
+stored in the event log or put in an exception.
 
 Environment contract for workers (``HeartbeatServer.worker_env()`` makes it; the launcher adds
 ``VARUNA_JOB_TOKEN``, ``VARUNA_JOB_ID``, ``VARUNA_HOST``, ``RANK``):
-``VARUNA_HEARTBEAT_ADDR=host:port``, ``VARUNA_HEARTBEAT_INTERVAL=seconds``.
+``VARUNA_HEARTBEAT_ADDR=host:port``, ``VARUNA_HEARTBEAT_INTERVAL=seconds``, optionally
+``VARUNA_ORPHAN_AFTER=seconds`` (a worker cut off from its manager that long stops on its own).
 
 Owns ``HeartbeatServer``, ``HeartbeatClient``, ``SenderState``, the wire format (``encode``,
 ``derive_key``). Imports the standard library, ``manager.events`` and ``cluster.hosts``
@@ -45,6 +71,7 @@ torch).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
@@ -52,6 +79,7 @@ import logging
 import os
 import resource
 import secrets as _secrets
+import select
 import selectors
 import socket
 import sys
@@ -70,17 +98,26 @@ MAX_LINE = 64 * 1024
 ENV_ADDR = "VARUNA_HEARTBEAT_ADDR"
 ENV_INTERVAL = "VARUNA_HEARTBEAT_INTERVAL"
 ENV_TOKEN = "VARUNA_JOB_TOKEN"
+ENV_ORPHAN = "VARUNA_ORPHAN_AFTER"
 _KDF_LABEL = b"varuna-heartbeat-v1"
-_TYPES = ("hello", "hb", "bye")
+_KDF_LABEL_SERVER = b"varuna-heartbeat-v1/server"
+_TYPES = ("hello", "hb", "metrics", "bye")
+_SERVER_TYPES = ("ack", "stop")
+METRICS_BUDGET = 32 * 1024  # bytes of metrics rows per line (well under MAX_LINE)
+STOPPED = "stopped"  # bye status of a worker that stopped on request (not a failure)
 
 
 # ------------------------------------------------------------------------------------ wire format
-def derive_key(secret: Secret | str) -> bytes:
-    """The MAC key of a job secret (domain-separated, so the raw token is never the key)."""
+def derive_key(secret: Secret | str, direction: str = "client") -> bytes:
+    """The MAC key of a job secret for one direction (``"client"``: worker → manager lines,
+    ``"server"``: manager → worker lines); domain-separated, so the raw token is never the key."""
     raw = secret.reveal() if isinstance(secret, Secret) else secret
     if not raw:
         raise ValueError("the job secret is empty")
-    return hmac.new(raw.encode(), _KDF_LABEL, hashlib.sha256).digest()
+    if direction not in ("client", "server"):
+        raise ValueError(f"direction={direction!r}: use 'client' or 'server'")
+    label = _KDF_LABEL if direction == "client" else _KDF_LABEL_SERVER
+    return hmac.new(raw.encode(), label, hashlib.sha256).digest()
 
 
 def encode(key: bytes, msg: Mapping[str, Any]) -> bytes:
@@ -134,8 +171,12 @@ class _Conn:
         self.buf = b""
         self.seq = -1
         self.sender: tuple[str, int] | None = None
+        self.cnonce: str | None = None
         self.opened = now
         self.said_bye = False
+        self.out = b""          # server lines not yet written (non-blocking socket)
+        self.out_seq = 0
+        self.stop_sent = False
 
 
 class HeartbeatServer:
@@ -152,6 +193,7 @@ class HeartbeatServer:
                  miss_limit: float = 2.0, reconnect_grace_s: float | None = None,
                  bind: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
                  auth_timeout_s: float = 10.0, max_connections: int = 4096,
+                 startup_grace_s: float = 15.0,
                  on_event: Callable[[Event], None] | None = None):
         if not isinstance(secret, Secret):
             raise TypeError("secret must be a Secret (so that it can never be printed)")
@@ -159,12 +201,14 @@ class HeartbeatServer:
             raise ValueError("interval_s must be > 0 and miss_limit >= 1")
         self.job_id = job_id
         self._key = derive_key(secret)
+        self._out_key = derive_key(secret, "server")
         self.events = events
         self.interval_s = float(interval_s)
         self.lost_after_s = float(miss_limit) * self.interval_s
         self.reconnect_grace_s = (0.5 * self.interval_s if reconnect_grace_s is None
                                   else float(reconnect_grace_s))
         self.auth_timeout_s = auth_timeout_s
+        self.startup_grace_s = float(startup_grace_s)
         self.max_connections = max_connections
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -185,6 +229,11 @@ class HeartbeatServer:
         self._lost_hosts: dict[str, Event] = {}
         self.emitted: list[Event] = []
         self._callbacks = [on_event] if on_event else []
+        self._stop_request: dict[str, Any] | None = None
+        self._metric_steps: set[int] = set()
+        self.last_metric_step: int | None = None
+        self.metrics_recorded = 0
+        self._dropped_reported: dict[tuple[str, int], int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -248,14 +297,16 @@ class HeartbeatServer:
     def report_exit(self, host: str, rank: int, exit_code: int | None, *,
                     at: float | None = None) -> None:
         """The launcher saw worker ``rank`` on ``host`` end (``at``: ``time.monotonic()`` when it
-        did). A worker that said goodbye, or one we are stopping, just gets ``worker_exited``;
-        any other is a process death: its host is declared lost now."""
+        did). A worker that said goodbye, one we are stopping, or one that exited 0 (its goodbye
+        was lost on the way) just gets ``worker_exited``; any other is a process death (a
+        signal, a non-zero exit without goodbye, ``exit_code=None``: its VM is unreachable):
+        its host is declared lost now."""
         now = time.monotonic()
         with self._lock:
             s = self._senders.setdefault((host, rank), SenderState(host, rank))
             self._emit(Kind.WORKER_EXITED, host=host, rank=rank,
                        payload={"exit_code": exit_code, "status_before": s.status})
-            if s.status in ("running", "disconnected", "expected"):
+            if s.status in ("running", "disconnected", "expected") and exit_code != 0:
                 s.loss_time = now if at is None else at
                 reason = "worker_process_died" if exit_code is not None else "vm_unreachable"
                 self._declare_lost(s, reason, now, extra={"exit_code": exit_code})
@@ -283,6 +334,21 @@ class HeartbeatServer:
                 if host is None or s.host == host:
                     if s.status in ("running", "disconnected", "expected"):
                         s.status, s.deadline = "stopping", None
+
+    def request_stop(self, reason: str, **payload: Any) -> None:
+        """Ask every worker — connected now or later — to stop at its next mini-batch boundary
+        (a signed ``stop`` line on its heartbeat connection; the client's ``stop_requested``
+        becomes True). Recorded as a ``stop_requested`` event; repeated calls are no-ops."""
+        with self._lock:
+            if self._stop_request is not None:
+                return
+            self._stop_request = {"reason": str(reason), **_clean(dict(payload))}
+        self._emit("stop_requested", payload=self._stop_request)
+        self._wake()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_request is not None
 
     def senders(self) -> dict[tuple[str, int], SenderState]:
         """A snapshot of every worker's state: (host, rank) → ``SenderState`` copy."""
@@ -383,13 +449,14 @@ class HeartbeatServer:
     def _loop(self) -> None:
         while not self._stop.is_set():
             timeout = self._check_deadlines()
+            self._send_stops()
             try:
                 ready = self._sel.select(timeout)
             except (OSError, ValueError):
                 if self._stop.is_set():
                     return
                 raise
-            for key, _ in ready:
+            for key, mask in ready:
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "wake":
@@ -399,7 +466,46 @@ class HeartbeatServer:
                     except (BlockingIOError, OSError):
                         pass
                 else:
-                    self._read(key.data)
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush_out(key.data)
+                    if mask & selectors.EVENT_READ and key.data.sock.fileno() >= 0:
+                        self._read(key.data)
+
+    # ------------------------------------------------------------------- server -> client lines
+    def _send_line(self, c: _Conn, body: Mapping[str, Any]) -> None:
+        """Queue one signed server line on ``c`` (server thread only) and try to write it."""
+        if c.sock.fileno() < 0 or c.cnonce is None:
+            return
+        c.out_seq += 1
+        msg = {"v": PROTOCOL_VERSION, "job": self.job_id, "seq": c.out_seq, "nonce": c.nonce,
+               "cnonce": c.cnonce, "time": time.time(), **_clean(dict(body))}
+        c.out += encode(self._out_key, msg)
+        self._flush_out(c)
+
+    def _flush_out(self, c: _Conn) -> None:
+        while c.out:
+            try:
+                n = c.sock.send(c.out)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                c.out = b""
+                return
+            c.out = c.out[n:]
+        try:
+            self._sel.modify(c.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if c.out else 0), c)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _send_stops(self) -> None:
+        with self._lock:
+            req = self._stop_request
+            if req is None:
+                return
+            conns = [c for c in self._conns.values() if c.sender is not None and not c.stop_sent]
+        for c in conns:
+            c.stop_sent = True
+            self._send_line(c, {"type": "stop", **req})
 
     def _check_deadlines(self) -> float:
         """Declare overdue workers lost; returns how long the loop may sleep."""
@@ -514,6 +620,10 @@ class HeartbeatServer:
             raise _Reject("malformed: host and rank required")
         if c.sender is not None and c.sender != (host, rank):
             raise _Reject("a connection speaks for one worker only")
+        cnonce = msg.get("cnonce")
+        if not (isinstance(cnonce, str) and 16 <= len(cnonce) <= 128) or (
+                c.cnonce is not None and cnonce != c.cnonce):
+            raise _Reject("malformed: missing or changed client nonce")
         if msg.get("type") not in _TYPES:
             raise _Reject(f"unknown message type {msg.get('type')!r}")
         c.seq = seq
@@ -528,11 +638,17 @@ class HeartbeatServer:
                 s = self._senders[(host, rank)] = SenderState(host, rank)
             first_on_conn = c.sender is None
             c.sender = (host, rank)
+            if first_on_conn:
+                c.cnonce = msg["cnonce"]
+                if self._stop_request is not None:
+                    self._wake()  # the loop sends it the stop command
             if s.status == "lost" or host in self._lost_hosts:
                 # a worker of a host already declared lost (it came back): record, don't revive
                 if first_on_conn:
                     self._emit("worker_after_loss", host=host, rank=rank, payload={"peer": c.peer})
                 s.last_seen = now
+                if msg.get("metrics") is not None:  # steps it did train are still facts
+                    self._record_metrics(c, host, rank, msg["metrics"], msg["seq"])
                 return
             if first_on_conn:
                 joined = s.joined_at is None
@@ -544,10 +660,15 @@ class HeartbeatServer:
                 self._emit(Kind.WORKER_JOINED if joined else Kind.WORKER_REJOINED, host=host,
                            rank=rank, payload={"peer": c.peer, "pid": s.pid})
             s.last_seen = now
-            if s.status in ("running",):
-                s.deadline = now + self.lost_after_s
+            rows = msg.get("metrics")
+            if rows is not None:
+                self._record_metrics(c, host, rank, rows, msg["seq"])
+            dropped = msg.get("metrics_dropped")
+            if isinstance(dropped, int) and dropped > self._dropped_reported.get((host, rank), 0):
+                self._dropped_reported[(host, rank)] = dropped
+                self._emit("metrics_dropped", host=host, rank=rank, payload={"rows": dropped})
             if kind == "hb":
-                body = {k: v for k, v in msg.items() if k not in ("nonce", "mac")}
+                body = {k: v for k, v in msg.items() if k not in ("nonce", "cnonce", "mac", "metrics")}
                 s.last = body
                 s.heartbeats += 1
                 try:
@@ -558,7 +679,7 @@ class HeartbeatServer:
             elif kind == "bye":
                 c.said_bye = True
                 status = msg.get("status")
-                failed = status != "ok"
+                failed = status not in ("ok", STOPPED)
                 s.status, s.deadline = ("failed" if failed else "finished"), None
                 payload = {"status": status, "last_step": msg.get("step")}
                 if failed:
@@ -566,6 +687,45 @@ class HeartbeatServer:
                     payload["error"] = err[-2000:] if isinstance(err, str) else None
                 self._emit(Kind.WORKER_FAILED if failed else Kind.WORKER_FINISHED, host=host,
                            rank=rank, payload=payload)
+            if s.status == "running":
+                trained = s.last.get("step") is not None
+                s.deadline = now + (self.lost_after_s if trained
+                                    else max(self.lost_after_s, self.startup_grace_s))
+
+    def _record_metrics(self, c: _Conn, host: str, rank: int, rows: Any, seq: int) -> None:
+        """Append each new step's metrics row to the event log (once per step), then ack."""
+        if not isinstance(rows, list):
+            log.warning("metrics from %s rank %s ignored: not a list", host, rank)
+            return
+        for row in rows:
+            step = row.get("step") if isinstance(row, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):
+                log.warning("metrics row from %s rank %s ignored: no integer step", host, rank)
+                continue
+            if step in self._metric_steps:
+                continue  # re-sent after a reconnect
+            try:
+                self.events.append_metric(step, row, job_id=self.job_id)
+            except Exception as e:  # noqa: BLE001 - not acked: the client sends it again
+                log.error("event log write failed (%s)", type(e).__name__)
+                return
+            self._metric_steps.add(step)
+            self.metrics_recorded += 1
+            self.last_metric_step = step if self.last_metric_step is None else max(self.last_metric_step, step)
+        self._send_line(c, {"type": "ack", "ack": seq})
+        self._cond.notify_all()
+
+    def wait_metrics(self, step: int | None, timeout_s: float) -> bool:
+        """Wait until the metrics row of ``step`` (None: of any step) is recorded; True when
+        it is."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (not self._metric_steps) if step is None else (step not in self._metric_steps):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+            return True
 
     def _reject(self, c: _Conn, reason: str) -> None:
         log.warning("heartbeat from %s rejected: %s", c.peer, reason)
@@ -626,36 +786,88 @@ def _memory_bytes() -> tuple[int | None, int | None, int | None]:
     return rss, peak, gpu
 
 
+class _Wake:
+    """A settable flag whose waiters can also watch a socket (``select`` on its read end)."""
+
+    def __init__(self):
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+
+    def set(self) -> None:
+        try:
+            self._w.send(b"x")
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        try:
+            while self._r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def close(self) -> None:
+        for s in (self._r, self._w):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
 class HeartbeatClient:
-    """Sends this worker's heartbeats to the manager from a daemon thread.
+    """Sends this worker's heartbeats (and rank 0's per-step metrics) to the manager from a daemon
+    thread, and receives the manager's ``stop`` command.
 
     ``HeartbeatClient(("10.0.0.4", 7000), secret, job_id=..., host="vm3", rank=5)``, or
     ``HeartbeatClient.from_env()`` (None when ``VARUNA_HEARTBEAT_ADDR`` is not set). ``start()``;
-    call ``record_step(...)`` after every training step; ``close(status=...)`` at the end.
-    Never raises into the caller once started: network errors are retried with back-off.
+    call ``record_step(...)`` (and, on rank 0, ``record_metrics(row)``) after every training step;
+    poll ``stop_requested`` at each mini-batch boundary; ``close(status=...)`` at the end. Never
+    raises into the caller once started: network errors are retried with back-off.
+    ``max_pending_metrics``: bound of the unacknowledged metrics queue (rows beyond it are
+    dropped, counted in ``metrics_dropped`` and reported to the manager). ``orphan_after_s``
+    (env ``VARUNA_ORPHAN_AFTER``): after this many seconds without a connection to the manager,
+    ``stop_requested`` turns True by itself (reason ``"manager unreachable"``).
     """
 
     def __init__(self, address: tuple[str, int] | str, secret: Secret | str, *, job_id: str,
-                 host: str, rank: int, interval_s: float = 2.0, connect_timeout_s: float = 5.0):
+                 host: str, rank: int, interval_s: float = 2.0, connect_timeout_s: float = 5.0,
+                 max_pending_metrics: int = 100_000, orphan_after_s: float | None = None):
         if isinstance(address, str):
             h, _, p = address.rpartition(":")
             address = (h.strip("[]"), int(p))
         self.address = (address[0], int(address[1]))
-        self._key = derive_key(secret if isinstance(secret, Secret) else Secret(secret))
+        secret = secret if isinstance(secret, Secret) else Secret(secret)
+        self._key = derive_key(secret)
+        self._in_key = derive_key(secret, "server")
         self.job_id, self.host, self.rank = job_id, host, int(rank)
         self.interval_s = float(interval_s)
         self.connect_timeout_s = connect_timeout_s
         self._sock: socket.socket | None = None
         self._nonce: str | None = None
+        self._cnonce: str | None = None
         self._seq = 0
-        self._lock = threading.Lock()
+        self._in_seq = 0
+        self._rbuf = b""
+        self._lock = threading.RLock()
         self._stop = threading.Event()
-        self._kick = threading.Event()
+        self._kick = _Wake()
         self._thread: threading.Thread | None = None
         self._state: dict[str, Any] = {"step": None}
+        self._mlock = threading.Lock()
+        self._pending: "collections.deque[dict]" = collections.deque()
+        self._inflight: list[tuple[int, list[dict]]] = []
+        self.max_pending_metrics = int(max_pending_metrics)
+        self.metrics_dropped = 0
+        self.metrics_acked = 0
+        self._stop_command: dict[str, Any] | None = None
         self.sent = 0
         self.connects = 0
         self.closed = False
+        self.orphan_after_s = orphan_after_s
+        self._disconnected_since: float | None = time.monotonic()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, rank: int | None = None,
@@ -671,7 +883,8 @@ class HeartbeatClient:
         return cls(addr, Secret(token), job_id=env.get("VARUNA_JOB_ID", ""),
                    host=host or env.get("VARUNA_HOST") or socket.gethostname(),
                    rank=int(env.get("RANK", "0")) if rank is None else rank,
-                   interval_s=float(env.get(ENV_INTERVAL, "2.0")))
+                   interval_s=float(env.get(ENV_INTERVAL, "2.0")),
+                   orphan_after_s=float(env[ENV_ORPHAN]) if env.get(ENV_ORPHAN) else None)
 
     # ------------------------------------------------------------------------------ feeding
     def record_step(self, step: int, *, loss: float | None = None,
@@ -694,6 +907,47 @@ class HeartbeatClient:
         if first:
             self._kick.set()  # the first step goes out at once: the manager sees training start
 
+    def record_metrics(self, row: Mapping[str, Any]) -> None:
+        """Queue one step's metrics row (a ``metrics.jsonl`` line: a JSON-able dict with an
+        integer ``step``) for the manager's metrics table; sent with the next heartbeat and kept
+        until the manager acknowledges it. Cheap; never blocks on the network."""
+        if not isinstance(row.get("step"), int):
+            raise ValueError(f"a metrics row needs an integer 'step', got {row.get('step')!r}")
+        first = False
+        with self._mlock:
+            if len(self._pending) >= self.max_pending_metrics:
+                self.metrics_dropped += 1
+                return
+            first = not self._pending and not self._inflight and self.metrics_acked == 0
+            self._pending.append(_clean(dict(row)))
+        if first:
+            self._kick.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once the manager sent the ``stop`` command — or, with ``orphan_after_s``, once
+        the manager has been unreachable that long (the manager died: stop at a boundary with a
+        checkpoint rather than train on as an orphan). Sticky."""
+        if self._stop_command is None and self.orphan_after_s is not None:
+            since = self._disconnected_since
+            if since is not None and time.monotonic() - since > self.orphan_after_s:
+                self._stop_command = {"type": "stop", "reason": "manager unreachable",
+                                      "after_s": self.orphan_after_s}
+                log.warning("the manager has been unreachable for %.0fs: stopping at the next "
+                            "mini-batch boundary", self.orphan_after_s)
+        return self._stop_command is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        c = self._stop_command
+        return None if c is None else c.get("reason")
+
+    @property
+    def pending_metrics(self) -> int:
+        """Rows not yet acknowledged by the manager (queued or in flight)."""
+        with self._mlock:
+            return len(self._pending) + sum(len(r) for _, r in self._inflight)
+
     # ------------------------------------------------------------------------------ running
     @property
     def started(self) -> bool:
@@ -704,9 +958,10 @@ class HeartbeatClient:
         self._thread.start()
         return self
 
-    def close(self, status: str = "ok", error: str | None = None, timeout_s: float = 2.0) -> None:
-        """Stop the thread and say goodbye (``status`` "ok", or "failed" with ``error``, e.g.
-        the traceback's last line), so the manager does not take the exit for a lost VM."""
+    def close(self, status: str = "ok", error: str | None = None, timeout_s: float = 5.0) -> None:
+        """Stop the thread, deliver the metrics not yet acknowledged (within ``timeout_s``) and
+        say goodbye (``status`` "ok", "stopped", or "failed" with ``error``, e.g. the traceback's
+        last line), so the manager does not take the exit for a lost VM."""
         if self.closed:
             return
         self.closed = True
@@ -714,37 +969,121 @@ class HeartbeatClient:
         self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
         with self._lock:
-            try:
-                if self._sock is None:
-                    self._connect(deadline=time.monotonic() + timeout_s)
-                bye = {"type": "bye", "status": status, "step": self._state.get("step")}
-                if error:
-                    bye["error"] = str(error)[-2000:]
-                self._send(bye)
-            except Exception as e:  # noqa: BLE001
-                log.debug("heartbeat goodbye not delivered: %s", type(e).__name__)
-            finally:
-                self._disconnect()
+            for attempt in (1, 2):
+                try:
+                    if self._sock is None:
+                        self._connect(deadline=deadline)
+                    self._flush_metrics(deadline)
+                    bye = {"type": "bye", "status": status, "step": self._state.get("step")}
+                    if error:
+                        bye["error"] = str(error)[-2000:]
+                    self._send(bye)
+                    break
+                except Exception as e:  # noqa: BLE001
+                    log.debug("heartbeat goodbye not delivered: %s", type(e).__name__)
+                    self._disconnect()
+                    if time.monotonic() >= deadline:
+                        break
+            self._disconnect()
+        self._kick.close()
 
     def _run(self) -> None:
-        backoff = min(0.2, self.interval_s)
+        backoff = 0.0  # the first retry is immediate (a dropped connection, not a dead manager)
+        next_beat = time.monotonic()
         while not self._stop.is_set():
             try:
                 with self._lock:
                     if self._sock is None:
                         self._connect(deadline=time.monotonic() + self.connect_timeout_s)
                         self._send({"type": "hello", "pid": os.getpid()})
-                    self._send_heartbeat()
-                backoff = min(0.2, self.interval_s)
-                wait = self.interval_s
+                        next_beat = time.monotonic()
+                    if time.monotonic() >= next_beat:
+                        self._send_heartbeat()
+                        next_beat = time.monotonic() + self.interval_s
+                backoff = 0.0
+                if self._wait(max(0.0, next_beat - time.monotonic())):
+                    next_beat = time.monotonic()  # kicked: beat now
             except Exception as e:  # noqa: BLE001 - never let the heartbeat thread die
                 log.debug("heartbeat to %s:%d failed (%s); retrying", *self.address, type(e).__name__)
                 with self._lock:
                     self._disconnect()
-                wait, backoff = backoff, min(backoff * 2, self.interval_s)
-            self._kick.wait(wait)
-            self._kick.clear()
+                self._stop.wait(backoff)
+                backoff = min(max(0.05, backoff * 2), self.interval_s)
+
+    def _wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` s, handling server lines as they come; True when kicked."""
+        deadline = time.monotonic() + timeout
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            sock = self._sock
+            fds = [self._kick] + ([sock] if sock is not None else [])
+            ready, _, _ = select.select(fds, [], [], left)
+            if self._kick in ready:
+                self._kick.clear()
+                return True
+            if sock is not None and sock in ready:
+                with self._lock:
+                    self._read_server()
+        return True
+
+    def _read_server(self, block_s: float = 0.0) -> None:
+        """Read what the server sent (waiting up to ``block_s``) and handle every whole line."""
+        sock = self._sock
+        if sock is None:
+            raise ConnectionError("not connected")
+        sock.settimeout(block_s if block_s > 0 else 0.0)
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, socket.timeout):
+            return
+        finally:
+            try:
+                sock.settimeout(max(1.0, self.interval_s))
+            except OSError:
+                pass
+        if not data:
+            raise ConnectionError("the manager closed the heartbeat connection")
+        self._rbuf += data
+        if len(self._rbuf) > MAX_LINE:
+            raise ValueError("server line too long")
+        while b"\n" in self._rbuf:
+            line, self._rbuf = self._rbuf.split(b"\n", 1)
+            self._handle_server_line(line)
+
+    def _handle_server_line(self, line: bytes) -> None:
+        outer = json.loads(line)
+        if not (isinstance(outer, dict) and isinstance(outer.get("mac"), str)
+                and isinstance(outer.get("msg"), str)):
+            raise ValueError("malformed server line")
+        want = hmac.new(self._in_key, outer["msg"].encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, outer["mac"]):
+            raise ValueError("server line with a bad MAC")
+        msg = json.loads(outer["msg"])
+        if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION or msg.get("job") != self.job_id:
+            raise ValueError("server line of another protocol or job")
+        if msg.get("nonce") != self._nonce or msg.get("cnonce") != self._cnonce:
+            raise ValueError("replayed server line (nonce of another connection)")
+        seq = msg.get("seq")
+        if not isinstance(seq, int) or seq <= self._in_seq:
+            raise ValueError("replayed server line (seq did not increase)")
+        self._in_seq = seq
+        kind = msg.get("type")
+        if kind == "ack":
+            ack = msg.get("ack")
+            if isinstance(ack, int):
+                with self._mlock:
+                    done = [rows for s, rows in self._inflight if s <= ack]
+                    self._inflight = [(s, rows) for s, rows in self._inflight if s > ack]
+                    self.metrics_acked += sum(len(r) for r in done)
+        elif kind == "stop":
+            if self._stop_command is None:
+                self._stop_command = {k: v for k, v in msg.items()
+                                      if k not in ("v", "job", "seq", "nonce", "cnonce")}
+                log.info("the manager asks this worker to stop: %s", msg.get("reason"))
 
     def _connect(self, deadline: float) -> None:
         sock = socket.create_connection(self.address, timeout=max(0.1, deadline - time.monotonic()))
@@ -759,7 +1098,8 @@ class HeartbeatClient:
                 buf += chunk
                 if len(buf) > 4096:
                     raise ValueError("greeting too long")
-            hello = json.loads(buf.split(b"\n", 1)[0])
+            first, _, rest = buf.partition(b"\n")
+            hello = json.loads(first)
             if not isinstance(hello, dict) or not isinstance(hello.get("nonce"), str):
                 raise ValueError("not a varuna heartbeat server")
             sock.settimeout(max(1.0, self.interval_s))
@@ -767,14 +1107,48 @@ class HeartbeatClient:
             sock.close()
             raise
         self._sock, self._nonce, self._seq = sock, hello["nonce"], 0
+        self._cnonce, self._in_seq, self._rbuf = _secrets.token_hex(16), 0, rest
         self.connects += 1
+        self._disconnected_since = None
 
-    def _send(self, body: Mapping[str, Any]) -> None:
+    def _send(self, body: Mapping[str, Any]) -> int:
         self._seq += 1
         msg = {"v": PROTOCOL_VERSION, "job": self.job_id, "host": self.host, "rank": self.rank,
-               "seq": self._seq, "nonce": self._nonce, "time": time.time(), **_clean(dict(body))}
+               "seq": self._seq, "nonce": self._nonce, "cnonce": self._cnonce, "time": time.time(),
+               **_clean(dict(body))}
         self._sock.sendall(encode(self._key, msg))
         self.sent += 1
+        return self._seq
+
+    def _take_metrics(self) -> list[dict]:
+        """Rows for one line: as many queued rows as fit in ``METRICS_BUDGET`` bytes (at least
+        one)."""
+        rows, size = [], 0
+        with self._mlock:
+            while self._pending:
+                n = len(json.dumps(self._pending[0], default=str)) + 1
+                if rows and size + n > METRICS_BUDGET:
+                    break
+                rows.append(self._pending.popleft())
+                size += n
+        return rows
+
+    def _send_with_metrics(self, body: dict[str, Any]) -> None:
+        rows = self._take_metrics()
+        if rows:
+            body["metrics"] = rows
+        if self.metrics_dropped:
+            body["metrics_dropped"] = self.metrics_dropped
+        try:
+            seq = self._send(body)
+        except BaseException:
+            if rows:
+                with self._mlock:
+                    self._pending.extendleft(reversed(rows))
+            raise
+        if rows:
+            with self._mlock:
+                self._inflight.append((seq, rows))
 
     def _send_heartbeat(self) -> None:
         state = dict(self._state)
@@ -782,7 +1156,26 @@ class HeartbeatClient:
         state.setdefault("mem_bytes", gpu if gpu is not None else rss)
         state.update({"type": "hb", "rss_bytes": rss, "peak_rss_bytes": peak,
                       "gpu_bytes": gpu})
-        self._send(state)
+        self._send_with_metrics(state)
+        for _ in range(64):  # a backlog (after a reconnect) follows at once
+            with self._mlock:
+                if not self._pending:
+                    break
+            self._send_with_metrics({"type": "metrics"})
+
+    def _flush_metrics(self, deadline: float) -> None:
+        """Send every queued row and wait for the acknowledgements (until ``deadline``)."""
+        while True:
+            with self._mlock:
+                more = bool(self._pending)
+            if not more:
+                break
+            self._send_with_metrics({"type": "metrics"})
+        while time.monotonic() < deadline:
+            with self._mlock:
+                if not self._inflight:
+                    return
+            self._read_server(block_s=min(0.2, max(0.01, deadline - time.monotonic())))
 
     def _disconnect(self) -> None:
         if self._sock is not None:
@@ -790,4 +1183,10 @@ class HeartbeatClient:
                 self._sock.close()
             except OSError:
                 pass
+            if self._disconnected_since is None:
+                self._disconnected_since = time.monotonic()
         self._sock = None
+        with self._mlock:  # unacknowledged rows go out again on the next connection
+            for _, rows in reversed(self._inflight):
+                self._pending.extendleft(reversed(rows))
+            self._inflight = []

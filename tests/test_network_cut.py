@@ -1,0 +1,98 @@
+"""A VM whose network is cut — not killed: every process keeps running and every TCP connection
+stays open, but no packet passes — is declared lost within 2 heartbeat intervals.
+
+The "VMs" are sshd test hosts in their own network namespaces (``TestHosts.add(netns=True)``: a
+veth pair into a bridge, gloo told ``GLOO_SOCKET_IFNAME=eth0``); the cut takes the bridge side of
+the victim's veth down (``TestHosts.cut``). A P=2 tiny GPT-2 job trains across the two namespaces
+through ``manager.generation.Generation``; the worker of stage 1 loses its network mid-training.
+Needs root and iproute2 (skipped with the reason otherwise)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ssh_hosts import _is_zombie, netns_skip_reason, worker_processes
+from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from varuna_sdk.data.loader import tokenize_corpus
+from varuna_sdk.manager.events import EventLog, Kind
+from varuna_sdk.manager.generation import Generation
+
+pytestmark = pytest.mark.skipif(netns_skip_reason() is not None, reason=netns_skip_reason() or "")
+
+
+@pytest.mark.timeout(240)
+def test_network_cut_host_is_lost_within_two_intervals(ssh_hosts, tmp_path):
+    interval = 1.0
+    hosts = [ssh_hosts.add(netns=True), ssh_hosts.add(netns=True)]
+    assert hosts[1].labels["env.GLOO_SOCKET_IFNAME"] == "eth0" and not hosts[1].is_loopback
+    job = JobConfig(name="cut", model=ModelConfig(preset="tiny", n_layer=3),
+                    data=DataConfig(tokenizer="byte", seq_len=32),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=5000, lr=3e-3, warmup_steps=2, eval_batches=2,
+                                      run_dir=str(tmp_path / "runs")))
+    tokenize_corpus(job.data.corpus, job.data.tokenizer)
+    events = EventLog(tmp_path / "events.db")
+    lines: list[str] = []
+    lost: list[tuple[float, object]] = []
+    gen = Generation(job, hosts, tmp_path / "run", events=events, job_id="cut",
+                     heartbeat_interval_s=interval, ssh_options=ssh_hosts.options(),
+                     sink=lambda s, w, line: lines.append(line))
+    gen.subscribe(lambda e: lost.append((time.monotonic(), e)) if e.kind == Kind.HOST_LOST else None)
+    victim = hosts[1]
+    try:
+        gen.start()
+        # the workers reach the manager through the bridge, not loopback
+        assert gen.server.advertise == ssh_hosts.bridge_address
+        assert gen.server.wait_heartbeats(2, timeout_s=150, min_step=2), "\n".join(lines[-40:])
+        before = {p for p, _ in worker_processes(ssh_hosts, [victim])}
+        t0 = time.monotonic()
+        ssh_hosts.cut(victim)
+        res = gen.wait(timeout_s=10 * interval)
+        assert res is not None and res.status == "lost", (res, "\n".join(lines[-30:]))
+        (t_ev, ev), = lost
+        latency = t_ev - t0
+        assert ev.host == victim.name and ev.payload["reason"] == "heartbeat_timeout", ev
+        assert ev.payload["ranks"] == [1]
+        assert latency <= 2 * interval + 1.0, latency  # (generous: the benchmark measures it)
+        assert 2 * interval - 0.1 <= ev.payload["since_last_heartbeat_s"] <= 2 * interval + 1.0
+        # not killed: its worker still runs (cut off), so only the heartbeat timeout could tell
+        still = {p for p, _ in worker_processes(ssh_hosts, [victim])}
+        assert before and before <= still
+        # the survivor on vm0 was stopped (vm1 was skipped: unreachable)
+        assert not worker_processes(ssh_hosts, [hosts[0]])
+        ns = victim.labels["netns"]
+    finally:
+        gen.close()
+        events.close()
+    ssh_hosts.remove(victim)  # the provider gives the cut-off VM back: everything on it dies
+    assert not [p for p in still if Path(f"/proc/{p}").exists() and not _is_zombie(p)]
+    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    print(f"\nnetwork cut at step {ev.payload['last_step']}: host_lost after {latency:.3f}s "
+          f"(interval {interval}s; {ev.payload['since_last_heartbeat_s']:.2f}s after its last heartbeat)")
+
+
+@pytest.mark.timeout(60)
+def test_cut_and_restore_a_namespace_host(ssh_hosts):
+    """``cut`` stops packets both ways without killing anything; ``cut(host, False)`` restores
+    the link and the same SSH session works again."""
+    from varuna_sdk.cluster.ssh import HostUnreachableError, SSHConnection
+
+    h = ssh_hosts.add(netns=True)
+    conn = SSHConnection(h, ssh_hosts.options())
+    assert conn.run("echo up", timeout_s=10).stdout == "up\n"
+    pids = ssh_hosts.pids(h)
+    ssh_hosts.cut(h)
+    t0 = time.monotonic()
+    with pytest.raises(HostUnreachableError):
+        SSHConnection(h, ssh_hosts.options(connect_timeout_s=1.0)).connect()
+    assert time.monotonic() - t0 < 3
+    assert ssh_hosts.pids(h) == pids  # nothing died
+    ssh_hosts.cut(h, False)
+    assert conn.run("echo back", timeout_s=10).stdout == "back\n"
+    with pytest.raises(ValueError, match="only a host made with add\\(netns=True\\)"):
+        ssh_hosts.cut(ssh_hosts.add())
+    conn.close()

@@ -1,0 +1,443 @@
+"""Spot VMs on one machine: pre-emption traces (``load_trace``) and a provider that replays one
+against real hosts (``SpotEmulator``) — for tests, benchmarks, tutorials and the demo.
+
+**Traces.** Public spot-availability traces (``shared/data/spot-traces/``: AWS p3 and g4dn,
+recorded by Bamboo, NSDI'23) have one event a line, ``milliseconds_since_start,add|remove,nodeN``.
+``load_trace(path, start_s=, end_s=, compress=)`` validates them (every error names the file and
+line: a malformed row, a time going backwards, a node added twice or removed before it was
+added), cuts a time window ``[start_s, end_s)`` in trace seconds — nodes alive at ``start_s``
+become ``add`` events at time 0 — and compresses time by ``compress`` (``compress=60``: an hour
+of trace replays in a minute). Count traces (``milliseconds,count`` rows: how many VMs are up)
+are accepted too: nodes are added and removed last-in-first-out to follow the count.
+
+**Emulator.** ``SpotEmulator(trace, capacity=4, backend="ssh" | "local", notice_s=...)`` is a
+``Provider`` (``cluster.provider``) that owns up to ``capacity`` hosts — real sshd test hosts
+(``cluster.testhosts.TestHosts``: loopback or, with ``netns=True``, network namespaces) or local
+slots (``local0``...) — and replays the trace in real time on its own thread:
+
+- trace nodes are mapped to host slots (``vm0``.. or ``local0``..) first come, first served; a
+  node added while every slot is taken is ignored for its whole life (counted in
+  ``overflow``); a slot freed by a removal is reused by the next added node (a new VM: a test
+  host gets a new sshd and host key);
+- ``notice_s`` **wall-clock seconds** (after compression; the manager needs real time to
+  checkpoint) before each removal a ``notice`` event with the deadline is emitted and the host
+  leaves ``hosts()``; when the removal comes earlier than that after the replay starts, the
+  notice comes at once with the shorter lead (its payload says the real ``lead_s``);
+- a removal really removes the host: a test host's sshd and every process it started are
+  killed (``TestHosts.remove``), a local slot's worker processes are killed
+  (``localproc.kill_host``); then ``removed`` is emitted.
+
+``remove_now(name, notice_s=None)`` and ``add_now(name=None)`` drive it by hand (tests,
+tutorials), with or without a trace. Host events go to the job's event log when one is given.
+
+Owns ``TraceEvent``, ``Trace``, ``TraceError``, ``load_trace``, ``SpotEmulator``. Imports
+``cluster.hosts``, ``cluster.localproc``, ``cluster.provider`` and ``cluster.testhosts`` only;
+never torch or the manager.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .hosts import Host
+from .localproc import kill_host, local_host
+from .provider import PoolProvider
+from .ssh import SSHOptions
+
+log = logging.getLogger(__name__)
+
+_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class TraceError(ValueError):
+    """A trace file is malformed or a window/compression is invalid; names the file and line."""
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One trace event. ``t_s``: seconds after the replay starts (window start, compressed);
+    ``kind``: ``"add"`` or ``"remove"``; ``node``: the trace's node name; ``trace_ms``: its
+    original timestamp (ms since the trace began); ``line``: its line in the file (0: made up —
+    a node alive at the window start)."""
+
+    t_s: float
+    kind: str
+    node: str
+    trace_ms: int
+    line: int
+
+
+@dataclass
+class Trace:
+    """A validated, windowed, compressed trace: ``events`` sorted by time."""
+
+    events: list[TraceEvent]
+    source: str
+    start_s: float = 0.0
+    end_s: float | None = None
+    compress: float = 1.0
+    raw_events: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        """Wall seconds the replay takes (to the last event, or to the window end)."""
+        if self.end_s is not None:
+            return (self.end_s - self.start_s) / self.compress
+        return self.events[-1].t_s if self.events else 0.0
+
+    def nodes_at(self, t_s: float) -> set[str]:
+        """Nodes up at replay time ``t_s`` (after every event at or before it)."""
+        alive: set[str] = set()
+        for e in self.events:
+            if e.t_s > t_s:
+                break
+            (alive.add if e.kind == "add" else alive.discard)(e.node)
+        return alive
+
+    def max_nodes(self) -> int:
+        """The most nodes up at once."""
+        n = best = 0
+        for e in self.events:
+            n += 1 if e.kind == "add" else -1
+            best = max(best, n)
+        return best
+
+    def counts(self) -> dict[str, int]:
+        return {"add": sum(e.kind == "add" for e in self.events),
+                "remove": sum(e.kind == "remove" for e in self.events)}
+
+
+def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | None = None,
+               compress: float = 1.0) -> Trace:
+    """Load a spot trace (``ms,add|remove,node`` or ``ms,count`` rows; ``#`` comments and blank
+    lines ignored), keep the window ``[start_s, end_s)`` in trace seconds (nodes alive at
+    ``start_s`` become ``add`` events at time 0), divide times by ``compress``. Raises
+    ``FileNotFoundError`` or ``TraceError`` (naming the file and line, and what is wrong)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"trace file {p} does not exist (traces are in shared/data/spot-traces/)")
+    if not (isinstance(compress, (int, float)) and compress > 0):
+        raise TraceError(f"compress={compress!r} must be a number > 0 (60: an hour of trace in a minute)")
+    if start_s < 0 or (end_s is not None and end_s <= start_s):
+        raise TraceError(f"window start_s={start_s}, end_s={end_s}: need 0 <= start_s < end_s (seconds)")
+    raw: list[tuple[int, str, str, int]] = []  # (ms, kind, node, line)
+    fmt = None
+    last_ms = -1
+    alive: set[str] = set()
+    stack: list[str] = []  # count traces: LIFO
+    made = itertools.count()
+    for no, text in enumerate(p.read_text().splitlines(), 1):
+        line = text.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{p}:{no}"
+        parts = [x.strip() for x in line.split(",")]
+        this = "events" if len(parts) == 3 else "counts" if len(parts) == 2 else None
+        if this is None:
+            raise TraceError(f"{where}: expected 'ms,add|remove,node' or 'ms,count', got {text.strip()!r}")
+        if fmt is None:
+            fmt = this
+        elif fmt != this:
+            raise TraceError(f"{where}: a {this} row in a trace of {fmt} rows; use one format per file")
+        try:
+            ms = int(parts[0])
+        except ValueError:
+            raise TraceError(f"{where}: time {parts[0]!r} is not a whole number of milliseconds") from None
+        if ms < 0:
+            raise TraceError(f"{where}: time {ms} ms is negative")
+        if ms < last_ms:
+            raise TraceError(f"{where}: time {ms} ms goes backwards (previous row: {last_ms} ms); "
+                             "sort the trace by time")
+        last_ms = ms
+        if fmt == "events":
+            kind, node = parts[1], parts[2]
+            if kind not in ("add", "remove"):
+                raise TraceError(f"{where}: event {kind!r} must be 'add' or 'remove'")
+            if not _NODE.match(node):
+                raise TraceError(f"{where}: node name {node!r} must be letters, digits, '.', '_' or '-'")
+            if kind == "add":
+                if node in alive:
+                    raise TraceError(f"{where}: node {node} added while already up")
+                alive.add(node)
+            else:
+                if node not in alive:
+                    raise TraceError(f"{where}: node {node} removed but it is not up (never added, "
+                                     "or removed twice)")
+                alive.discard(node)
+            raw.append((ms, kind, node, no))
+        else:
+            try:
+                count = int(parts[1])
+            except ValueError:
+                raise TraceError(f"{where}: count {parts[1]!r} is not a whole number") from None
+            if count < 0:
+                raise TraceError(f"{where}: count {count} is negative")
+            while len(stack) < count:
+                node = f"node{next(made)}"
+                stack.append(node)
+                raw.append((ms, "add", node, no))
+            while len(stack) > count:
+                raw.append((ms, "remove", stack.pop(), no))
+    if fmt is None:
+        raise TraceError(f"{p}: no events (expected rows 'ms,add|remove,node' or 'ms,count')")
+    lo, hi = start_s * 1000.0, None if end_s is None else end_s * 1000.0
+    events: list[TraceEvent] = []
+    up_at_start: dict[str, tuple[int, int]] = {}
+    for ms, kind, node, no in raw:
+        if ms < lo:
+            if kind == "add":
+                up_at_start[node] = (ms, no)
+            else:
+                up_at_start.pop(node, None)
+            continue
+        if hi is not None and ms >= hi:
+            break
+        events.append(TraceEvent((ms - lo) / 1000.0 / compress, kind, node, ms, no))
+    initial = [TraceEvent(0.0, "add", n, ms, 0) for n, (ms, _) in up_at_start.items()]
+    return Trace(initial + events, str(p), start_s, end_s, float(compress), len(raw))
+
+
+# ------------------------------------------------------------------------------------ emulator
+class SpotEmulator(PoolProvider):
+    """A ``Provider`` of up to ``capacity`` emulated spot VMs replaying ``trace`` (see the module
+    docstring).
+
+    ``backend``: ``"ssh"`` (sshd test hosts; ``test_hosts``: a ``TestHosts`` to use — default:
+    one of its own under ``root`` or a temporary folder, closed by ``close()``; ``netns=True``:
+    network-namespace hosts) or ``"local"`` (local slots, workers as subprocesses).
+    ``notice_s``: wall-clock seconds of pre-emption notice before each removal (0 or None: none).
+    ``initial``: without a trace, how many hosts are up after ``start()`` (default ``capacity``).
+    Raises ``ValueError`` for a bad capacity/backend/notice, ``RuntimeError`` when SSH test hosts
+    cannot run here (with the reason).
+    """
+
+    def __init__(self, trace: Trace | None = None, *, capacity: int, backend: str = "local",
+                 notice_s: float | None = 30.0, initial: int | None = None,
+                 test_hosts: Any = None, root: str | os.PathLike | None = None, netns: bool = False,
+                 gpus_per_host: int = 0, event_log: Any = None, job_id: str | None = None):
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity={capacity!r} must be an integer >= 1 (the most VMs held at once)")
+        if backend not in ("ssh", "local"):
+            raise ValueError(f"backend={backend!r}: use 'ssh' (sshd test hosts) or 'local' (local slots)")
+        if notice_s is not None and notice_s < 0:
+            raise ValueError(f"notice_s={notice_s} must be >= 0 seconds (or None: no notices)")
+        if initial is not None and not 0 <= initial <= capacity:
+            raise ValueError(f"initial={initial} must be between 0 and capacity={capacity}")
+        if netns and backend != "ssh":
+            raise ValueError("netns=True needs backend='ssh'")
+        super().__init__(event_log=event_log, job_id=job_id)
+        self.trace, self.capacity, self.backend = trace, capacity, backend
+        self.notice_s = float(notice_s or 0.0)
+        self.initial = capacity if initial is None else initial
+        self.netns, self.gpus_per_host = netns, gpus_per_host
+        self._own_root: Path | None = None
+        self.test_hosts = test_hosts
+        if backend == "ssh" and test_hosts is None:
+            from .testhosts import TestHosts, skip_reason
+
+            reason = skip_reason()
+            if reason:
+                raise RuntimeError(reason)
+            if root is None:
+                self._own_root = Path(tempfile.mkdtemp(prefix="varuna-spot-"))
+                root = self._own_root
+            self.test_hosts = TestHosts(root)
+            self._own_hosts = True
+        else:
+            self._own_hosts = False
+        prefix = "vm" if backend == "ssh" else "local"
+        self.slots = [f"{prefix}{i}" for i in range(capacity)]
+        self._node_of: dict[str, str] = {}   # slot -> trace node
+        self._slot_of: dict[str, str] = {}   # trace node -> slot
+        self.overflow: set[str] = set()      # trace nodes that found no free slot
+        self.removed_count = self.added_count = 0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._t0_mono: float | None = None
+        self._op_lock = threading.RLock()   # one add/remove at a time
+
+    # ---------------------------------------------------------------------------- provider
+    def ssh_options(self) -> SSHOptions | None:
+        return self.test_hosts.options() if self.test_hosts is not None else None
+
+    def start(self) -> "SpotEmulator":
+        """Bring up the initial hosts (trace events at time 0, else ``initial`` slots), then
+        replay the rest of the trace on a thread."""
+        if self.started:
+            return self
+        self.started = True
+        self._t0_mono = time.monotonic()
+        if self.trace is None:
+            for slot in self.slots[: self.initial]:
+                self.add_now(slot)
+        else:
+            for e in self.trace.events:
+                if e.t_s <= 0:
+                    self._trace_event(e)
+                else:
+                    self._schedule(e.t_s, lambda e=e: self._trace_event(e))
+                    if e.kind == "remove" and self.notice_s > 0:
+                        self._schedule(max(0.0, e.t_s - self.notice_s),
+                                       lambda e=e: self._trace_notice(e))
+        self._thread = threading.Thread(target=self._run, name="spot-emulator", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the replay and remove every host (a test host's sshd and processes, a local
+        slot's processes); no events are emitted for this."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        with self._op_lock:
+            errors = []
+            for h in self.all_hosts():
+                try:
+                    self._kill(h.name)
+                except Exception as e:  # noqa: BLE001 - keep cleaning the others
+                    errors.append(f"{h.name}: {e}")
+            if self._own_hosts and self.test_hosts is not None:
+                self.test_hosts.close()
+            if self._own_root is not None:
+                shutil.rmtree(self._own_root, ignore_errors=True)
+        if errors:
+            raise RuntimeError("spot emulator cleanup failed: " + "; ".join(errors))
+
+    # ------------------------------------------------------------------------------ by hand
+    def add_now(self, name: str | None = None) -> Host:
+        """Bring up host ``name`` (a free slot; default: the first free one) now; returns it.
+        Raises ``ValueError`` if it is up already, or ``RuntimeError`` if no slot is free."""
+        with self._op_lock:
+            held = {h.name for h in self.all_hosts()}
+            if name is None:
+                free = [s for s in self.slots if s not in held]
+                if not free:
+                    raise RuntimeError(f"all {self.capacity} slots are up; remove one first")
+                name = free[0]
+            if name not in self.slots:
+                raise ValueError(f"{name!r} is not a slot of this emulator: {self.slots}")
+            if name in held:
+                raise ValueError(f"host {name} is up already")
+            if self.backend == "ssh":
+                host = self.test_hosts.add(name, gpus=self.gpus_per_host, netns=self.netns)
+            else:
+                host = local_host(name, gpus=self.gpus_per_host)
+            self.added_count += 1
+            node = self._node_of.get(name)
+            self._add_host(host, reason=f"trace {node} added" if node else "added")
+            return host
+
+    def remove_now(self, name: str, notice_s: float | None = None) -> float:
+        """Pre-empt host ``name``: with ``notice_s`` (wall seconds) a notice now and the removal
+        ``notice_s`` later (on the replay thread); without, removed before returning. Returns the
+        removal time (Unix seconds). Raises ``KeyError`` if ``name`` is not up."""
+        if name not in {h.name for h in self.all_hosts()}:
+            raise KeyError(f"host {name} is not up; up: {sorted(h.name for h in self.all_hosts())}")
+        if not notice_s:
+            self._take(name, "preempted")
+            return time.time()
+        deadline = time.time() + notice_s
+        self._notice_host(name, deadline, reason="preempted")
+        self._schedule(self._now() + notice_s, lambda: self._take(name, "preempted"))
+        return deadline
+
+    def node_of(self, name: str) -> str | None:
+        """The trace node host ``name`` stands for now (None: added by hand or not up)."""
+        return self._node_of.get(name)
+
+    # ----------------------------------------------------------------------------- internals
+    def _now(self) -> float:
+        return time.monotonic() - (self._t0_mono or time.monotonic())
+
+    def _schedule(self, at_s: float, action: Callable[[], None]) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (at_s, next(self._seq), action))
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                if not self._heap:
+                    self._cv.wait(1.0)
+                    continue
+                at, _, action = self._heap[0]
+                wait = at - self._now()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+            if self._stop.is_set():
+                return
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - keep replaying
+                log.exception("spot emulator action failed")
+
+    def _trace_event(self, e: TraceEvent) -> None:
+        with self._op_lock:
+            if self.closed:
+                return
+            if e.kind == "add":
+                held = {h.name for h in self.all_hosts()}
+                free = [s for s in self.slots if s not in held]
+                if not free:
+                    self.overflow.add(e.node)
+                    return
+                self._slot_of[e.node], self._node_of[free[0]] = free[0], e.node
+                try:
+                    self.add_now(free[0])
+                except Exception:
+                    self._slot_of.pop(e.node, None)
+                    self._node_of.pop(free[0], None)
+                    raise
+            else:
+                self.overflow.discard(e.node)
+                slot = self._slot_of.get(e.node)
+                if slot is not None:
+                    self._take(slot, f"preempted (trace {e.node})")
+
+    def _trace_notice(self, e: TraceEvent) -> None:
+        slot = self._slot_of.get(e.node)
+        if slot is None:
+            return
+        remove_at = self.trace_time_to_unix(e.t_s)
+        self._notice_host(slot, remove_at, reason=f"preempted (trace {e.node})")
+
+    def trace_time_to_unix(self, t_s: float) -> float:
+        """Unix time of replay time ``t_s``."""
+        return time.time() + (t_s - self._now())
+
+    def _take(self, name: str, reason: str) -> None:
+        with self._op_lock:
+            if name not in {h.name for h in self.all_hosts()}:
+                return  # removed already (by hand, or closed)
+            self._kill(name)
+            node = self._node_of.pop(name, None)
+            if node is not None:
+                self._slot_of.pop(node, None)
+            self.removed_count += 1
+            self._remove_host(name, reason=reason)
+
+    def _kill(self, name: str) -> list[int]:
+        if self.backend == "ssh":
+            return self.test_hosts.remove(name) if name in self.test_hosts else []
+        return kill_host(name)
