@@ -404,9 +404,24 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     G = int(gpus if gpus is not None else job.launch.gpus)
     fixed_P = p.P if keep_fixed else None
     fixed_D = p.D if keep_fixed else None
-    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=p.recompute,
-              gpus_per_vm=gpus_per_vm or G, compute_slots_per_vm=compute_slots_per_vm if compute_slots_per_vm is not None
-              else (os.cpu_count() or 1), max_depth=fixed_P)
+    per_vm = gpus_per_vm or G
+    slots = compute_slots_per_vm if compute_slots_per_vm is not None else (os.cpu_count() or 1)
+
+    def plan_g(g: int) -> Plan:
+        return plan(profile, g, p.global_batch, policy=p.policy, recompute=p.recompute,
+                    gpus_per_vm=min(per_vm, g), compute_slots_per_vm=slots, max_depth=fixed_P)
+
+    pl = plan_g(G)
+    if fixed_P is None and fixed_D is None and per_vm >= G and 0 < slots < G and G <= 64:
+        # Workers sharing one machine's cores: fewer of them can be faster (the search keeps the
+        # largest D per P); compare the best plan of every smaller worker count too.
+        for g in range(1, G):
+            cand = plan_g(g)
+            if cand.feasible and (not pl.feasible or cand.best.time_s < pl.best.time_s * (1 - 1e-9)):
+                pl = cand
+        if pl.gpus < G:
+            pl.notes.append(f"{pl.gpus} of the {G} workers are used: the {G} share {slots} cores, and more "
+                            f"of them are predicted slower")
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"

@@ -1,0 +1,687 @@
+"""The morph manager: one state machine per job that keeps it training while spot VMs come and
+go (paper §4.2 correctness-preserving morphing, §4.5 checkpoints, §4.6 manager).
+
+States (``JobState``): PENDING → PROVISIONING → RUNNING ⇄ MORPHING / RECOVERING → SUCCEEDED,
+FAILED or STOPPED (by the user). Each launch of workers under one plan is a *generation*
+(``manager.generation.Generation``); the manager decides, from provider events, heartbeats and
+the planner, when to end one and start the next:
+
+- **pre-emption notice** for a VM in use → ask the workers to stop at the next mini-batch
+  boundary (they agree on the step, checkpoint and exit), re-plan for the VMs that remain,
+  relaunch, resume — no step lost;
+- **sudden loss** (VM removed, heartbeats stopped, process died) → stop the survivors, re-plan,
+  resume from the last complete checkpoint (at most the checkpoint interval lost);
+- **VMs returned or added** → grow when the planner predicts at least ``GrowRule.min_gain``
+  more examples/s and the cooldown since the last morph has passed (hysteresis);
+- **straggler** (a worker's compute persistently ``StragglerRule.factor`` x its peers', from
+  heartbeats) → exclude its VM when the simulator says the job is faster without it;
+- a worker that does not stop within ``stop_timeout_s`` → killed; the job falls back to the
+  last complete checkpoint;
+- a worker that crashes (a real failure, not a lost VM) → relaunch from the last checkpoint,
+  up to ``max_failures`` times; pre-emptions are counted separately (``max_preemptions``).
+
+The global batch never changes; the resumed run's loss trajectory is the uninterrupted one's
+(the data position, learning rate and dropout seeds follow the step). Everything the manager
+decides is an event in the job's SQLite event log (``events.db`` in the run folder): state
+changes, plans (with the simulated timeline), morphs (time, cause, old → new plan, downtime,
+steps lost), stragglers. A manager restarted on the same run folder and job id reads its
+state back from there and continues the job.
+
+Owns ``Manager``, ``JobState``, ``MorphRecord``, ``ManagerError``. Imports ``cluster`` (hosts,
+provider), ``planner``, ``checkpoint``, ``manager.events|generation|decisions``; never imported
+by them.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import queue
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..cluster.hosts import Host
+from ..cluster.localproc import is_local
+from ..config import ConfigError, JobConfig
+from .decisions import GrowRule, StragglerRule, find_stragglers, pool_slots, steps_lost, worker_slots
+from .events import Event, EventLog, Kind
+
+
+class JobState(str, enum.Enum):
+    """Where a job is. Terminal: SUCCEEDED, FAILED, STOPPED."""
+
+    PENDING = "PENDING"
+    PROVISIONING = "PROVISIONING"
+    RUNNING = "RUNNING"
+    MORPHING = "MORPHING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+class ManagerError(RuntimeError):
+    """The job could not go on (no VMs left, failure budget spent, bad configuration)."""
+
+
+@dataclass
+class MorphRecord:
+    """One morph: ``time`` (Unix s, when its cause was seen), ``cause`` ("notice", "loss",
+    "grow", "straggler", "failure", "stop_timeout", "manager_restart"), ``old``/``new`` plans
+    (``{"P", "D", "gpus", "micro_batch_size", "hosts"}``), ``downtime_s`` (cause seen → first
+    step of the new generation finished; None until then), ``steps_lost`` (trained steps the
+    resumed checkpoint does not hold), ``from_step`` (last step finished before), and
+    ``resume_step`` (steps the checkpoint holds)."""
+
+    time: float
+    cause: str
+    old: dict[str, Any]
+    new: dict[str, Any] | None = None
+    downtime_s: float | None = None
+    steps_lost: int = 0
+    from_step: int | None = None
+    resume_step: int = 0
+    host: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Running:
+    """The generation being supervised and what the manager knows of it."""
+
+    gen: Any
+    job: JobConfig
+    plan: Any
+    row: Any
+    hosts: list[Host]
+    started: float
+    predicted_stage_s: list[float]
+    first_step_time: float | None = None
+    stopping: tuple[str, str | None, float] | None = None  # (cause, host, when asked)
+    stop_deadline: float = math.inf
+
+
+def _plan_summary(job: JobConfig, hosts: list[Host]) -> dict[str, Any]:
+    p = job.parallel
+    return {"P": p.P, "D": p.D, "gpus": p.P * p.D, "micro_batch_size": p.micro_batch_size,
+            "num_micro_batches": p.num_micro_batches, "hosts": [h.name for h in hosts]}
+
+
+class Manager:
+    """Run ``job`` on the VMs ``provider`` offers, morphing as they come and go.
+
+    Args:
+        job: the job (P/D may be null: planned; a P/D the config fixes is kept only for the first
+            generation — after a morph the planner chooses for the GPUs then available).
+        provider: where VMs come from (``cluster.provider``: local slots, an SSH host list, the
+            spot emulator, a cloud).
+        run_dir: the job's folder (event log ``events.db``, ``metrics.jsonl``, checkpoints).
+        job_id: stable id; default the run folder's name. A manager started again on the same
+            folder and id continues the job.
+        profile: calibration for the planner (default: the job's cached ``calibrate_job``).
+        heartbeat_interval_s: workers' heartbeat period (loss declared after 2 missed).
+        grow, straggler: rules (``None`` straggler: never exclude a slow worker).
+        stop_timeout_s: how long workers may take to stop at a boundary and checkpoint before
+            they are killed (then the last complete checkpoint is used).
+        max_preemptions, max_failures: budgets, counted separately.
+        wait_for_hosts_s: how long to wait when the pool has no VM before failing.
+        generation_options: extra keyword arguments for ``Generation`` (bootstrap settings...).
+
+    Raises ``ConfigError`` for an invalid job before anything starts.
+    """
+
+    def __init__(self, job: JobConfig, provider, *, run_dir: str | Path, job_id: str | None = None,
+                 profile=None, heartbeat_interval_s: float = 1.0, grow: GrowRule | None = GrowRule(),
+                 straggler: StragglerRule | None = StragglerRule(), stop_timeout_s: float = 60.0,
+                 max_preemptions: int = 1000, max_failures: int = 2, wait_for_hosts_s: float = 300.0,
+                 generation_options: dict[str, Any] | None = None,
+                 on_state: Callable[[JobState, str], None] | None = None):
+        job = copy.deepcopy(job).validate()
+        if job.train.checkpoint_every <= 0:
+            # a sudden loss must not lose the whole run: checkpoint about every 10% of the run
+            job.train.checkpoint_every = max(1, min(25, job.train.steps // 10))
+        if not heartbeat_interval_s > 0:
+            raise ConfigError(f"heartbeat_interval_s={heartbeat_interval_s} must be > 0 seconds")
+        if not stop_timeout_s > 0:
+            raise ConfigError(f"stop_timeout_s={stop_timeout_s} must be > 0 seconds")
+        self.provider = provider
+        self.run_dir = Path(run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if job.train.checkpoint_url is None:  # one store every generation and every VM sees
+            job.train.checkpoint_url = str(self.run_dir / "checkpoints")
+        self.job = job
+        self.job_id = job_id or self.run_dir.name
+        self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.grow = grow
+        self.straggler = straggler
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.max_preemptions = int(max_preemptions)
+        self.max_failures = int(max_failures)
+        self.wait_for_hosts_s = float(wait_for_hosts_s)
+        self.generation_options = dict(generation_options or {})
+        ssh = provider.ssh_options() if hasattr(provider, "ssh_options") else None
+        if ssh is not None:
+            self.generation_options.setdefault("ssh_options", ssh)
+        self._on_state = on_state
+        self._profile = profile
+        self.log = EventLog(self.run_dir / "events.db")
+        self.state = JobState.PENDING
+        self.morphs: list[MorphRecord] = []
+        self.generation = 0
+        self.preemptions = 0
+        self.failures = 0
+        self.error: str | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._noticed: dict[str, float] = {}     # host -> deadline
+        self._excluded: set[str] = set()          # stragglers taken out
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_morph_time = time.time()
+        self._metric_cursor = 0
+        self._hb_cursor = 0
+        self._history: dict[int, list[float]] = {}   # rank -> recent compute s per micro-batch
+        self._hb_last_step: dict[int, int] = {}
+        self._last_step: int | None = None
+        self._pending: MorphRecord | None = None
+        self._restored = self._restore()
+
+    # ------------------------------------------------------------------ persistence (restart)
+    def _restore(self) -> bool:
+        """Read a previous manager's state of this job from the event log."""
+        states = self.log.events(job_id=self.job_id, kind=Kind.JOB_STATE)
+        if not states:
+            return False
+        last = JobState(states[-1].payload.get("state", "PENDING"))
+        plans = self.log.events(job_id=self.job_id, kind=Kind.PLAN)
+        self.generation = 1 + max((int(e.payload.get("generation", 0)) for e in plans), default=-1)
+        for e in self.log.events(job_id=self.job_id, kind=Kind.MORPH):
+            self.morphs.append(MorphRecord(**{k: v for k, v in e.payload.items() if k in MorphRecord.__dataclass_fields__}))
+            if e.payload.get("cause") in ("failure",):
+                self.failures += 1
+            elif e.payload.get("cause") in ("notice", "loss", "stop_timeout"):
+                self.preemptions += 1
+        metrics = self.log.metrics(job_id=self.job_id)
+        if metrics:
+            self._metric_cursor = metrics[-1]["id"]
+            self._last_step = max(int(m.get("step", -1)) for m in metrics)
+        self.state = last
+        if last.terminal:
+            return True
+        if plans:
+            self._pending = MorphRecord(time=time.time(), cause="manager_restart",
+                                        old={k: plans[-1].payload.get(k) for k in ("P", "D", "gpus", "micro_batch_size", "hosts")},
+                                        from_step=self._last_step)
+        return True
+
+    # -------------------------------------------------------------------------------- public
+    def start(self) -> "Manager":
+        """Run the job in a background thread (for notebooks); returns at once."""
+        if self._thread is not None and self._thread.is_alive():
+            raise ManagerError(f"job {self.job_id} is already running in this manager")
+        self._thread = threading.Thread(target=self._run_safe, name=f"varuna-manager-{self.job_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait(self, timeout_s: float | None = None) -> JobState:
+        """Block until the background run ends (or ``timeout_s``); returns the state."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.state
+
+    def cancel(self) -> None:
+        """Ask the job to stop: the workers checkpoint at the next boundary and exit; state
+        becomes STOPPED. A later manager on the same folder can resume it."""
+        self._cancel.set()
+        self._q.put(("cancel", None))
+
+    def run(self) -> JobState:
+        """Run the job to the end in this thread; returns SUCCEEDED, FAILED or STOPPED.
+        Raises ``ManagerError`` (after recording FAILED) when it cannot go on."""
+        if self.state.terminal and self._restored:
+            return self.state
+        try:
+            return self._run()
+        finally:
+            self._set_quiet_close()
+
+    def _run_safe(self) -> None:
+        try:
+            self.run()
+        except Exception as e:  # recorded as FAILED with the message; the thread must not die loudly
+            self.error = self.error or f"{type(e).__name__}: {e}"
+
+    # ------------------------------------------------------------------------------- helpers
+    def _set(self, state: JobState, reason: str = "") -> None:
+        prev = self.state
+        self.state = state
+        self.log.append(Kind.JOB_STATE, job_id=self.job_id,
+                        payload={"state": state.value, "previous": prev.value, "reason": reason,
+                                 "generation": self.generation})
+        if self._on_state is not None:
+            try:
+                self._on_state(state, reason)
+            except Exception:
+                pass
+
+    def _set_quiet_close(self) -> None:
+        pass
+
+    def _on_host_event(self, ev) -> None:
+        self._q.put(("host", ev))
+
+    def _on_gen_event(self, ev: Event) -> None:
+        if ev.kind in (Kind.HOST_LOST,):
+            self._q.put(("lost", ev))
+
+    def profile(self):
+        if self._profile is None:
+            from ..trainer import calibrate_job
+
+            self._profile = calibrate_job(self.job)
+        return self._profile
+
+    def _usable_hosts(self) -> list[Host]:
+        now = time.time()
+        return [h for h in self.provider.hosts() if h.name not in self._excluded and
+                not (h.name in self._noticed and self._noticed[h.name] > now - 3600)]
+
+    def _replan(self, hosts: list[Host], *, first: bool) -> tuple[JobConfig, Any, Any, list[Host]]:
+        """Best plan for ``hosts``; returns (job for it, Plan, row, hosts used in rank order)."""
+        from ..planner.plan import plan_for_job
+
+        G = pool_slots(hosts)
+        job = copy.deepcopy(self.job)
+        if not first:
+            job.parallel.P = job.parallel.D = None
+            job.parallel.boundaries = None
+        local = all(_on_this_machine(h) for h in hosts)
+        import os
+
+        per_vm = G if local else max(worker_slots(h) for h in hosts)
+        slots = (os.cpu_count() or 1) if local else 0
+        try:
+            job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                                     keep_fixed=first)
+        except ConfigError:
+            if not first:
+                raise
+            job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
+            job.parallel.boundaries = None
+            job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                                     keep_fixed=False)
+        row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
+        need = job_g.parallel.P * job_g.parallel.D
+        used, n = [], 0
+        for h in hosts:  # whole VMs, in the provider's order
+            if n >= need:
+                break
+            used.append(h)
+            n += worker_slots(h)
+        return job_g, pl, row, used
+
+    def _record_plan(self, job: JobConfig, pl, row, hosts: list[Host]) -> list[float]:
+        """PLAN event with the ranked table and the simulated timeline; returns the predicted
+        per-stage compute seconds per micro-batch (for straggler detection)."""
+        p = job.parallel
+        timeline, per_stage = [], []
+        try:
+            sim = pl.simulate(row, record_timeline=True)
+            for s in range(p.P):
+                for seg in sim.timeline[s]:
+                    timeline.append({"stage": s, "action": seg.kind, "micro_batch": seg.mb,
+                                     "start_s": seg.start, "end_s": seg.end})
+            per_stage = [b / max(1, row.m) for b in sim.stage_busy]
+        except Exception as e:  # a timeline is a view; never stop a job for it
+            timeline = []
+            per_stage = []
+            self.log.append("warning", job_id=self.job_id, payload={"message": f"no simulated timeline: {e}"})
+        rank_hosts = []
+        for h in hosts:
+            rank_hosts += [h.name] * worker_slots(h)
+        rows = [{k: v for k, v in asdict(r).items() if k in ("P", "D", "micro_batch_size", "m", "idle_gpus", "time_s",
+                                                              "examples_per_s", "bubble_fraction", "stage_memory_bytes",
+                                                              "feasible", "reason", "cost_per_1k_spot")}
+                for r in pl.rows]
+        self.log.append(Kind.PLAN, job_id=self.job_id, payload={
+            "generation": self.generation, "gpus": pl.gpus, "P": p.P, "D": p.D,
+            "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
+            "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": row.time_s,
+            "examples_per_s": row.examples_per_s, "bubble": row.bubble_fraction,
+            "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline})
+        return per_stage
+
+    def _resume_step(self) -> int:
+        from ..checkpoint import latest_complete
+
+        ck = latest_complete(self._store_url())
+        return 0 if ck is None else int(ck.step)
+
+    def _store_url(self) -> str:
+        return self.job.train.checkpoint_url or str(self.run_dir / "checkpoints")
+
+    def _poll_metrics(self, run: _Running | None) -> None:
+        rows = self.log.metrics(job_id=self.job_id, since_id=self._metric_cursor)
+        for m in rows:
+            self._metric_cursor = m["id"]
+            step = m.get("step")
+            if step is not None:
+                self._last_step = int(step) if self._last_step is None else max(self._last_step, int(step))
+            if run is not None and run.first_step_time is None and int(m.get("generation", -1)) == self.generation:
+                run.first_step_time = float(m.get("wall_time") or m["time"])
+                if self._pending is not None:
+                    self._pending.downtime_s = max(0.0, run.first_step_time - self._pending.time)
+                    self._finish_morph()
+
+    def _finish_morph(self) -> None:
+        rec = self._pending
+        self._pending = None
+        if rec is None:
+            return
+        self.morphs.append(rec)
+        self.log.append(Kind.MORPH, job_id=self.job_id, host=rec.host, payload=rec.to_dict())
+
+    # ---------------------------------------------------------------------------- main loop
+    def _run(self) -> JobState:
+        if self.state == JobState.PENDING:
+            self._set(JobState.PROVISIONING, "starting")
+        else:
+            self._set(JobState.RECOVERING, "manager restarted; continuing the job")
+            self._wait_for_orphans()
+        self._attach_provider()
+        first = self.generation == 0
+        while True:
+            if self._cancel.is_set():
+                self._set(JobState.STOPPED, "stopped by the user")
+                return self.state
+            hosts = self._await_hosts()
+            if hosts is None:
+                return self._fail(f"no VM available for {self.wait_for_hosts_s:.0f} s")
+            try:
+                job_g, pl, row, used = self._replan(hosts, first=first)
+            except (ConfigError, ValueError) as e:
+                return self._fail(f"no plan fits the {pool_slots(hosts)} worker slots available: {e}")
+            resume = self._resume_step()
+            if self._pending is not None:
+                self._poll_metrics(None)
+                self._pending.from_step = self._last_step
+                self._pending.new = _plan_summary(job_g, used)
+                self._pending.resume_step = resume
+                self._pending.steps_lost = steps_lost(self._pending.from_step, resume)
+            per_stage = self._record_plan(job_g, pl, row, used)
+            run = self._launch(job_g, pl, row, used, per_stage)
+            if run is None:
+                first = False
+                continue
+            first = False
+            self._set(JobState.RUNNING, f"generation {self.generation}: P={job_g.parallel.P} x D={job_g.parallel.D} "
+                                        f"on {len(used)} VM(s), resuming at step {resume}")
+            outcome = self._supervise(run)
+            if outcome is not None:
+                return outcome
+            self.generation += 1
+
+    def _attach_provider(self) -> None:
+        """Receive the provider's VM events, and have them recorded in this job's event log
+        (VMs it already held are recorded once as added, for the dashboard's VM pool)."""
+        self.provider.subscribe(self._on_host_event)
+        if getattr(self.provider, "event_log", None) is None:
+            self.provider.event_log, self.provider.job_id = self.log, self.job_id
+            held = self.provider.all_hosts() if hasattr(self.provider, "all_hosts") else self.provider.hosts()
+            known = {e.host for e in self.log.events(job_id=self.job_id, kind=Kind.HOST_ADDED)}
+            for h in held:
+                if h.name not in known:
+                    self.log.append(Kind.HOST_ADDED, job_id=self.job_id, host=h.name,
+                                    payload={"gpus": h.gpus, "reason": "held at start"})
+        if not getattr(self.provider, "started", True):
+            self.provider.start()
+
+    def _await_hosts(self) -> list[Host] | None:
+        deadline = time.time() + self.wait_for_hosts_s
+        while True:
+            hosts = self._usable_hosts()
+            if pool_slots(hosts) >= 1 and hosts:
+                return hosts
+            if time.time() > deadline or self._cancel.is_set():
+                return None
+            try:
+                kind, ev = self._q.get(timeout=0.5)
+                self._note_host_event(kind, ev)
+            except queue.Empty:
+                pass
+
+    def _note_host_event(self, kind: str, ev) -> None:
+        if kind != "host":
+            return
+        if ev.kind == "notice":
+            self._noticed[ev.host.name] = ev.deadline or time.time()
+        elif ev.kind == "added":
+            self._noticed.pop(ev.host.name, None)
+
+    def _launch(self, job_g: JobConfig, pl, row, used: list[Host], per_stage: list[float]) -> _Running | None:
+        from .generation import Generation
+
+        gen = Generation(job_g, used, self.run_dir, events=self.log, job_id=self.job_id, generation=self.generation,
+                         heartbeat_interval_s=self.heartbeat_interval_s, **self.generation_options)
+        gen.subscribe(self._on_gen_event)
+        self._history.clear()
+        self._hb_last_step.clear()
+        run = _Running(gen=gen, job=job_g, plan=pl, row=row, hosts=used, started=time.time(),
+                       predicted_stage_s=per_stage)
+        try:
+            gen.start()
+        except Exception as e:  # a VM lost during bootstrap, an unreachable VM...
+            gen.stop(grace_s=2.0)
+            self.log.append("generation_failed", job_id=self.job_id,
+                            payload={"generation": self.generation, "error": f"{type(e).__name__}: {e}"})
+            gone = [h.name for h in used if h.name not in {x.name for x in self.provider.hosts()}]
+            if not gone:
+                self.failures += 1
+                if self.failures > self.max_failures:
+                    self._fail(f"could not start generation {self.generation}: {e}")
+                    raise ManagerError(self.error)
+            self._begin_morph("loss" if gone else "failure", gone[0] if gone else None, run)
+            self._set(JobState.RECOVERING, f"start failed: {e}")
+            self.generation += 1
+            return None
+        return run
+
+    def _begin_morph(self, cause: str, host: str | None, run: _Running | None, at: float | None = None) -> None:
+        if self._pending is not None:  # an earlier morph never reached a first step: keep its cause/time
+            return
+        old = _plan_summary(run.job, run.hosts) if run is not None else {}
+        self._pending = MorphRecord(time=at or time.time(), cause=cause, old=old, host=host, from_step=self._last_step)
+
+    def _fail(self, why: str) -> JobState:
+        self.error = why
+        self._set(JobState.FAILED, why)
+        return self.state
+
+    def _request_stop(self, run: _Running, cause: str, host: str | None) -> None:
+        if run.stopping is not None:
+            return
+        run.stopping = (cause, host, time.time())
+        run.stop_deadline = time.time() + self.stop_timeout_s
+        self._begin_morph(cause, host, run)
+        run.gen.request_stop(cause)
+        if cause != "user":
+            self._set(JobState.MORPHING, f"{cause}{' on ' + host if host else ''}: stopping at the next mini-batch boundary")
+
+    def _supervise(self, run: _Running) -> JobState | None:
+        """Watch one generation; returns a terminal state, or None to start the next one."""
+        used = {h.name for h in run.hosts}
+        next_straggler_check = time.time() + 5 * self.heartbeat_interval_s
+        lost: tuple[str, float] | None = None
+        while True:
+            self._poll_metrics(run)
+            res = run.gen.wait(timeout_s=0.2)
+            if res is not None:
+                break
+            try:
+                kind, ev = self._q.get(timeout=0.2)
+            except queue.Empty:
+                kind, ev = None, None
+            if kind == "cancel":
+                self._request_stop(run, "user", None)
+            elif kind == "host":
+                self._note_host_event(kind, ev)
+                name = ev.host.name
+                if ev.kind == "notice" and name in used:
+                    self._request_stop(run, "notice", name)
+                elif ev.kind == "removed" and name in used:
+                    lost = (name, ev.time)
+                    break
+                elif ev.kind == "added" and run.stopping is None:
+                    self._consider_grow(run)
+            elif kind == "lost" and ev.host in used:
+                lost = (ev.host, ev.time - float(ev.payload.get("detection_latency_s") or 0.0))
+                break
+            if run.stopping is None and self.straggler is not None and time.time() >= next_straggler_check:
+                next_straggler_check = time.time() + 2 * self.heartbeat_interval_s
+                self._check_stragglers(run)
+            if run.stopping is not None and time.time() > run.stop_deadline:
+                self.log.append("stop_timeout", job_id=self.job_id,
+                                payload={"generation": self.generation, "timeout_s": self.stop_timeout_s})
+                run.gen.stop(grace_s=2.0)
+                res = run.gen.wait(timeout_s=10.0)
+                if self._pending is not None:
+                    self._pending.cause = "stop_timeout"
+                break
+        if lost is not None:
+            host, at = lost
+            run.gen.stop(grace_s=2.0, gone=[host])
+            res = run.gen.wait(timeout_s=15.0)
+            self._begin_morph("loss", host, run, at=at)
+            self.preemptions += 1
+            self._poll_metrics(run)
+            if self.preemptions > self.max_preemptions:
+                return self._fail(f"pre-emption budget spent ({self.max_preemptions})")
+            self._set(JobState.RECOVERING, f"VM {host} lost without notice; resuming from the last complete checkpoint")
+            return None
+        self._poll_metrics(run)
+        status = getattr(res, "status", "failed")
+        if status == "completed":
+            self._pending = None
+            self._set(JobState.SUCCEEDED, f"finished {self.job.train.steps} steps")
+            return self.state
+        if status == "stopped" or (run.stopping is not None and status != "failed"):
+            cause = run.stopping[0] if run.stopping else "notice"
+            if cause == "user":
+                self._pending = None
+                self._set(JobState.STOPPED, "stopped by the user at a mini-batch boundary (checkpointed)")
+                return self.state
+            if cause == "notice":
+                self.preemptions += 1
+            return None
+        # lost or failed
+        gone = sorted(set(getattr(res, "lost_hosts", {}) or {}) & used)
+        if status == "lost" or gone:
+            self.preemptions += 1
+            self._begin_morph("loss", gone[0] if gone else None, run)
+            if self.preemptions > self.max_preemptions:
+                return self._fail(f"pre-emption budget spent ({self.max_preemptions})")
+            self._set(JobState.RECOVERING, f"VM(s) {', '.join(gone) or '?'} lost; resuming from the last checkpoint")
+            return None
+        self.failures += 1
+        failure = getattr(res, "failure", None) or f"generation ended with status {status}"
+        if self.failures > self.max_failures:
+            self._pending = None
+            return self._fail(f"worker failure (budget of {self.max_failures} retries spent):\n{failure}")
+        self._begin_morph("failure", None, run)
+        self._set(JobState.RECOVERING, f"worker failure, retry {self.failures}/{self.max_failures}: "
+                                       f"{failure.strip().splitlines()[-1] if failure.strip() else failure}")
+        return None
+
+    def _consider_grow(self, run: _Running) -> None:
+        if self.grow is None:
+            return
+        hosts = self._usable_hosts()
+        if pool_slots(hosts) <= run.job.parallel.P * run.job.parallel.D:
+            return
+        try:
+            _, _, row, _ = self._replan(hosts, first=False)
+        except (ConfigError, ValueError):
+            return
+        since = time.time() - max(self._last_morph_time, run.started)
+        if self.grow.worth_it(run.row.examples_per_s, row.examples_per_s, since):
+            self.log.append("grow_decision", job_id=self.job_id, payload={
+                "current_examples_per_s": run.row.examples_per_s, "new_examples_per_s": row.examples_per_s,
+                "new": {"P": row.P, "D": row.D}, "decision": "grow"})
+            self._request_stop(run, "grow", None)
+
+    def _check_stragglers(self, run: _Running) -> None:
+        if not run.predicted_stage_s:
+            return
+        P = run.job.parallel.P
+        for hb in self.log.heartbeats(job_id=self.job_id, since_id=self._hb_cursor):
+            self._hb_cursor = hb.id
+            if hb.time < run.started or hb.rank is None:
+                continue
+            if int((hb.payload or {}).get("generation", self.generation)) != self.generation:
+                continue
+            c = sum(x for x in (hb.fwd_s, hb.recompute_s, hb.bwd_s) if x is not None)
+            if c > 0 and hb.step is not None and self._hb_last_step.get(hb.rank) != hb.step:
+                self._hb_last_step[hb.rank] = hb.step  # one sample per step, not per beat
+                self._history.setdefault(hb.rank, []).append(c)
+                del self._history[hb.rank][:-self.straggler.beats]
+        history = self._history
+        predicted = {r: run.predicted_stage_s[r % P] for r in range(P * run.job.parallel.D)}
+        found = find_stragglers(history, predicted, self.straggler)
+        rank_host = []
+        for h in run.hosts:
+            rank_host += [h.name] * worker_slots(h)
+        for rank, slowdown in sorted(found.items(), key=lambda kv: -kv[1]):
+            host = rank_host[rank] if rank < len(rank_host) else None
+            if host is None or host in self._excluded:
+                continue
+            scale = [1.0] * (P * run.job.parallel.D)
+            scale[rank] = slowdown
+            try:
+                with_it = run.plan.simulate(run.row, rank_scale=scale, record_timeline=False).minibatch_time
+                others = [h for h in self._usable_hosts() if h.name != host]
+                _, _, row, _ = self._replan(others, first=False)
+                without = row.time_s
+            except Exception:
+                continue
+            exclude = without < with_it
+            self.log.append(Kind.STRAGGLER, job_id=self.job_id, host=host, rank=rank, payload={
+                "rank": rank, "slowdown": slowdown, "action": "excluded" if exclude else "kept",
+                "predicted_step_s_with": with_it, "predicted_step_s_without": without})
+            if exclude:
+                self._excluded.add(host)
+                self._request_stop(run, "straggler", host)
+                return
+            self._history.pop(rank, None)  # judged and kept: judge again on fresh samples only
+
+    def _wait_for_orphans(self) -> None:
+        """After a manager restart: workers of the previous manager stop on their own (they
+        checkpoint at a boundary once the manager is unreachable); give them time to."""
+        from .generation import wait_for_orphans
+
+        orphan_after = float(self.generation_options.get("orphan_after_s", 60.0))
+        wait_for_orphans(self.log, self.job_id, timeout_s=orphan_after + self.stop_timeout_s + 30.0)
+
+    def summary(self) -> dict[str, Any]:
+        """State, generation, budgets used, morphs and the error, as plain data."""
+        return {"job_id": self.job_id, "state": self.state.value, "generation": self.generation,
+                "last_step": self._last_step, "preemptions": self.preemptions, "failures": self.failures,
+                "morphs": [m.to_dict() for m in self.morphs], "error": self.error, "run_dir": str(self.run_dir)}
+
+
+def _on_this_machine(h: Host) -> bool:
+    """Local slots and loopback test hosts share this machine's cores (the planner models them
+    as one VM with ``os.cpu_count()`` compute slots)."""
+    return is_local(h) or h.is_loopback
+
+
+__all__ = ["Manager", "JobState", "MorphRecord", "ManagerError"]
