@@ -191,3 +191,151 @@ def test_manager_refuses_bad_settings_before_starting(tmp_path):
     with pytest.raises(ConfigError):
         Manager(bad, emu, run_dir=tmp_path)
     assert not (tmp_path / "gen0").exists()
+
+
+def _worker_pids(job_id: str) -> list[int]:
+    """Live worker processes of ``job_id`` on this machine (from /proc environ)."""
+    import os
+
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"varuna_sdk.worker" in cmd and f"VARUNA_JOB_ID={job_id}".encode() in env.split(b"\0"):
+            try:
+                if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.timeout(300)
+def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference):
+    """``varuna launch`` is SIGKILLed mid-job: its workers (own sessions) lose the manager, stop
+    at a boundary with a checkpoint after ``--orphan-after``; the same command run again picks
+    the job up under the same id from the event log, waits for the orphans, backfills the steps
+    they did, resumes and finishes — the loss trajectory is the uninterrupted one's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "job.yaml"
+    tiny_job().to_yaml(cfg)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run), "--local", "2",
+           "--job-id", "restart-me", "--heartbeat", "1", "--orphan-after", "4"]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_step(run, 10, 150)
+        os.killpg(first.pid, signal.SIGKILL)          # the manager dies; its workers run on
+        first.wait(10)
+        assert _worker_pids("restart-me"), "the workers should outlive the killed manager"
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "job restart-me: SUCCEEDED" in second.stdout
+    log = EventLog.reader(run / "events.db")
+    try:
+        assert {e.job_id for e in log.events()} == {"restart-me"}
+        reasons = [e.payload.get("reason", "") for e in log.events(kind=Kind.JOB_STATE)]
+        morphs = [e.payload for e in log.events(kind=Kind.MORPH)]
+    finally:
+        log.close()
+    assert any("manager restarted" in r for r in reasons), reasons
+    assert [m["cause"] for m in morphs] == ["manager_restart"], morphs
+    assert morphs[0]["steps_lost"] == 0           # the orphans checkpointed where they stopped
+    assert_same_trajectory(final_losses(run), reference)
+    assert _worker_pids("restart-me") == []
+
+
+def test_straggler_excluded_only_when_the_simulator_says_the_job_is_faster_without_it():
+    """Four replicas (P=1, D=4) of a synthetic model: a replica 3x slow holds every step back
+    (the all-reduce waits for it), and 3 workers (D=2, one idle) are faster -> excluded; at 1.2x
+    it costs less than losing half the replicas -> kept. Both sides come from the simulator."""
+    from test_planner import synthetic_profile
+
+    from varuna_sdk.manager.manager import judge_straggler
+    from varuna_sdk.planner.plan import plan
+
+    prof = synthetic_profile([1, 1, 1, 1], network=True)
+    full = plan(prof, 4, 16, max_depth=1)
+    row = full.best
+    assert (row.P, row.D) == (1, 4)
+    alt = plan(prof, 3, 16, max_depth=1).best
+    assert alt.D == 2
+    exclude, t_with, t_without = judge_straggler(full, row, 2, 3.0, alt)
+    assert exclude and t_with > t_without
+    keep, t_with, t_without = judge_straggler(full, row, 2, 1.2, alt)
+    assert not keep and t_with < t_without
+    assert judge_straggler(full, row, 0, 10.0, None)[0] is False   # nobody left without it
+
+
+@pytest.mark.timeout(300)
+def test_a_persistently_slow_worker_is_excluded(tmp_path, reference):
+    """A real fail-stutter worker: its process gets ~1/4 of the CPU (SIGSTOP/SIGCONT duty
+    cycle), so its measured compute per micro-batch is ~4x its peer's; the manager flags it from
+    heartbeats, the simulator says one worker alone is faster, and the job morphs without it."""
+    import os
+    import signal
+
+    from varuna_sdk.cluster.localproc import local_processes
+    from varuna_sdk.manager.decisions import StragglerRule
+
+    run = tmp_path / "run"
+    emu = SpotEmulator(capacity=2, backend="local", notice_s=None).start()
+    mgr = Manager(tiny_job(P=None, D=None), emu, run_dir=run, heartbeat_interval_s=0.5, grow=None,
+                  straggler=StragglerRule(factor=1.5, beats=3), generation_options={"sink": None, "miss_limit": 20})
+    stop = threading.Event()
+
+    def throttle():
+        while not stop.is_set():
+            procs = local_processes("local1")
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.03)
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+
+    t = threading.Thread(target=throttle, daemon=True)
+    try:
+        mgr.start()
+        wait_step(run, 2, 120, generation=0)
+        t.start()
+        morphs = wait_morphs(mgr, 1, 180)
+        stop.set()
+        assert mgr.wait(240) == JobState.SUCCEEDED, mgr.error
+    finally:
+        stop.set()
+        for p in local_processes("local1"):
+            try:
+                os.killpg(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        mgr.cancel()
+        mgr.wait(60)
+        emu.close()
+    assert morphs[0]["cause"] == "straggler" and morphs[0]["host"] == "local1", morphs
+    assert morphs[0]["new"]["hosts"] == ["local0"] and morphs[0]["steps_lost"] == 0
+    log = EventLog.reader(run / "events.db")
+    try:
+        verdicts = [e.payload for e in log.events(kind=Kind.STRAGGLER)]
+    finally:
+        log.close()
+    assert verdicts and verdicts[-1]["action"] == "excluded" and verdicts[-1]["slowdown"] >= 1.5
+    assert_same_trajectory(final_losses(run), reference)

@@ -83,3 +83,36 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None) -> RunResult:
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return RunResult(out, summary)
+
+
+def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=None, job_id: str | None = None,
+               **manager_options) -> dict:
+    """Run ``job`` under the morph manager in the foreground until it ends, on ``provider``'s
+    VMs (default: ``job.launch.gpus`` local worker slots); returns ``Manager.summary()``.
+
+    ``run_dir``: the job's folder; when it already holds the job's event log, the job is
+    continued under the same id (a restarted manager picks it up: orphaned workers of the
+    previous one stop at a boundary with a checkpoint, then the job resumes). ``manager_options``
+    go to ``manager.Manager`` (``heartbeat_interval_s``, ``generation_options``...).
+    Raises ``ConfigError`` before anything starts when the config is invalid. The provider is
+    closed at the end (no worker left running) when this function made it.
+    """
+    from .cluster.provider import LocalProvider
+    from .manager.manager import Manager
+
+    job.validate()
+    out = Path(run_dir) if run_dir is not None else new_run_dir(job)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "config.yaml").exists():
+        job.to_yaml(out / "config.yaml")
+    tokenize_corpus(job.data.corpus, job.data.tokenizer)  # once here; workers hit the cache
+    own = provider is None
+    provider = provider or LocalProvider(job.launch.gpus)
+    try:
+        mgr = Manager(job, provider, run_dir=out, job_id=job_id, **manager_options)
+        mgr.run()
+        return mgr.summary()
+    finally:
+        if own:
+            provider.close()
+

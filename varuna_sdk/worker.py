@@ -32,6 +32,36 @@ from .manager.heartbeat import STOPPED, HeartbeatClient
 ENV_GENERATION = "VARUNA_GENERATION"
 
 
+class _OutputThatSurvives:
+    """stdout/stderr of a worker whose manager may die: the manager reads the other end of the
+    pipe (local worker) or SSH channel (remote worker); when it is gone, writes fail with
+    EPIPE. A worker must outlive its manager (it then stops at a boundary with a checkpoint),
+    so on the first failed write this stream switches to ``RUN_DIR/worker-<rank>.log``."""
+
+    def __init__(self, stream, fallback: Path):
+        self._stream, self._fallback, self._file = stream, fallback, None
+
+    def write(self, text: str) -> int:
+        if self._file is None:
+            try:
+                n = self._stream.write(text)
+                self._stream.flush()
+                return n
+            except (BrokenPipeError, OSError, ValueError):
+                self._fallback.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self._fallback, "a", buffering=1)
+        return self._file.write(text)
+
+    def flush(self) -> None:
+        try:
+            (self._file or self._stream).flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):  # isatty, fileno, encoding...
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None) -> int:
     """Run one worker; returns the process exit code (0: completed or stopped on request, 2:
     bad usage). ``heartbeat``: an already started client (else one from the environment, or
@@ -40,6 +70,9 @@ def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None
     if len(argv) != 2:
         print("usage: python -m varuna_sdk.worker CONFIG.yaml RUN_DIR", file=sys.stderr)
         return 2
+    log = Path(argv[1]) / f"worker-{os.environ.get('RANK', 'x')}.log"
+    sys.stdout = _OutputThatSurvives(sys.stdout, log)
+    sys.stderr = _OutputThatSurvives(sys.stderr, log)
     hb = heartbeat or HeartbeatClient.from_env()
     if hb is not None and not hb.started:
         hb.start()

@@ -60,7 +60,7 @@ class GrowRule:
 class StragglerRule:
     """A worker is a straggler (fail-stutter, paper §4.6) when its compute per micro-batch,
     relative to what the plan predicted for its stage, is ``factor`` x the median of all
-    workers' ratios in each of its last ``beats`` heartbeats. Comparing against the prediction
+    other workers' ratios in each of its last ``beats`` heartbeats. Comparing against the prediction
     (not only same-stage peers) makes the rule work with D = 1 too."""
 
     factor: float = 1.5
@@ -76,7 +76,7 @@ class StragglerRule:
 def find_stragglers(history: Mapping[int, Sequence[float]], predicted: Mapping[int, float],
                     rule: StragglerRule) -> dict[int, float]:
     """Ranks that are stragglers under ``rule``, with their slowdown (median ratio of their
-    last ``rule.beats`` samples to the median over all ranks).
+    last ``rule.beats`` samples to the median of the other ranks' samples).
 
     ``history``: rank -> per-micro-batch compute seconds (F + R + B) from its heartbeats,
     oldest first; ``predicted``: rank -> the plan's seconds for its stage. Ranks with fewer
@@ -93,8 +93,8 @@ def find_stragglers(history: Mapping[int, Sequence[float]], predicted: Mapping[i
         return {}
     out = {}
     for k in range(rule.beats):  # a straggler must stand out in every one of the last beats
-        med = statistics.median(v[k] for v in ratios.values())
         for r, v in ratios.items():
+            med = statistics.median(w[k] for q, w in ratios.items() if q != r)  # its peers
             if med > 0.0 and v[k] >= rule.factor * med:
                 out.setdefault(r, []).append(v[k] / med)
     return {r: statistics.median(v) for r, v in out.items() if len(v) == rule.beats}

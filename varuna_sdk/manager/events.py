@@ -180,6 +180,7 @@ class EventLog:
             uri = f"file:{self.path.resolve()}?mode=ro"
             self._db = sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False,
                                        isolation_level=None)
+            self._wait_for_schema(timeout_s)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(self.path), timeout=timeout_s, check_same_thread=False,
@@ -194,6 +195,22 @@ class EventLog:
                                  (str(SCHEMA_VERSION),))
         self._db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
         self._closed = False
+
+    def _wait_for_schema(self, timeout_s: float) -> None:
+        """A reader may open the file while the writer is still creating it: wait (at most
+        ``timeout_s``) until its schema is committed, so no query meets a missing table."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self._db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() and \
+                        self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone():
+                    return
+            except sqlite3.DatabaseError:
+                pass
+            if time.monotonic() > deadline:
+                self._db.close()
+                raise FileNotFoundError(f"{self.path} is not an event log (no schema after {timeout_s:.0f} s)")
+            time.sleep(0.05)
 
     @classmethod
     def reader(cls, path: str | Path, timeout_s: float = 10.0) -> "EventLog":

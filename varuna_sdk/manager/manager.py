@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import math
 import queue
 import threading
@@ -437,6 +438,7 @@ class Manager:
         self.provider.subscribe(self._on_host_event)
         if getattr(self.provider, "event_log", None) is None:
             self.provider.event_log, self.provider.job_id = self.log, self.job_id
+        if getattr(self.provider, "started", True):  # else start() announces every VM itself
             held = self.provider.all_hosts() if hasattr(self.provider, "all_hosts") else self.provider.hosts()
             known = {e.host for e in self.log.events(job_id=self.job_id, kind=Kind.HOST_ADDED)}
             for h in held:
@@ -644,16 +646,12 @@ class Manager:
             host = rank_host[rank] if rank < len(rank_host) else None
             if host is None or host in self._excluded:
                 continue
-            scale = [1.0] * (P * run.job.parallel.D)
-            scale[rank] = slowdown
+            others = [h for h in self._usable_hosts() if h.name != host]
             try:
-                with_it = run.plan.simulate(run.row, rank_scale=scale, record_timeline=False).minibatch_time
-                others = [h for h in self._usable_hosts() if h.name != host]
-                _, _, row, _ = self._replan(others, first=False)
-                without = row.time_s
-            except Exception:
+                alt = self._replan(others, first=False)[2] if others else None
+                exclude, with_it, without = judge_straggler(run.plan, run.row, rank, slowdown, alt)
+            except (ConfigError, ValueError):
                 continue
-            exclude = without < with_it
             self.log.append(Kind.STRAGGLER, job_id=self.job_id, host=host, rank=rank, payload={
                 "rank": rank, "slowdown": slowdown, "action": "excluded" if exclude else "kept",
                 "predicted_step_s_with": with_it, "predicted_step_s_without": without})
@@ -670,6 +668,31 @@ class Manager:
 
         orphan_after = float(self.generation_options.get("orphan_after_s", 60.0))
         wait_for_orphans(self.log, self.job_id, timeout_s=orphan_after + self.stop_timeout_s + 30.0)
+        self._backfill_metrics()
+
+    def _backfill_metrics(self) -> None:
+        """Steps the orphaned workers finished while no manager listened reached only rank 0's
+        ``metrics.jsonl`` (when it is in this run folder): copy them into the event log, so
+        the job's metrics have no hole."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        last = -1 if self._last_step is None else self._last_step
+        added = 0
+        with open(path) as f:
+            for line in f:
+                try:
+                    m = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by the kill
+                step = m.get("step")
+                if isinstance(step, int) and step > last:
+                    self.log.append_metric(step, m, job_id=self.job_id)
+                    last = step
+                    added += 1
+        if added:
+            self.log.append("metrics_backfilled", job_id=self.job_id,
+                            payload={"steps": added, "source": str(path), "last_step": last})
 
     def summary(self) -> dict[str, Any]:
         """State, generation, budgets used, morphs and the error, as plain data."""
@@ -678,10 +701,23 @@ class Manager:
                 "morphs": [m.to_dict() for m in self.morphs], "error": self.error, "run_dir": str(self.run_dir)}
 
 
+def judge_straggler(plan, row, rank: int, slowdown: float, without) -> tuple[bool, float, float]:
+    """Is the job faster without a slow worker? (paper §4.6, fail-stutter.) ``plan``/``row``:
+    the running configuration; ``rank`` runs ``slowdown`` x slower than predicted; ``without``:
+    the best ``PlanRow`` for the pool minus its VM (None: no VM would be left). Simulates the
+    running configuration with that rank slowed (``Plan.simulate(rank_scale=...)``) and
+    compares mini-batch times. Returns ``(exclude, seconds_with, seconds_without)``."""
+    scale = [1.0] * (row.P * row.D)
+    scale[rank] = float(slowdown)
+    with_it = plan.simulate(row, rank_scale=scale, record_timeline=False).minibatch_time
+    t_without = math.inf if without is None else float(without.time_s)
+    return t_without < with_it, with_it, t_without
+
+
 def _on_this_machine(h: Host) -> bool:
     """Local slots and loopback test hosts share this machine's cores (the planner models them
     as one VM with ``os.cpu_count()`` compute slots)."""
     return is_local(h) or h.is_loopback
 
 
-__all__ = ["Manager", "JobState", "MorphRecord", "ManagerError"]
+__all__ = ["Manager", "JobState", "MorphRecord", "ManagerError", "judge_straggler"]
