@@ -99,7 +99,13 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation: steps, AdamW learning rate and weight decay, warm-up steps (linear) then
     cosine decay to ``min_lr``, global grad-norm clipping (``None`` = off), numeric precision,
-    initial dynamic loss scale for fp16, model seed, evaluation size, where runs are written."""
+    initial dynamic loss scale for fp16, model seed, evaluation size, where runs are written.
+
+    Checkpoints (paper §4.5, ``varuna_sdk.checkpoint``): ``checkpoint_every`` optimizer steps
+    (0 = only when the job is asked to stop), published to ``checkpoint_url`` (a path or any fsspec
+    URL such as ``s3://bucket/job``; ``None`` = ``<run folder>/checkpoints``), the newest
+    ``keep_checkpoints`` complete ones kept; ``resume`` starts from the newest complete checkpoint
+    in that store (under the job's current P, D and stage boundaries) when there is one."""
 
     steps: int = 50
     lr: float = 1e-3
@@ -112,6 +118,10 @@ class TrainConfig:
     seed: int = 1234
     eval_batches: int = 8
     run_dir: str = "runs"
+    checkpoint_every: int = 0
+    checkpoint_url: str | None = None
+    keep_checkpoints: int = 3
+    resume: bool = True
 
 
 @dataclass
@@ -193,6 +203,7 @@ class JobConfig:
             raise ConfigError(f"train.grad_clip={t.grad_clip} must be > 0, or null to disable clipping")
         if t.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+        validate_checkpointing(t)
         if d.seq_len < 1:
             raise ConfigError(f"data.seq_len={d.seq_len} must be >= 1")
         if not 0.0 < d.val_fraction < 1.0:
@@ -218,6 +229,43 @@ def _build(cls: type, value: Any, section: str):
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section!r}; valid keys: {sorted(names)}")
     return cls(**value)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_checkpointing(t: TrainConfig) -> None:
+    """Check the checkpoint fields of ``train``; raise ``ConfigError`` saying what would work.
+
+    ``checkpoint_every`` an integer >= 0 (0 = off), ``keep_checkpoints`` >= 1, ``resume`` a bool,
+    ``checkpoint_url`` ``None``, a path, or a URL whose scheme fsspec knows (and whose driver is
+    installed, e.g. ``s3fs`` for ``s3://``).
+    """
+    if not _is_int(t.checkpoint_every) or t.checkpoint_every < 0:
+        raise ConfigError(f"train.checkpoint_every={t.checkpoint_every!r} must be an integer >= 0 "
+                          "(optimizer steps between checkpoints; 0 = only when the job is stopped)")
+    if not _is_int(t.keep_checkpoints) or t.keep_checkpoints < 1:
+        raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints!r} must be an integer >= 1 "
+                          "(how many complete checkpoints to keep)")
+    if not isinstance(t.resume, bool):
+        raise ConfigError(f"train.resume={t.resume!r} must be true or false")
+    url = t.checkpoint_url
+    if url is None:
+        return
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"train.checkpoint_url={url!r} must be a path or an fsspec URL (e.g. "
+                          "'/shared/ckpt', 'file:///shared/ckpt', 's3://bucket/job'), or null for "
+                          "<run folder>/checkpoints")
+    if "://" in url:
+        import fsspec
+
+        scheme = url.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"train.checkpoint_url={url!r}: fsspec cannot open {scheme}:// URLs ({e}); "
+                              "install its driver or use a path or file:// URL") from None
 
 
 def validate_parallel(p: ParallelConfig) -> None:

@@ -4,8 +4,12 @@ Owns: building the GPT-2 job from a config (data, model, engine, AdamW, warm-up 
 learning rate), the per-step line and the JSON-lines metrics file (``metrics.jsonl`` in the run
 folder, one object per step, written by rank 0; the dashboard reads it), and the held-out
 perplexity at start and end (``summary.json``), and the job's cached calibration
-(``calibrate_job``). Sits above ``pipeline``, ``data`` and ``profiling``; never imports
-``manager`` (heartbeats are fed through the ``on_step`` callback).
+(``calibrate_job``). Also the worker's side of morphing (paper §4.2): resume from the newest
+complete per-layer checkpoint under the current stage map, periodic background checkpoints, and
+stopping all ranks after the same mini-batch when any one is asked (``should_stop``, agreed by
+one all-reduce), with a published checkpoint (``WorkerOutcome``). Sits above ``pipeline``,
+``checkpoint``, ``data`` and ``profiling``; never imports ``manager`` (heartbeats are fed through
+the ``on_step`` callback, stop requests through ``should_stop``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from .checkpoint import CheckpointError, StageCheckpointer, default_staging_dir, default_store_url, latest_complete
+from .checkpoint.store import checkpoint_name
 from .config import JobConfig
 from .data.loader import BatchLoader, eval_batches, tokenize_corpus, train_val_split
 from .data.tokenizer import get_tokenizer
@@ -65,6 +72,7 @@ class StepMetrics:
     wall_time: float
     P: int
     D: int
+    generation: int = 0
 
 
 def build_engine(job: JobConfig, rank: int | None = None) -> Varuna:
@@ -147,13 +155,20 @@ def evaluate(engine: Varuna, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
-               on_step: Callable[[int, StepResult], None] | None = None) -> None:
-    """Entry point of one worker (``spawn_workers`` target): train ``job`` and, on rank 0, write
-    ``metrics.jsonl`` and ``summary.json`` into ``run_dir``. ``on_step(step, result)``, if given,
-    is called on every rank after each optimizer step (``varuna_sdk.worker`` feeds the worker's
-    heartbeat with it); it must be cheap and must not raise."""
-    job = JobConfig.from_dict(job_dict).validate()
+@dataclass
+class Training:
+    """What one rank trains with: its engine, AdamW (decay on matrices only), the deterministic
+    batch loader and the held-out batches."""
+
+    engine: Varuna
+    optimizer: torch.optim.Optimizer
+    loader: BatchLoader
+    val: list
+
+
+def build_training(job: JobConfig, rank: int | None = None) -> Training:
+    """Build this rank's engine, optimizer and data for ``job`` (torch.distributed initialised
+    when P × D > 1; collective: the engine creates its process groups)."""
     d, p, t = job.data, job.parallel, job.train
     tokens = tokenize_corpus(d.corpus, d.tokenizer)
     train_tokens, val_tokens = train_val_split(tokens, d.val_fraction)
@@ -164,41 +179,231 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     no_decay = [q for n, q in engine.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(0.9, 0.95))
+    return Training(engine, opt, loader, val)
+
+
+# ---- stopping at a mini-batch boundary ----------------------------------------------------------
+_progress = {"steps_done": 0, "rank": 0}
+
+
+def steps_done() -> int:
+    """Optimizer steps this process's job has completed so far (the running ``run_worker``'s
+    counter, including steps restored from a checkpoint); for ``should_stop`` callables."""
+    return _progress["steps_done"]
+
+
+@dataclass(frozen=True)
+class StopAtStep:
+    """``should_stop`` that asks to stop once ``step`` optimizer steps are done; with ``ranks``,
+    only those ranks ask (the others learn it from the agreement all-reduce). Picklable, for
+    ``spawn_workers``, tests and benchmarks."""
+
+    step: int
+    ranks: tuple[int, ...] | None = None
+
+    def __call__(self) -> bool:
+        if self.ranks is not None and _progress["rank"] not in self.ranks:
+            return False
+        return steps_done() >= self.step
+
+
+@dataclass(frozen=True)
+class StopFile:
+    """``should_stop`` that asks to stop when the file ``path`` exists (one ``stat`` a step): a
+    flag a local manager, a signal handler or a person can set. Picklable."""
+
+    path: str
+
+    def __call__(self) -> bool:
+        return os.path.exists(self.path)
+
+
+@dataclass
+class WorkerOutcome:
+    """How ``run_worker`` ended on this rank.
+
+    ``status``: ``"completed"`` (all ``train.steps`` done) or ``"stopped"`` (asked to stop:
+    a checkpoint of the state after ``step`` steps was published before returning, named
+    ``checkpoint``). ``step``: optimizer steps completed = where a resumed run starts.
+    ``resumed_from``: the step this generation started from (``None``: from scratch).
+    ``stop_poll_s``: total seconds in ``should_stop`` + the agreement all-reduce;
+    ``checkpoint_block_s``: total seconds training was blocked by checkpoints (CPU snapshot,
+    waiting for the previous write, and at a stop waiting for publication)."""
+
+    status: str
+    step: int
+    generation: int = 0
+    resumed_from: int | None = None
+    checkpoint: str | None = None
+    steps_run: int = 0
+    stop_poll_s: float = 0.0
+    checkpoint_block_s: float = 0.0
+
+
+def _agree_stop(should_stop: Callable[[], bool], device: torch.device) -> bool:
+    """True on every rank when ``should_stop()`` is True on any rank (one MAX all-reduce of one
+    integer; the original relied on a signal reaching every worker)."""
+    flag = torch.tensor([1 if should_stop() else 0], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _wait_published(ckpt: StageCheckpointer, device: torch.device) -> None:
+    """Wait until this rank's files are written and (rank 0) the manifest is published; agree
+    with one MIN all-reduce that every rank succeeded; raise ``CheckpointError`` otherwise."""
+    error = None
+    try:
+        ckpt.wait()
+    except CheckpointError as e:
+        error = e
+    ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not int(ok.item()):
+        raise CheckpointError("the stop checkpoint was not published: another rank failed to write it (see its log)")
+
+
+def _refuse_stale_store(url: str, lead: bool, device: torch.device) -> None:
+    """With ``resume`` off, a store that already holds complete checkpoints would mix two runs
+    (``latest_complete`` would find the old one, pruning would delete the new ones): every rank
+    raises ``CheckpointError`` (rank 0 looks, one MAX all-reduce tells the others)."""
+    info = latest_complete(url) if lead else None
+    found = torch.tensor([info.step + 1 if info else 0], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if int(found.item()):
+        raise CheckpointError(
+            f"train.resume is false but the checkpoint store {url!r} already holds checkpoints (newest at step "
+            f"{int(found.item()) - 1}) of an earlier run; set train.checkpoint_url to an empty location, delete "
+            "them, or set train.resume to true to continue that run")
+
+
+def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
+               on_step: Callable[[int, StepResult, dict], None] | None = None,
+               should_stop: Callable[[], bool] | None = None, generation: int = 0) -> WorkerOutcome:
+    """Entry point of one worker (``spawn_workers`` target): train ``job`` from its newest complete
+    checkpoint (``train.resume``) or from scratch, under the job's current P, D and stage map.
+
+    Rank 0 appends one line per step to ``<run_dir>/metrics.jsonl`` (with ``generation``),
+    writes ``summary.json`` when all steps are done, and ``outcome.json`` (the ``WorkerOutcome``)
+    on return. Checkpoints go to ``train.checkpoint_url`` (default ``<run_dir>/checkpoints``)
+    every ``train.checkpoint_every`` steps, written in the background.
+
+    Args:
+        on_step: ``on_step(step, result, metrics)`` called on every rank after each optimizer
+            step; ``step`` is the 0-based index of the step just done, ``metrics`` the dict of its
+            ``metrics.jsonl`` line (computed on every rank). Must be cheap and must not raise.
+        should_stop: ``should_stop() -> bool`` polled on every rank after every step; the ranks
+            agree through one MAX all-reduce, so a request seen by any one rank stops all of them
+            after the same step. Then a checkpoint is written at that boundary (even with
+            ``checkpoint_every`` 0) and published before returning ``status="stopped"``. Must be
+            picklable to pass through ``spawn_workers`` (``StopAtStep``, ``StopFile``).
+        generation: the manager's relaunch counter, written into each metrics line and manifest.
+
+    Returns ``WorkerOutcome``. Raises ``CheckpointError`` if a checkpoint cannot be written or a
+    resumed one does not fit the job, ``PeerLost`` if another rank dies.
+    """
+    job = JobConfig.from_dict(job_dict).validate()
+    d, p, t = job.data, job.parallel, job.train
+    _progress.update(steps_done=0, rank=rank)
+    tr = build_training(job, rank)
+    engine, opt, loader, val = tr.engine, tr.optimizer, tr.loader, tr.val
     lead = rank == 0
     out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
+    url = t.checkpoint_url or default_store_url(out)
+    ckpt = StageCheckpointer(engine, opt, url, default_staging_dir(out, rank), keep=t.keep_checkpoints,
+                             timeout_s=job.launch.timeout_s, generation=generation)
     if lead:
         _log(f"[varuna] {job.name}: P={p.P} x D={p.D}, global batch {p.global_batch} = micro-batch "
              f"{p.micro_batch_size} x m={p.num_micro_batches} x D={p.D}, policy {p.policy}, "
-             f"{sum(1 for _ in engine.named_parameters())} tensors on rank 0")
+             f"{sum(1 for _ in engine.named_parameters())} tensors on rank 0, generation {generation}")
     _log(f"[rank {rank}] {engine.describe()}")
-    ppl0 = math.exp(evaluate(engine, val))
-    if lead:
-        _log(f"[varuna] held-out perplexity at start: {ppl0:.2f}")
+    start, resumed_from, ppl0 = 0, None, None
+    if not t.resume:
+        _refuse_stale_store(url, lead, engine.device)
+    if t.resume:
+        info, common = ckpt.resume()
+        if info is not None:
+            try:
+                loader.load_state_dict(common["loader"])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {info.name!r} in {url!r} does not fit this job's data: {e}") from None
+            start = resumed_from = loader.position
+            ppl0 = common.get("ppl_start")
+            if lead:
+                _log(f"[varuna] resumed from {info.name} (saved at P={info.P} x D={info.D}): step {start}")
+    _progress["steps_done"] = start
+    if ppl0 is None:
+        ppl0 = math.exp(evaluate(engine, val))
+        if lead:
+            _log(f"[varuna] held-out perplexity at start: {ppl0:.2f}")
     tokens_per_step = p.global_batch * d.seq_len
     t_start = time.time()
+    r = None
+    outcome = WorkerOutcome(status="completed", step=start, generation=generation, resumed_from=resumed_from)
+    every = t.checkpoint_every
     with open(metrics_path, "a") if lead else open(os.devnull, "w") as mf:
-        for step in range(t.steps):
+        for step in range(start, t.steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, job)
             batch = loader.replica_batch(step, engine.replica, p.D)
             r = engine.step(batch, opt)
+            done = step + 1
+            _progress["steps_done"] = done
+            outcome.step, outcome.steps_run = done, outcome.steps_run + 1
+            m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
+                            loss_scale=r.loss_scale, step_time_s=r.time_s,
+                            tokens_per_s=tokens_per_step / r.time_s, examples_per_s=p.global_batch / r.time_s,
+                            wall_time=time.time(), P=p.P, D=p.D, generation=generation)
+            md = asdict(m)
             if on_step is not None:
-                on_step(step, r)
+                on_step(step, r, md)
             if lead:
-                m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
-                                loss_scale=r.loss_scale, step_time_s=r.time_s,
-                                tokens_per_s=tokens_per_step / r.time_s, examples_per_s=p.global_batch / r.time_s,
-                                wall_time=time.time(), P=p.P, D=p.D)
-                mf.write(json.dumps(asdict(m)) + "\n")
+                mf.write(json.dumps(md) + "\n")
                 mf.flush()
                 _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {m.tokens_per_s:8.0f} tok/s | "
                      f"{m.examples_per_s:6.2f} ex/s | {r.time_s:6.3f} s" + (" | skipped (overflow)" if r.skipped else ""))
+            stop = False
+            if should_stop is not None:
+                t0 = time.perf_counter()
+                stop = _agree_stop(should_stop, engine.device)
+                outcome.stop_poll_s += time.perf_counter() - t0
+            if stop or (every and done % every == 0):
+                loader_state = {**loader.state_dict(), "step": done}
+                outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "ppl_start": ppl0,
+                                                              "job": job.name} if lead else None)
+            if stop:
+                t0 = time.perf_counter()
+                _wait_published(ckpt, engine.device)
+                outcome.checkpoint_block_s += time.perf_counter() - t0
+                outcome.status, outcome.checkpoint = "stopped", checkpoint_name(done, ckpt.tag)
+                if lead:
+                    _log(f"[varuna] stopped after step {done}; checkpoint {outcome.checkpoint} published to {url}")
+                    _write_outcome(out, outcome)
+                sys.stdout.flush()
+                return outcome
+    t0 = time.perf_counter()
+    ckpt.wait()  # a periodic checkpoint still in flight is published before the job ends
+    outcome.checkpoint_block_s += time.perf_counter() - t0
     ppl1 = math.exp(evaluate(engine, val))
     if lead:
         _log(f"[varuna] held-out perplexity: start {ppl0:.2f} -> end {ppl1:.2f} "
-             f"({t.steps} steps in {time.time() - t_start:.1f} s)")
+             f"({outcome.steps_run} steps in {time.time() - t_start:.1f} s)")
         (out / "summary.json").write_text(json.dumps({
             "name": job.name, "steps": t.steps, "P": p.P, "D": p.D, "ppl_start": ppl0, "ppl_end": ppl1,
-            "final_loss": r.loss, "train_time_s": time.time() - t_start}, indent=2))
+            "final_loss": r.loss if r is not None else None, "train_time_s": time.time() - t_start,
+            "generation": generation, "resumed_from": resumed_from}, indent=2))
+        _write_outcome(out, outcome)
     sys.stdout.flush()
+    return outcome
+
+
+def _write_outcome(out: Path, outcome: WorkerOutcome) -> None:
+    tmp = out / "outcome.json.tmp"
+    tmp.write_text(json.dumps(asdict(outcome), indent=2))
+    os.replace(tmp, out / "outcome.json")

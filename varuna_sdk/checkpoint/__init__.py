@@ -1,0 +1,19 @@
+"""Per-layer checkpoints: saved by cut-point segment under parameter names (any stage map loads
+them), written locally and published in the background to a path or any fsspec URL, made
+complete only by a manifest written last, verified on load, the newest K kept (paper §4.2, §4.5).
+
+Modules: ``store`` (layout, manifest, ``latest_complete``, pruning), ``writer`` (one rank's
+background writer), ``stage`` (what a pipeline stage saves and loads, resume agreement).
+Sits on ``pipeline`` and ``model``; never imports ``trainer``, ``cluster`` or ``manager``.
+"""
+
+from .stage import (StageCheckpointer, StageState, default_staging_dir, default_store_url, owner_segments,
+                    plan_writes)
+from .store import CheckpointError, CheckpointInfo, Store, complete_checkpoints, latest_complete, prune
+from .writer import CheckpointWriter
+
+__all__ = [
+    "CheckpointError", "CheckpointInfo", "CheckpointWriter", "StageCheckpointer", "StageState", "Store",
+    "complete_checkpoints", "default_staging_dir", "default_store_url", "latest_complete", "owner_segments",
+    "plan_writes", "prune",
+]
