@@ -1,5 +1,7 @@
-"""The ``varuna`` command: ``varuna train CONFIG.yaml``, ``varuna demo``, ``varuna config``,
-``varuna dashboard RUN_DIR`` (imports the top-level ``dashboard`` package only for that command).
+"""The ``varuna`` command: ``varuna train CONFIG.yaml``, ``varuna demo`` (the demo job on emulated
+spot VMs replaying a real trace, morphing; ``--no-spot``: a fixed P=2 x D=2 local run — see
+``varuna_sdk.demo``), ``varuna config``, ``varuna dashboard RUN_DIR`` (imports the top-level
+``dashboard`` package only for that command).
 
 Owns argument parsing and turning ``ConfigError``/``WorkerFailure`` into one clear line and a
 non-zero exit. Sits at the top of the dependency graph.
@@ -11,17 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig
-
-
-def demo_config(steps: int = 120) -> JobConfig:
-    """The main job: a 4-layer GPT-2 (d=128, real 50,257-token BPE) on Shakespeare, P=2 × D=2."""
-    return JobConfig(
-        name="gpt2-shakespeare-demo",
-        model=ModelConfig(preset="cpu-demo", dropout=0.0),
-        parallel=ParallelConfig(P=2, D=2, global_batch=16, micro_batch_size=2, policy="varuna"),
-        train=TrainConfig(steps=steps, lr=2e-3, min_lr=2e-4, warmup_steps=10, eval_batches=4),
-    )
+from .config import ConfigError, JobConfig
+from .demo import demo_config  # re-exported: `from varuna_sdk.cli import demo_config`
 
 
 def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> JobConfig:
@@ -100,6 +93,51 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from .launch import launch_job
+
+    job = JobConfig.from_yaml(Path(args.config)).validate()
+    if args.heartbeat <= 0 or args.orphan_after <= 0:
+        raise ConfigError("--heartbeat and --orphan-after must be > 0 seconds")
+    provider = None
+    if args.local is not None:
+        from .cluster.provider import LocalProvider
+
+        provider = LocalProvider(args.local)
+    elif args.hosts:
+        from .cluster.provider import HostFileProvider
+
+        provider = HostFileProvider(args.hosts)
+    try:
+        summary = launch_job(job, run_dir=args.run_dir, provider=provider, job_id=args.job_id,
+                             heartbeat_interval_s=args.heartbeat,
+                             generation_options={"orphan_after_s": args.orphan_after})
+    finally:
+        if provider is not None:
+            provider.close()
+    print(f"[varuna] job {summary['job_id']}: {summary['state']} after {summary['generation'] + 1} generation(s), "
+          f"{len(summary['morphs'])} morph(s); run folder {summary['run_dir']}", flush=True)
+    for m in summary["morphs"]:
+        print(f"  morph: {m['cause']:<15} {m['old'].get('P')}x{m['old'].get('D')} -> "
+              f"{(m['new'] or {}).get('P')}x{(m['new'] or {}).get('D')}  downtime "
+              f"{m['downtime_s'] if m['downtime_s'] is None else round(m['downtime_s'], 1)} s, "
+              f"steps lost {m['steps_lost']}", flush=True)
+    if summary["error"]:
+        print(f"varuna: {summary['error']}", file=sys.stderr)
+    return 0 if summary["state"] == "SUCCEEDED" else 1
+
+
+def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
+    """``varuna demo``: the job under the morph manager on the spot emulator (``demo.run_spot_demo``);
+    0 when it succeeded."""
+    from .demo import print_spot_result, run_spot_demo
+    from .launch import new_run_dir
+
+    res = run_spot_demo(job, run_dir=new_run_dir(job))
+    print_spot_result(res)
+    return 0 if res.state == "SUCCEEDED" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training (Varuna)")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -114,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--micro-batch-size", dest="micro_batch_size", type=int)
         sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"])
         sp.add_argument("--run-dir", dest="run_dir")
+        if name == "demo":
+            sp.add_argument("--no-spot", dest="no_spot", action="store_true",
+                            help="train on a fixed set of local workers (no spot emulator, no morphs)")
     sub.add_parser("config", help="print the demo job's YAML (a starting point for your own)")
     sp = sub.add_parser("calibrate", help="measure the job's model once and save its profile (JSON)")
     sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
@@ -142,8 +183,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="another host:port browsers load the page from (e.g. a proxy); repeatable")
     sp.add_argument("--job-id", dest="job_id", help="show only this job's rows of a shared event log")
     sp.add_argument("--refresh", type=float, default=1.0, help="seconds between reads of the event log")
+    sp = sub.add_parser("launch", help="run a job under the morph manager (local slots or an SSH host file); "
+                        "run it again on the same --run-dir to continue the job")
+    sp.add_argument("config", help="job YAML")
+    sp.add_argument("--run-dir", dest="run_dir", help="the job's folder (an existing one is continued)")
+    where = sp.add_mutually_exclusive_group()
+    where.add_argument("--local", type=int, metavar="N", help="N local worker slots (default: launch.gpus)")
+    where.add_argument("--hosts", metavar="FILE", help="SSH host file (watched; see cluster.provider)")
+    sp.add_argument("--job-id", dest="job_id")
+    sp.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval, seconds (default 2)")
+    sp.add_argument("--orphan-after", dest="orphan_after", type=float, default=60.0,
+                    help="workers that lose the manager this long stop at a boundary with a checkpoint (s)")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "launch":
+            return _launch(args)
         if args.cmd == "config":
             print(demo_config().to_yaml(), end="")
             return 0
@@ -161,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         job = demo_config() if args.cmd == "demo" else JobConfig.from_yaml(Path(args.config))
         job = _apply_overrides(job, args).validate()
+        if args.cmd == "demo" and not args.no_spot:
+            return _spot_demo(job, args)
         from .cluster.local import WorkerFailure
         from .launch import train_local
 
