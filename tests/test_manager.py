@@ -230,10 +230,14 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
     tiny_job().to_yaml(cfg)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run), "--local", "2",
-           "--job-id", "restart-me", "--heartbeat", "1", "--orphan-after", "4"]
-    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+           "--job-id", "restart-me", "--heartbeat", "0.5", "--orphan-after", "1.5"]
+    out = open(tmp_path / "first-manager.log", "w")
+    first = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_step(run, 10, 150)
+        try:
+            wait_step(run, 10, 150)
+        except AssertionError:
+            raise AssertionError((tmp_path / "first-manager.log").read_text()[-3000:]) from None
         os.killpg(first.pid, signal.SIGKILL)          # the manager dies; its workers run on
         first.wait(10)
         assert _worker_pids("restart-me"), "the workers should outlive the killed manager"

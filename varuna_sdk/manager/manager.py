@@ -53,6 +53,9 @@ from .decisions import GrowRule, StragglerRule, find_stragglers, pool_slots, ste
 from .events import Event, EventLog, Kind
 
 
+SUSPECT_S = 120.0  # a VM reported lost is not planned on for this long unless the provider re-adds it
+
+
 class JobState(str, enum.Enum):
     """Where a job is. Terminal: SUCCEEDED, FAILED, STOPPED."""
 
@@ -108,6 +111,7 @@ class _Running:
     hosts: list[Host]
     started: float
     predicted_stage_s: list[float]
+    wall_started: float = field(default_factory=time.time)
     first_step_time: float | None = None
     stopping: tuple[str, str | None, float] | None = None  # (cause, host, when asked)
     stop_deadline: float = math.inf
@@ -186,6 +190,7 @@ class Manager:
         self._q: queue.Queue = queue.Queue()
         self._noticed: dict[str, float] = {}     # host -> deadline
         self._excluded: set[str] = set()          # stragglers taken out
+        self._suspect: dict[str, float] = {}      # host -> when reported lost (until re-added)
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_morph_time = time.time()
@@ -249,7 +254,7 @@ class Manager:
     def run(self) -> JobState:
         """Run the job to the end in this thread; returns SUCCEEDED, FAILED or STOPPED.
         Raises ``ManagerError`` (after recording FAILED) when it cannot go on."""
-        if self.state.terminal and self._restored:
+        if self.state in (JobState.SUCCEEDED, JobState.FAILED) and self._restored:
             return self.state
         try:
             return self._run()
@@ -281,8 +286,8 @@ class Manager:
     def _on_host_event(self, ev) -> None:
         self._q.put(("host", ev))
 
-    def _on_gen_event(self, ev: Event) -> None:
-        if ev.kind in (Kind.HOST_LOST,):
+    def _on_gen_event(self, ev: Event, generation: int) -> None:
+        if ev.kind in (Kind.HOST_LOST,) and generation == self.generation:  # never a past generation's
             self._q.put(("lost", ev))
 
     def profile(self):
@@ -292,10 +297,16 @@ class Manager:
             self._profile = calibrate_job(self.job)
         return self._profile
 
+    def _provider_hosts(self) -> list[Host]:
+        return self.provider.all_hosts() if hasattr(self.provider, "all_hosts") else self.provider.hosts()
+
     def _usable_hosts(self) -> list[Host]:
+        """VMs the next plan may use: held by the provider, not under notice, not excluded as a
+        straggler, and not reported lost in the last ``SUSPECT_S`` seconds (unless re-added)."""
         now = time.time()
         return [h for h in self.provider.hosts() if h.name not in self._excluded and
-                not (h.name in self._noticed and self._noticed[h.name] > now - 3600)]
+                not (h.name in self._noticed and self._noticed[h.name] > now - 3600) and
+                not (h.name in self._suspect and self._suspect[h.name] > now - SUSPECT_S)]
 
     def _replan(self, hosts: list[Host], *, first: bool) -> tuple[JobConfig, Any, Any, list[Host]]:
         """Best plan for ``hosts``; returns (job for it, Plan, row, hosts used in rank order)."""
@@ -380,7 +391,7 @@ class Manager:
                 self._last_step = int(step) if self._last_step is None else max(self._last_step, int(step))
             if run is not None and run.first_step_time is None and int(m.get("generation", -1)) == self.generation:
                 run.first_step_time = float(m.get("wall_time") or m["time"])
-                if self._pending is not None:
+                if self._pending is not None and self._pending.new is not None:
                     self._pending.downtime_s = max(0.0, run.first_step_time - self._pending.time)
                     self._finish_morph()
 
@@ -396,6 +407,9 @@ class Manager:
     def _run(self) -> JobState:
         if self.state == JobState.PENDING:
             self._set(JobState.PROVISIONING, "starting")
+        elif self.state == JobState.STOPPED:
+            self._cancel.clear()
+            self._set(JobState.RECOVERING, "continuing a stopped job from its checkpoint")
         else:
             self._set(JobState.RECOVERING, "manager restarted; continuing the job")
             self._wait_for_orphans()
@@ -414,6 +428,8 @@ class Manager:
                 return self._fail(f"no plan fits the {pool_slots(hosts)} worker slots available: {e}")
             resume = self._resume_step()
             if self._pending is not None:
+                self._poll_metrics(None)
+                self._backfill_metrics()   # steps whose heartbeat never left a lost VM
                 self._poll_metrics(None)
                 self._pending.from_step = self._last_step
                 self._pending.new = _plan_summary(job_g, used)
@@ -469,13 +485,14 @@ class Manager:
             self._noticed[ev.host.name] = ev.deadline or time.time()
         elif ev.kind == "added":
             self._noticed.pop(ev.host.name, None)
+            self._suspect.pop(ev.host.name, None)
 
     def _launch(self, job_g: JobConfig, pl, row, used: list[Host], per_stage: list[float]) -> _Running | None:
         from .generation import Generation
 
         gen = Generation(job_g, used, self.run_dir, events=self.log, job_id=self.job_id, generation=self.generation,
                          heartbeat_interval_s=self.heartbeat_interval_s, **self.generation_options)
-        gen.subscribe(self._on_gen_event)
+        gen.subscribe(lambda ev, g=self.generation: self._on_gen_event(ev, g))
         self._history.clear()
         self._hb_last_step.clear()
         run = _Running(gen=gen, job=job_g, plan=pl, row=row, hosts=used, started=time.time(),
@@ -523,6 +540,7 @@ class Manager:
         """Watch one generation; returns a terminal state, or None to start the next one."""
         used = {h.name for h in run.hosts}
         next_straggler_check = time.time() + 5 * self.heartbeat_interval_s
+        next_grow_check = time.time() + 5.0
         lost: tuple[str, float] | None = None
         while True:
             self._poll_metrics(run)
@@ -540,14 +558,18 @@ class Manager:
                 name = ev.host.name
                 if ev.kind == "notice" and name in used:
                     self._request_stop(run, "notice", name)
-                elif ev.kind == "removed" and name in used:
+                elif ev.kind == "removed" and name in used and ev.time >= run.wall_started and \
+                        not self._stopping_for_notice(run, name):
                     lost = (name, ev.time)
                     break
                 elif ev.kind == "added" and run.stopping is None:
                     self._consider_grow(run)
-            elif kind == "lost" and ev.host in used:
+            elif kind == "lost" and ev.host in used and not self._stopping_for_notice(run, ev.host):
                 lost = (ev.host, ev.time - float(ev.payload.get("detection_latency_s") or 0.0))
                 break
+            if run.stopping is None and self.grow is not None and time.time() >= next_grow_check:
+                next_grow_check = time.time() + 5.0  # VMs that came back during a cooldown
+                self._consider_grow(run, quiet=True)
             if run.stopping is None and self.straggler is not None and time.time() >= next_straggler_check:
                 next_straggler_check = time.time() + 2 * self.heartbeat_interval_s
                 self._check_stragglers(run)
@@ -561,7 +583,10 @@ class Manager:
                 break
         if lost is not None:
             host, at = lost
-            run.gen.stop(grace_s=2.0, gone=[host])
+            # only a VM the provider no longer holds is skipped; a live one's workers are killed
+            held = {h.name for h in self._provider_hosts()}
+            run.gen.stop(grace_s=2.0, gone=[host] if host not in held else [])
+            self._suspect[host] = time.time()
             res = run.gen.wait(timeout_s=15.0)
             self._begin_morph("loss", host, run, at=at)
             self.preemptions += 1
@@ -573,6 +598,8 @@ class Manager:
         self._poll_metrics(run)
         status = getattr(res, "status", "failed")
         if status == "completed":
+            if self._pending is not None and self._pending.new is not None:
+                self._finish_morph()  # e.g. orphans finished the job; downtime unknown (None)
             self._pending = None
             self._set(JobState.SUCCEEDED, f"finished {self.job.train.steps} steps")
             return self.state
@@ -588,6 +615,8 @@ class Manager:
         # lost or failed
         gone = sorted(set(getattr(res, "lost_hosts", {}) or {}) & used)
         if status == "lost" or gone:
+            for h in gone:
+                self._suspect[h] = time.time()
             self.preemptions += 1
             self._begin_morph("loss", gone[0] if gone else None, run)
             if self.preemptions > self.max_preemptions:
@@ -604,7 +633,13 @@ class Manager:
                                        f"{failure.strip().splitlines()[-1] if failure.strip() else failure}")
         return None
 
-    def _consider_grow(self, run: _Running) -> None:
+    def _stopping_for_notice(self, run: _Running, host: str) -> bool:
+        """A VM under notice that leaves (or goes quiet) while its workers stop at a boundary
+        is not a sudden loss: the generation's own result says whether the stop checkpoint was
+        made (if not, it ends "lost" and the last complete checkpoint is used)."""
+        return run.stopping is not None and host in self._noticed
+
+    def _consider_grow(self, run: _Running, *, quiet: bool = False) -> None:
         if self.grow is None:
             return
         hosts = self._usable_hosts()
@@ -615,10 +650,14 @@ class Manager:
         except (ConfigError, ValueError):
             return
         since = time.time() - max(self._last_morph_time, run.started)
-        if self.grow.worth_it(run.row.examples_per_s, row.examples_per_s, since):
-            self.log.append("grow_decision", job_id=self.job_id, payload={
-                "current_examples_per_s": run.row.examples_per_s, "new_examples_per_s": row.examples_per_s,
-                "new": {"P": row.P, "D": row.D}, "decision": "grow"})
+        grow = self.grow.worth_it(run.row.examples_per_s, row.examples_per_s, since)
+        if quiet and not grow:
+            return
+        self.log.append("grow_decision", job_id=self.job_id, payload={
+            "current_examples_per_s": run.row.examples_per_s, "new_examples_per_s": row.examples_per_s,
+            "new": {"P": row.P, "D": row.D}, "min_gain": self.grow.min_gain, "seconds_since_last_morph": since,
+            "decision": "grow" if grow else "stay"})
+        if grow:
             self._request_stop(run, "grow", None)
 
     def _check_stragglers(self, run: _Running) -> None:
