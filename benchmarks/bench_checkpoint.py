@@ -9,7 +9,9 @@ CPUs); both poll a ``StopFile`` every step (the stop agreement). Time per step i
 between consecutive ``metrics.jsonl`` lines (so it includes the CPU snapshot, any wait for the
 previous write, and the agreement all-reduce — not only ``Varuna.step``), median over steps after
 warm-up. Ratio: median over rounds of the paired per-round ratio of medians. Target: every-step /
-none <= 1.10 (paper §4.5: checkpointing must not slow training).
+none <= 1.10 (paper §4.5: checkpointing must not slow training) — judged only when the per-round
+ratios agree within ``SPREAD_LIMIT`` (on a machine loaded by other work they do not, and the
+wall-time ratio then says nothing about checkpointing).
 
 CPU time per step (all ranks, every thread, ``time.process_time`` after each step) is reported
 with it: the work checkpointing adds, which other load on a shared machine does not distort.
@@ -63,6 +65,9 @@ class StepClock:
             import torch.distributed as dist
 
             Path(self.out_dir, f"cpu-rank{dist.get_rank()}.json").write_text(json.dumps(self.cpu))
+
+
+SPREAD_LIMIT = 1.3  # per-round wall ratios further apart than this: wall time is other load, not ours
 
 
 def train_run(job: JobConfig, tmp: Path, timeout_s: float) -> tuple[list[float], list[float], dict]:
@@ -173,7 +178,7 @@ def main() -> None:
 
     times = {"none": [], "every": []}
     cpu = {"none": [], "every": []}
-    per_round, per_round_cpu, outcomes = [], [], {"none": [], "every": []}
+    per_round, per_round_cpu, outcomes, loads = [], [], {"none": [], "every": []}, []
     with tempfile.TemporaryDirectory(prefix="varuna-bench-ckpt-") as tmp:
         for rnd in range(rounds):
             if rnd:
@@ -192,13 +197,22 @@ def main() -> None:
                       f"ms/step (all ranks); blocked by checkpoints {outcome['checkpoint_block_s']:.2f} s; stop polls "
                       f"{outcome['stop_poll_s'] * 1e3:.1f} ms over {outcome['steps_run']} steps; load {common.load_average()}")
             per_round.append(med["every"] / med["none"])
+            loads.append(common.load_average())
             per_round_cpu.append(med_cpu["every"] / med_cpu["none"])
     st = {k: common.stats(v) for k, v in times.items()}
     poll = [o["stop_poll_s"] / o["steps_run"] for o in outcomes["none"] + outcomes["every"]]
+    spread = max(per_round) / min(per_round)
+    conclusive = spread <= SPREAD_LIMIT
+    if not conclusive:
+        print(f"note: per-round step-time ratios spread {spread:.2f}x (> {SPREAD_LIMIT}): the machine's other load "
+              "dominates wall time; the step-time target is not judged (see the CPU-time figure)")
     figures = [
         common.Figure("time per step: checkpoint every step vs none (demo, P=2 x D=2)", st["every"]["median"], "s",
-                      baseline=st["none"]["median"], ratio=statistics.median(per_round), target="<= 1.10",
+                      baseline=st["none"]["median"], ratio=statistics.median(per_round),
+                      target="<= 1.10" if conclusive else None,
                       detail={"every": st["every"], "none": st["none"], "per_round_ratio": per_round,
+                              "per_round_spread": spread, "target": "<= 1.10",
+                              "judged": conclusive, "load_average_per_round": loads,
                               "blocked_s_per_run": [o["checkpoint_block_s"] for o in outcomes["every"]]}),
         common.Figure("CPU time per step, all ranks: checkpoint every step vs none (demo, P=2 x D=2)",
                       statistics.median(cpu["every"]), "s", baseline=statistics.median(cpu["none"]),

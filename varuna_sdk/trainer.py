@@ -316,8 +316,9 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     url = t.checkpoint_url or default_store_url(out)
+    # rank 0 waits this long for every rank's files before giving a checkpoint up (large models, remote stores)
     ckpt = StageCheckpointer(engine, opt, url, default_staging_dir(out, rank), keep=t.keep_checkpoints,
-                             timeout_s=job.launch.timeout_s, generation=generation)
+                             timeout_s=max(600.0, job.launch.timeout_s), generation=generation)
     if lead:
         _log(f"[varuna] {job.name}: P={p.P} x D={p.D}, global batch {p.global_batch} = micro-batch "
              f"{p.micro_batch_size} x m={p.num_micro_batches} x D={p.D}, policy {p.policy}, "
