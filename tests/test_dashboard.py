@@ -544,3 +544,73 @@ def test_malformed_payloads_do_not_break_the_views(tmp_path):
         dash.update()
         assert len(dash.cells.data["rank"]) == 1 and dash._failed == set()
         dash.store.close()
+
+
+@pytest.mark.timeout(240)
+def test_live_real_job_morph_in_browser(tmp_path, browser):
+    """The served dashboard against a RUNNING job under the real manager (local workers on the
+    spot emulator): the VM pool shows the 3 VMs, the partition map draws the plan's P x D cells,
+    the throughput chart gains points, then a VM in use is pre-empted with a notice: the pool
+    shows it pre-empted and the morph table gains the notice morph — all read live from the
+    job's event log. (Synthetic profile for the planner, as above: a calibration takes ~1 min.)"""
+    from dashboard.server import Credentials, serve
+    from dashboard_writer import profile
+
+    from varuna_sdk.cluster.spot import SpotEmulator
+    from varuna_sdk.config import DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig, TrainConfig
+    from varuna_sdk.manager.manager import Manager
+
+    run = tmp_path / "run"
+    cfg = JobConfig(name="dash-live", model=ModelConfig(preset="tiny", n_layer=2), data=DataConfig(tokenizer="byte", seq_len=64),
+                    parallel=ParallelConfig(P=None, D=None, global_batch=12, micro_batch_size=1),
+                    train=TrainConfig(steps=100000, eval_batches=1, checkpoint_every=20), launch=LaunchConfig(gpus=3))
+    emu = SpotEmulator(capacity=3, backend="local", notice_s=None).start()
+    mgr = Manager(cfg, emu, run_dir=run, profile=profile([1.0, 2.0, 2.0, 3.0]), heartbeat_interval_s=1.0,
+                  grow=None, straggler=None, generation_options={"sink": None})
+    password = secrets.token_urlsafe(12)
+    port = _free_port()
+    srv = None
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1900})
+    try:
+        mgr.start()
+        deadline = time.time() + 60
+        while not (run / "events.db").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        srv = serve(run, credentials=Credentials({USER: password}), port=port, threaded=True)
+        _wait_http(port, 20)
+        page = ctx.new_page()
+        _login(page, f"http://127.0.0.1:{port}", password)
+        page.locator(".vm").nth(2).wait_for(timeout=60_000)     # (locators pierce Panel's shadow DOM)
+        assert page.locator(".vm").count() == 3 and page.locator('.vm[data-status="up"]').count() == 3
+        with EventLog.reader(run / "events.db") as log:
+            plan = log.events(kind=Kind.PLAN)[-1].payload
+        page.wait_for_function(f"() => ({_ROWS})(['partition_cells', 'rank']) === {plan['P'] * plan['D']}",
+                               timeout=30_000)
+        page.wait_for_function(f"() => ({_MAX})(['throughput', 'step']) >= 3", timeout=90_000)
+        first = page.evaluate(_MAX, ["throughput", "step"])
+        page.wait_for_function(f"() => ({_MAX})(['throughput', 'step']) >= {first + 3}", timeout=60_000)
+        page.screenshot(path=str(ARTIFACTS / "live_job_running.png"))
+        victim = plan["hosts"][-1]
+        emu.remove_now(victim, notice_s=3.0)
+        page.wait_for_selector(f'.vm[data-vm="{victim}"][data-status="pre-empted"]', timeout=60_000)
+        deadline, morphs = time.time() + 90, []
+        while not morphs and time.time() < deadline:   # recorded once the new plan's first step is done
+            time.sleep(0.5)
+            with EventLog.reader(run / "events.db") as log:
+                morphs = log.events(kind=Kind.MORPH)
+        assert morphs and morphs[0].payload["cause"] == "notice" and morphs[0].host == victim
+        page.locator(".tabulator-cell", has_text="→").first.wait_for(timeout=30_000)   # old → new plan row
+        assert page.locator(".tabulator-cell", has_text="notice").count() >= 1
+        time.sleep(1.5)
+        page.screenshot(path=str(ARTIFACTS / "live_job_after_morph.png"))
+    except BaseException:
+        for pg in ctx.pages:
+            pg.screenshot(path=str(ARTIFACTS / "live_job_FAILED.png"))
+        raise
+    finally:
+        ctx.close()
+        if srv is not None:
+            srv.stop()
+        mgr.cancel()
+        mgr.wait(60)
+        emu.close()
