@@ -20,7 +20,7 @@ import torch
 
 import _ckpt_workers as W
 from varuna_sdk.checkpoint import (CheckpointError, StageCheckpointer, Store, complete_checkpoints, default_staging_dir,
-                                   latest_complete)
+                                   latest_complete, load_verified)
 from varuna_sdk.checkpoint.store import MANIFEST, manifest_checksum
 from varuna_sdk.checkpoint.writer import PHASES
 from varuna_sdk.cluster.local import WorkerFailure, spawn_workers
@@ -133,8 +133,7 @@ def test_writer_killed_at_every_phase_never_yields_a_partial_checkpoint(tmp_path
         if phase == "pruning":  # checkpoint 1's manifest was deleted first: never seen as complete again
             assert [i.step for i in complete_checkpoints(url)] == [2]
         for r in range(2):
-            got = torch.load(__import__("io").BytesIO(store.read_verified(info.name, f"seg-{r:05d}.pt", info.manifest)),
-                             weights_only=True)
+            got = load_verified(store, info, f"seg-{r:05d}.pt")  # torch.load(weights_only=True), hash checked
             assert torch.equal(got["params"][f"w{r}"], W.torn_payload(survived, r)["params"][f"w{r}"]), phase
 
         W.torn_write(url, str(tmp_path / "stage2" / phase), [3], keep=1)  # the next writer, no crash
@@ -155,8 +154,7 @@ def test_object_store_url_publishes_verifies_and_prunes(tmp_path):
     assert info.path == f"{url}/{info.name}" and info.manifest["world"] == 2
     store = Store(url)
     assert not store.local and store.checkpoint_names() == sorted(i.name for i in complete_checkpoints(url))
-    got = torch.load(__import__("io").BytesIO(store.read_verified(info.name, "seg-00001.pt", info.manifest)),
-                     weights_only=True)
+    got = load_verified(store, info, "seg-00001.pt")
     assert torch.equal(got["params"]["w1"], W.torn_payload(3, 1)["params"]["w1"])
     fsspec.filesystem("memory").rm(f"/varuna-ckpt-test/{info.name}/seg-00000.pt")
     with pytest.raises(CheckpointError, match="file 'seg-00000.pt' listed in the manifest is missing"):

@@ -7,13 +7,13 @@ background writer), ``stage`` (what a pipeline stage saves and loads, resume agr
 Sits on ``pipeline`` and ``model``; never imports ``trainer``, ``cluster`` or ``manager``.
 """
 
-from .stage import (StageCheckpointer, StageState, default_staging_dir, default_store_url, owner_segments,
+from .stage import (StageCheckpointer, StageState, default_staging_dir, default_store_url, load_verified, owner_segments,
                     plan_writes)
 from .store import CheckpointError, CheckpointInfo, Store, complete_checkpoints, latest_complete, prune
 from .writer import CheckpointWriter
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "CheckpointWriter", "StageCheckpointer", "StageState", "Store",
-    "complete_checkpoints", "default_staging_dir", "default_store_url", "latest_complete", "owner_segments",
+    "complete_checkpoints", "default_staging_dir", "default_store_url", "latest_complete", "load_verified", "owner_segments",
     "plan_writes", "prune",
 ]

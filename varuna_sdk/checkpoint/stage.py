@@ -248,11 +248,7 @@ class StageCheckpointer:
 
     @staticmethod
     def _load(store: Store, info: CheckpointInfo, fname: str) -> dict:
-        data = store.read_verified(info.name, fname, info.manifest)
-        try:
-            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001 - any unpickling failure is a corrupt file
-            raise CheckpointError(f"checkpoint {info.name!r}: file {fname!r} does not load ({e})") from None
+        return load_verified(store, info, fname)
 
     def apply(self, state: StageState) -> dict:
         """Copy ``state`` into the engine's parameters and buffers (bitwise), the optimizer's state,
@@ -327,6 +323,17 @@ class StageCheckpointer:
         if _distributed():
             dist.broadcast(buf, src=0)
         return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+
+
+def load_verified(store: Store, info: CheckpointInfo, fname: str) -> dict:
+    """One file of checkpoint ``info``, its SHA-256 checked against the manifest, unpickled with
+    ``torch.load(weights_only=True)`` (plain tensors and containers only: no code runs) onto the
+    CPU. Raises ``CheckpointError`` naming the file when it is missing, altered or not loadable."""
+    data = store.read_verified(info.name, fname, info.manifest)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a corrupt file
+        raise CheckpointError(f"checkpoint {info.name!r}: file {fname!r} does not load ({e})") from None
 
 
 def default_staging_dir(run_dir: str | Path, rank: int) -> Path:
