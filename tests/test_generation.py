@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from varuna_sdk.cluster.hosts import Host
 from varuna_sdk.cluster.localproc import local_host, local_processes
 from varuna_sdk.cluster.provider import LocalProvider
 from varuna_sdk.cluster.spot import SpotEmulator
-from varuna_sdk.cluster.testhosts import _is_zombie
+from ssh_hosts import Lines, _is_zombie
 from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from varuna_sdk.data.loader import tokenize_corpus
 from varuna_sdk.manager.events import EventLog, Kind
@@ -35,19 +34,6 @@ def tiny_job(tmp_path: Path, steps: int, P: int = 2, D: int = 2) -> JobConfig:
                      train=TrainConfig(steps=steps, lr=3e-3, warmup_steps=2, eval_batches=2,
                                        run_dir=str(tmp_path / "runs")))
 
-
-class Lines:
-    def __init__(self):
-        self.lines: list[str] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, stream, worker, line):
-        with self.lock:
-            self.lines.append(line)
-
-    def text(self) -> str:
-        with self.lock:
-            return "\n".join(self.lines)
 
 
 def _gen(tmp_path, job, hosts, **kw):

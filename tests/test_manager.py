@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ssh_hosts import procs_mentioning
 from varuna_sdk.cluster.spot import SpotEmulator
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig, TrainConfig
 from varuna_sdk.launch import train_local
@@ -193,26 +194,9 @@ def test_manager_refuses_bad_settings_before_starting(tmp_path):
     assert not (tmp_path / "gen0").exists()
 
 
-def _worker_pids(job_id: str) -> list[int]:
-    """Live worker processes of ``job_id`` on this machine (from /proc environ)."""
-    import os
-
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"varuna_sdk.worker" in cmd and f"VARUNA_JOB_ID={job_id}".encode() in env.split(b"\0"):
-            try:
-                if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
+def _worker_pids(run: Path) -> list[int]:
+    """Live worker processes of the job in ``run`` (their command line names its run folder)."""
+    return sorted(set(procs_mentioning(str(run))) & set(procs_mentioning("varuna_sdk.worker")))
 
 
 @pytest.mark.timeout(300)
@@ -240,7 +224,7 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
             raise AssertionError((tmp_path / "first-manager.log").read_text()[-3000:]) from None
         os.killpg(first.pid, signal.SIGKILL)          # the manager dies; its workers run on
         first.wait(10)
-        assert _worker_pids("restart-me"), "the workers should outlive the killed manager"
+        assert _worker_pids(run), "the workers should outlive the killed manager"
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     finally:
         if first.poll() is None:
@@ -258,7 +242,7 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
     assert [m["cause"] for m in morphs] == ["manager_restart"], morphs
     assert morphs[0]["steps_lost"] == 0           # the orphans checkpointed where they stopped
     assert_same_trajectory(final_losses(run), reference)
-    assert _worker_pids("restart-me") == []
+    assert _worker_pids(run) == []
 
 
 def test_straggler_excluded_only_when_the_simulator_says_the_job_is_faster_without_it():

@@ -6,42 +6,18 @@ from __future__ import annotations
 
 import logging
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from ssh_hosts import skip_reason, worker_processes
+from ssh_hosts import Lines, skip_reason, worker_processes
 from varuna_sdk.cluster.hosts import Secret
 from varuna_sdk.cluster.local import free_port
 from varuna_sdk.cluster.remote import RemoteWorkerFailure, WorkerSpec, launch
 from varuna_sdk.cluster.ssh import SSHPool
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
-
-
-class Lines:
-    def __init__(self):
-        self.lines: list[tuple[str, str]] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, stream, worker, line):
-        with self.lock:
-            self.lines.append((stream, line))
-
-    def text(self, stream=None) -> str:
-        with self.lock:
-            return "\n".join(l for s, l in self.lines if stream in (None, s))
-
-    def wait_for(self, needle: str, count: int = 1, timeout: float = 30) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.text().count(needle) >= count:
-                return True
-            time.sleep(0.05)
-        return False
-
 
 
 

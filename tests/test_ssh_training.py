@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ssh_hosts import _is_zombie, procs_mentioning, skip_reason, worker_processes
+from ssh_hosts import Lines, _is_zombie, procs_mentioning, skip_reason, worker_processes
 from varuna_sdk.cluster.ssh import SSHConnection
 from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from varuna_sdk.data.loader import tokenize_corpus
@@ -36,19 +36,6 @@ def tiny_job(tmp_path: Path, steps: int) -> JobConfig:
                           run_dir=str(tmp_path / "runs")),
     )
 
-
-class Lines:
-    def __init__(self):
-        self.lines: list[str] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, stream, worker, line):
-        with self.lock:
-            self.lines.append(line)
-
-    def tail(self, n: int = 60) -> str:
-        with self.lock:
-            return "\n".join(self.lines[-n:])
 
 
 def generation(ssh_hosts, hosts, tmp_path: Path, job: JobConfig, interval_s: float, **kw) -> Generation:
@@ -103,7 +90,7 @@ def test_p2_d2_over_ssh_matches_local_losses(ssh_hosts, tmp_path):
     t_first = ssh_rows[0]["wall_time"] - wall0
     for b in stepped:  # heartbeat losses are the training losses
         assert b.loss == pytest.approx(ssh_rows[b.step]["loss"], rel=1e-6)
-    text = "\n".join(gen.sink.lines)
+    text = gen.sink.text()
     assert "[vm0 rank 0] step    5/5" in text
     assert gen.token.reveal() not in text
     assert gen.token.reveal() not in (tmp_path / "run" / "gen0" / "workers.log").read_text()
