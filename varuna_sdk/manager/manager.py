@@ -38,10 +38,10 @@ import copy
 import enum
 import json
 import math
+import os
 import queue
 import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -256,10 +256,7 @@ class Manager:
         Raises ``ManagerError`` (after recording FAILED) when it cannot go on."""
         if self.state in (JobState.SUCCEEDED, JobState.FAILED) and self._restored:
             return self.state
-        try:
-            return self._run()
-        finally:
-            self._set_quiet_close()
+        return self._run()
 
     def _run_safe(self) -> None:
         try:
@@ -279,9 +276,6 @@ class Manager:
                 self._on_state(state, reason)
             except Exception:
                 pass
-
-    def _set_quiet_close(self) -> None:
-        pass
 
     def _on_host_event(self, ev) -> None:
         self._q.put(("host", ev))
@@ -318,8 +312,6 @@ class Manager:
             job.parallel.P = job.parallel.D = None
             job.parallel.boundaries = None
         local = all(_on_this_machine(h) for h in hosts)
-        import os
-
         per_vm = G if local else max(worker_slots(h) for h in hosts)
         slots = (os.cpu_count() or 1) if local else 0
         try:
