@@ -213,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"varuna: cannot serve on {args.address}:{args.port}: {e.strerror or e}; pick another "
                       "--port or --address", file=sys.stderr)
                 return 2
-        job = demo_config() if args.cmd == "demo" else JobConfig.from_yaml(Path(args.config))
+        if args.cmd == "demo":
+            from .demo import SPOT_DEMO_STEPS
+
+            job = demo_config(120 if args.no_spot else SPOT_DEMO_STEPS)
+        else:
+            job = JobConfig.from_yaml(Path(args.config))
         job = _apply_overrides(job, args).validate()
         if args.cmd == "demo" and not args.no_spot:
             return _spot_demo(job, args)

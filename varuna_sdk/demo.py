@@ -44,6 +44,11 @@ TRACES_DIR = Path(__file__).resolve().parent / "data" / "spot-traces"
 """Traces shipped with the SDK (a copy of Bamboo's ``aws-p3-trace.csv``, MIT licence)."""
 
 
+# The spot demo trains longer than the fixed one: the slice's last event (a VM coming back, the
+# grow) comes ~123 s after the replay starts, and on a quiet 2-core machine 120 steps end first.
+SPOT_DEMO_STEPS = 160
+
+
 def demo_config(steps: int = 120) -> JobConfig:
     """The demo job: a 4-layer GPT-2 (d=128, real 50,257-token BPE) on Shakespeare, P=2 × D=2,
     global batch 16 (micro-batch 2 × m=4 × D=2), ``steps`` optimizer steps."""
