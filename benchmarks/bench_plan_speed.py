@@ -6,13 +6,18 @@ tied LM head), with per-segment forward / recompute / backward times from FLOP c
 assumed 50 TFLOP/s (plus a fixed cost per segment and lower efficiency at small micro-batches),
 fp16 boundary tensors, Megatron-style saved-activation bytes, mixed-precision Adam memory and a
 32 GiB device, 10 Gbit/s p2p and all-reduce between 1-GPU VMs (paper §7 setting). Global batch
-8192. Every search tries every depth P up to min(G, 96), the largest D, micro-batch sizes from the
-largest fitting one down, and simulates each candidate with the runtime's own schedule code.
+8192. Every search covers every depth P up to min(G, 96), every replica count D <= G/P dividing
+the batch and every micro-batch size, and reports per P the fastest (D, micro-batch) as the
+runtime's own schedule code simulates it; candidates whose lower bound cannot beat the best of
+their depth are skipped unsimulated (``csrc/search.h``), so the result equals an exhaustive
+enumeration.
 
-Figures: median wall time of ``plan()`` per G (several runs after one warm-up), how many
-candidates were evaluated / simulated (counted by replaying the rule of ``csrc/search.h`` on
-one-size searches — the C++ search reports no counter), and the comparison the paper invites: its
-simulator took 376–660 ms for ONE simulation at 128 GPUs (§7.2); ratio = ours / 376 ms.
+Figures: median wall time of ``plan()`` per G (several runs after one warm-up); what the C++ search
+did (``Plan.search_stats``: candidates, how many got a stage split and a bound, simulated, pruned,
+compute actions simulated); the bound's tightness on the rows (lower bound / simulated time); at
+G=128 the exhaustive enumeration (every candidate simulated with ``_core.evaluate``) for time and
+for agreement; and the comparison the paper invites: its simulator took 376–660 ms for ONE
+simulation at 128 GPUs (§7.2); ratio = ours / 376 ms.
 Targets (DESIGN.md): full search < 100 ms at G=128 (ratio < 0.266) and < 1 s at G=1024 (ratio < 2.66).
 
 Run: ``.venv/bin/python benchmarks/bench_plan_speed.py [--quick] [--repeats N]``.
@@ -29,6 +34,7 @@ import common  # noqa: E402
 
 common.setup_path()
 
+from varuna_sdk import _core  # noqa: E402
 from varuna_sdk.planner.plan import candidate_micro_batch_sizes, plan  # noqa: E402
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile  # noqa: E402
 
@@ -74,25 +80,38 @@ def gpt2_like_profile(n_blocks: int = 94, d: int = 2560, heads: int = 32, T: int
                    per_step_s=0.0, opt_s_per_param_byte=1e-11, optimizer_state_factor=6.0)
 
 
-def count_candidates(prof: Profile, G: int, B: int) -> dict:
-    """Candidates the search evaluates (stage split attempted) and simulates, per the rule in
-    ``csrc/search.h``: per P, sizes that divide B/D from the largest down, until a feasible one
-    leaves m >= 2P. Feasibility per (P, size) comes from one-size searches."""
-    sizes = sorted(candidate_micro_batch_sizes(prof), reverse=True)
-    per_size = {b: {r.P: r for r in plan(prof, G, B, micro_batch_sizes=[b]).rows} for b in sizes}
-    depths = min(G, prof.num_segments)
-    evaluated = simulated = 0
-    for P in range(1, depths + 1):
-        for b in sizes:
-            r = per_size[b][P]
-            if "divides the replica batch" in r.reason:
-                continue
-            evaluated += 1
-            if not r.reason.startswith("no split"):
-                simulated += 1
-            if r.feasible and r.m >= 2 * P:
-                break
-    return {"depths": depths, "evaluated": evaluated, "simulated": simulated}
+def bound_tightness(pl) -> dict:
+    """Lower bound / simulated time over the plan's feasible rows: the bound the search prunes with
+    (``_core.candidate_lower_bound``, same split) and the split-free one it uses first."""
+    sizes = pl._sizes
+    full, free = [], []
+    for r in pl.feasible:
+        ti = sizes.index(r.micro_batch_size)
+        full.append(_core.candidate_lower_bound(pl._search, r.P, r.D, ti) / r.time_s)
+        free.append(_core.candidate_lower_bound(pl._search, r.P, r.D, ti, split_free=True) / r.time_s)
+    return {"full": common.stats(full), "split_free": common.stats(free)}
+
+
+def exhaustive(pl) -> tuple[float, bool, int]:
+    """Every candidate of ``pl``'s search simulated (``_core.evaluate``, no pruning): wall seconds,
+    whether the fastest per P matches the plan's rows (D, micro-batch, time), and how many ran."""
+    inp, G, B = pl._search, pl.gpus, pl.global_batch
+    rows = {r.P: r for r in pl.rows}
+    t0, same, runs = time.perf_counter(), True, 0
+    for P in rows:
+        best = None
+        for D in (d for d in range(1, G // P + 1) if B % d == 0):
+            for ti, t in enumerate(inp.tables):
+                if (B // D) % t.micro_batch_size == 0:
+                    c = _core.evaluate(inp, P, D, ti)
+                    runs += 1
+                    if c.feasible and (best is None or (c.minibatch_time, c.D, -c.micro_batch_size) <
+                                       (best.minibatch_time, best.D, -best.micro_batch_size)):
+                        best = c
+        r = rows[P]
+        same = same and (r.feasible == (best is not None)) and (
+            best is None or (r.D, r.micro_batch_size, r.time_s) == (best.D, best.micro_batch_size, best.minibatch_time))
+    return time.perf_counter() - t0, same, runs
 
 
 def main() -> None:
@@ -117,16 +136,19 @@ def main() -> None:
             walls.append(time.perf_counter() - t0)
             inner.append(pl.search_s)
         best = pl.best
-        rows[G] = {"wall": common.stats(walls), "search_s": common.stats(inner),
-                   **count_candidates(prof, G, GLOBAL_BATCH),
+        rows[G] = {"wall": common.stats(walls), "search_s": common.stats(inner), **pl.search_stats,
+                   "bound_over_time": bound_tightness(pl),
                    "best": {"P": best.P, "D": best.D, "micro_batch_size": best.micro_batch_size, "m": best.m,
                             "idle_gpus": best.idle_gpus, "time_s": best.time_s,
                             "examples_per_s": best.examples_per_s},
                    "excluded": len(pl.excluded)}
+    pl128 = plan(prof, 128, GLOBAL_BATCH)
+    ex_s, ex_same, ex_runs = exhaustive(pl128)
     load1 = common.load_average()
 
-    hdr = (f"{'G':>5} {'median':>9} {'p25':>9} {'p75':>9} {'depths':>6} {'evaluated':>9} {'simulated':>9} "
-           f"{'per sim':>8} {'t/t(8)':>7} {'excl':>4}  best (P x D, mbs x m, step time)")
+    hdr = (f"{'G':>5} {'median':>9} {'p25':>9} {'p75':>9} {'depths':>6} {'cands':>6} {'bounded':>7} "
+           f"{'simulated':>9} {'actions':>9} {'lb/t':>6} {'per sim':>8} {'t/t(8)':>7} {'excl':>4}  "
+           f"best (P x D, mbs x m, idle, step time)")
     print("\nfull plan search time vs G\n" + hdr + "\n" + "-" * len(hdr))
     t8 = rows[GPUS[0]]["wall"]["median"]
     for G, r in rows.items():
@@ -134,9 +156,12 @@ def main() -> None:
         per_sim = w["median"] / max(1, r["simulated"])
         r["per_simulation_s"] = per_sim
         print(f"{G:>5} {common.fmt_value(w['median'], 's'):>9} {common.fmt_value(w['p25'], 's'):>9} "
-              f"{common.fmt_value(w['p75'], 's'):>9} {r['depths']:>6} {r['evaluated']:>9} {r['simulated']:>9} "
+              f"{common.fmt_value(w['p75'], 's'):>9} {r['depths']:>6} {r['candidates']:>6} {r['bounded']:>7} "
+              f"{r['simulated']:>9} {r['actions']:>9} {r['bound_over_time']['full']['median']:>6.4f} "
               f"{common.fmt_value(per_sim, 's'):>8} {w['median'] / t8:>7.1f} {r['excluded']:>4}  "
-              f"{b['P']} x {b['D']}, {b['micro_batch_size']} x {b['m']}, {b['time_s']:.2f} s")
+              f"{b['P']} x {b['D']}, {b['micro_batch_size']} x {b['m']}, {b['idle_gpus']}, {b['time_s']:.2f} s")
+    print(f"\nG=128 exhaustive enumeration (all {ex_runs} candidates evaluated): {ex_s * 1e3:.0f} ms = "
+          f"{ex_s / rows[128]['wall']['median']:.1f}x the search; same rows: {ex_same}")
 
     figures = []
     for G in GPUS:
@@ -146,12 +171,18 @@ def main() -> None:
         figures.append(common.Figure(
             name, r["wall"]["median"], "s", baseline=PAPER_ONE_SIM_S[0],
             target=f"< {target / PAPER_ONE_SIM_S[0]:.3g}" if target else None,
-            detail={"wall": r["wall"], "depths": r["depths"], "evaluated": r["evaluated"], "simulated": r["simulated"],
+            detail={"wall": r["wall"], "depths": r["depths"], "candidates": r["candidates"], "bounded": r["bounded"],
+                    "simulated": r["simulated"], "pruned": r["pruned"], "actions": r["actions"],
+                    "bound_over_time_median": r["bound_over_time"]["full"]["median"],
                     "best": r["best"], "baseline_is": "paper: ONE simulation at 128 GPUs (376-660 ms)",
                     **({"target_s": target} if target else {})}))
     r128 = rows[128]
     figures.append(common.Figure("  mean time per simulated candidate, G=128", r128["per_simulation_s"], "s",
                                  baseline=PAPER_ONE_SIM_S[0], detail={"simulated": r128["simulated"]}))
+    figures.append(common.Figure("  exhaustive enumeration, G=128 (no pruning)", ex_s, "s",
+                                 baseline=rows[128]["wall"]["median"],
+                                 detail={"candidates_evaluated": ex_runs, "same_rows_as_search": ex_same,
+                                         "baseline_is": "the pruned search at G=128 (median)"}))
     common.print_table("Planner speed (baseline: the paper's one simulation at 128 GPUs, 376 ms)", figures)
 
     growth = {G: rows[G]["wall"]["median"] / t8 for G in GPUS}
@@ -165,9 +196,14 @@ def main() -> None:
         f"{'met' if met[128] else 'NOT met'}. G=1024: {rows[1024]['wall']['median'] * 1e3:.1f} ms, target < 1 s "
         f"{'met' if met[1024] else 'NOT met'}. Growth t(G)/t(8): "
         + ", ".join(f"{G}: {g:.1f}" for G, g in growth.items())
-        + f". Up to G = {n} the number of depths grows with G and each depth P simulates about "
-        "P x max(P + 8, 64) actions, so the time grows roughly quadratically there; beyond it only D changes "
-        "and the time flattens. Candidate counts replay csrc/search.h's rule on one-size searches.")
+        + f". Up to G = {n} the number of depths grows with G and each depth P simulates about one candidate "
+        "(lower bounds skip the others) of P x max(P + 8, 64) micro-batch steps, so the time grows roughly "
+        "quadratically there (cubically once P + 8 > 64); beyond it only the replica counts grow, which are bounded "
+        "rather than simulated, and the time flattens. Counts are the C++ search's own (Plan.search_stats). "
+        f"Lower bound / simulated time on the rows, median over rows at G=128: "
+        f"{rows[128]['bound_over_time']['full']['median']:.4f} (split-free bound "
+        f"{rows[128]['bound_over_time']['split_free']['median']:.3f}). Exhaustive enumeration at G=128 "
+        f"({ex_runs} candidates evaluated, none pruned): {ex_s * 1e3:.0f} ms, same rows as the search: {ex_same}.")
     common.write_results("plan_speed", figures, notes,
                          machine=common.machine_info(load_average=[load0, load1], idle_before=idle),
                          extra={"config": {"global_batch": GLOBAL_BATCH, "gpus": list(GPUS), "repeats": repeats,

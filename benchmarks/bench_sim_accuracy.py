@@ -2,7 +2,7 @@
 GPT-2 for several (P, D, micro-batch size, global batch) on local workers.
 
 One calibration (``calibrate_job``: scale-invariant, measured once, independent of G) feeds
-``plan(profile, gpus=P*D, global_batch=B, boundaries=..., micro_batch_sizes=[mbs],
+``plan(profile, gpus=P*D, global_batch=B, boundaries=..., micro_batch_sizes=[mbs], replicas=D,
 gpus_per_vm=P*D, compute_slots_per_vm=cpu count)`` for every configuration: all workers share this
 machine's cores, which the simulator models as compute slots of one VM. Each configuration then
 runs for real (``trainer.build_engine`` in P x D spawned gloo workers, one torch thread each, the
@@ -182,7 +182,7 @@ def predict(profile, P: int, D: int, mbs: int, B: int) -> dict:
     from varuna_sdk.planner.plan import plan
 
     pl = plan(profile, gpus=P * D, global_batch=B, boundaries=BOUNDARIES[P], micro_batch_sizes=[mbs],
-              gpus_per_vm=P * D, compute_slots_per_vm=os.cpu_count() or 1)
+              gpus_per_vm=P * D, compute_slots_per_vm=os.cpu_count() or 1, replicas=D)
     row = pl.rows[0]
     if not row.feasible:
         raise RuntimeError(f"planner rejects P={P} D={D} mbs={mbs} B={B}: {row.reason}")

@@ -180,6 +180,7 @@ void bind_search(py::module_& m) {
         .def_readwrite("optimizer_state_factor", &SearchInput::optimizer_state_factor)
         .def_readwrite("memory_limit", &SearchInput::memory_limit)
         .def_readwrite("max_depth", &SearchInput::max_depth)
+        .def_readwrite("fixed_replicas", &SearchInput::fixed_replicas)
         .def_readwrite("fixed_starts", &SearchInput::fixed_starts)
         .def_readwrite("sim", &SearchInput::sim)
         .def_readwrite("opt_s_per_param_byte", &SearchInput::opt_s_per_param_byte)
@@ -200,8 +201,38 @@ void bind_search(py::module_& m) {
         .def_readonly("stage_compute", &Candidate::stage_compute)
         .def_readonly("feasible", &Candidate::feasible)
         .def_readonly("reason", &Candidate::reason);
-    m.def("search", &varuna::search, py::arg("input"), py::call_guard<py::gil_scoped_release>(),
-          "Rank every (P, D, micro-batch) for the input; see csrc/search.h.");
+    m.def(
+        "search", [](const SearchInput& in) { return varuna::search(in); }, py::arg("input"),
+        py::call_guard<py::gil_scoped_release>(), "Rank every (P, D, micro-batch) for the input; see csrc/search.h.");
+    m.def(
+        "search_with_stats",
+        [](const SearchInput& in) {
+            varuna::SearchStats st;
+            std::vector<Candidate> rows;
+            {
+                py::gil_scoped_release nogil;
+                rows = varuna::search(in, &st);
+            }
+            py::dict d;
+            d["depths"] = st.depths;
+            d["candidates"] = st.candidates;
+            d["bounded"] = st.bounded;
+            d["splits"] = st.splits;
+            d["split_failed"] = st.split_failed;
+            d["simulated"] = st.simulated;
+            d["pruned"] = st.pruned;
+            d["actions"] = st.actions;
+            return py::make_tuple(rows, d);
+        },
+        py::arg("input"),
+        "search() and what it did: {depths, candidates, bounded, splits, split_failed, simulated, pruned, actions}.");
+    m.def("evaluate", &varuna::evaluate, py::arg("input"), py::arg("P"), py::arg("D"), py::arg("table_index"),
+          py::call_guard<py::gil_scoped_release>(),
+          "One (P, D, micro-batch table) as search() evaluates it (split, simulation, memory).");
+    m.def("candidate_lower_bound", &varuna::candidate_lower_bound, py::arg("input"), py::arg("P"), py::arg("D"),
+          py::arg("table_index"), py::arg("split_free") = false, py::call_guard<py::gil_scoped_release>(),
+          "search()'s lower bound (seconds) on evaluate()'s mini-batch time (inf when no split fits memory); "
+          "split_free: the bound used before splitting, valid for every split.");
     m.def("simulate_candidate", &varuna::simulate_candidate, py::arg("input"), py::arg("P"), py::arg("D"),
           py::arg("table_index"), py::arg("starts"), py::arg("rank_scale"), py::arg("record_timeline"),
           py::call_guard<py::gil_scoped_release>(),

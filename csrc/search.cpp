@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <deque>
+#include <limits>
 #include <numeric>
+#include <queue>
 #include <stdexcept>
 
 namespace varuna {
@@ -191,14 +194,60 @@ double stage_memory(const SearchInput& in, const SegmentTable& t, int a, int b, 
     return w * (2.0 + in.optimizer_state_factor) + stashed * input + live * (input + act);
 }
 
-std::vector<int> balance(const SearchInput& in, const SegmentTable& t, int P, int m) {
+namespace {
+
+// balance(); *memory_bound (when given) says whether the memory check rejected any packing.  It
+// did not => the same split for every m with at most as many micro-batches in flight (memory
+// grows with them, so every check passes again and the packing decides the same way).
+std::vector<int> balance_split(const SearchInput& in, const SegmentTable& t, int P, int m, bool* memory_bound) {
+    if (memory_bound) *memory_bound = false;
     const int n = static_cast<int>(t.fwd.size());
     if (P < 1 || P > n) return {};
     double lo = 0.0, hi = 0.0;
+    // prefix sums of seg_cost() on a stage that is not the last / on the last: a stage [a, b)
+    // costs pre[b] - pre[a] (non-increasing in a: the costs are >= 0)
+    std::vector<double> mid_pre(static_cast<std::size_t>(n) + 1, 0.0), last_pre(static_cast<std::size_t>(n) + 1, 0.0);
     for (int k = 0; k < n; ++k) {
-        lo = std::max(lo, seg_cost(in, t, k, false));
-        hi += seg_cost(in, t, k, false);
+        const double c = seg_cost(in, t, k, false);
+        mid_pre[k + 1] = mid_pre[k] + c;
+        last_pre[k + 1] = last_pre[k] + seg_cost(in, t, k, true);
+        lo = std::max(lo, c);
+        hi += c;
     }
+    const std::vector<double>& first_pre = P == 1 ? last_pre : mid_pre;
+    // stage_memory() in O(1 + tied groups): prefix sums of parameter and activation bytes
+    const bool limited = in.memory_limit > 0;
+    std::vector<double> wsum, asum;
+    std::vector<int> tied_first, tied_last;
+    double tied_total = 0.0, out_max = 0.0;  // for a quick upper bound of a stage's memory
+    if (limited) {
+        for (double b : in.tied_bytes) tied_total += b;
+        for (double b : t.out_bytes) out_max = std::max(out_max, b);
+        wsum.assign(static_cast<std::size_t>(n) + 1, 0.0);
+        asum.assign(static_cast<std::size_t>(n) + 1, 0.0);
+        for (int k = 0; k < n; ++k) {
+            wsum[k + 1] = wsum[k] + in.param_bytes[k];
+            asum[k + 1] = asum[k] + t.act_bytes[k];
+        }
+        for (const auto& segs : in.tied_segments) {
+            tied_first.push_back(*std::min_element(segs.begin(), segs.end()));
+            tied_last.push_back(*std::max_element(segs.begin(), segs.end()));
+        }
+    }
+    auto fits = [&](int a, int b, int stashed, int live) {
+        double w = wsum[b] - wsum[a];
+        for (std::size_t i = 0; i < in.tied_segments.size(); ++i) {
+            if (tied_first[i] >= a || tied_last[i] < a) continue;  // no second copy here
+            bool here = false;
+            for (int k : in.tied_segments[i]) here = here || (k >= a && k < b);
+            if (here) w += in.tied_bytes[i];
+        }
+        const double input = a > 0 ? t.out_bytes[a - 1] : 0.0;
+        const double mem = w * (2.0 + in.optimizer_state_factor) + stashed * input + live * (input + asum[b] - asum[a]);
+        if (mem <= in.memory_limit) return true;
+        if (memory_bound) *memory_bound = true;
+        return false;
+    };
     // Greedy from the back (the last stage, which never recomputes, is known exactly).
     auto pack = [&](double T, std::vector<int>& starts) -> bool {
         starts.assign(P, 0);
@@ -206,27 +255,43 @@ std::vector<int> balance(const SearchInput& in, const SegmentTable& t, int P, in
         for (int s = P - 1; s >= 1; --s) {
             int stashed, live;
             stash_bound(in, P, m, s, stashed, live);
-            const bool last = s == P - 1;
-            int a = end - 1;  // at least one segment
-            double cost = seg_cost(in, t, a, last);
-            if (cost > T) return false;
-            if (in.memory_limit > 0 && stage_memory(in, t, a, end, stashed, live) > in.memory_limit) return false;
-            while (a - 1 >= s) {  // leave one segment for each earlier stage
-                const double c2 = cost + seg_cost(in, t, a - 1, last);
-                if (c2 > T) break;
-                if (in.memory_limit > 0 && stage_memory(in, t, a - 1, end, stashed, live) > in.memory_limit) break;
-                cost = c2;
-                --a;
+            const std::vector<double>& pre = s == P - 1 ? last_pre : mid_pre;
+            // at least one segment, and leave one for each earlier stage: the first a in
+            // [s, end - 1] whose stage [a, end) costs <= T (galloping, then binary search)
+            if (pre[end] - pre[end - 1] > T) return false;
+            int a = end - 1, bad = s - 1;  // cost(a) <= T; every a' <= bad costs more (or is < s)
+            for (int step = 1; a > s;) {
+                const int probe = std::max(s, a - step);
+                if (pre[end] - pre[probe] <= T) {
+                    a = probe;
+                    step *= 2;
+                } else {
+                    bad = probe;
+                    break;
+                }
+            }
+            while (a - bad > 1) {
+                const int mid = bad + (a - bad) / 2;
+                if (pre[end] - pre[mid] <= T) a = mid;
+                else bad = mid;
+            }
+            // memory: when even an upper bound of [a, end)'s memory (all its weights, every tied
+            // copy, the largest boundary tensor) fits, so does every shorter stage; else grow the
+            // stage one segment at a time while it fits (memory is not monotone: the input varies)
+            if (limited && (wsum[end] - wsum[a] + tied_total) * (2.0 + in.optimizer_state_factor) +
+                                   (stashed + live) * out_max + live * (asum[end] - asum[a]) > in.memory_limit) {
+                const int a_cost = a;
+                a = end - 1;
+                if (!fits(a, end, stashed, live)) return false;
+                while (a - 1 >= a_cost && fits(a - 1, end, stashed, live)) --a;
             }
             starts[s] = a;
             end = a;
         }
-        double cost0 = 0.0;
-        for (int k = 0; k < end; ++k) cost0 += seg_cost(in, t, k, P == 1);
-        if (cost0 > T) return false;
+        if (first_pre[end] > T) return false;
         int stashed, live;
         stash_bound(in, P, m, 0, stashed, live);
-        if (in.memory_limit > 0 && stage_memory(in, t, 0, end, stashed, live) > in.memory_limit) return false;
+        if (limited && !fits(0, end, stashed, live)) return false;
         starts[0] = 0;
         return true;
     };
@@ -246,6 +311,12 @@ std::vector<int> balance(const SearchInput& in, const SegmentTable& t, int P, in
         }
     }
     return best;
+}
+
+}  // namespace
+
+std::vector<int> balance(const SearchInput& in, const SegmentTable& t, int P, int m) {
+    return balance_split(in, t, P, m, nullptr);
 }
 
 // The simulator configuration of one candidate (stage costs, bytes, tied groups, placement)
@@ -310,26 +381,30 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
     return cfg;
 }
 
-Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
+namespace {
+
+// A candidate's identity (no split yet): P, D, micro-batch size, m, idle GPUs.
+Candidate new_candidate(const SearchInput& in, int P, int D, int ti) {
     const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
-    const int n = static_cast<int>(t.fwd.size());
     Candidate c;
     c.P = P;
     c.D = D;
     c.micro_batch_size = t.micro_batch_size;
     c.m = in.global_batch / (t.micro_batch_size * D);
     c.idle_gpus = in.gpus - P * D;
-    if (!in.fixed_starts.empty()) {
-        c.starts = in.fixed_starts;
-    } else {
-        c.starts = balance(in, t, P, c.m);
-    }
-    if (c.starts.empty()) {
-        c.reason = "no split into " + std::to_string(P) + " stages fits memory (" + gib(in.memory_limit) +
-                   " per GPU) at micro-batch " + std::to_string(t.micro_batch_size);
-        return c;
-    }
-    SimConfig cfg = candidate_config(in, c, t);
+    return c;
+}
+
+std::string no_split_reason(const SearchInput& in, int P, const SegmentTable& t) {
+    return "no split into " + std::to_string(P) + " stages fits memory (" + gib(in.memory_limit) +
+           " per GPU) at micro-batch " + std::to_string(t.micro_batch_size);
+}
+
+// Simulate a candidate whose split is set (c.starts) and whose simulator configuration (full m)
+// is cfg; fills time, bubble, memory and feasibility.  actions += compute actions simulated.
+Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const SegmentTable& t, long long* actions) {
+    const int n = static_cast<int>(t.fwd.size());
+    const int P = c.P, D = c.D;
     // Long mini-batches: simulate the first m_sim micro-batches (fill, warm-up and the start
     // of the steady state, where the peaks occur) and add (m - m_sim) times the steady-state
     // rate, which a work-conserving pipeline sets by its slowest resource: a stage's compute
@@ -342,9 +417,9 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
         const int rph = std::max(1, cfg.ranks_per_host);
         for (int s = 0; s < P; ++s) {
             const bool last = s == P - 1;
-            const int actions = (fwd_twice && !last) ? 3 : 2;
+            const int acts = (fwd_twice && !last) ? 3 : 2;
             const double work = cfg.fwd[s] + cfg.bwd[s] + ((fwd_twice && !last) ? cfg.rec[s] : 0.0) +
-                                actions * cfg.action_overhead;
+                                acts * cfg.action_overhead;
             rate = std::max(rate, work);
             if (s + 1 < P) {
                 const bool local = (s / rph) == ((s + 1) / rph);
@@ -363,12 +438,15 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
         cfg.m = m_sim;
     }
     SimResult r = simulate(cfg);
+    long long acts = r.events;
     const std::vector<double> scales = interference_scales(in, cfg, r);
     if (!scales.empty()) {
         cfg.rank_compute_scale = scales;
         r = simulate(cfg);
+        acts += r.events;
         if (m_sim < c.m) rate *= *std::max_element(scales.begin(), scales.end());
     }
+    if (actions) *actions += acts;
     c.minibatch_time = r.minibatch_time + (c.m - m_sim) * rate;
     c.bubble_fraction = r.bubble_fraction;
     if (m_sim < c.m) {  // bubbles shrink as the steady state grows
@@ -389,6 +467,227 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
         }
     }
     return c;
+}
+
+// Lower bound on run_candidate()'s minibatch_time for cfg (full m), from the simulator's rules
+// (simulator.h) and run_candidate()'s steady-state extension; no simulation.  Every compute
+// action of rank r lasts >= base + action_overhead (+ send_overhead): compute scales from
+// interference are >= 1, and time-shared slots only stretch an action.  Ranks run one action
+// at a time, so, for replica 0 with its host layout:
+//  * stage s's first action waits for an activation that crossed every earlier stage:
+//      pre[s] = sum_{j<s} (F_j + link_j),
+//    and its m micro-batches keep it busy m * work_s, work_s = F + R + B + overheads per
+//    micro-batch (no send overhead: run_candidate()'s rate leaves it out, and the rate,
+//    >= work_s of every stage, extends the simulated prefix);  E[s] = pre[s] + m * work_s;
+//  * link s -> s+1 carries m activations one after the other (alpha + bytes/beta each, also
+//    in the rate): the last arrives >= pre[s] + F_s + m * link_s, then stage s+1 runs F, R, B
+//    of it;
+//  * stage s's last action is a B; its gradient reaches stage s-1, whose B follows:
+//      X[s] = max(E[s], X[s+1] + glink_s + B_s);  done[s] >= X[s] + glink_{s-1} (the
+//    runtime waits for its sends);
+//  * then, as the simulator: the stage's data-parallel all-reduce, the tied groups in order,
+//    the consensus, the largest optimizer step;
+//  * on hosts with k compute slots (> 0) all the host's ranks' work (m * sum work) needs
+//    >= its total / k (at most k actions progress at full speed at once).
+// The result is shrunk by 1e-12 (relative) against rounding.
+double time_lower_bound(const SimConfig& cfg) {
+    const int P = cfg.P, D = cfg.D;
+    const double m = cfg.m;
+    const int rph = std::max(1, cfg.ranks_per_host);
+    const double ov = cfg.action_overhead, so = cfg.send_overhead;
+    auto sz = [](int s) { return static_cast<std::size_t>(s); };
+    std::vector<double> work(sz(P)), F(sz(P)), Rc(sz(P)), B(sz(P)), lat(sz(P), 0.0), glat(sz(P), 0.0);
+    for (int s = 0; s < P; ++s) {
+        const bool last = s == P - 1;
+        const bool rec = cfg.recompute && !last;
+        const double rbase = cfg.rec.empty() ? cfg.fwd[sz(s)] : cfg.rec[sz(s)];
+        F[sz(s)] = cfg.fwd[sz(s)] + ov + (last ? 0.0 : so);
+        Rc[sz(s)] = rec ? rbase + ov : 0.0;
+        B[sz(s)] = cfg.bwd[sz(s)] + ov + (s > 0 ? so : 0.0);
+        work[sz(s)] = cfg.fwd[sz(s)] + cfg.bwd[sz(s)] + (rec ? rbase : 0.0) + (rec ? 3 : 2) * ov;
+        if (!last) {
+            const bool local = (s / rph) == ((s + 1) / rph);
+            const double a = local ? cfg.local_alpha : cfg.p2p_alpha;
+            const double beta = local ? cfg.local_beta : cfg.p2p_beta;
+            const double ab = cfg.act_bytes.empty() ? 0.0 : cfg.act_bytes[sz(s)];
+            const double gb = cfg.grad_bytes.empty() ? ab : cfg.grad_bytes[sz(s)];
+            lat[sz(s)] = a + ab / beta;
+            glat[sz(s)] = a + gb / beta;
+        }
+    }
+    std::vector<double> E(sz(P));
+    double pre = 0.0;
+    for (int s = 0; s < P; ++s) {
+        E[sz(s)] = std::max(E[sz(s)], pre + m * work[sz(s)]);
+        if (s + 1 < P) {
+            const double last_arrival = pre + F[sz(s)] + m * lat[sz(s)];
+            E[sz(s + 1)] = last_arrival + F[sz(s + 1)] + Rc[sz(s + 1)] + B[sz(s + 1)];
+            pre += F[sz(s)] + lat[sz(s)];
+        }
+    }
+    std::vector<double> cur(sz(P));
+    double X = 0.0;
+    for (int s = P - 1; s >= 0; --s) {
+        X = s == P - 1 ? E[sz(s)] : std::max(E[sz(s)], X + glat[sz(s)] + B[sz(s)]);
+        const double done = X + (s > 0 ? glat[sz(s - 1)] : 0.0);
+        const double dp = cfg.dp_bytes.empty() ? 0.0 : cfg.dp_bytes[sz(s)];
+        cur[sz(s)] = done + allreduce_time(dp, D, cfg.ar_alpha, cfg.ar_beta);
+    }
+    for (const auto& g : cfg.tied) {
+        double start = 0.0;
+        for (int s : g.stages) start = std::max(start, cur[sz(s)]);
+        const double end = start + allreduce_time(g.bytes, static_cast<int>(g.stages.size()) * D, cfg.ar_alpha, cfg.ar_beta);
+        for (int s : g.stages) cur[sz(s)] = end;
+    }
+    double tail = static_cast<long long>(P) * D > 1 ? cfg.consensus_latency : 0.0;
+    double opt = 0.0;
+    for (double o : cfg.opt) opt = std::max(opt, o);
+    tail += opt;
+    double lb = *std::max_element(cur.begin(), cur.end()) + tail;
+    if (cfg.compute_slots_per_host > 0) {
+        std::vector<double> host;
+        for (int r = 0; r < P * D; ++r) {
+            const std::size_t h = sz(r / rph);
+            if (host.size() <= h) host.resize(h + 1, 0.0);
+            host[h] += work[sz(r % P)];
+        }
+        const double w = *std::max_element(host.begin(), host.end());
+        lb = std::max(lb, m * w / cfg.compute_slots_per_host + tail);
+    }
+    return lb * (1.0 - 1e-12);
+}
+
+// Split-free lower bound on evaluate()'s minibatch_time, valid for EVERY split into P stages (so
+// it needs none), from per-table sums over segments k: v_k = R + B (what a segment costs any
+// stage per micro-batch: a forward with autograd costs a recompute), u_k = min(F, R) + B (its
+// forward and backward on a stage that is not the last), w_k = F + R + B with recompute, else
+// v_k (on a stage that is not the last).  Every action also costs the overhead ov.
+struct TableSums {
+    double v = 0.0, u = 0.0, w = 0.0, f = 0.0, v_max = 0.0, tau = 1.0;
+    double ratio = std::numeric_limits<double>::infinity();  // min v_k / F_k
+};
+
+TableSums table_sums(const SearchInput& in, const SegmentTable& t) {
+    TableSums z;
+    for (std::size_t k = 0; k < t.fwd.size(); ++k) {
+        const double v = t.rec[k] + t.bwd[k];
+        const double w = in.recompute ? t.fwd[k] + v : v;
+        z.v += v;
+        z.u += std::min(t.fwd[k], t.rec[k]) + t.bwd[k];
+        z.w += w;
+        z.f += t.fwd[k];
+        z.v_max = std::max(z.v_max, v);
+        if (w > 0.0) z.tau = v > 0.0 ? std::max(z.tau, w / v) : std::numeric_limits<double>::infinity();
+        if (t.fwd[k] > 0.0) z.ratio = std::min(z.ratio, v / t.fwd[k]);
+    }
+    return z;
+}
+
+// With y = sum of v_k over the last stage's segments:
+//  (a) the last stage's busy time follows one micro-batch's F and precedes its B on every other
+//      stage (fill and drain): T >= sum_{k not last} u_k + m y >= U + (m - 1) y, and T >= m y;
+//  (b) the busiest other stage: T >= m (W - tau y) / (P - 1), tau = max w_k / v_k;
+//  (c) every stage: T >= m max v_k and m V / P; with recompute, if the last stage holds
+//      forwards worth x, the stages' total is >= sum(v + F) - x and the last stage alone
+//      >= ratio x (ratio = min v_k / F_k): T >= m sum(v + F) / P * ratio P / (ratio P + 1);
+// each stage's busy time also holds 2 m overheads.  (a) grows with y and (b) falls, so their
+// minimum over y is where they cross (y >= 0).  Shrunk by 1e-12 (relative) against rounding.
+double split_free_bound(const SearchInput& in, const TableSums& z, int P, int m) {
+    const double ov = in.sim.action_overhead;
+    if (P == 1) return m * (z.v + 2.0 * ov) * (1.0 - 1e-12);
+    double c = std::max(z.v_max, z.v / P);
+    if (in.recompute && z.f > 0.0) {
+        const double all = (z.v + z.f) / P;
+        c = std::max(c, std::isfinite(z.ratio) ? all * z.ratio * P / (z.ratio * P + 1.0) : all);
+    }
+    double fill = z.u;  // (a) and (b) at y = 0 when they do not cross
+    if (std::isfinite(z.tau)) {
+        const double c0 = m * z.w / (P - 1), d = m * z.tau / (P - 1);  // (b) = c0 - d y
+        const double y1 = (c0 - z.u) / (m - 1 + d), y2 = c0 / (m + d);
+        const double y = std::max(0.0, std::min(y1, y2));
+        fill = std::max({z.u + (m - 1) * y, m * y, c0 - d * y});
+    }
+    return (std::max(m * c, fill) + 2.0 * m * ov) * (1.0 - 1e-12);
+}
+
+// The split a candidate uses: the user's, or balance() (memoised per micro-batch table and the
+// in-flight count the memory check depends on; see stash_bound()).
+struct SplitCache {
+    struct Entry {
+        int ti, key;
+        bool memory_bound;
+        std::vector<int> starts;
+    };
+    std::deque<Entry> done;
+    long long runs = 0;  // balance() runs
+    // The in-flight count the memory check of balance() depends on (0: none, no limit).
+    static int key_of(const SearchInput& in, int P, int m) {
+        if (in.memory_limit <= 0) return 0;
+        if (in.policy == Policy::Varuna) return std::min(m, 3 * (P - 1) + 1);
+        if (in.policy == Policy::OneFOneB) return std::min(m, P);
+        return m;
+    }
+    // balance(in, table ti, P, m); m_max: the largest m this depth will ask for (tried first:
+    // when memory never binds there, that split serves every smaller m).
+    const std::vector<int>& get(const SearchInput& in, int P, int m, int ti, int m_max) {
+        const int key = key_of(in, P, m);
+        bool seen = false;
+        for (const auto& e : done) {
+            if (e.ti != ti) continue;
+            seen = true;
+            if (e.key == key || (e.key > key && !e.memory_bound)) return e.starts;
+        }
+        const SegmentTable& t = in.tables[static_cast<std::size_t>(ti)];
+        if (!seen && key_of(in, P, m_max) > key) {
+            Entry e{ti, key_of(in, P, m_max), false, {}};
+            e.starts = balance_split(in, t, P, m_max, &e.memory_bound);
+            ++runs;
+            done.push_back(std::move(e));
+            if (!done.back().memory_bound) return done.back().starts;
+        }
+        Entry e{ti, key, false, {}};
+        e.starts = balance_split(in, t, P, m, &e.memory_bound);
+        ++runs;
+        done.push_back(std::move(e));
+        return done.back().starts;
+    }
+};
+
+// Ties on time: fewer GPUs (cheaper), then the larger micro-batch.
+bool faster(const Candidate& a, const Candidate& b) {
+    if (a.minibatch_time != b.minibatch_time) return a.minibatch_time < b.minibatch_time;
+    if (a.D != b.D) return a.D < b.D;
+    return a.micro_batch_size > b.micro_batch_size;
+}
+
+// An infeasible row shows the reason of the candidate with the most replicas and the smallest
+// micro-batch (the least memory per GPU).
+bool shown_first(const Candidate& a, const Candidate& b) {
+    if (a.D != b.D) return a.D > b.D;
+    return a.micro_batch_size < b.micro_batch_size;
+}
+
+}  // namespace
+
+Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
+    const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
+    Candidate c = new_candidate(in, P, D, ti);
+    c.starts = !in.fixed_starts.empty() ? in.fixed_starts : balance(in, t, P, c.m);
+    if (c.starts.empty()) {
+        c.reason = no_split_reason(in, P, t);
+        return c;
+    }
+    SimConfig cfg = candidate_config(in, c, t);
+    return run_candidate(in, std::move(c), std::move(cfg), t, nullptr);
+}
+
+double candidate_lower_bound(const SearchInput& in, int P, int D, int ti, bool split_free) {
+    const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
+    Candidate c = new_candidate(in, P, D, ti);
+    if (split_free) return split_free_bound(in, table_sums(in, t), P, c.m);
+    c.starts = !in.fixed_starts.empty() ? in.fixed_starts : balance(in, t, P, c.m);
+    if (c.starts.empty()) return std::numeric_limits<double>::infinity();
+    return time_lower_bound(candidate_config(in, c, t));
 }
 
 SimResult simulate_candidate(const SearchInput& in, int P, int D, int ti, const std::vector<int>& starts,
@@ -424,7 +723,7 @@ SimResult simulate_candidate(const SearchInput& in, int P, int D, int ti, const 
     return r;
 }
 
-std::vector<Candidate> search(const SearchInput& in) {
+std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
     if (in.gpus < 1) throw std::invalid_argument("gpus must be >= 1");
     if (in.global_batch < 1) throw std::invalid_argument("global_batch must be >= 1");
     if (in.tables.empty()) throw std::invalid_argument("no micro-batch sizes to search");
@@ -437,58 +736,138 @@ std::vector<Candidate> search(const SearchInput& in) {
     }
     if (static_cast<int>(in.param_bytes.size()) != n)
         throw std::invalid_argument("param_bytes must have one entry per segment");
+    if (in.fixed_replicas < 0 || in.fixed_replicas > in.gpus ||
+        (in.fixed_replicas > 0 && in.global_batch % in.fixed_replicas != 0))
+        throw std::invalid_argument("fixed_replicas must be 0 (choose) or a divisor of global_batch <= gpus");
+    SearchStats st;
     std::vector<Candidate> out;
     int maxP = std::min(in.gpus, n);
     if (in.max_depth > 0) maxP = std::min(maxP, in.max_depth);
+    if (in.fixed_replicas > 0) maxP = std::min(maxP, in.gpus / in.fixed_replicas);
     int minP = 1;
     if (!in.fixed_starts.empty()) minP = maxP = static_cast<int>(in.fixed_starts.size());
+    // micro-batch tables from the largest size down
+    std::vector<int> order(in.tables.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int a, int b) {
+        return in.tables[static_cast<std::size_t>(a)].micro_batch_size >
+               in.tables[static_cast<std::size_t>(b)].micro_batch_size;
+    });
+    std::vector<TableSums> sums;
+    for (const auto& t : in.tables) sums.push_back(table_sums(in, t));
+    // One (D, micro-batch) of the current depth.  key: its best known lower bound on the
+    // mini-batch time (split_free_bound() before its split, time_lower_bound() after).
+    struct Option {
+        double key;
+        int D, ti;
+        bool split = false;
+        Candidate c;
+        SimConfig cfg;
+    };
     for (int P = minP; P <= maxP; ++P) {
-        int D = in.gpus / P;
-        while (D > 1 && in.global_batch % D != 0) --D;
+        ++st.depths;
+        std::vector<int> Ds;  // replica counts, most first
+        if (in.fixed_replicas > 0) {
+            Ds.push_back(in.fixed_replicas);
+        } else {
+            for (int D = in.gpus / P; D >= 1; --D)
+                if (in.global_batch % D == 0) Ds.push_back(D);
+        }
+        SplitCache splits;
+        std::vector<Option> opts;
+        Candidate shown;  // the reason of an infeasible row
+        bool have_shown = false;
+        auto show = [&](const Candidate& c) {
+            if (!have_shown || shown_first(c, shown)) shown = c;
+            have_shown = true;
+        };
+        for (int D : Ds)
+            for (int ti : order) {
+                const int b = in.tables[static_cast<std::size_t>(ti)].micro_batch_size;
+                if ((in.global_batch / D) % b != 0) continue;
+                const int m = in.global_batch / (b * D);
+                opts.push_back(Option{split_free_bound(in, sums[static_cast<std::size_t>(ti)], P, m), D, ti, false, {}, {}});
+            }
+        st.candidates += static_cast<long long>(opts.size());
+        // Best first: the option with the smallest key is split (its key becomes its full bound)
+        // or, once split, simulated; stop when no key can beat the best time of this depth.
+        // Ties: the order faster() prefers (fewer GPUs, larger micro-batch).
+        auto later = [&](int i, int j) {
+            const Option &a = opts[static_cast<std::size_t>(i)], &b = opts[static_cast<std::size_t>(j)];
+            if (a.key != b.key) return a.key > b.key;
+            if (a.D != b.D) return a.D > b.D;
+            const int ba = in.tables[static_cast<std::size_t>(a.ti)].micro_batch_size;
+            const int bb = in.tables[static_cast<std::size_t>(b.ti)].micro_batch_size;
+            return ba < bb;
+        };
+        std::priority_queue<int, std::vector<int>, decltype(later)> queue(later);
+        for (int i = 0; i < static_cast<int>(opts.size()); ++i) queue.push(i);
         Candidate best;
         bool have = false;
-        std::string first_reason;
-        // Micro-batch size: from the largest that fits memory down (larger micro-batches run
-        // the hardware more efficiently), simulated, until one leaves m >= 2P micro-batches
-        // (enough to fill the pipeline); the fastest of those tried wins.
-        std::vector<int> order(in.tables.size());
-        std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](int a, int b) {
-            return in.tables[static_cast<std::size_t>(a)].micro_batch_size >
-                   in.tables[static_cast<std::size_t>(b)].micro_batch_size;
-        });
-        for (int ti : order) {
-            const int b = in.tables[static_cast<std::size_t>(ti)].micro_batch_size;
-            if ((in.global_batch / D) % b != 0 || in.global_batch % D != 0) continue;
-            Candidate c = evaluate(in, P, D, ti);
+        while (!queue.empty()) {
+            Option& o = opts[static_cast<std::size_t>(queue.top())];
+            const int idx = queue.top();
+            queue.pop();
+            const SegmentTable& t = in.tables[static_cast<std::size_t>(o.ti)];
+            if (have) {  // o's time is >= o.key: can it still beat best?
+                Candidate probe;
+                probe.minibatch_time = o.key;
+                probe.D = o.D;
+                probe.micro_batch_size = t.micro_batch_size;
+                if (!faster(probe, best)) {
+                    st.pruned += 1 + static_cast<long long>(queue.size());
+                    break;  // every other key is >= this one
+                }
+            }
+            if (!o.split) {
+                o.split = true;
+                o.c = new_candidate(in, P, o.D, o.ti);
+                o.c.starts = !in.fixed_starts.empty() ? in.fixed_starts : splits.get(in, P, o.c.m, o.ti, in.global_batch / (t.micro_batch_size * Ds.back()));
+                if (o.c.starts.empty()) {
+                    ++st.split_failed;
+                    o.c.reason = no_split_reason(in, P, t);
+                    show(o.c);
+                    continue;
+                }
+                ++st.bounded;
+                o.cfg = candidate_config(in, o.c, t);
+                o.key = std::max(o.key, time_lower_bound(o.cfg));
+                queue.push(idx);
+                continue;
+            }
+            ++st.simulated;
+            Candidate c = run_candidate(in, std::move(o.c), std::move(o.cfg), t, &st.actions);
             if (c.feasible) {
-                if (!have || c.minibatch_time < best.minibatch_time) best = c;
+                if (!have || faster(c, best)) best = std::move(c);
                 have = true;
-                if (c.m >= 2 * P) break;
-            } else if (!have) {
-                first_reason = c.reason;  // ends as the smallest size's reason
-                best = c;
+            } else {
+                show(c);
             }
         }
         if (!have) {
-            if (best.P == 0) {
+            if (have_shown) {
+                best = shown;
+            } else {
+                const int D = Ds.empty() ? 1 : Ds.front();
+                best = Candidate{};
                 best.P = P;
                 best.D = D;
                 best.idle_gpus = in.gpus - P * D;
                 best.reason = "no candidate micro-batch size divides the replica batch " +
-                              std::to_string(in.global_batch / D);
-            } else {
-                best.reason = first_reason;
+                              std::to_string(in.global_batch / D) +
+                              (Ds.size() > 1 ? " for any replica count D <= " + std::to_string(D) : "");
             }
             best.feasible = false;
         }
-        out.push_back(best);
+        out.push_back(std::move(best));
+        st.splits += splits.runs;
     }
     std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
         if (a.feasible != b.feasible) return a.feasible;
         if (a.feasible) return a.minibatch_time < b.minibatch_time;
         return a.P < b.P;
     });
+    if (stats) *stats = st;
     return out;
 }
 

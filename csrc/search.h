@@ -1,14 +1,33 @@
 // Configuration search: the planner's inner loop (paper §4.1, §4.4).
 //
 // For G GPUs and a fixed global batch B, try every pipeline depth P in 1..min(G, n)
-// (not only divisors of the segment count n), the largest replica count D <= G/P that
-// divides B, and every candidate micro-batch size b that divides B/D (so that
-// B = b * m * D exactly).  For each (P, D, b): split the n segments into P contiguous
-// stages minimising the slowest stage (binary search on the bottleneck + greedy
-// packing, memory-aware), check memory, simulate one mini-batch with the same
-// StageScheduler the runtime uses, and keep the fastest b per P.  Every candidate that
-// cannot run carries its reason.  Cost grows about linearly in G: O(min(G, n)) depths,
-// each with a bounded number of micro-batch sizes and an extrapolated simulation.
+// (not only divisors of the segment count n), every replica count D <= G/P that divides B
+// (or only the user's D, SearchInput::fixed_replicas), and every candidate micro-batch size
+// b that divides B/D (so that B = b * m * D exactly).  For each (P, D, b): split the n
+// segments into P contiguous stages minimising the slowest stage (binary search on the
+// bottleneck + greedy packing, memory-aware), check memory, and simulate one mini-batch
+// with the same StageScheduler the runtime uses.  One row per P: the fastest feasible
+// (D, b) for that P per evaluate() (ties: fewer GPUs, then the larger micro-batch), with
+// idle_gpus = G - P*D.  Every row that cannot run carries its reason.
+//
+// Pruning (exact): every (P, D, b) first gets split_free_bound() (valid for any split, no
+// split needed), and, when that cannot rule it out, its split and time_lower_bound(): the
+// bottleneck stage's busy time m * (F+R+B) with the pipeline fill before and the drain after
+// it, each link's m transfers, a host's work over its compute slots, and the synchronisation
+// that follows (see search.cpp), a bound no evaluate() result undercuts.  Best first: the
+// candidate with the smallest bound is split or simulated next, and the depth ends when no
+// bound can beat the best time found, so the row equals a brute-force enumeration of
+// evaluate() (tests/test_planner.py checks both on random profiles).
+//
+// Cost.  Per depth P: O(#D x #sizes) split-free bounds, a few splits (binary search on the
+// bottleneck, O(P log n) per packing; shared between m where memory allows), and usually one
+// simulation (rarely a few) of min(m, max(P + 8, 64)) micro-batches on P stages, i.e.
+// O(P * max(P + 8, 64)) actions.  So the cost is NOT linear in G: below the segment count n it
+// grows ~quadratically in G (each depth simulates 64 micro-batches up to P ~ 56) and then
+// ~cubically (P + 8 micro-batches per depth) up to G = n; beyond n the depths stop growing and
+// only the replica counts (about log G of them for a power-of-two B), bounded but rarely
+// simulated, grow.  Measured by benchmarks/bench_plan_speed.py (96 segments: ~0.3 ms at G=8,
+// ~70 ms at G=128, ~90 ms at G=1024 on the 2-core testbed).
 //
 // Pure C++17, no Python types.  Units: seconds, bytes, bytes/s.
 #pragma once
@@ -41,6 +60,8 @@ struct SearchInput {
     double optimizer_state_factor = 2.0;     // Adam: 2 x params
     double memory_limit = 0.0;               // bytes per GPU; 0 = unlimited
     int max_depth = 0;                       // 0 = no limit beyond min(G, n)
+    // Replica count fixed by the user (must divide global_batch, <= gpus); 0 = choose per P.
+    int fixed_replicas = 0;
     // Explicit stage boundaries (start segment of each stage, size P); empty = balance.
     std::vector<int> fixed_starts;
     SimConfig sim;                           // network, placement, overheads (P/D/m/costs filled in)
@@ -81,6 +102,23 @@ std::vector<int> balance(const SearchInput& in, const SegmentTable& t, int P, in
 // Evaluate one (P, D, b) fully (split, simulate, memory).
 Candidate evaluate(const SearchInput& in, int P, int D, int table_index);
 
+// A lower bound (seconds) on evaluate(in, P, D, table_index).minibatch_time, computed without
+// simulating (same split, same costs; +infinity when no split fits memory), or with split_free
+// the cruder one search() uses before splitting, valid for every split into P stages.
+double candidate_lower_bound(const SearchInput& in, int P, int D, int table_index, bool split_free = false);
+
+// What one search() did (counts over all depths).
+struct SearchStats {
+    long long depths = 0;         // rows (pipeline depths P)
+    long long candidates = 0;     // (P, D, b) with B = b * m * D exactly
+    long long bounded = 0;        // split and full lower bound computed
+    long long splits = 0;         // balance() runs (splits are shared where memory allows)
+    long long split_failed = 0;   // excluded before simulation: no split fits memory
+    long long simulated = 0;      // evaluate()d: simulated event by event
+    long long pruned = 0;         // skipped: lower bound >= the best time found for that P
+    long long actions = 0;        // compute actions simulated (all simulations)
+};
+
 // One candidate's mini-batch simulated event by event for its full m (no steady-state
 // shortcut), with the same costs evaluate() uses, optionally recording the timeline and with
 // extra per-rank compute slowdowns (stragglers; size P*D, empty = none).  For Gantt charts and
@@ -88,7 +126,8 @@ Candidate evaluate(const SearchInput& in, int P, int D, int table_index);
 SimResult simulate_candidate(const SearchInput& in, int P, int D, int table_index, const std::vector<int>& starts,
                              const std::vector<double>& rank_scale, bool record_timeline);
 
-// All depths, ranked: feasible first by minibatch_time, then infeasible ones.
-std::vector<Candidate> search(const SearchInput& in);
+// All depths, ranked: feasible first by minibatch_time, then infeasible ones.  stats, when
+// given, receives what the search did.
+std::vector<Candidate> search(const SearchInput& in, SearchStats* stats = nullptr);
 
 }  // namespace varuna

@@ -78,7 +78,7 @@ def profile(opt_parallelism=0.0, ar_cpu_share=1.0, compute_interference=0.0, opt
 def one_host(prof: Profile, P: int, D: int, slots: int) -> float:
     bounds = [[0, 1]] if P == 1 else [[0], [1]]
     row = plan(prof, P * D, 4 * D, boundaries=bounds, micro_batch_sizes=[1], gpus_per_vm=P * D,
-               compute_slots_per_vm=slots).rows[0]
+               compute_slots_per_vm=slots, replicas=D).rows[0]
     assert (row.P, row.D) == (P, D)
     return row.time_s
 

@@ -358,7 +358,7 @@ class Manager:
                                                               "feasible", "reason", "cost_per_1k_spot")}
                 for r in pl.rows]
         self.log.append(Kind.PLAN, job_id=self.job_id, payload={
-            "generation": self.generation, "gpus": pl.gpus, "P": p.P, "D": p.D,
+            "generation": self.generation, "gpus": p.P * p.D, "pool_gpus": pl.gpus, "P": p.P, "D": p.D,
             "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
             "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": row.time_s,
             "examples_per_s": row.examples_per_s, "bubble": row.bubble_fraction,

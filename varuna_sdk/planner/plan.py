@@ -1,10 +1,12 @@
 """Auto-configuration: from a ``Profile`` and G GPUs to a ranked table of configurations.
 
 Owns ``plan()`` and the ``Plan``/``PlanRow``/``Prices`` types. The inner loop (every pipeline
-depth P — not only divisors of the cut-point count —, the largest replica count D that keeps
-the global batch exact, cost-balanced memory-aware stage split, micro-batch size, one
-simulated mini-batch with the runtime's own schedule code) runs in C++ (``csrc/search.cpp``);
-this module prepares its inputs from the profile, adds prices, and presents the result.
+depth P — not only divisors of the cut-point count —, every replica count D <= G/P that keeps
+the global batch exact, every micro-batch size, a cost-balanced memory-aware stage split and a
+simulated mini-batch with the runtime's own schedule code; per P the fastest (D, micro-batch),
+candidates that a lower bound shows cannot win skipped unsimulated) runs in C++
+(``csrc/search.cpp``); this module prepares its inputs from the profile, adds prices, and
+presents the result.
 Paper §4.1–4.4, §7.2; varuna-original.md §5.5 (whose AutoConfig could not even be built).
 
 Units: seconds, bytes, examples/s, US dollars. Never imports ``cluster``/``manager``.
@@ -67,8 +69,11 @@ class PlanRow:
 
 @dataclass
 class Plan:
-    """Ranked configurations for ``gpus`` GPUs and ``global_batch`` examples per step: feasible
-    rows fastest first, then excluded rows with their reasons. ``str(plan)`` is a table."""
+    """Ranked configurations for ``gpus`` GPUs and ``global_batch`` examples per step: one row per
+    pipeline depth P (its fastest replica count D and micro-batch size), feasible rows fastest
+    first, then excluded rows with their reasons. ``str(plan)`` is a table. ``search_stats``: what
+    the C++ search did (depths, candidates, bounded, splits, split_failed, simulated, pruned,
+    actions; see ``csrc/search.h``)."""
 
     gpus: int
     global_batch: int
@@ -79,6 +84,7 @@ class Plan:
     target_examples: int | None
     search_s: float
     notes: list[str] = field(default_factory=list)
+    search_stats: dict = field(default_factory=dict)
     _search: object = field(default=None, repr=False, compare=False)
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
 
@@ -295,8 +301,15 @@ def plan(
     prices: Prices | None = None,
     target_examples: int | None = None,
     max_depth: int | None = None,
+    replicas: int | None = None,
 ) -> Plan:
     """Rank every configuration of ``gpus`` GPUs for a fixed ``global_batch`` (paper §4.4).
+
+    One row per pipeline depth P = 1 .. min(gpus, segments): the fastest simulated (D,
+    micro-batch size) for that P over every replica count D <= gpus / P dividing the global
+    batch (fewer replicas leave GPUs idle — ``idle_gpus`` — and win when the all-reduce or
+    shared cores cost more than the extra replicas give) and every micro-batch size that
+    divides the replica batch. Ties go to fewer GPUs, then the larger micro-batch.
 
     Args:
         profile: from ``calibrate()`` (must hold network figures unless gpus == 1).
@@ -308,6 +321,9 @@ def plan(
         boundaries: explicit segment lists per stage (only that P is evaluated).
         network_bandwidth_Bps: what-if: replace the calibrated cross-VM p2p and all-reduce bandwidth.
         prices, target_examples: dollars per GPU-hour and a training target for time/cost columns.
+        max_depth: largest P tried (default min(gpus, segments)).
+        replicas: a data-parallel width D fixed by the user (must divide ``global_batch`` and be
+            <= ``gpus``); only depths P <= gpus / D are offered. Default: chosen per P.
 
     Raises ``ConfigError`` for bad arguments and ``ProfileError`` naming what the profile lacks.
     """
@@ -317,6 +333,10 @@ def plan(
         raise ConfigError(f"global_batch={global_batch} must be >= 1")
     if policy not in POLICIES:
         raise ConfigError(f"policy={policy!r}; choose one of {list(POLICIES)}")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1
+                                 or replicas > gpus or global_batch % replicas):
+        raise ConfigError(f"replicas={replicas!r} must be an integer D >= 1 that divides global_batch={global_batch} "
+                          f"and is at most gpus={gpus}; pass replicas=None to let the planner choose D")
     profile.require(network=gpus > 1)
     checked = _checked(profile)
     prices = prices or Prices()
@@ -336,6 +356,7 @@ def plan(
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.hardware.get("memory_bytes", 0)
     inp.memory_limit = float(limit or 0)
     inp.max_depth = int(max_depth or 0)
+    inp.fixed_replicas = int(replicas or 0)
     inp.opt_s_per_param_byte = profile.opt_s_per_param_byte
     inp.opt_parallelism = profile.opt_parallelism
     inp.compute_interference = profile.compute_interference
@@ -355,7 +376,7 @@ def plan(
     sim.compute_slots_per_host = max(0, compute_slots_per_vm)
     sim.action_overhead = profile.per_action_s
     inp.sim = sim
-    cands = _core.search(inp)
+    cands, stats = _core.search_with_stats(inp)
     n = profile.num_segments
     rows = []
     for c in cands:
@@ -380,9 +401,13 @@ def plan(
     notes = []
     if sizes and max(sizes) > max(profile.micro_batch_sizes):
         notes.append(f"micro-batch sizes above {max(profile.micro_batch_sizes)} are extrapolated from the profile")
+    best = next((r for r in rows if r.feasible), None)
+    if best is not None and best.idle_gpus > 0:
+        notes.append(f"the best configuration uses P x D = {best.P * best.D} of the {gpus} GPUs ({best.idle_gpus} "
+                     "idle): no faster one uses them all")
     return Plan(gpus=gpus, global_batch=global_batch, policy=policy, recompute=rec, rows=rows, prices=prices,
                 target_examples=target_examples, search_s=time.perf_counter() - t0, notes=notes,
-                _search=inp, _sizes=list(sizes))
+                search_stats=dict(stats), _search=inp, _sizes=list(sizes))
 
 
 def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, gpus_per_vm: int | None = None,
@@ -392,7 +417,9 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     and the ``Plan``. The global batch, policy and recompute setting are the job's.
 
     Placement defaults model local workers: all ``gpus`` on one VM whose compute is shared by
-    ``os.cpu_count()`` cores; pass ``gpus_per_vm``/``compute_slots_per_vm`` for real VMs.
+    ``os.cpu_count()`` cores (fewer workers than ``gpus`` may then be fastest: the plan's rows
+    weigh every replica count, and the best row's ``idle_gpus`` says how many stay unused); pass
+    ``gpus_per_vm``/``compute_slots_per_vm`` for real VMs.
     ``keep_fixed``: a P or D the config fixes is kept (only the other is chosen); the manager
     passes False when the GPUs changed under a morph. Raises ``ConfigError`` when no feasible
     plan has the fixed P/D (listing the feasible ones) or none fits at all.
@@ -407,21 +434,12 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     per_vm = gpus_per_vm or G
     slots = compute_slots_per_vm if compute_slots_per_vm is not None else (os.cpu_count() or 1)
 
-    def plan_g(g: int) -> Plan:
-        return plan(profile, g, p.global_batch, policy=p.policy, recompute=p.recompute,
-                    gpus_per_vm=min(per_vm, g), compute_slots_per_vm=slots, max_depth=fixed_P)
-
-    pl = plan_g(G)
-    if fixed_P is None and fixed_D is None and per_vm >= G and 0 < slots < G and G <= 64:
-        # Workers sharing one machine's cores: fewer of them can be faster (the search keeps the
-        # largest D per P); compare the best plan of every smaller worker count too.
-        for g in range(1, G):
-            cand = plan_g(g)
-            if cand.feasible and (not pl.feasible or cand.best.time_s < pl.best.time_s * (1 - 1e-9)):
-                pl = cand
-        if pl.gpus < G:
-            pl.notes.append(f"{pl.gpus} of the {G} workers are used: the {G} share {slots} cores, and more "
-                            f"of them are predicted slower")
+    if fixed_D is not None and (fixed_D > G or p.global_batch % fixed_D):
+        raise ConfigError(f"parallel.D={fixed_D} does not fit {G} workers and global batch {p.global_batch} (D must "
+                          f"divide the global batch and be <= {G}); set D to null or change it")
+    # a fixed P caps the depths tried, a fixed D is the only replica count tried
+    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=p.recompute, gpus_per_vm=min(per_vm, G),
+              compute_slots_per_vm=slots, max_depth=fixed_P, replicas=fixed_D)
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
