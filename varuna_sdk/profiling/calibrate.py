@@ -204,11 +204,19 @@ def calibrate(
                 inputs, targets = make_batch(b)
                 batches[b] = (tuple(t.to(device) for t in inputs), targets.to(device))
             # rounds over the sizes (not one size after the other), so that a machine that speeds
-            # up or slows down meanwhile shifts every size alike
+            # up or slows down meanwhile shifts every size alike; half the timed rounds before the
+            # host probes and half after, so that the medians span the whole calibration (a VM's
+            # speed drifts over tens of seconds) instead of a few seconds of it
             saved = {b: _time_segments(model, loss_fn, *batches[b], n, device, autocast, count_saved=True)["act_bytes"]
                      for b in sizes}  # untimed: the accounting hooks slow the forward
             runs: dict[int, list[dict]] = {b: [] for b in sizes}
+            host = None
             for i in range(warmup + repeats):
+                if network and host is None and i == warmup + (repeats + 1) // 2:
+                    host = _probe_host(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]], precision,
+                                       device, threads, sum(structure.segment_param_bytes))
+                    for b in sizes:  # untimed: caches and heap back after the probe processes
+                        _time_segments(model, loss_fn, *batches[b], n, device, autocast)
                 for b in sizes:
                     r = _time_segments(model, loss_fn, *batches[b], n, device, autocast)
                     if i >= warmup:
@@ -238,11 +246,8 @@ def calibrate(
             torch.set_num_threads(old_threads)
     net, opt_par, interference = None, 0.0, 0.0
     if network:
-        probe = _compute_probe(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]], precision)
-        if device.type != "cpu":
-            probe = None
-        net, opt_par, interference = measure_host(threads=threads, opt_bytes=sum(structure.segment_param_bytes),
-                                                  compute=probe)
+        net, opt_par, interference = host or _probe_host(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]],
+                                                         precision, device, threads, sum(structure.segment_param_bytes))
     return Profile(
         model={"num_segments": n, "param_bytes": sum(structure.segment_param_bytes),
                "crossings": [[c["dtype"] for c in cr] for cr in structure.crossings],
@@ -253,6 +258,13 @@ def calibrate(
         per_step_s=costs["per_step_s"], opt_s_per_param_byte=costs["opt_s_per_param_byte"],
         opt_parallelism=opt_par, compute_interference=interference, calibration_s=time.perf_counter() - t_start,
     )
+
+
+def _probe_host(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precision: str, device: torch.device,
+                threads: int, opt_bytes: int) -> tuple[NetworkProfile, float, float]:
+    """``measure_host`` for this model: the compute probe only for fp32 on CPU."""
+    probe = _compute_probe(model_fn, loss_fn, init_fn, seed, batch, precision) if device.type == "cpu" else None
+    return measure_host(threads=threads, opt_bytes=opt_bytes, compute=probe)
 
 
 def _engine_costs(model_fn, loss_fn, make_batch, b: int, segment_compute: Callable[[], float], structure, seed,
