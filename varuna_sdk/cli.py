@@ -10,6 +10,8 @@ non-zero exit. Sits at the top of the dependency graph.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -47,18 +49,74 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"profile file {args.profile!r} does not exist; make it with `varuna calibrate "
                           f"{args.config + ' ' if args.config else ''}-o {args.profile}`, or leave out --profile "
                           "to calibrate now")
+    for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch), ("--gpus-per-vm", args.gpus_per_vm),
+                        ("--target-examples", args.target_examples), ("--top", args.top)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    for flag, value in (("--bandwidth-gbps", args.bandwidth_gbps), ("--spot-price", args.spot_price),
+                        ("--on-demand-price", args.on_demand_price)):
+        if value is not None and not (math.isfinite(value) and value >= (0 if flag.endswith("price") else 1e-9)):
+            raise ConfigError(f"{flag} {value} must be a finite number {'>= 0' if flag.endswith('price') else '> 0'}")
     prof = Profile.load(args.profile) if args.profile else calibrate_job(job)
+    _check_profile_matches(prof, job, args.profile, args.config)
     prices = Prices()
     if args.spot_price is not None or args.on_demand_price is not None:
         prices = Prices(spot_per_gpu_hour=args.spot_price if args.spot_price is not None else prices.spot_per_gpu_hour,
                         on_demand_per_gpu_hour=(args.on_demand_price if args.on_demand_price is not None
                                                 else prices.on_demand_per_gpu_hour), vm_type="user prices", example=False)
-    pl = plan(prof, args.gpus, args.global_batch or job.parallel.global_batch, policy=args.policy or job.parallel.policy,
-              gpus_per_vm=args.gpus_per_vm,
-              network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
-              prices=prices, target_examples=args.target_examples)
+    G, B = args.gpus, args.global_batch or job.parallel.global_batch
+    par = job.parallel
+    if args.local:  # as `varuna train` runs: every worker a local process sharing this machine's cores
+        placement = dict(gpus_per_vm=G, compute_slots_per_vm=os.cpu_count() or 1)
+        where = f"{G} local workers sharing this machine's {os.cpu_count() or 1} cores (as `varuna train` runs them)"
+    else:
+        placement = dict(gpus_per_vm=args.gpus_per_vm)
+        where = (f"{args.gpus_per_vm} GPU(s) per VM, one worker per GPU; pass --local to plan local workers "
+                 "sharing this machine's cores, as `varuna train` runs them")
+    common = dict(policy=args.policy or par.policy, recompute=par.recompute,
+                  network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
+                  prices=prices, target_examples=args.target_examples, **placement)
+    pl = plan(prof, G, B, **common)
     print(pl.table(top=args.top))
+    print(f"placement: {where}")
+    if not pl.feasible:
+        print(f"varuna: no configuration fits {G} GPUs and global batch {B}; see the reasons above", file=sys.stderr)
+        return 1
+    fixed = {k: v for k, v in (("P", par.P), ("D", par.D)) if v is not None}
+    if fixed or par.boundaries:
+        # the config fixes the depth, the width or the stages: the run `varuna train` would make
+        kept = plan(prof, G, B, max_depth=None if par.boundaries else par.P, replicas=par.D,
+                    boundaries=par.boundaries, **common)
+        rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)]
+        what = ", ".join(f"parallel.{k}={v}" for k, v in fixed.items()) + (", parallel.boundaries" if par.boundaries else "")
+        if not rows:
+            print(f"varuna: no feasible plan keeps {what} from the config; set them to null to let the planner "
+                  "choose", file=sys.stderr)
+            return 1
+        r = rows[0]
+        print(f"with {what} from the config: P={r.P} D={r.D} micro-batch {r.micro_batch_size} (m={r.m}), "
+              f"{r.time_s * 1e3:.1f} ms per mini-batch, {r.examples_per_s:.1f} examples/s "
+              f"({r.time_s / pl.best.time_s:.2f}x the best plan's time)")
     return 0
+
+
+def _check_profile_matches(prof, job: JobConfig, path: str | None, config: str | None) -> None:
+    """A profile measured on another model would plan the wrong thing: refuse it, naming the
+    difference. Raises ``ConfigError``."""
+    from .trainer import model_config
+
+    cfg = model_config(job).to_dict()
+    measured = (prof.model or {}).get("gpt2")
+    fix = (f"; calibrate this job with `varuna calibrate {config + ' ' if config else ''}-o PROFILE.json`, or leave "
+           "out --profile" if path else "")
+    if isinstance(measured, dict):
+        diff = {k: (measured.get(k), v) for k, v in cfg.items() if measured.get(k) != v}
+        if diff:
+            raise ConfigError(f"profile {path or ''} was measured on another model: "
+                              + ", ".join(f"{k} {a} (profile) vs {b} (job)" for k, (a, b) in sorted(diff.items())) + fix)
+    elif prof.num_segments != cfg["n_layer"] + 2:
+        raise ConfigError(f"profile {path or ''} has {prof.num_segments} cut-point segments but the job's GPT-2 with "
+                          f"{cfg['n_layer']} blocks has {cfg['n_layer'] + 2}{fix}")
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -166,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--global-batch", dest="global_batch", type=int)
     sp.add_argument("--profile", help="a profile JSON from `varuna calibrate` (default: calibrate/cache)")
     sp.add_argument("--gpus-per-vm", dest="gpus_per_vm", type=int, default=1)
+    sp.add_argument("--local", action="store_true",
+                    help="plan local workers sharing this machine's cores (as `varuna train` runs them)")
     sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"])
     sp.add_argument("--bandwidth-gbps", dest="bandwidth_gbps", type=float, help="what-if cross-VM bandwidth (Gbit/s)")
     sp.add_argument("--spot-price", dest="spot_price", type=float, help="$ per GPU-hour, spot")

@@ -1,0 +1,90 @@
+"""``varuna plan`` as a user runs it: the placement it assumes, a P/D/boundaries fixed in the job
+config (the run ``varuna train`` would make, compared with the best), a profile of another model,
+bad flags, and the exit status when nothing fits. Real subprocesses of the CLI; synthetic profiles
+(no calibration). The numbers are checked against ``plan()`` called in this process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_planner import HEAVY, _job, synthetic_profile
+from varuna_sdk.planner.plan import plan
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def files(tmp_path):
+    prof = synthetic_profile(HEAVY, param_bytes=4e8)  # 8 segments = the tiny GPT-2 with 6 blocks of _job
+    path = tmp_path / "profile.json"
+    prof.to_json(path)
+
+    def config(**parallel):
+        cfg = tmp_path / f"job-{len(list(tmp_path.glob('job-*')))}.yaml"
+        _job(**parallel).to_yaml(cfg)
+        return str(cfg)
+
+    return prof, str(path), config
+
+
+def test_fixed_P_and_D_are_reported_as_the_run_train_makes(files):
+    prof, path, config = files
+    out = _cli(config(P=2, D=2), "--gpus", "4", "--profile", path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    best = plan(prof, 4, 32).best
+    kept = next(r for r in plan(prof, 4, 32, max_depth=2, replicas=2).feasible if r.P == 2)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=2, parallel.D=2"))
+    assert f"P=2 D=2 micro-batch {kept.micro_batch_size} (m={kept.m})" in line
+    assert f"{kept.time_s * 1e3:.1f} ms" in line and f"({kept.time_s / best.time_s:.2f}x" in line
+    # nothing fixed: no such line; the placement assumed is said either way
+    out = _cli(config(), "--gpus", "4", "--profile", path)
+    assert out.returncode == 0 and "with parallel." not in out.stdout
+    assert "placement: 1 GPU(s) per VM" in out.stdout and "--local" in out.stdout
+
+
+def test_local_plans_like_train_does(files):
+    prof, path, config = files
+    out = _cli(config(), "--gpus", "4", "--profile", path, "--local")
+    assert out.returncode == 0, out.stderr[-2000:]
+    cores = os.cpu_count() or 1
+    assert f"4 local workers sharing this machine's {cores} cores" in out.stdout
+    local = plan(prof, 4, 32, gpus_per_vm=4, compute_slots_per_vm=cores).best
+    first = out.stdout.splitlines()[2].split()
+    assert first[:3] == ["1", str(local.P), str(local.D)]
+
+
+def test_profile_of_another_model_is_refused(files, tmp_path):
+    _, _, config = files
+    other = tmp_path / "other.json"
+    synthetic_profile([1] * 5).to_json(other)  # 5 segments: not the job's 8
+    out = _cli(config(), "--gpus", "4", "--profile", str(other))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "5 cut-point segments" in out.stderr and "has 8" in out.stderr and "varuna calibrate" in out.stderr
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--gpus", "0"], "--gpus 0 must be >= 1"),
+    (["--gpus", "4", "--global-batch", "0"], "--global-batch 0 must be >= 1"),
+    (["--gpus", "4", "--gpus-per-vm", "0"], "--gpus-per-vm 0 must be >= 1"),
+    (["--gpus", "4", "--spot-price", "-1"], "--spot-price -1.0 must be a finite number >= 0"),
+    (["--gpus", "4", "--bandwidth-gbps", "0"], "--bandwidth-gbps 0.0 must be a finite number > 0"),
+    (["--gpus", "4", "--target-examples", "-5"], "--target-examples -5 must be >= 1"),
+])
+def test_bad_flags_fail_before_any_work(files, flags, says):
+    _, path, config = files
+    out = _cli(config(), "--profile", path, *flags)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_nothing_fits_exits_1(files):
+    _, path, config = files
+    # 3 GPUs: plans exist (P=1 D=2 ...), but none with the config's P=2 x D=2 = 4 workers
+    out = _cli(config(P=2, D=2), "--gpus", "3", "--profile", path)
+    assert out.returncode == 1 and "no feasible plan keeps parallel.P=2, parallel.D=2" in out.stderr
