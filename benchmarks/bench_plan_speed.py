@@ -121,7 +121,7 @@ def main() -> None:
     prof = gpt2_like_profile()
     n = prof.num_segments
     print(f"profile: {prof.model['name']}, {n} segments, {prof.model['param_bytes'] / 2**30:.1f} GiB of fp16 "
-          f"parameters, micro-batch sizes {prof.micro_batch_sizes} (searched: {candidate_micro_batch_sizes(prof)}); "
+          f"parameters, micro-batch sizes {prof.micro_batch_sizes} (searched: {candidate_micro_batch_sizes(prof, GLOBAL_BATCH)}); "
           f"global batch {GLOBAL_BATCH}; {repeats} timed searches per G")
     idle = common.wait_for_idle(args.wait_idle)
     load0 = common.load_average()
@@ -208,7 +208,7 @@ def main() -> None:
                          machine=common.machine_info(load_average=[load0, load1], idle_before=idle),
                          extra={"config": {"global_batch": GLOBAL_BATCH, "gpus": list(GPUS), "repeats": repeats,
                                            "segments": n, "micro_batch_sizes": prof.micro_batch_sizes,
-                                           "searched_sizes": candidate_micro_batch_sizes(prof)},
+                                           "searched_sizes": candidate_micro_batch_sizes(prof, GLOBAL_BATCH)},
                                 "per_G": {str(G): r for G, r in rows.items()}, "growth_vs_G8": growth,
                                 "quick": args.quick},
                          out=args.out)

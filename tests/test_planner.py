@@ -8,7 +8,10 @@ brute-force enumeration of the C++ ``evaluate`` finds, on hand-made and random p
 search's lower bounds never exceed the simulated time; every P from 1 to min(G, segments) is
 offered with the batch identity exact and idle GPUs reported; memory exclusions, explicit
 boundaries, a fixed D, prices and the table; the search time's growth in G; ``plan_job`` keeps a
-P or D the config fixes.
+P or D the config fixes. From a user-testing pass: boundaries x replicas over G refused; every
+micro-batch size up to twice the profiled tried; job boundaries honoured and checked;
+``Plan.simulate`` refuses foreign rows; every bad argument a ConfigError before the search;
+strict-JSON ``to_dict``; readable memory reasons; idle-GPU notes that say why.
 The simulator itself is covered by ``test_simulator.py``.
 """
 
@@ -218,7 +221,8 @@ def test_choice_matches_enumeration_and_brute_force(costs, param_bytes, G, B, ex
         assert r.D == D and (b is None or r.micro_batch_size == b), r
     if expect.get(4) == (1, None):  # the fewer-replicas case: the winner leaves GPUs idle
         assert (pl.best.P, pl.best.D, pl.best.idle_gpus) == (4, 1, 4)
-        assert any("uses P x D = 4 of the 8 GPUs (4 idle)" in note for note in pl.notes)
+        assert any("uses P x D = 4 of the 8 GPUs (4 idle) because fewer replicas are faster as simulated: P=4 with "
+                   "D=2 replicas (8 GPUs) is no faster" in note for note in pl.notes), pl.notes
 
 
 def _random_search_input(rng: random.Random, big: bool = False):
@@ -377,7 +381,13 @@ def test_memory_limit_excludes_small_P_with_a_reason():
     assert pl.best.P >= 4
     text = pl.table()
     for P in (1, 2, 3):
-        assert sum(line.startswith(f"  excluded P={P} ") for line in text.splitlines()) == 1
+        assert sum(line.startswith(f"  excluded P={P}: ") for line in text.splitlines()) == 1
+    # the reason gives the limit and the least a split needs: the parameter memory of the largest
+    # stage of an even split, ceil(8 / P) segments x 4 GiB (activations here add only MiB)
+    for P, why in excluded.items():
+        stages = "1 stage" if P == 1 else f"{P} stages"
+        assert why.startswith(f"no split into {stages} fits the memory limit of 10.0 GiB per GPU: the best needs "
+                              f"at least {4 * math.ceil(8 / P)}.0 GiB"), why
     # an explicit limit overrides the profile's device memory
     assert sorted(r.P for r in plan(prof, 8, 64, memory_limit_bytes=100 * GiB).feasible) == list(range(1, 9))
 
@@ -389,7 +399,7 @@ def test_nothing_fits_best_raises_listing_reasons():
     with pytest.raises(ValueError, match="no configuration fits 4 GPUs") as e:
         pl.best
     for P in range(1, 5):
-        assert f"P={P}: no split into {P} stages fits memory" in str(e.value)
+        assert f"P={P}: no split into {P} stage{'s' if P > 1 else ''} fits the memory limit of 1.0 GiB" in str(e.value)
     assert pl.table().count("  excluded P=") == 4
 
 
@@ -471,11 +481,23 @@ def test_table_lists_ranked_rows_and_excluded_lines():
     assert [(int(f[1]), int(f[2]), int(f[3]), int(f[4])) for f in ranked] == \
         [(r.P, r.D, r.micro_batch_size, r.m) for r in pl.feasible]
     assert [line for line in lines if line.startswith("  excluded")] == \
-        [f"  excluded P={r.P} D={r.D}: {r.reason}" for r in pl.excluded]
+        [f"  excluded P={r.P}: {r.reason}" for r in pl.excluded]
     short = pl.table(top=2)
     assert f"... {len(pl.feasible) - 2} more feasible configurations" in short
     assert str(pl) == pl.table() and "<pre>" in pl._repr_html_()
     assert pl.to_dict()["rows"][0]["P"] == pl.rows[0].P
+    # every top: min(top, feasible) ranked lines, and the "... N more" line counts exactly the rest
+    for top in range(1, len(pl.feasible) + 3):
+        lines = pl.table(top=top).splitlines()
+        shown = [line for line in lines if line[:4].strip().isdigit()]
+        more = [line for line in lines if line.startswith("     ... ")]
+        hidden = len(pl.feasible) - len(shown)
+        assert len(shown) == min(top, len(pl.feasible))
+        assert more == ([f"     ... {hidden} more feasible configuration{'s' if hidden > 1 else ''} "
+                         f"(table(top={len(pl.feasible)}) shows all)"] if hidden else [])
+    for bad in (0, -1, 2.0, True, "3"):  # top=0 used to claim every row was hidden, top=-1 one more than there are
+        with pytest.raises(ValueError, match=f"top={bad!r} must be an integer >= 1"):
+            pl.table(top=bad)
 
 
 # ---- arguments and profile checks --------------------------------------------------------------
@@ -639,3 +661,277 @@ def test_plan_simulate_reproduces_the_row_and_models_a_straggler():
     if bad is not None:
         with pytest.raises(ValueError, match="not feasible"):
             pl.simulate(bad)
+
+
+# ---- user-testing findings: fixed P with a fixed D, sizes, job boundaries, foreign rows --------
+@pytest.mark.parametrize("G,B,replicas,largest", [(4, 16, 4, 2), (6, 16, 4, 2), (7, 24, 4, 3)])
+def test_boundaries_with_too_many_replicas_raise(G, B, replicas, largest):
+    """Boundaries fix P: P x replicas over G used to give a 'feasible' row needing 8 of 4 GPUs
+    (idle_gpus=-4). Now a ConfigError names the largest valid replicas: the largest D <= G // P
+    that divides B (6 // 2 = 3 does not divide 16: 2), computed here by brute force."""
+    prof = synthetic_profile(HEAVY)
+    bnd = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert largest == max(d for d in range(1, G // 2 + 1) if B % d == 0)
+    with pytest.raises(ConfigError, match=rf"P=2 stages and replicas={replicas}: P x replicas = {2 * replicas} GPUs "
+                       rf"but gpus={G}; the largest valid replicas is {largest} "):
+        plan(prof, G, B, boundaries=bnd, replicas=replicas)
+    pl = plan(prof, G, B, boundaries=bnd, replicas=largest)  # the suggested value works
+    assert [(r.P, r.D, r.idle_gpus) for r in pl.feasible] == [(2, largest, G - 2 * largest)]
+
+
+def test_rows_never_need_more_gpus_than_given():
+    """Over boundaries x replicas x G: every row (feasible or not) has P * D <= G and
+    idle_gpus = G - P * D >= 0, or the call raises ConfigError before searching."""
+    prof = synthetic_profile(HEAVY)
+    for G in (1, 2, 3, 4, 6):
+        for bnd in (None, [list(range(8))], [[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1], [2, 3, 4], [5, 6, 7]]):
+            for D in (None, 1, 2, 3, 4):
+                try:
+                    pl = plan(prof, G, 24, boundaries=bnd, replicas=D, micro_batch_sizes=[1, 2])
+                except ConfigError:
+                    assert (D is not None and (D > G or (bnd and len(bnd) * D > G))) or (bnd and len(bnd) > G)
+                    continue
+                for r in pl.rows:
+                    assert r.P * r.D <= G and r.idle_gpus == G - r.P * r.D >= 0, (G, bnd, D, r)
+
+
+def test_default_micro_batch_sizes_are_every_size_up_to_twice_the_profiled():
+    """Profiled sizes 1, 2, 4, 8: the default tries every size 1..16 (only those dividing B can be
+    used). With only powers of two, G=16 and B=96 got P=1 D=12 micro-batch 8 with 4 GPUs idle;
+    micro-batch 6 lets D=16 use every GPU, 27 % faster (planner.simulate agrees exactly: m=1)."""
+    prof = synthetic_profile(HEAVY)
+    assert candidate_micro_batch_sizes(prof) == list(range(1, 17))
+    assert candidate_micro_batch_sizes(prof, 96) == [1, 2, 3, 4, 6, 8, 12, 16]
+    pl = plan(prof, 16, 96)
+    assert pl._sizes == [1, 2, 3, 4, 6, 8, 12, 16]
+    best = pl.best
+    assert (best.P, best.D, best.micro_batch_size, best.m, best.idle_gpus) == (1, 16, 6, 1, 0)
+    assert best.time_s == pytest.approx(simulate_row(prof, [0], 16, 6, 96), rel=1e-12)
+    old = plan(prof, 16, 96, micro_batch_sizes=[1, 2, 4, 8, 16]).best  # the former default
+    assert (old.P, old.D, old.micro_batch_size, old.idle_gpus) == (1, 12, 8, 4)
+    assert best.time_s < 0.8 * old.time_s
+    assert_rows_are_brute_force(pl, 8)
+
+
+def _job_with(P=None, D=None, boundaries=None, gpus=4) -> JobConfig:
+    job = _job(P=P, D=D, gpus=gpus)
+    job.parallel.boundaries = boundaries
+    return job
+
+
+@pytest.mark.parametrize("P,D,bnd", [
+    (None, None, [[0, 1, 2], [3, 4, 5, 6, 7]]), (2, None, [[0, 1, 2], [3, 4, 5, 6, 7]]),
+    (None, 2, [[0], [1, 2, 3, 4, 5, 6, 7]]), (2, 2, [[0, 1, 2], [3, 4, 5, 6, 7]]),
+    (None, None, [[0], [1, 2], [3], [4, 5, 6, 7]])])
+def test_plan_for_job_honours_boundaries(P, D, bnd):
+    """Boundaries in the job fix P and the split (they were dropped when P or D was null); the D
+    and micro-batch chosen are the fastest for that split, as plan(boundaries=...) finds."""
+    from varuna_sdk.planner.plan import plan_for_job
+
+    prof = synthetic_profile(HEAVY, param_bytes=4e8)
+    job, pl = plan_for_job(_job_with(P, D, bnd), prof)
+    assert job.parallel.boundaries == bnd and job.parallel.P == len(bnd)
+    slots = pl._search.sim.compute_slots_per_host  # plan_for_job's default: this machine's cores
+    ref = plan(prof, 4, 32, boundaries=bnd, replicas=D, gpus_per_vm=4, compute_slots_per_vm=slots).best
+    assert (job.parallel.D, job.parallel.micro_batch_size) == (ref.D, ref.micro_batch_size)
+    assert D is None or job.parallel.D == D
+    assert [r.stages for r in pl.rows] == [bnd]
+    # a morph (keep_fixed=False) chooses the split afresh
+    free, _ = plan_for_job(_job_with(P, D, bnd), prof, keep_fixed=False)
+    assert free.parallel.boundaries == plan_for_job(_job(), prof)[0].parallel.boundaries
+
+
+@pytest.mark.parametrize("P,D,bnd,gpus,match", [
+    (None, None, [[0, 1, 2], [2, 3, 4, 5, 6, 7]], 4, r"parallel.boundaries=.* must list the profile's 8 segments"),
+    (2, None, [[0, 1, 2], [2, 3, 4, 5, 6, 7]], 4, r"parallel.boundaries=.* once each, in order"),  # overlapping
+    (None, None, [[0, 1], [3, 4, 5, 6, 7]], 4, "once each, in order"),  # segment 2 missing
+    (3, None, [[0, 1, 2], [3, 4, 5, 6, 7]], 4, r"parallel.P=3 but parallel.boundaries has 2 stages; set P to 2"),
+    (None, 4, [[0, 1, 2], [3, 4, 5, 6, 7]], 4, r"P x D = 8 workers but only 4; set D to at most 2"),
+    (None, None, [[0], [1], [2], [3], [4, 5, 6, 7]], 4, "P=5 stages but only gpus=4"),
+])
+def test_plan_for_job_rejects_bad_or_conflicting_boundaries(P, D, bnd, gpus, match):
+    from varuna_sdk.planner.plan import plan_for_job
+
+    with pytest.raises(ConfigError, match=match):
+        plan_for_job(_job_with(P, D, bnd, gpus), synthetic_profile(HEAVY, param_bytes=4e8))
+
+
+def test_simulate_refuses_a_row_of_another_plan():
+    """A row from another Plan (or an edited row) was simulated with this plan's inputs and gave a
+    wrong time silently; rows of this plan, and equal copies of them, still simulate."""
+    import copy
+
+    prof = synthetic_profile(HEAVY)
+    p, q = plan(prof, 7, 12), plan(prof, 4, 16)
+    edited = (dataclasses_replace(p.best, D=50), dataclasses_replace(p.best, stages=[[0, 1, 2], [3, 4, 5, 6, 7]]))
+    for foreign in (q.feasible[1], *edited):
+        with pytest.raises(ValueError, match="is not one of this plan's rows .* call .simulate\\(\\) on the Plan"):
+            p.simulate(foreign)
+    for r in p.feasible:
+        assert p.simulate(copy.deepcopy(r), record_timeline=False).minibatch_time == pytest.approx(r.time_s, rel=1e-12)
+    assert q.simulate(q.feasible[1], record_timeline=False).minibatch_time == pytest.approx(q.feasible[1].time_s,
+                                                                                         rel=1e-12)
+
+
+def dataclasses_replace(row, **kw):
+    import dataclasses
+
+    return dataclasses.replace(row, **kw)
+
+
+BAD_ARGS = [
+    (dict(gpus=2.5), r"gpus=2.5 must be an integer >= 1, not a float; pass the number of GPUs"),
+    (dict(gpus=4.0), r"gpus=4.0 must be an integer >= 1, not a float"),
+    (dict(gpus="4"), r"gpus='4' must be an integer >= 1, not a str"),
+    (dict(gpus=True), r"gpus=True must be an integer >= 1, not a bool"),
+    (dict(gpus=-2), r"gpus=-2 must be an integer >= 1"),
+    (dict(global_batch=2.5), r"global_batch=2.5 must be an integer >= 1, not a float"),
+    (dict(global_batch="16"), r"global_batch='16' must be an integer >= 1, not a str"),
+    (dict(global_batch=True), r"global_batch=True must be an integer >= 1, not a bool"),
+    (dict(global_batch=10**12), r"global_batch=1000000000000 is too large: the search counts in 32-bit integers"),
+    (dict(micro_batch_sizes=[]), r"micro_batch_sizes=\[\] is empty; pass a non-empty list"),
+    (dict(micro_batch_sizes=[0, 2]), r"micro_batch_sizes=\[0, 2\] holds 0, which is not an integer >= 1"),
+    (dict(micro_batch_sizes=[2.5]), r"holds 2.5, which is not an integer >= 1"),
+    (dict(micro_batch_sizes=["2"]), r"holds '2', which is not an integer >= 1"),
+    (dict(micro_batch_sizes=[True]), r"holds True, which is not an integer >= 1"),
+    (dict(micro_batch_sizes="2"), r"micro_batch_sizes='2' is not a list"),
+    (dict(recompute="no"), r"recompute='no' must be True, False or None"),
+    (dict(recompute=1), r"recompute=1 must be True, False or None"),
+    (dict(memory_limit_bytes=0), r"memory_limit_bytes=0 must be a finite number > 0, or None; .*None for the profile"),
+    (dict(memory_limit_bytes=-1), r"memory_limit_bytes=-1 must be a finite number > 0"),
+    (dict(memory_limit_bytes=float("nan")), r"memory_limit_bytes=nan must be a finite number > 0"),
+    (dict(memory_limit_bytes=float("inf")), r"memory_limit_bytes=inf must be a finite number > 0"),
+    (dict(memory_limit_bytes="1e9"), r"memory_limit_bytes='1e9' must be a finite number > 0"),
+    (dict(network_bandwidth_Bps=0), r"network_bandwidth_Bps=0 must be a finite number > 0, or None"),  # was ignored
+    (dict(network_bandwidth_Bps=-1e9), r"network_bandwidth_Bps=-1000000000.0 must be"),  # was 'p2p_beta'
+    (dict(network_bandwidth_Bps=float("nan")), r"network_bandwidth_Bps=nan must be"),
+    (dict(max_depth=0), r"max_depth=0 must be an integer >= 1; pass None"),
+    (dict(max_depth=-1), r"max_depth=-1 must be an integer >= 1"),
+    (dict(max_depth=2.5), r"max_depth=2.5 must be an integer >= 1, not a float"),
+    (dict(max_depth=1, boundaries=[[0, 1, 2, 3], [4, 5, 6, 7]]), r"max_depth=1 but boundaries give P=2 stages"),
+    (dict(gpus_per_vm=0), r"gpus_per_vm=0 must be an integer >= 1"),
+    (dict(gpus_per_vm=1.5), r"gpus_per_vm=1.5 must be an integer >= 1, not a float"),
+    (dict(compute_slots_per_vm=-1), r"compute_slots_per_vm=-1 must be an integer >= 0"),
+    (dict(compute_slots_per_vm=2.5), r"compute_slots_per_vm=2.5 must be an integer >= 0, not a float"),
+    (dict(target_examples=0), r"target_examples=0 must be a finite number > 0, or None"),
+    (dict(target_examples=-5), r"target_examples=-5 must be a finite number > 0"),
+    (dict(target_examples="100"), r"target_examples='100' must be a finite number > 0"),
+    (dict(prices={"spot_per_gpu_hour": 1.0}), r"prices=\{.*\} must be a Prices\("),
+    (dict(boundaries="0,4"), r"boundaries='0,4' must be a list of stages"),
+    (dict(boundaries=[[0, 1, 2, 3], [4, 5, 6, 7]], replicas=4), r"P x replicas = 8 GPUs but gpus=4"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD_ARGS, ids=[",".join(f"{k}={v!r}" for k, v in kw.items())[:40]
+                                                    for kw, _ in BAD_ARGS])
+def test_bad_input_raises_config_error_before_any_work(kw, match, monkeypatch):
+    """Each bad argument is a ConfigError naming it and what to pass, raised before the search
+    runs (it used to be a pybind11 TypeError, a silently ignored value, a wrong plan, or an error
+    naming an internal field)."""
+    import varuna_sdk.planner.plan as plan_mod
+
+    def no_work(*a, **k):
+        raise AssertionError("the search ran on bad input")
+
+    monkeypatch.setattr(plan_mod._core, "search_with_stats", no_work)
+    args = dict(gpus=4, global_batch=16)
+    args.update(kw)
+    with pytest.raises(ConfigError, match=match):
+        plan(synthetic_profile(HEAVY), **args)
+
+
+@pytest.mark.parametrize("spot,od,bad", [
+    (-1, 3, "spot_per_gpu_hour=-1"), (0.9, -3, "on_demand_per_gpu_hour=-3"), (float("nan"), 1, "spot_per_gpu_hour=nan"),
+    ("0.9", 3, "spot_per_gpu_hour='0.9'"), (0.9, float("inf"), "on_demand_per_gpu_hour=inf"), (True, 3, "=True")])
+def test_bad_prices_raise_config_error(spot, od, bad):
+    with pytest.raises(ConfigError, match=f"Prices.*{re_escape(bad)} must be a finite number >= 0 .US dollars"):
+        Prices(spot, od)
+    free = plan(synthetic_profile(HEAVY), 4, 16, prices=Prices(0, 0))  # free GPUs are a valid what-if
+    assert all(r.cost_per_1k_spot == 0.0 for r in free.feasible)
+
+
+def re_escape(s):
+    import re
+
+    return re.escape(s)
+
+
+def test_to_dict_is_strict_json_with_none_for_missing_numbers():
+    """to_dict() said JSON-able but held NaN (json.dumps wrote the invalid token NaN): missing
+    numbers are now None, present ones unchanged, and the rows round-trip."""
+    import json
+
+    prof = synthetic_profile(HEAVY)
+    for pl in (plan(prof, 4, 16, memory_limit_bytes=6e7), plan(prof, 7, 12, target_examples=10**6)):
+        d = json.loads(json.dumps(pl.to_dict(), allow_nan=False))
+        assert len(d["rows"]) == len(pl.rows)
+        for r, dr in zip(pl.rows, d["rows"]):
+            for k in ("time_s", "cost_per_1k_spot", "cost_per_1k_on_demand", "time_to_target_s", "cost_to_target_spot"):
+                v = getattr(r, k)
+                assert dr[k] is None if math.isnan(v) else dr[k] == v, (k, v, dr[k])
+            assert dr["stages"] == r.stages and dr["reason"] == r.reason and dr["feasible"] == r.feasible
+    assert any(r["time_s"] is None for r in plan(prof, 4, 16, memory_limit_bytes=6e7).to_dict()["rows"])
+
+
+def test_memory_reason_gives_limit_and_need_in_readable_units():
+    """'no split into 1 stages fits memory (0.00 GiB per GPU)' said nothing useful: the reason now
+    gives the limit and the least a split needs, in MiB/GiB, with '1 stage' grammar. The need is
+    checked against the limit at which the search starts to find a split (just above: a split)."""
+    import re
+
+    prof = synthetic_profile(HEAVY)
+    pl = plan(prof, 4, 16, memory_limit_bytes=6e7)
+    assert sorted(r.P for r in pl.excluded) == [1, 2, 3]
+    for r in pl.excluded:
+        m = re.fullmatch(rf"no split into {r.P} stages? fits the memory limit of 57\.2 MiB per GPU: the best needs at "
+                         rf"least (\d+\.\d) MiB \(micro-batch {r.micro_batch_size}, m={r.m}\)", r.reason)
+        assert m and "1 stages" not in r.reason, r.reason
+        need = float(m.group(1)) * 2**20
+        inp = pl._search
+        ti = pl._sizes.index(r.micro_batch_size)
+        for limit, fits in ((need * 1.001, True), (need * 0.995, False)):
+            old = inp.memory_limit
+            inp.memory_limit = limit
+            try:
+                assert math.isfinite(_core.candidate_lower_bound(inp, r.P, r.D, ti)) == fits, (r.P, limit, need)
+            finally:
+                inp.memory_limit = old
+    text = pl.table()
+    assert "excluded P=1: no split into 1 stage fits" in text and " D=" not in text.split("excluded", 1)[1]
+    # explicit boundaries: the stage over the limit, with both figures
+    tight = plan(prof, 4, 16, memory_limit_bytes=6e7, boundaries=[[0, 1, 2, 3], [4, 5, 6, 7]])
+    (r,) = tight.rows
+    assert not r.feasible and re.fullmatch(r"stage (\d) of the split into 2 stages needs (\d+\.\d) MiB per GPU, "
+                                           r"over the memory limit of 57\.2 MiB \(micro-batch 1, m=\d+\)",
+                                           r.reason), r.reason
+    s = int(r.reason.split()[1])
+    assert f"{r.stage_memory_bytes[s] / 2**20:.1f} MiB" in r.reason and r.stage_memory_bytes[s] > 6e7
+
+
+def test_idle_note_says_why_gpus_are_left_idle():
+    prof = synthetic_profile(HEAVY)
+    # 7 GPUs, batch 12: P=1 can use at most D=6 (7 does not divide 12)
+    pl = plan(prof, 7, 12)
+    assert (pl.best.P, pl.best.D, pl.best.idle_gpus) == (1, 6, 1)
+    assert ("the best configuration uses P x D = 6 of the 7 GPUs (1 idle) because D = G/P = 7 does not divide the "
+            "global batch 12 (the largest D <= 7 that does is 6); no configuration that uses all 7 GPUs is faster"
+            in pl.notes)
+    assert all(r.time_s >= pl.best.time_s for r in pl.feasible if r.idle_gpus == 0)
+    # a slow network: fewer replicas simulate faster
+    slow = plan(prof, 4, 16, network_bandwidth_Bps=1e6)
+    assert (slow.best.P, slow.best.D) == (1, 1)
+    assert any("because fewer replicas are faster as simulated: P=1 with D=4 replicas (4 GPUs) is no faster" in n
+               for n in slow.notes), slow.notes
+    four = plan(prof, 4, 16, network_bandwidth_Bps=1e6, replicas=4)
+    assert four.best.P == 1 and four.best.time_s >= slow.best.time_s  # the reference the note refers to
+    # a fixed D, with the depth capped: both named
+    fixed = plan(prof, 8, 64, replicas=2, max_depth=3)
+    assert (fixed.best.P, fixed.best.D, fixed.best.idle_gpus) == (3, 2, 2)
+    assert ("the best configuration uses P x D = 6 of the 8 GPUs (2 idle) because replicas=2 is fixed (max_depth=3); "
+            "pass replicas=None to let the planner choose D") in fixed.notes
+    assert plan(prof, 8, 64, replicas=2).best.idle_gpus == 0  # uncapped, P=4 uses all 8
+    # boundaries fix P=3: D = 7 // 3 = 2 at most, 1 GPU idle
+    bnd = plan(prof, 7, 12, boundaries=[[0, 1, 2], [3], [4, 5, 6, 7]], network_bandwidth_Bps=1e12)
+    assert (bnd.best.P, bnd.best.D) == (3, 2)
+    assert any(n.endswith("because P=3 does not divide G=7; no configuration tried that uses all 7 GPUs is faster "
+                          "(boundaries fix P=3)") for n in bnd.notes), bnd.notes

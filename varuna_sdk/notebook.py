@@ -230,7 +230,7 @@ class Job:
         from .planner.plan import plan_for_job
 
         prof = self._profile or self.calibrate()
-        G = int(gpus or self._default_gpus())
+        G = self._default_gpus() if gpus is None else gpus  # plan() checks it (no silent int())
         planned = JobConfig.from_dict(self.config.to_dict())
         planned.parallel.P = planned.parallel.D = None
         planned.parallel.boundaries = None
@@ -255,8 +255,8 @@ class Job:
 
         prof = self._profile or self.calibrate()
         p = self.config.parallel
-        G = int(gpus or self.config.launch.gpus)
-        return PlanView(plan_fn(prof, G, int(global_batch or p.global_batch), policy=policy or p.policy,
+        G = self.config.launch.gpus if gpus is None else gpus
+        return PlanView(plan_fn(prof, G, p.global_batch if global_batch is None else global_batch, policy=policy or p.policy,
                                 recompute=p.recompute if recompute is None and policy is None else recompute,
                                 gpus_per_vm=gpus_per_vm, compute_slots_per_vm=compute_slots_per_vm,
                                 network_bandwidth_Bps=network_bandwidth_Bps, prices=prices,

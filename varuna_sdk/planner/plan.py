@@ -15,6 +15,7 @@ Units: seconds, bytes, examples/s, US dollars. Never imports ``cluster``/``manag
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
@@ -30,19 +31,33 @@ from ..profiling.profile import Profile, ProfileError
 class Prices:
     """Price of one GPU-hour in US dollars, spot and on-demand. The defaults are an **example**
     (roughly a 1×V100 cloud VM's list price and a typical ~70 % spot discount) — pass your own
-    figures for your VM type; ``example`` marks whether they are."""
+    figures for your VM type; ``example`` marks whether they are.
+
+    Raises ``ConfigError`` when a price is not a finite number >= 0 (a string, a bool, NaN, a
+    negative number)."""
 
     spot_per_gpu_hour: float = 0.92
     on_demand_per_gpu_hour: float = 3.06
     vm_type: str = "example 1-GPU VM"
     example: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("spot_per_gpu_hour", "on_demand_per_gpu_hour"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"Prices.{name}={v!r} must be a finite number >= 0 (US dollars per GPU-hour), "
+                                  f"e.g. Prices(spot_per_gpu_hour=0.9, on_demand_per_gpu_hour=3.0)")
+            setattr(self, name, float(v))
+
 
 @dataclass
 class PlanRow:
     """One configuration. ``stages`` holds the segment indices of each stage; times are
     seconds per mini-batch; memory is peak bytes per GPU per stage; costs are dollars for the
-    GPUs the configuration uses (P·D; idle GPUs are reported, not billed)."""
+    GPUs the configuration uses (P·D; idle GPUs are reported, not billed); a number that does not
+    apply (the time of an excluded row, time and cost to target without ``target_examples``) is
+    NaN here and ``None`` in ``Plan.to_dict()``. For an excluded row, ``D`` and
+    ``micro_batch_size`` are those of the candidate its ``reason`` describes."""
 
     P: int
     D: int
@@ -110,7 +125,13 @@ class Plan:
         return self.best.parallel_config(self.global_batch, self.policy, self.recompute)
 
     def table(self, top: int = 12) -> str:
-        """A fixed-width table: the top feasible rows, then every excluded P with its reason."""
+        """A fixed-width table: the ``top`` (>= 1) fastest feasible rows, a line counting the
+        feasible rows left out, then every excluded P with its reason. Raises ``ValueError`` for
+        ``top`` < 1."""
+        if isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 1:
+            raise ValueError(f"top={top!r} must be an integer >= 1 (how many feasible rows to show); "
+                             "top=len(plan.feasible) shows them all")
+        top = int(top)
         hdr = (f"{'rank':>4} {'P':>3} {'D':>4} {'mbs':>4} {'m':>5} {'idle':>4} {'time/step':>10} {'ex/s':>9} "
                f"{'bubble':>6} {'max mem/GPU':>11} {'$/1k ex spot':>12} {'$/1k ex od':>10}")
         if self.target_examples:
@@ -125,9 +146,11 @@ class Plan:
                 line += f" {_dur(r.time_to_target_s):>10} {r.cost_to_target_spot:>11.2f}"
             lines.append(line)
         if len(self.feasible) > top:
-            lines.append(f"     ... {len(self.feasible) - top} more feasible configurations")
+            more = len(self.feasible) - top
+            lines.append(f"     ... {more} more feasible configuration{'s' if more > 1 else ''} "
+                         f"(table(top={len(self.feasible)}) shows all)")
         for r in self.excluded:
-            lines.append(f"  excluded P={r.P} D={r.D}: {r.reason}")
+            lines.append(f"  excluded P={r.P}: {r.reason}")
         if self.prices.example:
             lines.append(f"  prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
                          f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) for yours")
@@ -143,7 +166,9 @@ class Plan:
         return f"<pre>{html.escape(self.table())}</pre>"
 
     def to_dict(self) -> dict:
-        """Plain data (JSON-able): every public field, rows and prices as dicts."""
+        """Plain data, JSON-able in strict JSON (``json.dumps(..., allow_nan=False)``): every public
+        field, rows and prices as dicts; a number that does not apply (NaN or infinite in the
+        ``PlanRow``) is ``None``."""
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")}
 
     def simulate(self, row: PlanRow | None = None, *, rank_scale: Sequence[float] | None = None,
@@ -153,11 +178,18 @@ class Plan:
         mini-batch's start, per rank = replica*P + stage) for the dashboard, and what-ifs:
         ``rank_scale`` (length P*D) slows ranks' compute down (a straggler at 1.5x: 1.5).
 
-        Raises ``ValueError`` for an infeasible row or a ``rank_scale`` of the wrong length.
+        Raises ``ValueError`` for a row that is not one of this plan's ``rows`` (from another
+        ``Plan``, or edited: it would be simulated with this plan's inputs), an infeasible row or a
+        ``rank_scale`` of the wrong length.
         """
         from .simulate import SimOutput
 
-        row = row or self.best
+        row = self.best if row is None else row
+        if row not in self.rows:  # identity, else equality
+            raise ValueError(f"row P={getattr(row, 'P', '?')} D={getattr(row, 'D', '?')} is not one of this plan's "
+                             "rows (it comes from another Plan or was edited, and would be simulated with this plan's "
+                             "profile, G and batch); pass a row of this plan's .rows, or call .simulate() on the Plan "
+                             "that made it")
         if not row.feasible or not row.stages:
             raise ValueError(f"P={row.P} D={row.D} is not feasible ({row.reason}); simulate a feasible row")
         if self._search is None or row.micro_batch_size not in self._sizes:
@@ -171,9 +203,16 @@ class Plan:
 
 
 def _plain(v):
-    if isinstance(v, list):
+    """``v`` as JSON-able data: dataclasses as dicts, non-finite floats as ``None``."""
+    if hasattr(v, "__dataclass_fields__"):
+        v = asdict(v)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
-    return asdict(v) if hasattr(v, "__dataclass_fields__") else v
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
 
 
 def _dur(s: float) -> str:
@@ -188,12 +227,13 @@ def _dur(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def _bytes(b: float) -> str:
+def _bytes(b: float, digits: int = 1) -> str:
+    """Bytes in B, KiB, MiB, GiB or TiB (binary units) with ``digits`` decimals: ``60.5 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(b) < 1024 or unit == "TiB":
-            return f"{b:.1f} {unit}" if unit != "B" else f"{b:.0f} B"
+            return f"{b:.{digits}f} {unit}" if unit != "B" else f"{b:.0f} B"
         b /= 1024
-    return f"{b:.1f} TiB"
+    return f"{b:.{digits}f} TiB"
 
 
 _TABLE_KEYS = (("fwd", "fwd_s"), ("rec", "rec_s"), ("bwd", "bwd_s"), ("out_bytes", "out_bytes"),
@@ -262,9 +302,47 @@ def _tables(profile: Profile, sizes: Sequence[int], checked: tuple | None = None
     return out
 
 
+_INT_MAX = 2**31 - 1  # the C++ search counts examples, GPUs and micro-batches in 32-bit ints
+
+
+def _int_arg(name: str, v, low: int, hint: str) -> int:
+    """``v`` as an int in ``[low, 2**31 - 1]``; ``ConfigError`` naming ``name``, what is wrong and
+    ``hint`` otherwise (a bool, float or string is refused, never rounded)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ConfigError(f"{name}={v!r} must be an integer >= {low}, not a {type(v).__name__}; {hint}")
+    if v < low:
+        raise ConfigError(f"{name}={v!r} must be an integer >= {low}; {hint}")
+    if v > _INT_MAX:
+        raise ConfigError(f"{name}={v!r} is too large: the search counts in 32-bit integers (at most {_INT_MAX}); "
+                          f"{hint}")
+    return int(v)
+
+
+def _positive(name: str, v, hint: str) -> float | None:
+    """``None``, or ``v`` as a finite float > 0; ``ConfigError`` naming ``name`` and ``hint`` otherwise."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{name}={v!r} must be a finite number > 0, or None; {hint}")
+    return float(v)
+
+
+def _largest_divisor(B: int, k: int) -> int:
+    """The largest divisor of ``B`` that is <= ``k`` (>= 1): the most replicas a batch of B allows."""
+    best, i = 1, 1
+    while i * i <= B:
+        if B % i == 0:
+            best = max([best] + [d for d in (i, B // i) if d <= k])
+        i += 1
+    return best
+
+
 def _check_boundaries(boundaries: list[list[int]], n: int, gpus: int) -> None:
     """Explicit stages must list every segment 0..n-1 once, in order, each stage non-empty, and
     need no more GPUs than there are (``ConfigError`` saying what would work)."""
+    if not isinstance(boundaries, (list, tuple)) or any(not isinstance(b, (list, tuple)) for b in boundaries):
+        raise ConfigError(f"boundaries={boundaries!r} must be a list of stages, each a list of segment indices, "
+                          f"e.g. [[0, 1], [2, 3]]; or None to balance the stages")
     P = len(boundaries)
     if P < 1 or any(not b for b in boundaries):
         raise ConfigError(f"boundaries={boundaries}: every stage needs at least one segment")
@@ -273,16 +351,102 @@ def _check_boundaries(boundaries: list[list[int]], n: int, gpus: int) -> None:
         even = [list(range(s * n // P, (s + 1) * n // P)) for s in range(P)] if P <= n else None
         hint = f", e.g. {even}" if even and n <= 32 else ""
         raise ConfigError(f"boundaries={boundaries} must list the profile's {n} segments 0..{n - 1} once each, in "
-                          f"order, as {P} contiguous stages{hint}")
+                          f"order, as {P} contiguous {'stage' if P == 1 else 'stages'}{hint}")
     if P > gpus:
         raise ConfigError(f"boundaries give P={P} stages but only gpus={gpus}; use at most {gpus} stages")
 
 
-def candidate_micro_batch_sizes(profile: Profile) -> list[int]:
-    """Profiled sizes plus powers of two up to twice the largest profiled size."""
+def candidate_micro_batch_sizes(profile: Profile, global_batch: int | None = None) -> list[int]:
+    """Every micro-batch size from 1 to twice the largest profiled size (sizes between and above
+    the profiled ones are interpolated / extrapolated); with ``global_batch``, only the sizes that
+    divide it (no other can keep global batch = micro-batch × m × D exact)."""
     top = max(profile.micro_batch_sizes) * 2
-    sizes = set(profile.micro_batch_sizes) | {2**i for i in range(0, int(math.log2(top)) + 1)}
-    return sorted(s for s in sizes if s <= top)
+    return [b for b in range(1, top + 1) if global_batch is None or global_batch % b == 0]
+
+
+def _stages(P: int) -> str:
+    return f"{P} stage" if P == 1 else f"{P} stages"
+
+
+def _two_sizes(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` bytes as ``_bytes`` prints them, with more digits when they would print alike."""
+    x, y = _bytes(a), _bytes(b)
+    return (x, y) if x != y else (_bytes(a, 3), _bytes(b, 3))
+
+
+def _least_split_memory(inp, P: int, D: int, ti: int) -> float:
+    """The smallest per-GPU memory limit (bytes, to 0.01 %) under which the search finds a split
+    into P stages for replica count D and micro-batch table ``ti``: a bisection on
+    ``inp.memory_limit`` with the search's own memory-aware split (``candidate_lower_bound`` is
+    inf exactly when no split fits). ``inp`` is left as it was; NaN if even 2**200 x fails."""
+    limit = inp.memory_limit
+
+    def fits(x: float) -> bool:
+        inp.memory_limit = x
+        return math.isfinite(_core.candidate_lower_bound(inp, P, D, ti))
+
+    try:
+        lo, hi = limit, 2.0 * limit
+        for _ in range(200):
+            if fits(hi):
+                break
+            lo, hi = hi, 2.0 * hi
+        else:
+            return math.nan
+        while hi - lo > 1e-4 * hi:
+            mid = 0.5 * (lo + hi)
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+    finally:
+        inp.memory_limit = limit
+
+
+def _reason(c, inp, sizes: list[int]) -> str:
+    """Why the infeasible candidate ``c`` cannot run, in bytes the user can act on: the memory
+    limit and the least a split into c.P stages needs (or the stage over the limit), else the
+    search's own reason (no micro-batch size divides the replica batch)."""
+    limit = inp.memory_limit
+    if limit > 0 and c.micro_batch_size and not c.starts:
+        need = _least_split_memory(inp, c.P, c.D, sizes.index(c.micro_batch_size))
+        a, b = _two_sizes(need, limit)
+        return (f"no split into {_stages(c.P)} fits the memory limit of {b} per GPU: the best needs at least {a} "
+                f"(micro-batch {c.micro_batch_size}, m={c.m})")
+    over = [s for s, mem in enumerate(c.stage_memory) if mem > limit] if limit > 0 else []
+    if over:
+        s = over[0]
+        a, b = _two_sizes(c.stage_memory[s], limit)
+        return (f"stage {s} of the split into {_stages(c.P)} needs {a} per GPU, over the memory limit of {b} "
+                f"(micro-batch {c.micro_batch_size}, m={c.m})")
+    if not c.micro_batch_size:  # no size divides the replica batch (only with the user's sizes: 1 always does)
+        return f"{c.reason} (micro-batch sizes tried: {sizes})"
+    return c.reason
+
+
+def _idle_note(best: PlanRow, G: int, B: int, replicas: int | None, limits: list[str]) -> str:
+    """Why the best row leaves GPUs idle: a fixed D, fewer replicas simulating faster, or a G/P that
+    does not divide the batch (or a P that does not divide G). ``limits``: the user's other
+    restrictions of the search (boundaries, max_depth), named in the note."""
+    P, D = best.P, best.D
+    head = f"the best configuration uses P x D = {P * D} of the {G} GPUs ({best.idle_gpus} idle) because "
+    among = f" ({' and '.join(limits)})" if limits else ""
+    if replicas is not None:
+        return head + f"replicas={replicas} is fixed{among}; pass replicas=None to let the planner choose D"
+    top = G // P
+    dmax = _largest_divisor(B, top)
+    if D < dmax:
+        return head + (f"fewer replicas are faster as simulated: P={P} with D={dmax} replicas ({P * dmax} GPUs) is "
+                       f"no faster than with D={D} (the extra replicas' all-reduce and shared compute cost more than "
+                       "they give)")
+    why = []
+    if dmax < top:
+        why.append(f"D = G/P = {top} does not divide the global batch {B} (the largest D <= {top} that does is {dmax})")
+    if G % P:
+        why.append(f"P={P} does not divide G={G}")
+    return head + " and ".join(why) + f"; no configuration {'tried ' if limits else ''}that uses all {G} GPUs is " \
+        f"faster{among}"
 
 
 def plan(
@@ -313,38 +477,98 @@ def plan(
 
     Args:
         profile: from ``calibrate()`` (must hold network figures unless gpus == 1).
-        gpus: G, the GPUs (or CPU workers) available.
-        global_batch: examples per optimizer step; never changed (= micro-batch × m × D).
-        memory_limit_bytes: per GPU; default the profile's device memory if recorded, else none.
-        gpus_per_vm, compute_slots_per_vm: placement (ranks sharing a VM, and how many compute
-            actions can run at once there — e.g. CPU cores on the testbed; 0 = one per GPU).
-        boundaries: explicit segment lists per stage (only that P is evaluated).
-        network_bandwidth_Bps: what-if: replace the calibrated cross-VM p2p and all-reduce bandwidth.
-        prices, target_examples: dollars per GPU-hour and a training target for time/cost columns.
-        max_depth: largest P tried (default min(gpus, segments)).
+        gpus: G >= 1, the GPUs (or CPU workers) available (an int).
+        global_batch: examples per optimizer step, an int >= 1; never changed (= micro-batch × m × D).
+        policy: ``"varuna"``, ``"gpipe"`` or ``"1f1b"``.
+        recompute: True, False or None (the policy's default: on for Varuna).
+        memory_limit_bytes: bytes per GPU, a finite number > 0; None (default): the profile's
+            device memory if recorded, else no limit. 0 does not mean "no limit" (refused).
+        gpus_per_vm, compute_slots_per_vm: placement (ranks sharing a VM, an int >= 1, and how many
+            compute actions can run at once there, an int >= 0 — e.g. CPU cores on the testbed;
+            0 = one per GPU).
+        micro_batch_sizes: a non-empty list of ints >= 1 to try; default every size from 1 to
+            twice the largest profiled size that divides ``global_batch``.
+        boundaries: explicit segment lists per stage (only that P is evaluated; P x ``replicas``
+            must fit ``gpus``, and ``max_depth``, if given, must be >= P).
+        network_bandwidth_Bps: what-if, bytes/s > 0: replace the calibrated cross-VM p2p and
+            all-reduce bandwidth. None: the calibrated figures.
+        prices, target_examples: dollars per GPU-hour (a ``Prices``) and a training target in
+            examples (> 0) for time/cost columns.
+        max_depth: largest P tried, an int >= 1 (default min(gpus, segments)).
         replicas: a data-parallel width D fixed by the user (must divide ``global_batch`` and be
             <= ``gpus``); only depths P <= gpus / D are offered. Default: chosen per P.
 
-    Raises ``ConfigError`` for bad arguments and ``ProfileError`` naming what the profile lacks.
+    Raises ``ConfigError`` for bad arguments (each checked before any work, the message saying
+    what to pass instead) and ``ProfileError`` naming what the profile lacks.
     """
-    if gpus < 1:
-        raise ConfigError(f"gpus={gpus} must be >= 1")
-    if global_batch < 1:
-        raise ConfigError(f"global_batch={global_batch} must be >= 1")
+    gpus = _int_arg("gpus", gpus, 1, "pass the number of GPUs (workers) available, e.g. gpus=8")
+    global_batch = _int_arg("global_batch", global_batch, 1,
+                            "pass the examples per optimizer step as an int, e.g. global_batch=64")
     if policy not in POLICIES:
         raise ConfigError(f"policy={policy!r}; choose one of {list(POLICIES)}")
-    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1
-                                 or replicas > gpus or global_batch % replicas):
+    if recompute is not None and not isinstance(recompute, (bool, np.bool_)):
+        raise ConfigError(f"recompute={recompute!r} must be True, False or None (the policy's default)")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, numbers.Integral)
+                                 or replicas < 1 or replicas > gpus or global_batch % replicas):
         raise ConfigError(f"replicas={replicas!r} must be an integer D >= 1 that divides global_batch={global_batch} "
                           f"and is at most gpus={gpus}; pass replicas=None to let the planner choose D")
+    replicas = None if replicas is None else int(replicas)
+    if micro_batch_sizes is not None:
+        mbs_hint = ("pass a non-empty list of ints >= 1 such as [1, 2, 4], or None to try every size from 1 to twice "
+                    "the largest profiled")
+        if isinstance(micro_batch_sizes, (str, bytes)) or not hasattr(micro_batch_sizes, "__iter__"):
+            raise ConfigError(f"micro_batch_sizes={micro_batch_sizes!r} is not a list; {mbs_hint}")
+        given = list(micro_batch_sizes)
+        if not given:
+            raise ConfigError(f"micro_batch_sizes={given} is empty; {mbs_hint}")
+        for b in given:
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 1 <= b <= _INT_MAX:
+                raise ConfigError(f"micro_batch_sizes={given!r} holds {b!r}, which is not an integer >= 1; {mbs_hint}")
+        micro_batch_sizes = [int(b) for b in given]
+    memory_limit_bytes = _positive("memory_limit_bytes", memory_limit_bytes,
+                                   "pass bytes per GPU such as 16 * 2**30, or None for the profile's device memory "
+                                   "(no limit when none is recorded)")
+    network_bandwidth_Bps = _positive("network_bandwidth_Bps", network_bandwidth_Bps,
+                                      "pass bytes per second such as 1.25e9 (10 Gbit/s), or None for the calibrated "
+                                      "bandwidth")
+    if max_depth is not None:
+        max_depth = _int_arg("max_depth", max_depth, 1, "pass None to try every depth up to min(gpus, segments)")
+    gpus_per_vm = _int_arg("gpus_per_vm", gpus_per_vm, 1, "pass how many GPUs (ranks) share one VM, e.g. 1")
+    compute_slots_per_vm = _int_arg("compute_slots_per_vm", compute_slots_per_vm, 0,
+                                    "pass how many compute actions a VM runs at once (e.g. its CPU cores), or 0 for "
+                                    "one per GPU")
+    if prices is not None and not isinstance(prices, Prices):
+        raise ConfigError(f"prices={prices!r} must be a Prices(spot_per_gpu_hour=..., on_demand_per_gpu_hour=...) "
+                          "or None for the example prices")
+    if target_examples is not None:
+        _positive("target_examples", target_examples,
+                  "pass the examples to train on, e.g. 10**7, or None for no time/cost-to-target columns")
     profile.require(network=gpus > 1)
     checked = _checked(profile)
+    n = profile.num_segments
+    if boundaries is not None:
+        _check_boundaries(boundaries, n, gpus)
+        P = len(boundaries)
+        if max_depth is not None and max_depth < P:
+            raise ConfigError(f"max_depth={max_depth} but boundaries give P={P} stages; pass max_depth=None "
+                              f"(boundaries fix P) or give at most {max_depth} stages")
+        if replicas is not None and P * replicas > gpus:
+            raise ConfigError(f"boundaries give P={P} stages and replicas={replicas}: P x replicas = {P * replicas} "
+                              f"GPUs but gpus={gpus}; the largest valid replicas is "
+                              f"{_largest_divisor(global_batch, gpus // P)} (at most gpus // P = {gpus // P} and "
+                              f"dividing global_batch={global_batch}), or pass replicas=None")
+    if memory_limit_bytes is not None:
+        limit = memory_limit_bytes
+    else:
+        limit = profile.hardware.get("memory_bytes")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Real)
+                                  or not math.isfinite(limit) or limit <= 0):
+            raise ProfileError(f"profile hardware.memory_bytes={limit!r} is not a number of bytes > 0; re-run "
+                               "calibrate(), or pass memory_limit_bytes")
     prices = prices or Prices()
     t0 = time.perf_counter()
     rec = _core.default_recompute(policy) if recompute is None else bool(recompute)
-    sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else candidate_micro_batch_sizes(profile)
-    if not sizes or sizes[0] < 1:
-        raise ConfigError(f"micro_batch_sizes={micro_batch_sizes} must be positive integers")
+    sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else candidate_micro_batch_sizes(profile, global_batch)
     inp = _core.SearchInput()
     inp.gpus, inp.global_batch, inp.policy, inp.recompute = gpus, global_batch, policy, rec
     inp.tables = _tables(profile, sizes, checked)
@@ -353,8 +577,7 @@ def plan(
     inp.tied_segments = [list(s["segments"]) for s in shared]
     inp.tied_bytes = [float(s["bytes"]) for s in shared]
     inp.optimizer_state_factor = profile.optimizer_state_factor
-    limit = memory_limit_bytes if memory_limit_bytes is not None else profile.hardware.get("memory_bytes", 0)
-    inp.memory_limit = float(limit or 0)
+    inp.memory_limit = float(limit or 0)  # 0: no limit (C++)
     inp.max_depth = int(max_depth or 0)
     inp.fixed_replicas = int(replicas or 0)
     inp.opt_s_per_param_byte = profile.opt_s_per_param_byte
@@ -362,7 +585,6 @@ def plan(
     inp.compute_interference = profile.compute_interference
     inp.ar_cpu_share = profile.network.ar_cpu_share if profile.network is not None else 1.0
     if boundaries is not None:
-        _check_boundaries(boundaries, profile.num_segments, gpus)
         inp.fixed_starts = [b[0] for b in boundaries]
     sim = _core.SimConfig()
     net = profile.network
@@ -372,12 +594,11 @@ def plan(
         sim.local_alpha, sim.local_beta = net.p2p_alpha_s, net.p2p_beta_Bps
         sim.ar_alpha, sim.ar_beta = net.ar_alpha_s, bw or net.ar_beta_Bps
         sim.consensus_latency = net.consensus_s
-    sim.ranks_per_host = max(1, gpus_per_vm)
-    sim.compute_slots_per_host = max(0, compute_slots_per_vm)
+    sim.ranks_per_host = gpus_per_vm
+    sim.compute_slots_per_host = compute_slots_per_vm
     sim.action_overhead = profile.per_action_s
     inp.sim = sim
     cands, stats = _core.search_with_stats(inp)
-    n = profile.num_segments
     rows = []
     for c in cands:
         stages = []
@@ -388,7 +609,7 @@ def plan(
         row = PlanRow(P=c.P, D=c.D, micro_batch_size=c.micro_batch_size, m=c.m, idle_gpus=c.idle_gpus, stages=stages,
                       time_s=c.minibatch_time if c.feasible else math.nan, examples_per_s=eps,
                       bubble_fraction=c.bubble_fraction, stage_memory_bytes=list(c.stage_memory) or [0.0],
-                      feasible=c.feasible, reason=c.reason)
+                      feasible=c.feasible, reason="" if c.feasible else _reason(c, inp, sizes))
         if c.feasible and eps > 0:
             used = c.P * c.D
             hours_per_1k = 1000.0 / eps / 3600.0
@@ -403,8 +624,9 @@ def plan(
         notes.append(f"micro-batch sizes above {max(profile.micro_batch_sizes)} are extrapolated from the profile")
     best = next((r for r in rows if r.feasible), None)
     if best is not None and best.idle_gpus > 0:
-        notes.append(f"the best configuration uses P x D = {best.P * best.D} of the {gpus} GPUs ({best.idle_gpus} "
-                     "idle): no faster one uses them all")
+        limits = ([f"boundaries fix P={len(boundaries)}"] if boundaries is not None else []) + \
+            ([f"max_depth={max_depth}"] if boundaries is None and (max_depth or n) < min(gpus, n) else [])
+        notes.append(_idle_note(best, gpus, global_batch, replicas, limits))
     return Plan(gpus=gpus, global_batch=global_batch, policy=policy, recompute=rec, rows=rows, prices=prices,
                 target_examples=target_examples, search_s=time.perf_counter() - t0, notes=notes,
                 search_stats=dict(stats), _search=inp, _sizes=list(sizes))
@@ -420,35 +642,57 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     ``os.cpu_count()`` cores (fewer workers than ``gpus`` may then be fastest: the plan's rows
     weigh every replica count, and the best row's ``idle_gpus`` says how many stay unused); pass
     ``gpus_per_vm``/``compute_slots_per_vm`` for real VMs.
-    ``keep_fixed``: a P or D the config fixes is kept (only the other is chosen); the manager
-    passes False when the GPUs changed under a morph. Raises ``ConfigError`` when no feasible
-    plan has the fixed P/D (listing the feasible ones) or none fits at all.
+    ``keep_fixed``: a P, D or stage ``boundaries`` the config fixes are kept (only the rest is
+    chosen; boundaries fix P and are checked as ``plan(boundaries=...)`` checks them); the manager
+    passes False when the GPUs changed under a morph (P, D and boundaries are then all chosen
+    afresh). Raises ``ConfigError`` for boundaries that do not list the profile's segments once
+    each in order, a P that contradicts them, a P x D over the workers, or when no feasible plan
+    has the fixed P/D (listing the feasible ones) or none fits at all.
     """
     import copy
     import os
 
     p = job.parallel
-    G = int(gpus if gpus is not None else job.launch.gpus)
+    G = _int_arg("gpus" if gpus is not None else "launch.gpus", gpus if gpus is not None else job.launch.gpus, 1,
+                 "pass the number of workers to plan for")
     fixed_P = p.P if keep_fixed else None
     fixed_D = p.D if keep_fixed else None
+    bnd = p.boundaries if keep_fixed else None
     per_vm = gpus_per_vm or G
     slots = compute_slots_per_vm if compute_slots_per_vm is not None else (os.cpu_count() or 1)
 
     if fixed_D is not None and (fixed_D > G or p.global_batch % fixed_D):
         raise ConfigError(f"parallel.D={fixed_D} does not fit {G} workers and global batch {p.global_batch} (D must "
                           f"divide the global batch and be <= {G}); set D to null or change it")
-    # a fixed P caps the depths tried, a fixed D is the only replica count tried
+    if bnd is not None:
+        try:
+            _check_boundaries(bnd, profile.num_segments, G)
+        except ConfigError as e:
+            raise ConfigError(f"parallel.{e}") from None
+        if fixed_P is not None and fixed_P != len(bnd):
+            raise ConfigError(f"parallel.P={fixed_P} but parallel.boundaries has {len(bnd)} stages; set P to "
+                              f"{len(bnd)} (or null), or boundaries to null to let the planner split the model")
+        if fixed_D is not None and len(bnd) * fixed_D > G:
+            raise ConfigError(f"parallel.boundaries give P={len(bnd)} stages and parallel.D={fixed_D}: P x D = "
+                              f"{len(bnd) * fixed_D} workers but only {G}; set D to at most "
+                              f"{_largest_divisor(p.global_batch, G // len(bnd))} (or null), or change boundaries")
+        fixed_P = len(bnd)
+    # boundaries fix P and the split; a fixed P caps the depths tried; a fixed D is the only replica count tried
     pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=p.recompute, gpus_per_vm=min(per_vm, G),
-              compute_slots_per_vm=slots, max_depth=fixed_P, replicas=fixed_D)
+              compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
+              boundaries=bnd)
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
         fixed = " and ".join(f"{k}={v}" for k, v in (("P", fixed_P), ("D", fixed_D)) if v is not None)
+        if bnd is not None:
+            fixed += " (from parallel.boundaries)" if p.P is None else " and these boundaries"
         if not fixed:
             raise ConfigError(f"no configuration fits {G} workers and global batch {p.global_batch}: "
                               + "; ".join(f"P={r.P}: {r.reason}" for r in pl.rows[:6]))
-        raise ConfigError(f"no plan for {G} workers and global batch {p.global_batch} has parallel.{fixed}; "
-                          f"feasible plans: {offered}. Set both P and D to null, or change them")
+        raise ConfigError(f"no plan for {G} workers and global batch {p.global_batch} has parallel.{fixed}"
+                          f"{': ' + pl.rows[0].reason if bnd is not None and pl.rows else ''}; "
+                          f"feasible plans: {offered}. Set P, D and boundaries to null, or change them")
     best = fits[0]
     job = copy.deepcopy(job)
     job.parallel.P, job.parallel.D = best.P, best.D
