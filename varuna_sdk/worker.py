@@ -127,5 +127,19 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
     return getattr(outcome, "status", "completed")
 
 
+def _exit_now(code: int) -> None:
+    """End the process at once with ``code``, skipping the interpreter's teardown (unloading
+    torch, freeing the model and optimizer state, joining library threads: 1-2 s measured on a
+    shared 2-core machine, spent while the manager waits to start the next generation). Only
+    after ``main`` returned normally: the checkpoint is published, the process group destroyed,
+    the goodbye delivered; the streams are flushed here."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe: nothing left to save
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())
