@@ -6,18 +6,11 @@ bad flags, and the exit status when nothing fits. Real subprocesses of the CLI; 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from test_planner import HEAVY, _job, synthetic_profile
+from test_planner import HEAVY, _cli, _job, synthetic_profile
 from varuna_sdk.planner.plan import plan
-
-
-def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture
@@ -36,7 +29,7 @@ def files(tmp_path):
 
 def test_fixed_P_and_D_are_reported_as_the_run_train_makes(files):
     prof, path, config = files
-    out = _cli(config(P=2, D=2), "--gpus", "4", "--profile", path)
+    out = _cli("plan", config(P=2, D=2), "--gpus", "4", "--profile", path)
     assert out.returncode == 0, out.stderr[-2000:]
     best = plan(prof, 4, 32).best
     kept = next(r for r in plan(prof, 4, 32, max_depth=2, replicas=2).feasible if r.P == 2)
@@ -44,14 +37,14 @@ def test_fixed_P_and_D_are_reported_as_the_run_train_makes(files):
     assert f"P=2 D=2 micro-batch {kept.micro_batch_size} (m={kept.m})" in line
     assert f"{kept.time_s * 1e3:.1f} ms" in line and f"({kept.time_s / best.time_s:.2f}x" in line
     # nothing fixed: no such line; the placement assumed is said either way
-    out = _cli(config(), "--gpus", "4", "--profile", path)
+    out = _cli("plan", config(), "--gpus", "4", "--profile", path)
     assert out.returncode == 0 and "with parallel." not in out.stdout
     assert "placement: 1 GPU(s) per VM" in out.stdout and "--local" in out.stdout
 
 
 def test_local_plans_like_train_does(files):
     prof, path, config = files
-    out = _cli(config(), "--gpus", "4", "--profile", path, "--local")
+    out = _cli("plan", config(), "--gpus", "4", "--profile", path, "--local")
     assert out.returncode == 0, out.stderr[-2000:]
     cores = os.cpu_count() or 1
     assert f"4 local workers sharing this machine's {cores} cores" in out.stdout
@@ -64,7 +57,7 @@ def test_profile_of_another_model_is_refused(files, tmp_path):
     _, _, config = files
     other = tmp_path / "other.json"
     synthetic_profile([1] * 5).to_json(other)  # 5 segments: not the job's 8
-    out = _cli(config(), "--gpus", "4", "--profile", str(other))
+    out = _cli("plan", config(), "--gpus", "4", "--profile", str(other))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "5 cut-point segments" in out.stderr and "has 8" in out.stderr and "varuna calibrate" in out.stderr
 
@@ -79,12 +72,12 @@ def test_profile_of_another_model_is_refused(files, tmp_path):
 ])
 def test_bad_flags_fail_before_any_work(files, flags, says):
     _, path, config = files
-    out = _cli(config(), "--profile", path, *flags)
+    out = _cli("plan", config(), "--profile", path, *flags)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 def test_nothing_fits_exits_1(files):
     _, path, config = files
     # 3 GPUs: plans exist (P=1 D=2 ...), but none with the config's P=2 x D=2 = 4 workers
-    out = _cli(config(P=2, D=2), "--gpus", "3", "--profile", path)
+    out = _cli("plan", config(P=2, D=2), "--gpus", "3", "--profile", path)
     assert out.returncode == 1 and "no feasible plan keeps parallel.P=2, parallel.D=2" in out.stderr
