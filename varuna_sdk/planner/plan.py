@@ -153,7 +153,8 @@ class Plan:
             lines.append(f"  excluded P={r.P}: {r.reason}")
         if self.prices.example:
             lines.append(f"  prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
-                         f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) for yours")
+                         f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) "
+                         "(varuna plan: --spot-price, --on-demand-price) for yours")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
