@@ -284,20 +284,19 @@ def test_a_persistently_slow_worker_is_excluded(tmp_path, reference):
                   straggler=StragglerRule(factor=1.5, beats=3), generation_options={"sink": None, "miss_limit": 20})
     stop = threading.Event()
 
+    def signal_all(procs, sig):
+        for p in procs:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def throttle():
         while not stop.is_set():
             procs = local_processes("local1")
-            for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGSTOP)
-                except ProcessLookupError:
-                    pass
+            signal_all(procs, signal.SIGSTOP)
             time.sleep(0.03)
-            for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            signal_all(procs, signal.SIGCONT)
             time.sleep(0.01)
 
     t = threading.Thread(target=throttle, daemon=True)
