@@ -103,7 +103,7 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
 def _check_profile_matches(prof, job: JobConfig, path: str | None, config: str | None) -> None:
     """A profile measured on another model would plan the wrong thing: refuse it, naming the
     difference. Raises ``ConfigError``."""
-    from .trainer import model_config
+    from .trainer import model_config, model_structure
 
     cfg = model_config(job).to_dict()
     measured = (prof.model or {}).get("gpt2")
@@ -114,9 +114,9 @@ def _check_profile_matches(prof, job: JobConfig, path: str | None, config: str |
         if diff:
             raise ConfigError(f"profile {path or ''} was measured on another model: "
                               + ", ".join(f"{k} {a} (profile) vs {b} (job)" for k, (a, b) in sorted(diff.items())) + fix)
-    elif prof.num_segments != cfg["n_layer"] + 2:
+    elif prof.num_segments != (n := model_structure(job).num_segments):
         raise ConfigError(f"profile {path or ''} has {prof.num_segments} cut-point segments but the job's GPT-2 with "
-                          f"{cfg['n_layer']} blocks has {cfg['n_layer'] + 2}{fix}")
+                          f"{cfg['n_layer']} blocks has {n}{fix}")
 
 
 def _dashboard(args: argparse.Namespace) -> int:

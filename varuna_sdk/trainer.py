@@ -90,19 +90,27 @@ def check_partition(job: JobConfig) -> str:
     """Trace the job's model on the meta device and split it exactly as the workers will, so a
     bad P, boundary list or cross-stage use fails in the caller before any process starts.
     Returns a one-line description of the stage map. Raises ``PartitionError``."""
-    from .model.materialize import build_on_meta
     from .model.partition import StageMap, balanced_stage_map, shared_state
-    from .model.tracer import segment_costs, trace_model
+    from .model.tracer import segment_costs
 
-    cfg, p = model_config(job), job.parallel
-    structure = trace_model(build_on_meta(partial(gpt2, cfg)),
-                            (torch.zeros(p.micro_batch_size, job.data.seq_len, dtype=torch.long),))
+    p = job.parallel
+    structure = model_structure(job)
     if p.boundaries is not None:
         smap = StageMap.from_lists(p.boundaries, structure.num_segments)
     else:
         smap = balanced_stage_map(segment_costs(structure), p.P)
     shared = shared_state(structure, smap, p.shared_params)
     return f"stages (segments) {smap.to_lists()}, tied across stages: {shared or 'none'}"
+
+
+def model_structure(job: JobConfig):
+    """The job's GPT-2 traced on the meta device (no memory, no compute): its cut-point segments
+    as the workers will see them (``model.tracer.ModelStructure``)."""
+    from .model.materialize import build_on_meta
+    from .model.tracer import trace_model
+
+    return trace_model(build_on_meta(partial(gpt2, model_config(job))),
+                       (torch.zeros(job.parallel.micro_batch_size or 1, job.data.seq_len, dtype=torch.long),))
 
 
 def profile_key(job: JobConfig) -> str:

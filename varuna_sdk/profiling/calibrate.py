@@ -210,11 +210,15 @@ def calibrate(
             saved = {b: _time_segments(model, loss_fn, *batches[b], n, device, autocast, count_saved=True)["act_bytes"]
                      for b in sizes}  # untimed: the accounting hooks slow the forward
             runs: dict[int, list[dict]] = {b: [] for b in sizes}
+
+            def probe_host():
+                return _probe_host(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]], precision,
+                                   device, threads, sum(structure.segment_param_bytes))
+
             host = None
             for i in range(warmup + repeats):
                 if network and host is None and i == warmup + (repeats + 1) // 2:
-                    host = _probe_host(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]], precision,
-                                       device, threads, sum(structure.segment_param_bytes))
+                    host = probe_host()
                     for b in sizes:  # untimed: caches and heap back after the probe processes
                         _time_segments(model, loss_fn, *batches[b], n, device, autocast)
                 for b in sizes:
@@ -246,8 +250,7 @@ def calibrate(
             torch.set_num_threads(old_threads)
     net, opt_par, interference = None, 0.0, 0.0
     if network:
-        net, opt_par, interference = host or _probe_host(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]],
-                                                         precision, device, threads, sum(structure.segment_param_bytes))
+        net, opt_par, interference = host or probe_host()
     return Profile(
         model={"num_segments": n, "param_bytes": sum(structure.segment_param_bytes),
                "crossings": [[c["dtype"] for c in cr] for cr in structure.crossings],
