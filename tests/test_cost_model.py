@@ -15,7 +15,7 @@ import pytest
 from varuna_sdk import _core
 from varuna_sdk.planner.plan import plan
 from varuna_sdk.planner.simulate import SimInput, SimOutput, allreduce_time
-from varuna_sdk.profiling.calibrate import fit_alpha_beta, oversubscription
+from varuna_sdk.profiling.calibrate import compute_interference, fit_alpha_beta, oversubscription
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile
 
 
@@ -109,6 +109,24 @@ def test_compute_interference_slows_ranks_whose_host_is_busy():
     alone = one_host(profile(compute_interference=0.05), 1, 1, 2)
     assert slow > base  # two replicas computing side by side
     assert alone == one_host(profile(compute_interference=0.0), 1, 1, 2)  # nobody to interfere
+
+
+def test_compute_interference_from_paired_samples_ignores_drift_and_outliers():
+    import random
+
+    rng = random.Random(3)
+    # the machine slows down by 30 % over the probe; crowded samples are 4 % (k=2) slower than the
+    # lone sample just before them, with 1 % noise and one sample disturbed by another process
+    lone = [0.3 * (1 + 0.3 * i / 17) * (1 + 0.01 * rng.gauss(0, 1)) for i in range(18)]
+    crowded = [t * 1.04 * (1 + 0.01 * rng.gauss(0, 1)) for t in lone]
+    crowded[17] *= 1.6
+    assert compute_interference(lone, crowded, 2) == pytest.approx(0.04, abs=0.006)
+    # k processes share the slowdown among k - 1 other busy cores; never below 0
+    assert compute_interference(lone, [t * 1.09 for t in lone], 4) == pytest.approx(0.03)
+    assert compute_interference(lone, [t * 0.98 for t in lone], 2) == 0.0
+    for bad in ((lone, crowded, 1), ([], [], 2), (lone, crowded[:-1], 2)):
+        with pytest.raises(ValueError, match="k >= 2"):
+            compute_interference(*bad)
 
 
 # ---- profile and fits ---------------------------------------------------------------------------

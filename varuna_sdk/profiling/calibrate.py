@@ -457,7 +457,7 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
                         seed=compute["seed"], device=dev, init_fn=compute["init_fn"])
             model.train()
         samples = {k: [] for k in ks}
-        for i in range(reps + _WARMUP):
+        for i in range(2 * reps + _WARMUP):  # a 2-vCPU VM's samples scatter by ~5 %: twice the reps
             for k in ks:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -467,6 +467,11 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
                 if i >= _WARMUP:
                     samples[k].append(time.perf_counter() - t0)
         res["compute"] = [[k, statistics.median(samples[k])] for k in ks]
+        res["compute_samples"] = [[k, samples[k]] for k in ks]  # rank 0's, kept for diagnosis
+    # every rank waits for the last sample: a rank that left early would tear its process down
+    # (a core's worth of work for ~1 s) while ranks < k still time their last crowded probe,
+    # which made that sample up to 60 % slower and moved compute_interference by up to 0.05
+    dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(res))
 
@@ -484,6 +489,18 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], relative: bool = True)
     slope = max(slope, 1e-15)
     alpha = max(0.0, my - slope * mx)
     return alpha, 1.0 / slope
+
+
+def compute_interference(lone: Sequence[float], crowded: Sequence[float], k: int) -> float:
+    """How much slower compute runs per other busy core (≥ 0): ``(median(crowded[i] / lone[i]) -
+    1) / (k - 1)``, from interleaved samples (seconds) of one process alone and of ``k`` processes
+    at once (``crowded[i]`` taken just after ``lone[i]``). Paired, so that a machine whose speed
+    drifts during the probe does not bias the ratio; the median drops outliers.
+    Raises ``ValueError`` for ``k < 2``, no samples or lists of different lengths."""
+    if k < 2 or not lone or len(lone) != len(crowded):
+        raise ValueError(f"need k >= 2 and as many crowded samples as lone ones, got k={k}, "
+                         f"{len(lone)} lone and {len(crowded)} crowded")
+    return max(0.0, (statistics.median(b / a for a, b in zip(lone, crowded)) - 1.0) / (k - 1))
 
 
 def oversubscription(demand: float, cores: int) -> float:
@@ -507,7 +524,8 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     Returns ``(network, opt_parallelism, compute_interference)``: ``cores × t(1 process) /
     t(one per core)`` of AdamW steps over ``opt_bytes`` of parameters (0.0 without
     ``opt_bytes``), and how much slower the model's forward + backward runs per other busy core,
-    ``(t(one per core) / t(1 process) - 1) / (cores - 1)`` (0.0 without ``compute``: a dict of
+    ``(t(one per core) / t(1 process) - 1) / (cores - 1)``, the ratio being the median over
+    adjacent pairs of samples (0.0 without ``compute``: a dict of
     picklable ``model_fn``, ``loss_fn``, ``init_fn``, ``seed``, ``inputs``, ``targets``).
     Raises ``WorkerFailure`` if a probe process fails or times out."""
     from ..cluster.local import spawn_workers
@@ -541,8 +559,8 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
         opt_par = min(float(k), max(1.0, k * t1 / tk)) if k > k1 else float(k)
     interference = 0.0
     if res.get("compute") and len(res["compute"]) > 1:
-        (_, t1), (k, tk) = res["compute"][0], res["compute"][-1]
-        interference = max(0.0, (tk / t1 - 1.0) / (k - 1))
+        (_, s1), (k, sk) = res["compute_samples"][0], res["compute_samples"][-1]
+        interference = compute_interference(s1, sk, k)
     net = NetworkProfile(p2p_alpha_s=p_alpha, p2p_beta_Bps=p_beta, ar_alpha_s=ar_alpha, ar_beta_Bps=ar_beta,
                          consensus_s=res["consensus"][1], samples=res, ar_cpu_share=share)
     return net, opt_par, interference
