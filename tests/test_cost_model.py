@@ -124,8 +124,10 @@ def test_compute_interference_from_paired_samples_ignores_drift_and_outliers():
     # k processes share the slowdown among k - 1 other busy cores; never below 0
     assert compute_interference(lone, [t * 1.09 for t in lone], 4) == pytest.approx(0.03)
     assert compute_interference(lone, [t * 0.98 for t in lone], 2) == 0.0
-    for bad in ((lone, crowded, 1), ([], [], 2), (lone, crowded[:-1], 2)):
-        with pytest.raises(ValueError, match="k >= 2"):
+    with pytest.raises(ValueError, match="k >= 2"):
+        compute_interference(lone, crowded, 1)
+    for bad in (([], [], 2), (lone, crowded[:-1], 2)):
+        with pytest.raises(ValueError, match="as many crowded samples as lone"):
             compute_interference(*bad)
 
 

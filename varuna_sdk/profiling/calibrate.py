@@ -445,7 +445,9 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
                     opt.step()
                 if i >= _WARMUP:
                     samples[k].append(time.perf_counter() - t0)
+        dist.barrier()  # nobody starts the next probe (building a model) during the last sample
         res["opt"] = [[k, statistics.median(samples[k])] for k in ks]
+        res["opt_samples"] = [[k, samples[k]] for k in ks]
     if compute is not None:
         # the model's forward + backward in 1 process, then in one per core at once: how much
         # compute slows down when the machine's other cores compute too (memory, caches)
@@ -491,16 +493,24 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], relative: bool = True)
     return alpha, 1.0 / slope
 
 
+def paired_ratio(lone: Sequence[float], crowded: Sequence[float]) -> float:
+    """``median(crowded[i] / lone[i])`` over interleaved samples (seconds) of a probe run by one
+    process alone and by several at once, ``crowded[i]`` taken just after ``lone[i]``: paired, so
+    that a machine whose speed drifts during the probe does not bias the ratio; the median drops
+    outliers. Raises ``ValueError`` for no samples or lists of different lengths."""
+    if not lone or len(lone) != len(crowded):
+        raise ValueError(f"need as many crowded samples as lone ones (>= 1), got {len(lone)} lone and "
+                         f"{len(crowded)} crowded")
+    return statistics.median(b / a for a, b in zip(lone, crowded))
+
+
 def compute_interference(lone: Sequence[float], crowded: Sequence[float], k: int) -> float:
-    """How much slower compute runs per other busy core (≥ 0): ``(median(crowded[i] / lone[i]) -
-    1) / (k - 1)``, from interleaved samples (seconds) of one process alone and of ``k`` processes
-    at once (``crowded[i]`` taken just after ``lone[i]``). Paired, so that a machine whose speed
-    drifts during the probe does not bias the ratio; the median drops outliers.
-    Raises ``ValueError`` for ``k < 2``, no samples or lists of different lengths."""
-    if k < 2 or not lone or len(lone) != len(crowded):
-        raise ValueError(f"need k >= 2 and as many crowded samples as lone ones, got k={k}, "
-                         f"{len(lone)} lone and {len(crowded)} crowded")
-    return max(0.0, (statistics.median(b / a for a, b in zip(lone, crowded)) - 1.0) / (k - 1))
+    """How much slower compute runs per other busy core (≥ 0): ``(paired_ratio(lone, crowded) -
+    1) / (k - 1)`` from samples of one process alone and of ``k`` processes at once.
+    Raises ``ValueError`` for ``k < 2`` or unpaired samples."""
+    if k < 2:
+        raise ValueError(f"need k >= 2 processes at once to measure interference, got k={k}")
+    return max(0.0, (paired_ratio(lone, crowded) - 1.0) / (k - 1))
 
 
 def oversubscription(demand: float, cores: int) -> float:
@@ -522,7 +532,7 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     applies the same sharing to its own placement.
 
     Returns ``(network, opt_parallelism, compute_interference)``: ``cores × t(1 process) /
-    t(one per core)`` of AdamW steps over ``opt_bytes`` of parameters (0.0 without
+    t(one per core)`` of AdamW steps over ``opt_bytes`` of parameters (``paired_ratio``; 0.0 without
     ``opt_bytes``), and how much slower the model's forward + backward runs per other busy core,
     ``(t(one per core) / t(1 process) - 1) / (cores - 1)``, the ratio being the median over
     adjacent pairs of samples (0.0 without ``compute``: a dict of
@@ -555,8 +565,8 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     share = min(1.0, max(0.05, share))
     opt_par = 0.0
     if res.get("opt"):
-        (k1, t1), (k, tk) = res["opt"][0], res["opt"][-1]
-        opt_par = min(float(k), max(1.0, k * t1 / tk)) if k > k1 else float(k)
+        (k1, s1), (k, sk) = res["opt_samples"][0], res["opt_samples"][-1]
+        opt_par = min(float(k), max(1.0, k / paired_ratio(s1, sk))) if k > k1 else float(k)
     interference = 0.0
     if res.get("compute") and len(res["compute"]) > 1:
         (_, s1), (k, sk) = res["compute_samples"][0], res["compute_samples"][-1]
