@@ -26,13 +26,6 @@ F/R/B compute (the engine's ``StepResult.compute_s`` less the time blocked on an
 pipeline phase, synchronisation (all-reduces, consensus, norm, clipping) and optimizer, CPU time
 and page faults — to trace a gap to its source.
 
-Machine drift. This VM's speed wanders by several per cent over minutes (the same configuration's
-round medians differ by up to 13 %), which no simulator fed one calibration can predict. A speed
-probe (the model's forward + backward at micro-batch 2 in the benchmark's own process, median of 5,
-~2 s) runs next to the calibration and before and after every run; each configuration also gets
-its error "at calibration speed": its steps divided by the run's probe / the calibration's probe.
-Both are reported; the raw error is the headline figure.
-
 Targets (DESIGN.md): |error| <= 5 % on every configuration; aggregate max |error| <= 5 % (aim 3 %).
 
 Run: ``.venv/bin/python benchmarks/bench_sim_accuracy.py [--quick] [--steps 6] [--rounds 3]
@@ -129,75 +122,37 @@ def foreign_cpu(docs: list[dict], i: int) -> float:
     return max(0.0, st0["machine_busy_s"] - own) / ((os.cpu_count() or 1) * (st0["t1"] - st0["t0"]))
 
 
-class SpeedProbe:
-    """This machine's speed now: the demo GPT-2's forward + backward at micro-batch 2 in this
-    process (one torch thread), median of ``reps`` timed passes (seconds, ~2 s per call). Taken
-    next to the calibration and before and after every run, its ratio is how much faster or
-    slower the VM ran than when it was calibrated (other tenants): the drift no simulator can
-    predict, reported apart from the simulator's own error."""
-
-    def __init__(self, reps: int = 5):
-        from varuna_sdk.model.gpt2 import gpt2, lm_loss
-        from varuna_sdk.trainer import model_config
-
-        job = demo_job(1, 1, 2, 8)
-        torch.manual_seed(0)
-        self.model, self.loss, self.reps = gpt2(model_config(job)), lm_loss, reps
-        vocab = model_config(job).vocab_size
-        self.batch = common.make_batch(0, 2, job.data.seq_len, vocab=vocab, seed=5)
-
-    def __call__(self) -> float:
-        old = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            samples = []
-            for i in range(self.reps + 1):
-                t0 = time.perf_counter()
-                self.loss(self.model(self.batch[0]), self.batch[1]).backward()
-                self.model.zero_grad(set_to_none=True)
-                if i:  # the first pass warms the caches and the allocator
-                    samples.append(time.perf_counter() - t0)
-            return statistics.median(samples)
-        finally:
-            torch.set_num_threads(old)
-
-
 def run_config(P: int, D: int, mbs: int, B: int, steps: int, warmup: int, timeout_s: float, wait_idle: float,
-               attempts: int, speed: SpeedProbe) -> dict:
+               attempts: int) -> dict:
     """One run of the configuration: its ranks' per-step records, only the steps during which no
     other process used the CPUs (a shared machine). If fewer than half the timed steps are clean,
-    wait for idle CPUs and run again (at most ``attempts`` runs; the one with most clean steps counts).
-    ``speed_s``: the machine's speed probe (seconds), the mean of one before and one after the run."""
+    wait for idle CPUs and run again (at most ``attempts`` runs; the one with most clean steps counts)."""
     job = demo_job(P, D, mbs, B)
     best = None
     for attempt in range(attempts):
         idle = common.wait_for_idle(wait_idle)
-        before = speed()
         docs, wall = common.spawn_collect(_worker, P * D, {"job": job.to_dict(), "steps": steps, "warmup": warmup},
                                           timeout_s)
-        speed_s = (before + speed()) / 2
         foreign = [foreign_cpu(docs, i) for i in range(len(docs[0]["steps"]))]
         clean = [i for i, f in enumerate(foreign) if f < FOREIGN_MAX]
         if best is None or len(clean) > len(best[2]):
-            best = (docs, wall, clean, foreign, idle, attempt + 1, speed_s)
+            best = (docs, wall, clean, foreign, idle, attempt + 1)
         if 2 * len(clean) >= steps:
             break
         print(f"    {len(clean)}/{steps} steps free of other processes' CPU use; "
               + ("running again" if attempt + 1 < attempts else "keeping the best run"), flush=True)
-    docs, wall, clean, foreign, idle, runs, speed_s = best
+    docs, wall, clean, foreign, idle, runs = best
     quiet = bool(clean)
     if not clean:  # never quiet: keep every step, marked as such
         clean = list(range(len(foreign)))
     for d in docs:
         d["steps"] = [d["steps"][i] for i in clean]
     return {"docs": docs, "wall_s": wall, "foreign_cpu": foreign, "clean_steps": len(clean) if quiet else 0,
-            "attempts": runs, "idle_before": idle, "speed_s": speed_s}
+            "attempts": runs, "idle_before": idle}
 
 
-def summarize(P: int, run_list: list[dict], ref_speed_s: float) -> dict:
-    """Mini-batch time and per-stage breakdown over the clean steps of every run (round); and
-    ``time_at_calibration_speed_s``: the same median with each run's steps divided by that run's
-    ``drift`` (its speed probe / ``ref_speed_s``, the probe next to the calibration)."""
+def summarize(P: int, run_list: list[dict]) -> dict:
+    """Mini-batch time and per-stage breakdown over the clean steps of every run (round)."""
     # a rank's step() time is its step period (the loop around it only draws the batch); the
     # mini-batch time is their mean over ranks (equal up to the skew of the optimizer ends)
     steps = [[d["steps"][i] for d in run["docs"]] for run in run_list for i in range(len(run["docs"][0]["steps"]))]
@@ -220,11 +175,7 @@ def summarize(P: int, run_list: list[dict], ref_speed_s: float) -> dict:
                          "page_faults": med(lambda st: st["page_faults"])})
     rounds = [statistics.median(statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"] for d in run["docs"])
                                 for i in range(len(run["docs"][0]["steps"]))) for run in run_list]
-    drift = [run["speed_s"] / ref_speed_s for run in run_list]
-    at_ref = [statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"] for d in run["docs"]) / f
-              for run, f in zip(run_list, drift) for i in range(len(run["docs"][0]["steps"]))]
     return {"time_s": statistics.median(times), "stats": common.stats(times), "round_medians_s": rounds,
-            "drift": drift, "time_at_calibration_speed_s": statistics.median(at_ref),
             "stages": stages, "span_s": statistics.median(spans),
             "clean_steps": sum(run["clean_steps"] for run in run_list),
             "runs": [{k: v for k, v in run.items() if k != "docs"} for run in run_list]}
@@ -285,8 +236,7 @@ def main() -> None:
         ap.add_argument("--warmup", type=int, default=8,
                         help="untimed steps first (default 8: the heap reaches its size over the first steps)")
         ap.add_argument("--configs", nargs="+", default=None, help="P,D,mbs,B ... (default: the six of the brief)")
-        ap.add_argument("--profile", default=None, help="use this profile JSON instead of calibrating afresh "
-                        "(the speed reference is then taken when it is loaded)")
+        ap.add_argument("--profile", default=None, help="use this profile JSON instead of calibrating afresh")
         ap.add_argument("--save-profile", default=None, help="also write the calibration used to this path")
         ap.add_argument("--timeout", type=float, default=600.0, help="per-configuration worker timeout (s)")
         ap.add_argument("--rounds", type=int, default=None,
@@ -300,17 +250,14 @@ def main() -> None:
     configs = _parse_configs(args.configs)
     load0 = common.load_average()
     idle = common.wait_for_idle(args.wait_idle)  # before the first run; each run waits again
-    profile, calib_s, ref_speed = None, 0.0, 0.0
-    speed = SpeedProbe()
+    profile, calib_s = None, 0.0
 
     def calibrate_now():
-        nonlocal profile, calib_s, ref_speed
+        nonlocal profile, calib_s
         common.wait_for_idle(args.wait_idle)
-        before = speed()
         t0 = time.perf_counter()
         profile = calibrate_once(args.profile)
         calib_s = time.perf_counter() - t0
-        ref_speed = (before + speed()) / 2
         if args.save_profile:
             profile.to_json(args.save_profile)
         print(f"calibrated in {calib_s:.1f} s: " + ", ".join(f"{k} {v:.4g}" for k, v in _profile_summary(profile).items()),
@@ -325,29 +272,23 @@ def main() -> None:
         if rnd == args.rounds // 2:
             calibrate_now()
         for c in configs:
-            runs[c].append(run_config(*c, steps, args.warmup, args.timeout, args.wait_idle, args.attempts, speed))
+            runs[c].append(run_config(*c, steps, args.warmup, args.timeout, args.wait_idle, args.attempts))
             P, D, mbs, B = c
             med = statistics.median(statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"]
                                                     for d in runs[c][-1]["docs"])
                                     for i in range(len(runs[c][-1]["docs"][0]["steps"])))
-            print(f"  round {rnd + 1}: P={P} D={D} mbs={mbs} B={B}: {med * 1e3:.1f} ms "
-                  f"(speed probe {runs[c][-1]['speed_s'] * 1e3:.1f} ms)", flush=True)
+            print(f"  round {rnd + 1}: P={P} D={D} mbs={mbs} B={B}: {med * 1e3:.1f} ms", flush=True)
     figures, rows = [], []
     for (P, D, mbs, B) in configs:
         name = f"P={P} D={D} mbs={mbs} B={B}"
         sim = predict(profile, P, D, mbs, B)
-        meas = summarize(P, runs[(P, D, mbs, B)], ref_speed)
+        meas = summarize(P, runs[(P, D, mbs, B)])
         err = sim["time_s"] / meas["time_s"] - 1.0
-        err_ref = sim["time_s"] / meas["time_at_calibration_speed_s"] - 1.0
         rows.append({"config": {"P": P, "D": D, "micro_batch_size": mbs, "global_batch": B, "m": sim["m"],
-                                "boundaries": BOUNDARIES[P]}, "measured": meas, "simulated": sim, "rel_error": err,
-                     "rel_error_at_calibration_speed": err_ref})
+                                "boundaries": BOUNDARIES[P]}, "measured": meas, "simulated": sim, "rel_error": err})
         print(f"{name:>24}: measured {meas['time_s'] * 1e3:8.1f} ms (p25 {meas['stats']['p25'] * 1e3:.1f}, "
               f"p75 {meas['stats']['p75'] * 1e3:.1f}, {meas['clean_steps']} clean steps)  simulated "
-              f"{sim['time_s'] * 1e3:8.1f} ms  error {err:+.1%}; machine speed vs calibration "
-              + " ".join(f"{f:.3f}" for f in meas["drift"])
-              + f": at calibration speed {meas['time_at_calibration_speed_s'] * 1e3:.1f} ms, error {err_ref:+.1%}",
-              flush=True)
+              f"{sim['time_s'] * 1e3:8.1f} ms  error {err:+.1%}", flush=True)
         for s, st in enumerate(meas["stages"]):
             print(f"{'':>26}stage {s}: F {st['F'] * 1e3:7.1f} R {st['R'] * 1e3:7.1f} B {st['B'] * 1e3:7.1f} "
                   f"wait F {st['wait_F'] * 1e3:6.1f} B {st['wait_B'] * 1e3:6.1f} "
@@ -357,23 +298,18 @@ def main() -> None:
         figures.append(common.Figure(name=f"simulated / measured mini-batch time, {name}", value=sim["time_s"],
                                      unit="s", baseline=meas["time_s"], ratio=abs(err), target=f"<= {TARGET}",
                                      detail={"rel_error": err, "measured": meas["stats"],
-                                             "round_medians_s": meas["round_medians_s"], "drift": meas["drift"],
-                                             "rel_error_at_calibration_speed": err_ref}))
-    for key, what in (("rel_error", "measured"), ("rel_error_at_calibration_speed",
-                                                  "measured at calibration speed (machine drift removed)")):
-        worst = max(abs(r[key]) for r in rows)
-        figures.append(common.Figure(name=f"max |simulated / {what} - 1| over configurations", value=worst,
-                                     unit="", ratio=worst, target=f"<= {TARGET}",
-                                     detail={"aim": AIM, "aim_met": worst <= AIM,
-                                             "mean_abs_error": statistics.mean(abs(r[key]) for r in rows)}))
+                                             "round_medians_s": meas["round_medians_s"]}))
+    worst = max(abs(r["rel_error"]) for r in rows)
+    figures.append(common.Figure(name="max |simulated / measured - 1| over configurations", value=worst, unit="",
+                                 ratio=worst, target=f"<= {TARGET}",
+                                 detail={"aim": AIM, "aim_met": worst <= AIM,
+                                         "mean_abs_error": statistics.mean(abs(r["rel_error"]) for r in rows)}))
     common.print_table("Simulator accuracy (ratio column = |relative error|)", figures)
     notes = ("One calibration (calibrate_job) feeds plan() for every configuration with the run's stage "
              "boundaries and micro-batch size, gpus_per_vm = P*D, compute_slots_per_vm = cpu count (all "
              "workers share this machine's cores). Measured: median over timed steps of the mean over ranks "
              "of their step() time (random tokens, demo AdamW). Ratio = "
-             "|simulated/measured - 1|. Machine drift: a speed probe (the model's forward + backward in one "
-             "process) next to the calibration and before and after every run; 'at calibration speed' divides "
-             "each run's steps by its probe's ratio to the calibration's.")
+             "|simulated/measured - 1|.")
     common.write_results("sim_accuracy", figures, notes, out=args.out,
                          machine=common.machine_info(worker_threads=1, idle_before=idle,
                                                      load_average=[load0, common.load_average()]),
