@@ -15,7 +15,7 @@ import pytest
 from varuna_sdk import _core
 from varuna_sdk.planner.plan import plan
 from varuna_sdk.planner.simulate import SimInput, SimOutput, allreduce_time
-from varuna_sdk.profiling.calibrate import compute_interference, fit_alpha_beta, oversubscription
+from varuna_sdk.profiling.calibrate import compute_interference, crowded_share, fit_alpha_beta, oversubscription
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile
 
 
@@ -101,6 +101,27 @@ def test_all_reduce_of_a_crowded_host_is_stretched_by_its_cpu_share():
     assert full - half == pytest.approx(ar * (oversubscription(4 * 1.0, 2) - oversubscription(4 * 0.5, 2)), rel=1e-6)
     # a share the cores can carry costs nothing extra: u·n = 2 cores' worth
     assert half == one_host(profile(ar_cpu_share=0.25), 1, 4, 2)
+
+
+def test_crowded_share_is_fitted_where_the_gradient_buckets_are():
+    alpha, beta, cores = 1e-3, 1e9, 2
+
+    def ring(n, b):
+        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * b / beta
+
+    # 4 participants on 2 cores, each keeping 0.62 of a core busy: the 32 MiB all-reduce is
+    # stretched 1.24x; the 1 MiB one, latency-bound, ran faster than the ring model says (as
+    # measured here: 0.86x) and must not drag u below the 0.5 at which crowding would vanish
+    probes = [(4, 1 << 20, 0.86 * ring(4, 1 << 20)), (4, 8 << 20, 1.24 * ring(4, 8 << 20)),
+              (4, 32 << 20, 1.24 * ring(4, 32 << 20))]
+    u = crowded_share(probes, alpha, beta, cores)
+    assert u == pytest.approx(0.62, abs=0.005)
+    # what the planner then charges the 32 MiB all-reduce: the measured time, within 1 %
+    assert ring(4, 32 << 20) * max(1.0, u * 4 / cores) == pytest.approx(probes[2][2], rel=0.01)
+    exact = [(4, b, ring(4, b) * 0.7 * 4 / cores) for b in (1 << 20, 8 << 20, 32 << 20)]
+    assert crowded_share(exact, alpha, beta, cores) == pytest.approx(0.7)  # a model that fits: recovered
+    with pytest.raises(ValueError, match="no crowded"):
+        crowded_share([], alpha, beta, cores)
 
 
 def test_compute_interference_slows_ranks_whose_host_is_busy():

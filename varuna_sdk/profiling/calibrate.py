@@ -493,6 +493,19 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], relative: bool = True)
     return alpha, 1.0 / slope
 
 
+def crowded_share(probes: Sequence[tuple[int, int, float]], alpha: float, beta: float, cores: int) -> float:
+    """The share ``u`` of a core an all-reduce participant keeps busy, from all-reduces with more
+    participants than ``cores``: ``(n, bytes, seconds)`` probes. The model (the planner's) is the
+    ring time stretched by the host's sharing, ``t = ring(n, bytes) · u·n / cores`` with
+    ``ring = 2(n-1)·alpha + 2(n-1)/n · bytes / beta`` (seconds; alpha in s, beta in bytes/s);
+    least squares with absolute residuals, so that the large buckets, which gradients are, decide
+    (the small ones are latency-bound and barely crowded). Raises ``ValueError`` without probes."""
+    if not probes:
+        raise ValueError("no crowded all-reduce probes (n > cores) to fit the CPU share from")
+    xs = [(2 * (n - 1) * alpha + 2 * (n - 1) / n * b / beta) * n / cores for n, b, _ in probes]
+    return sum(x * t for x, (_, _, t) in zip(xs, probes)) / sum(x * x for x in xs)
+
+
 def paired_ratio(lone: Sequence[float], crowded: Sequence[float]) -> float:
     """``median(crowded[i] / lone[i])`` over interleaved samples (seconds) of a probe run by one
     process alone and by several at once, ``crowded[i]`` taken just after ``lone[i]``: paired, so
@@ -552,13 +565,11 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     ar = res["allreduce"]
     alone = [row for row in ar if row[0] <= cores] or ar
     ar_alpha, ar_beta = fit_alpha_beta([(b / n, t / (2 * (n - 1))) for n, b, t in alone], relative=False)
-    # sharing: with more participants than cores, t = ring(n) · max(1, u·n / cores); u from those
-    # probes (buckets of >= 1 MiB) if any, else from the CPU time a participant used
+    # sharing: with more participants than cores, t = ring(n) · max(1, u·n / cores); u fitted to
+    # those probes (buckets of >= 1 MiB) if any, else from the CPU time a participant used
     crowded = [(n, b, t) for n, b, t in ar if n > cores and b >= 1 << 20]
     if crowded:
-        stretch = statistics.median(t / (2 * (n - 1) * ar_alpha + 2 * (n - 1) / n * b / ar_beta)
-                                    for n, b, t in crowded)
-        share = statistics.median(cores / n for n, _, _ in crowded) * stretch
+        share = crowded_share(crowded, ar_alpha, ar_beta, cores)
     else:
         n_min = min(n for n, _, _ in res["ar_cpu"])
         share = max((row for row in res["ar_cpu"] if row[0] == n_min), key=lambda row: row[1])[2]
