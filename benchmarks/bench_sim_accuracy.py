@@ -16,12 +16,13 @@ time from /proc/stat minus the workers' own CPU time); a run with fewer than hal
 is repeated after waiting for idle CPUs.
 
 Rounds. This 2-vCPU VM's speed drifts over minutes (other tenants: the same configuration's median
-has moved by 5-15 % between rounds a few minutes apart, and by 40 % in a bad minute), which no
+has moved by 5-20 % between rounds a few minutes apart, and by 40 % in a bad minute), which no
 simulator fed one calibration can foresee and which /proc/stat does not show. So the benchmark
 runs ``--rounds`` rounds; each calibrates, then runs every configuration once (A B C ...), and
 predicts that round's runs from that round's calibration — each prediction comes from one
 calibration taken minutes, not a quarter of an hour, before the run. A configuration's error is
-the median over the rounds of its per-round error (one disturbed round cannot decide it); the
+the median over the rounds of its per-round error (5 rounds by default: two disturbed rounds
+cannot decide it); the
 figure shows the simulated and measured time of that median round, and the JSON keeps every
 round's pair. With ``--profile`` every round uses that one profile.
 
@@ -32,8 +33,8 @@ and page faults — to trace a gap to its source.
 
 Targets (DESIGN.md): |error| <= 5 % on every configuration; aggregate max |error| <= 5 % (aim 3 %).
 
-Run: ``.venv/bin/python benchmarks/bench_sim_accuracy.py [--quick] [--steps 6] [--rounds 3]
-[--configs 1,1,2,8 2,1,2,8] [--profile PROFILE.json] [--save-profile PATH]`` (about 13 minutes).
+Run: ``.venv/bin/python benchmarks/bench_sim_accuracy.py [--quick] [--steps 6] [--rounds 5]
+[--configs 1,1,2,8 2,1,2,8] [--profile PROFILE.json] [--save-profile PATH]`` (about 22 minutes).
 """
 
 from __future__ import annotations
@@ -244,13 +245,13 @@ def main() -> None:
         ap.add_argument("--save-profile", default=None, help="also write the calibration to this path (the last round's)")
         ap.add_argument("--timeout", type=float, default=600.0, help="per-configuration worker timeout (s)")
         ap.add_argument("--rounds", type=int, default=None,
-                        help="rounds, each a calibration and one run of every configuration (default 3, quick 1)")
+                        help="rounds, each a calibration and one run of every configuration (default 5, quick 1)")
         ap.add_argument("--attempts", type=int, default=3,
                         help="runs per configuration at most, until half the timed steps are clean (default 3)")
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
     steps = args.steps or (2 if args.quick else 6)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     configs = _parse_configs(args.configs)
     load0 = common.load_average()
     idle = common.wait_for_idle(args.wait_idle)  # before the first run; each run waits again
