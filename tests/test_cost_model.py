@@ -104,10 +104,12 @@ def test_all_reduce_of_a_crowded_host_is_stretched_by_its_cpu_share():
 
 
 def test_crowded_share_is_fitted_where_the_gradient_buckets_are():
+    from varuna_sdk.profiling.profile import ring_allreduce_s
+
     alpha, beta, cores = 1e-3, 1e9, 2
 
     def ring(n, b):
-        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * b / beta
+        return ring_allreduce_s(b, n, alpha, beta)
 
     # 4 participants on 2 cores, each keeping 0.62 of a core busy: the 32 MiB all-reduce is
     # stretched 1.24x; the 1 MiB one, latency-bound, ran faster than the ring model says (as

@@ -39,7 +39,7 @@ from ..config import ParallelConfig
 from ..model.cutpoint import observe_cutpoints
 from ..model.materialize import build_on_meta, materialize
 from ..model.tracer import trace_model
-from .profile import NetworkProfile, Profile, SegmentProfile
+from .profile import NetworkProfile, Profile, SegmentProfile, ring_allreduce_s
 
 BatchFn = Callable[[int], tuple]  # micro_batch_size -> (inputs tuple, targets)
 
@@ -496,13 +496,13 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], relative: bool = True)
 def crowded_share(probes: Sequence[tuple[int, int, float]], alpha: float, beta: float, cores: int) -> float:
     """The share ``u`` of a core an all-reduce participant keeps busy, from all-reduces with more
     participants than ``cores``: ``(n, bytes, seconds)`` probes. The model (the planner's) is the
-    ring time stretched by the host's sharing, ``t = ring(n, bytes) · u·n / cores`` with
-    ``ring = 2(n-1)·alpha + 2(n-1)/n · bytes / beta`` (seconds; alpha in s, beta in bytes/s);
+    ring time stretched by the host's sharing, ``t = ring_allreduce_s(bytes, n, alpha, beta) ·
+    u·n / cores`` (seconds; alpha in s, beta in bytes/s);
     least squares with absolute residuals, so that the large buckets, which gradients are, decide
     (the small ones are latency-bound and barely crowded). Raises ``ValueError`` without probes."""
     if not probes:
         raise ValueError("no crowded all-reduce probes (n > cores) to fit the CPU share from")
-    xs = [(2 * (n - 1) * alpha + 2 * (n - 1) / n * b / beta) * n / cores for n, b, _ in probes]
+    xs = [ring_allreduce_s(b, n, alpha, beta) * n / cores for n, b, _ in probes]
     return sum(x * t for x, (_, _, t) in zip(xs, probes)) / sum(x * x for x in xs)
 
 

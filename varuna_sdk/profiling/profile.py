@@ -40,6 +40,14 @@ class SegmentProfile:
     param_bytes: int
 
 
+def ring_allreduce_s(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """Ring all-reduce of ``nbytes`` among ``n`` ranks (seconds): ``2(n-1)·alpha + 2(n-1)/n ·
+    nbytes / beta`` (alpha in seconds, beta in bytes/s); 0 for ``n <= 1``."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+
+
 @dataclass
 class NetworkProfile:
     """α–β models: p2p one-way time = ``p2p_alpha_s + bytes / p2p_beta_Bps``; ring all-reduce
@@ -63,9 +71,7 @@ class NetworkProfile:
         return self.p2p_alpha_s + nbytes / self.p2p_beta_Bps
 
     def allreduce_time(self, nbytes: float, n: int) -> float:
-        if n <= 1:
-            return 0.0
-        return 2 * (n - 1) * self.ar_alpha_s + 2 * (n - 1) / n * nbytes / self.ar_beta_Bps
+        return ring_allreduce_s(nbytes, n, self.ar_alpha_s, self.ar_beta_Bps)
 
 
 @dataclass
