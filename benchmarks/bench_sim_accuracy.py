@@ -22,9 +22,8 @@ runs ``--rounds`` rounds; each calibrates, then runs every configuration once (A
 predicts that round's runs from that round's calibration — each prediction comes from one
 calibration taken minutes, not a quarter of an hour, before the run. A configuration's error is
 the median over the rounds of its per-round error (5 rounds by default: two disturbed rounds
-cannot decide it); the
-figure shows the simulated and measured time of that median round, and the JSON keeps every
-round's pair. With ``--profile`` every round uses that one profile.
+cannot decide it); the figure shows the simulated and measured time of that median round, and
+the JSON keeps every round's pair. With ``--profile`` every round uses that one profile.
 
 Per configuration the JSON keeps, next to the pair and the relative error, a breakdown per stage:
 F/R/B compute (the engine's ``StepResult.compute_s`` less the time blocked on an input), waits,
@@ -156,6 +155,14 @@ def run_config(P: int, D: int, mbs: int, B: int, steps: int, warmup: int, timeou
             "attempts": runs, "idle_before": idle}
 
 
+def run_median_s(run: dict) -> float:
+    """One run's mini-batch time (seconds): the median over its clean steps of the mean over ranks
+    of their step period."""
+    docs = run["docs"]
+    return statistics.median(statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"] for d in docs)
+                             for i in range(len(docs[0]["steps"])))
+
+
 def summarize(P: int, run_list: list[dict]) -> dict:
     """Mini-batch time and per-stage breakdown over the clean steps of every run (round)."""
     # a rank's step() time is its step period (the loop around it only draws the batch); the
@@ -178,9 +185,8 @@ def summarize(P: int, run_list: list[dict]) -> dict:
                          "step_s": med(lambda st: st["time_s"]),
                          "cpu_user_s": med(lambda st: st["cpu_user_s"]), "cpu_sys_s": med(lambda st: st["cpu_sys_s"]),
                          "page_faults": med(lambda st: st["page_faults"])})
-    rounds = [statistics.median(statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"] for d in run["docs"])
-                                for i in range(len(run["docs"][0]["steps"]))) for run in run_list]
-    return {"time_s": statistics.median(times), "stats": common.stats(times), "round_medians_s": rounds,
+    return {"time_s": statistics.median(times), "stats": common.stats(times),
+            "round_medians_s": [run_median_s(run) for run in run_list],
             "stages": stages, "span_s": statistics.median(spans),
             "clean_steps": sum(run["clean_steps"] for run in run_list),
             "runs": [{k: v for k, v in run.items() if k != "docs"} for run in run_list]}
@@ -276,10 +282,7 @@ def main() -> None:
         profile = calibrate_now()
         for c in configs:
             run = run_config(*c, steps, args.warmup, args.timeout, args.wait_idle, args.attempts)
-            docs = run["docs"]
-            run["measured_s"] = statistics.median(statistics.mean(d["steps"][i]["t1"] - d["steps"][i]["t0"]
-                                                                  for d in docs)
-                                                  for i in range(len(docs[0]["steps"])))
+            run["measured_s"] = run_median_s(run)
             run["simulated"] = predict(profile, *c)
             run["rel_error"] = run["simulated"]["time_s"] / run["measured_s"] - 1.0
             P, D, mbs, B = c
