@@ -12,19 +12,27 @@ runtime's own schedule code simulates it; candidates whose lower bound cannot be
 their depth are skipped unsimulated (``csrc/search.h``), so the result equals an exhaustive
 enumeration.
 
+A second series times the best-only search (``plan(exhaustive=False)``, what the morph manager's
+what-ifs use): candidates of all depths best first by lower bound, stopping when none can beat the
+fastest found, so depths that cannot win are never split or simulated; its best row must equal the
+full search's, and its growth in G (log-log slope from G=8 to G=128) is the "about linear" figure.
+
 Figures: median wall time of ``plan()`` per G (several runs after one warm-up); what the C++ search
 did (``Plan.search_stats``: candidates, how many got a stage split and a bound, simulated, pruned,
 compute actions simulated); the bound's tightness on the rows (lower bound / simulated time); at
 G=128 the exhaustive enumeration (every candidate simulated with ``_core.evaluate``) for time and
 for agreement; and the comparison the paper invites: its simulator took 376–660 ms for ONE
 simulation at 128 GPUs (§7.2); ratio = ours / 376 ms.
-Targets (DESIGN.md): full search < 100 ms at G=128 (ratio < 0.266) and < 1 s at G=1024 (ratio < 2.66).
+Targets (DESIGN.md): full search < 100 ms at G=128 (ratio < 0.266) and < 1 s at G=1024 (ratio < 2.66);
+best-only search about linear in G: slope <= 1.2 from G=8 to G=128 (the full search's slope is
+printed beside it, without a target: each depth P simulates a pipeline of P stages).
 
 Run: ``.venv/bin/python benchmarks/bench_plan_speed.py [--quick] [--repeats N]``.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -42,6 +50,7 @@ GLOBAL_BATCH = 8192
 GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
 PAPER_ONE_SIM_S = (0.376, 0.660)  # Varuna paper §7.2: one simulation at 128 GPUs
 TARGETS_S = {128: 0.1, 1024: 1.0}  # DESIGN.md: full search
+SLOPE_TARGET = 1.2  # best-only search: t ~ G^slope from G=8 to G=128 ("about linear")
 
 
 def gpt2_like_profile(n_blocks: int = 94, d: int = 2560, heads: int = 32, T: int = 1024, V: int = 50257,
@@ -127,15 +136,21 @@ def main() -> None:
     load0 = common.load_average()
     plan(prof, 8, GLOBAL_BATCH)  # warm-up (imports, first allocation)
 
-    rows = {}
+    rows, fast = {}, {}
     for G in GPUS:
-        walls, inner = [], []
-        for _ in range(repeats):
+        walls, inner, fast_walls = [], [], []
+        for _ in range(repeats):  # interleaved: both series see the same machine
             t0 = time.perf_counter()
             pl = plan(prof, G, GLOBAL_BATCH)
             walls.append(time.perf_counter() - t0)
             inner.append(pl.search_s)
-        best = pl.best
+            t0 = time.perf_counter()
+            fpl = plan(prof, G, GLOBAL_BATCH, exhaustive=False)
+            fast_walls.append(time.perf_counter() - t0)
+        best, fbest = pl.best, fpl.best
+        fast[G] = {"wall": common.stats(fast_walls), **fpl.search_stats,
+                   "same_best": (fbest.P, fbest.D, fbest.micro_batch_size, fbest.stages, fbest.time_s) ==
+                                (best.P, best.D, best.micro_batch_size, best.stages, best.time_s)}
         rows[G] = {"wall": common.stats(walls), "search_s": common.stats(inner), **pl.search_stats,
                    "bound_over_time": bound_tightness(pl),
                    "best": {"P": best.P, "D": best.D, "micro_batch_size": best.micro_batch_size, "m": best.m,
@@ -160,6 +175,16 @@ def main() -> None:
               f"{r['simulated']:>9} {r['actions']:>9} {r['bound_over_time']['full']['median']:>6.4f} "
               f"{common.fmt_value(per_sim, 's'):>8} {w['median'] / t8:>7.1f} {r['excluded']:>4}  "
               f"{b['P']} x {b['D']}, {b['micro_batch_size']} x {b['m']}, {b['idle_gpus']}, {b['time_s']:.2f} s")
+    f8 = fast[GPUS[0]]["wall"]["median"]
+    print(f"\nbest-only search (plan(exhaustive=False)) vs G\n{'G':>5} {'median':>9} {'t/t(8)':>7} {'G/8':>5} "
+          f"{'split':>5} {'simulated':>9} {'actions':>8} {'pruned rows':>11}  same best as the full search")
+    for G, r in fast.items():
+        print(f"{G:>5} {common.fmt_value(r['wall']['median'], 's'):>9} {r['wall']['median'] / f8:>7.1f} {G / 8:>5.0f} "
+              f"{r['bounded']:>5} {r['simulated']:>9} {r['actions']:>8} {r['bound_rows']:>11}  {r['same_best']}")
+    slope = {name: math.log(series[128]["wall"]["median"] / series[8]["wall"]["median"]) / math.log(128 / 8)
+             for name, series in (("best_only", fast), ("full", rows))}
+    print(f"growth G=8 -> 128 as G^slope: best-only {slope['best_only']:.2f} (target <= {SLOPE_TARGET}), "
+          f"full search {slope['full']:.2f}")
     print(f"\nG=128 exhaustive enumeration (all {ex_runs} candidates evaluated): {ex_s * 1e3:.0f} ms = "
           f"{ex_s / rows[128]['wall']['median']:.1f}x the search; same rows: {ex_same}")
 
@@ -183,6 +208,18 @@ def main() -> None:
                                  baseline=rows[128]["wall"]["median"],
                                  detail={"candidates_evaluated": ex_runs, "same_rows_as_search": ex_same,
                                          "baseline_is": "the pruned search at G=128 (median)"}))
+    for G in GPUS:
+        r = fast[G]
+        figures.append(common.Figure(f"best-only plan search G={G}", r["wall"]["median"], "s",
+                                     baseline=rows[G]["wall"]["median"],
+                                     detail={"wall": r["wall"], "simulated": r["simulated"], "bounded": r["bounded"],
+                                             "actions": r["actions"], "pruned_rows": r["bound_rows"],
+                                             "same_best_as_full_search": r["same_best"],
+                                             "baseline_is": f"the full search at G={G} (median)"}))
+    figures.append(common.Figure("best-only search growth G=8 -> 128 (slope of log t vs log G)", slope["best_only"],
+                                 "", ratio=slope["best_only"], target=f"<= {SLOPE_TARGET}",
+                                 detail={"full_search_slope": slope["full"],
+                                         "all_same_best": all(r["same_best"] for r in fast.values())}))
     common.print_table("Planner speed (baseline: the paper's one simulation at 128 GPUs, 376 ms)", figures)
 
     growth = {G: rows[G]["wall"]["median"] / t8 for G in GPUS}
@@ -203,13 +240,19 @@ def main() -> None:
         f"Lower bound / simulated time on the rows, median over rows at G=128: "
         f"{rows[128]['bound_over_time']['full']['median']:.4f} (split-free bound "
         f"{rows[128]['bound_over_time']['split_free']['median']:.3f}). Exhaustive enumeration at G=128 "
-        f"({ex_runs} candidates evaluated, none pruned): {ex_s * 1e3:.0f} ms, same rows as the search: {ex_same}.")
+        f"({ex_runs} candidates evaluated, none pruned): {ex_s * 1e3:.0f} ms, same rows as the search: {ex_same}. "
+        f"Best-only search (plan(exhaustive=False)): G=8 {fast[8]['wall']['median'] * 1e3:.2f} ms, G=128 "
+        f"{fast[128]['wall']['median'] * 1e3:.2f} ms, G=1024 {fast[1024]['wall']['median'] * 1e3:.2f} ms; growth "
+        f"G=8 -> 128 as G^{slope['best_only']:.2f} (target <= {SLOPE_TARGET}: "
+        f"{'met' if slope['best_only'] <= SLOPE_TARGET else 'NOT met'}; the full search: G^{slope['full']:.2f}); "
+        f"same best row as the full search at every G: {all(r['same_best'] for r in fast.values())}.")
     common.write_results("plan_speed", figures, notes,
                          machine=common.machine_info(load_average=[load0, load1], idle_before=idle),
                          extra={"config": {"global_batch": GLOBAL_BATCH, "gpus": list(GPUS), "repeats": repeats,
                                            "segments": n, "micro_batch_sizes": prof.micro_batch_sizes,
                                            "searched_sizes": candidate_micro_batch_sizes(prof, GLOBAL_BATCH)},
                                 "per_G": {str(G): r for G, r in rows.items()}, "growth_vs_G8": growth,
+                                "best_only_per_G": {str(G): r for G, r in fast.items()}, "slope_8_to_128": slope,
                                 "quick": args.quick},
                          out=args.out)
 

@@ -187,7 +187,8 @@ void bind_search(py::module_& m) {
         .def_readwrite("ar_cpu_share", &SearchInput::ar_cpu_share)
         .def_readwrite("opt_parallelism", &SearchInput::opt_parallelism)
         .def_readwrite("compute_interference", &SearchInput::compute_interference)
-        .def_readwrite("sim_cap", &SearchInput::sim_cap);
+        .def_readwrite("sim_cap", &SearchInput::sim_cap)
+        .def_readwrite("exhaustive", &SearchInput::exhaustive);
     py::class_<Candidate>(m, "Candidate", "One configuration found by search().")
         .def_readonly("P", &Candidate::P)
         .def_readonly("D", &Candidate::D)
@@ -200,6 +201,7 @@ void bind_search(py::module_& m) {
         .def_readonly("stage_memory", &Candidate::stage_memory)
         .def_readonly("stage_compute", &Candidate::stage_compute)
         .def_readonly("feasible", &Candidate::feasible)
+        .def_readonly("simulated", &Candidate::simulated)
         .def_readonly("reason", &Candidate::reason);
     m.def(
         "search", [](const SearchInput& in) { return varuna::search(in); }, py::arg("input"),
@@ -222,10 +224,12 @@ void bind_search(py::module_& m) {
             d["simulated"] = st.simulated;
             d["pruned"] = st.pruned;
             d["actions"] = st.actions;
+            d["bound_rows"] = st.bound_rows;
             return py::make_tuple(rows, d);
         },
         py::arg("input"),
-        "search() and what it did: {depths, candidates, bounded, splits, split_failed, simulated, pruned, actions}.");
+        "search() and what it did: {depths, candidates, bounded, splits, split_failed, simulated, pruned, actions, "
+        "bound_rows}.");
     m.def("evaluate", &varuna::evaluate, py::arg("input"), py::arg("P"), py::arg("D"), py::arg("table_index"),
           py::call_guard<py::gil_scoped_release>(),
           "One (P, D, micro-batch table) as search() evaluates it (split, simulation, memory).");

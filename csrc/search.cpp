@@ -660,12 +660,110 @@ bool faster(const Candidate& a, const Candidate& b) {
     return a.micro_batch_size > b.micro_batch_size;
 }
 
+// Across depths (the order of the ranked rows): time, then the shallower pipeline, then faster().
+bool faster_overall(const Candidate& a, const Candidate& b) {
+    if (a.minibatch_time != b.minibatch_time) return a.minibatch_time < b.minibatch_time;
+    if (a.P != b.P) return a.P < b.P;
+    return faster(a, b);
+}
+
 // An infeasible row shows the reason of the candidate with the most replicas and the smallest
 // micro-batch (the least memory per GPU).
 bool shown_first(const Candidate& a, const Candidate& b) {
     if (a.D != b.D) return a.D > b.D;
     return a.micro_batch_size < b.micro_batch_size;
 }
+
+// One (D, micro-batch) of a depth.  key: its best known lower bound on the mini-batch time
+// (split_free_bound() before its split, time_lower_bound() after).
+struct Option {
+    double key;
+    int D, ti;
+    bool split = false;
+    Candidate c;
+    SimConfig cfg;
+};
+
+// One pipeline depth P under search: its options, shared splits, the fastest simulated
+// candidate and the reason an infeasible row shows.
+struct Depth {
+    int P = 0;
+    std::vector<int> Ds;  // replica counts, most first
+    SplitCache splits;
+    std::vector<Option> opts;
+    Candidate best, shown;
+    bool have = false, have_shown = false;
+
+    void show(const Candidate& c) {
+        if (!have_shown || shown_first(c, shown)) shown = c;
+        have_shown = true;
+    }
+    // An option with lower bound `key` (its P, D, micro-batch) as a candidate to compare.
+    Candidate probe(const SearchInput& in, const Option& o) const {
+        Candidate c;
+        c.minibatch_time = o.key;
+        c.P = P;
+        c.D = o.D;
+        c.micro_batch_size = in.tables[static_cast<std::size_t>(o.ti)].micro_batch_size;
+        return c;
+    }
+    // Split option o (its key becomes its full bound); false when no split fits memory.
+    bool split(const SearchInput& in, Option& o, SearchStats& st) {
+        const SegmentTable& t = in.tables[static_cast<std::size_t>(o.ti)];
+        o.split = true;
+        o.c = new_candidate(in, P, o.D, o.ti);
+        const int m_max = in.global_batch / (t.micro_batch_size * Ds.back());
+        o.c.starts = !in.fixed_starts.empty() ? in.fixed_starts : splits.get(in, P, o.c.m, o.ti, m_max);
+        if (o.c.starts.empty()) {
+            ++st.split_failed;
+            o.c.reason = no_split_reason(in, P, t);
+            show(o.c);
+            return false;
+        }
+        ++st.bounded;
+        o.cfg = candidate_config(in, o.c, t);
+        o.key = std::max(o.key, time_lower_bound(o.cfg));
+        return true;
+    }
+    // Simulate a split option; keep it if it is this depth's fastest feasible one.
+    void simulate(const SearchInput& in, Option& o, SearchStats& st) {
+        ++st.simulated;
+        Candidate c = run_candidate(in, std::move(o.c), std::move(o.cfg), in.tables[static_cast<std::size_t>(o.ti)],
+                                    &st.actions);
+        if (!c.feasible) {
+            show(c);
+        } else if (!have || faster(c, best)) {
+            best = std::move(c);
+            have = true;
+        }
+    }
+    // The row of a depth none of whose candidates was simulated because none could beat the
+    // fastest found elsewhere (best-only search): option o's identity (the smallest lower bound
+    // left, kept as minibatch_time), infeasible, not simulated, no split.
+    Candidate pruned_row(const SearchInput& in, const Option& o) const {
+        Candidate c = new_candidate(in, P, o.D, o.ti);
+        c.minibatch_time = o.key;
+        c.simulated = false;
+        c.reason = "pruned: cannot beat the fastest candidate found (best-only search)";
+        return c;
+    }
+    // The row when no candidate is feasible.
+    Candidate excluded_row(const SearchInput& in) const {
+        if (have_shown) {
+            Candidate c = shown;
+            c.feasible = false;
+            return c;
+        }
+        const int D = Ds.empty() ? 1 : Ds.front();
+        Candidate c;
+        c.P = P;
+        c.D = D;
+        c.idle_gpus = in.gpus - P * D;
+        c.reason = "no candidate micro-batch size divides the replica batch " + std::to_string(in.global_batch / D) +
+                   (Ds.size() > 1 ? " for any replica count D <= " + std::to_string(D) : "");
+        return c;
+    }
+};
 
 }  // namespace
 
@@ -755,112 +853,101 @@ std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
     });
     std::vector<TableSums> sums;
     for (const auto& t : in.tables) sums.push_back(table_sums(in, t));
-    // One (D, micro-batch) of the current depth.  key: its best known lower bound on the
-    // mini-batch time (split_free_bound() before its split, time_lower_bound() after).
-    struct Option {
-        double key;
-        int D, ti;
-        bool split = false;
-        Candidate c;
-        SimConfig cfg;
+    // Pop order of options (best first): the smaller key, then the order faster_overall() prefers.
+    std::vector<Depth> depths;
+    auto later = [&](std::pair<int, int> x, std::pair<int, int> y) {
+        const Depth &dx = depths[static_cast<std::size_t>(x.first)], &dy = depths[static_cast<std::size_t>(y.first)];
+        const Option &a = dx.opts[static_cast<std::size_t>(x.second)], &b = dy.opts[static_cast<std::size_t>(y.second)];
+        if (a.key != b.key) return a.key > b.key;
+        return faster_overall(dy.probe(in, b), dx.probe(in, a));
     };
+    using Queue = std::priority_queue<std::pair<int, int>, std::vector<std::pair<int, int>>, decltype(later)>;
     for (int P = minP; P <= maxP; ++P) {
-        ++st.depths;
-        std::vector<int> Ds;  // replica counts, most first
+        Depth d;
+        d.P = P;
         if (in.fixed_replicas > 0) {
-            Ds.push_back(in.fixed_replicas);
+            d.Ds.push_back(in.fixed_replicas);
         } else {
             for (int D = in.gpus / P; D >= 1; --D)
-                if (in.global_batch % D == 0) Ds.push_back(D);
+                if (in.global_batch % D == 0) d.Ds.push_back(D);
         }
-        SplitCache splits;
-        std::vector<Option> opts;
-        Candidate shown;  // the reason of an infeasible row
-        bool have_shown = false;
-        auto show = [&](const Candidate& c) {
-            if (!have_shown || shown_first(c, shown)) shown = c;
-            have_shown = true;
-        };
-        for (int D : Ds)
+        for (int D : d.Ds)
             for (int ti : order) {
                 const int b = in.tables[static_cast<std::size_t>(ti)].micro_batch_size;
                 if ((in.global_batch / D) % b != 0) continue;
                 const int m = in.global_batch / (b * D);
-                opts.push_back(Option{split_free_bound(in, sums[static_cast<std::size_t>(ti)], P, m), D, ti, false, {}, {}});
+                const double key = split_free_bound(in, sums[static_cast<std::size_t>(ti)], P, m);
+                d.opts.push_back(Option{key, D, ti, false, {}, {}});
             }
-        st.candidates += static_cast<long long>(opts.size());
-        // Best first: the option with the smallest key is split (its key becomes its full bound)
-        // or, once split, simulated; stop when no key can beat the best time of this depth.
-        // Ties: the order faster() prefers (fewer GPUs, larger micro-batch).
-        auto later = [&](int i, int j) {
-            const Option &a = opts[static_cast<std::size_t>(i)], &b = opts[static_cast<std::size_t>(j)];
-            if (a.key != b.key) return a.key > b.key;
-            if (a.D != b.D) return a.D > b.D;
-            const int ba = in.tables[static_cast<std::size_t>(a.ti)].micro_batch_size;
-            const int bb = in.tables[static_cast<std::size_t>(b.ti)].micro_batch_size;
-            return ba < bb;
-        };
-        std::priority_queue<int, std::vector<int>, decltype(later)> queue(later);
-        for (int i = 0; i < static_cast<int>(opts.size()); ++i) queue.push(i);
-        Candidate best;
-        bool have = false;
-        while (!queue.empty()) {
-            Option& o = opts[static_cast<std::size_t>(queue.top())];
-            const int idx = queue.top();
-            queue.pop();
-            const SegmentTable& t = in.tables[static_cast<std::size_t>(o.ti)];
-            if (have) {  // o's time is >= o.key: can it still beat best?
-                Candidate probe;
-                probe.minibatch_time = o.key;
-                probe.D = o.D;
-                probe.micro_batch_size = t.micro_batch_size;
-                if (!faster(probe, best)) {
-                    st.pruned += 1 + static_cast<long long>(queue.size());
-                    break;  // every other key is >= this one
+        st.candidates += static_cast<long long>(d.opts.size());
+        depths.push_back(std::move(d));
+    }
+    st.depths = static_cast<long long>(depths.size());
+    std::vector<Candidate> pruned_rows(depths.size());
+    std::vector<bool> is_pruned(depths.size(), false);
+    if (in.exhaustive) {
+        // One depth at a time, best first: the option with the smallest key is split (its key
+        // becomes its full bound) or, once split, simulated; stop when no key can beat the
+        // depth's best time.
+        for (int di = 0; di < static_cast<int>(depths.size()); ++di) {
+            Depth& d = depths[static_cast<std::size_t>(di)];
+            Queue queue(later);
+            for (int i = 0; i < static_cast<int>(d.opts.size()); ++i) queue.push({di, i});
+            while (!queue.empty()) {
+                const int i = queue.top().second;
+                Option& o = d.opts[static_cast<std::size_t>(i)];
+                if (d.have && !faster(d.probe(in, o), d.best)) {
+                    st.pruned += static_cast<long long>(queue.size());  // every other key is >= this one
+                    break;
                 }
-            }
-            if (!o.split) {
-                o.split = true;
-                o.c = new_candidate(in, P, o.D, o.ti);
-                o.c.starts = !in.fixed_starts.empty() ? in.fixed_starts : splits.get(in, P, o.c.m, o.ti, in.global_batch / (t.micro_batch_size * Ds.back()));
-                if (o.c.starts.empty()) {
-                    ++st.split_failed;
-                    o.c.reason = no_split_reason(in, P, t);
-                    show(o.c);
+                queue.pop();
+                if (!o.split) {
+                    if (d.split(in, o, st)) queue.push({di, i});
                     continue;
                 }
-                ++st.bounded;
-                o.cfg = candidate_config(in, o.c, t);
-                o.key = std::max(o.key, time_lower_bound(o.cfg));
-                queue.push(idx);
+                d.simulate(in, o, st);
+            }
+        }
+    } else {
+        // Best first over every depth's options at once: stop when no key can beat the fastest
+        // candidate found anywhere.  A depth's row is then its fastest simulated candidate (exact
+        // time, not necessarily its depth's fastest), else, with options left, a pruned row.
+        Queue queue(later);
+        for (int di = 0; di < static_cast<int>(depths.size()); ++di)
+            for (int i = 0; i < static_cast<int>(depths[static_cast<std::size_t>(di)].opts.size()); ++i)
+                queue.push({di, i});
+        Candidate top;
+        bool have_top = false;
+        while (!queue.empty()) {
+            const auto [di, i] = queue.top();
+            Depth& d = depths[static_cast<std::size_t>(di)];
+            Option& o = d.opts[static_cast<std::size_t>(i)];
+            if (have_top && !faster_overall(d.probe(in, o), top)) break;
+            queue.pop();
+            if (!o.split) {
+                if (d.split(in, o, st)) queue.push({di, i});
                 continue;
             }
-            ++st.simulated;
-            Candidate c = run_candidate(in, std::move(o.c), std::move(o.cfg), t, &st.actions);
-            if (c.feasible) {
-                if (!have || faster(c, best)) best = std::move(c);
-                have = true;
-            } else {
-                show(c);
+            d.simulate(in, o, st);
+            if (d.have && (!have_top || faster_overall(d.best, top))) {
+                top = d.best;
+                have_top = true;
             }
         }
-        if (!have) {
-            if (have_shown) {
-                best = shown;
-            } else {
-                const int D = Ds.empty() ? 1 : Ds.front();
-                best = Candidate{};
-                best.P = P;
-                best.D = D;
-                best.idle_gpus = in.gpus - P * D;
-                best.reason = "no candidate micro-batch size divides the replica batch " +
-                              std::to_string(in.global_batch / D) +
-                              (Ds.size() > 1 ? " for any replica count D <= " + std::to_string(D) : "");
-            }
-            best.feasible = false;
+        st.pruned += static_cast<long long>(queue.size());
+        for (; !queue.empty(); queue.pop()) {  // popped smallest key first: a depth's first is its bound
+            const auto [di, i] = queue.top();
+            Depth& d = depths[static_cast<std::size_t>(di)];
+            if (d.have || is_pruned[static_cast<std::size_t>(di)]) continue;
+            pruned_rows[static_cast<std::size_t>(di)] = d.pruned_row(in, d.opts[static_cast<std::size_t>(i)]);
+            is_pruned[static_cast<std::size_t>(di)] = true;
+            ++st.bound_rows;
         }
-        out.push_back(std::move(best));
-        st.splits += splits.runs;
+    }
+    for (std::size_t di = 0; di < depths.size(); ++di) {
+        Depth& d = depths[di];
+        out.push_back(d.have ? std::move(d.best) : is_pruned[di] ? std::move(pruned_rows[di]) : d.excluded_row(in));
+        st.splits += d.splits.runs;
     }
     std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
         if (a.feasible != b.feasible) return a.feasible;

@@ -22,12 +22,17 @@
 // Cost.  Per depth P: O(#D x #sizes) split-free bounds, a few splits (binary search on the
 // bottleneck, O(P log n) per packing; shared between m where memory allows), and usually one
 // simulation (rarely a few) of min(m, max(P + 8, 64)) micro-batches on P stages, i.e.
-// O(P * max(P + 8, 64)) actions.  So the cost is NOT linear in G: below the segment count n it
-// grows ~quadratically in G (each depth simulates 64 micro-batches up to P ~ 56) and then
-// ~cubically (P + 8 micro-batches per depth) up to G = n; beyond n the depths stop growing and
-// only the replica counts (about log G of them for a power-of-two B), bounded but rarely
-// simulated, grow.  Measured by benchmarks/bench_plan_speed.py (96 segments: ~0.3 ms at G=8,
-// ~70 ms at G=128, ~90 ms at G=1024 on the 2-core testbed).
+// O(P * max(P + 8, 64)) actions.  So the exhaustive search is NOT linear in G: below the
+// segment count n it grows ~quadratically in G (each depth simulates 64 micro-batches up to
+// P ~ 56) and then ~cubically (P + 8 micro-batches per depth) up to G = n; beyond n the depths
+// stop growing and only the replica counts (about log G of them for a power-of-two B), bounded
+// but rarely simulated, grow.  The best-only search (SearchInput::exhaustive false) takes the
+// options of ALL depths best first and stops when no bound can beat the fastest candidate
+// found: every depth costs its split-free bounds (O(#D x #sizes), no split), and only the few
+// options whose bound is below the best are split or simulated, so it grows about linearly in
+// G.  Measured by benchmarks/bench_plan_speed.py (96 segments, 2-core testbed: exhaustive
+// ~1.6 ms at G=8, ~76 ms at G=128, ~94 ms at G=1024; best only ~0.8 / 2.6 / 6.6 ms, G^0.4
+// from G=8 to 128, the same best row at every G).
 //
 // Pure C++17, no Python types.  Units: seconds, bytes, bytes/s.
 #pragma once
@@ -78,6 +83,12 @@ struct SearchInput {
     // Longest mini-batch simulated event by event; longer ones add the steady-state rate
     // for the remaining micro-batches (0 = max(P + 8, 64)).
     int sim_cap = 0;
+    // true: every depth's row is its fastest candidate, simulated.  false (best only): search
+    // best first across all depths and stop once no lower bound can beat the fastest candidate
+    // found; a depth's row is then its fastest simulated candidate (not necessarily its depth's
+    // fastest), or, if none was simulated, an infeasible row with Candidate::simulated false
+    // and its smallest lower bound as minibatch_time.  The fastest row is the same either way.
+    bool exhaustive = true;
 };
 
 struct Candidate {
@@ -88,6 +99,9 @@ struct Candidate {
     std::vector<double> stage_memory;        // bytes, per stage (peak)
     std::vector<double> stage_compute;       // seconds per micro-batch (F+R+B), per stage
     bool feasible = false;
+    // false: a best-only search's row whose candidates could not beat the fastest found and
+    // were not simulated (infeasible, reason "pruned: ..."); minibatch_time is then a lower bound
+    bool simulated = true;
     std::string reason;                      // why not feasible (empty if feasible)
 };
 
@@ -117,6 +131,7 @@ struct SearchStats {
     long long simulated = 0;      // evaluate()d: simulated event by event
     long long pruned = 0;         // skipped: lower bound >= the best time found for that P
     long long actions = 0;        // compute actions simulated (all simulations)
+    long long bound_rows = 0;     // pruned rows (best-only search: no candidate of the depth simulated)
 };
 
 // One candidate's mini-batch simulated event by event for its full m (no steady-state

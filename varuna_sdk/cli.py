@@ -76,7 +76,7 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
     common = dict(policy=args.policy or par.policy, recompute=par.recompute,
                   network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
                   prices=prices, target_examples=args.target_examples, **placement)
-    pl = plan(prof, G, B, **common)
+    pl = plan(prof, G, B, exhaustive=not args.best_only, **common)
     print(pl.table(top=args.top))
     print(f"placement: {where}")
     if not pl.feasible:
@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--on-demand-price", dest="on_demand_price", type=float, help="$ per GPU-hour, on-demand")
     sp.add_argument("--target-examples", dest="target_examples", type=int, help="show time and cost to this many examples")
     sp.add_argument("--top", type=int, default=12)
+    sp.add_argument("--best-only", dest="best_only", action="store_true",
+                    help="stop once no candidate can beat the best found (about linear in --gpus; other depths are "
+                         "not ranked exactly)")
     sp = sub.add_parser("dashboard", help="serve a job's live dashboard to the team (read-only, login required)")
     sp.add_argument("run_dir", help="the job's run folder (holding events.db), or the events.db file")
     sp.add_argument("--port", type=int, default=5006, help="TCP port (default 5006; 0 picks a free one)")

@@ -302,8 +302,11 @@ class Manager:
                 not (h.name in self._noticed and self._noticed[h.name] > now - 3600) and
                 not (h.name in self._suspect and self._suspect[h.name] > now - SUSPECT_S)]
 
-    def _replan(self, hosts: list[Host], *, first: bool) -> tuple[JobConfig, Any, Any, list[Host]]:
-        """Best plan for ``hosts``; returns (job for it, Plan, row, hosts used in rank order)."""
+    def _replan(self, hosts: list[Host], *, first: bool, best_only: bool = False
+                ) -> tuple[JobConfig, Any, Any, list[Host]]:
+        """Best plan for ``hosts``; returns (job for it, Plan, row, hosts used in rank order).
+        ``best_only``: a what-if that needs only the best row (a best-only search, about linear in
+        the GPUs); the plan a generation runs, shown on the dashboard, simulates every depth."""
         from ..planner.plan import plan_for_job
 
         G = pool_slots(hosts)
@@ -316,14 +319,14 @@ class Manager:
         slots = (os.cpu_count() or 1) if local else 0
         try:
             job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                     keep_fixed=first)
+                                     keep_fixed=first, exhaustive=not best_only)
         except ConfigError:
             if not first:
                 raise
             job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
             job.parallel.boundaries = None
             job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                     keep_fixed=False)
+                                     keep_fixed=False, exhaustive=not best_only)
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
         need = job_g.parallel.P * job_g.parallel.D
         used, n = [], 0
@@ -638,7 +641,7 @@ class Manager:
         if pool_slots(hosts) <= run.job.parallel.P * run.job.parallel.D:
             return
         try:
-            _, _, row, _ = self._replan(hosts, first=False)
+            _, _, row, _ = self._replan(hosts, first=False, best_only=True)
         except (ConfigError, ValueError):
             return
         since = time.time() - max(self._last_morph_time, run.started)
@@ -679,7 +682,7 @@ class Manager:
                 continue
             others = [h for h in self._usable_hosts() if h.name != host]
             try:
-                alt = self._replan(others, first=False)[2] if others else None
+                alt = self._replan(others, first=False, best_only=True)[2] if others else None
                 exclude, with_it, without = judge_straggler(run.plan, run.row, rank, slowdown, alt)
             except (ConfigError, ValueError):
                 continue

@@ -57,7 +57,10 @@ class PlanRow:
     GPUs the configuration uses (P·D; idle GPUs are reported, not billed); a number that does not
     apply (the time of an excluded row, time and cost to target without ``target_examples``) is
     NaN here and ``None`` in ``Plan.to_dict()``. For an excluded row, ``D`` and
-    ``micro_batch_size`` are those of the candidate its ``reason`` describes."""
+    ``micro_batch_size`` are those of the candidate its ``reason`` describes. ``lower_bound_s`` is
+    set (seconds per mini-batch) only on the excluded row of a depth that a best-only search
+    (``plan(exhaustive=False)``) pruned without simulating: the smallest lower bound of its
+    candidates, above the best row's time (``pruned`` is then True)."""
 
     P: int
     D: int
@@ -75,6 +78,12 @@ class PlanRow:
     cost_per_1k_on_demand: float = math.nan
     time_to_target_s: float = math.nan
     cost_to_target_spot: float = math.nan
+    lower_bound_s: float = math.nan
+
+    @property
+    def pruned(self) -> bool:
+        """True for a depth a best-only search ruled out by its lower bound, without simulating it."""
+        return not math.isnan(self.lower_bound_s)
 
     def parallel_config(self, global_batch: int, policy: str = "varuna", recompute: bool | None = None) -> ParallelConfig:
         """This row as a ``ParallelConfig`` (explicit stage boundaries, so the run uses this split)."""
@@ -88,7 +97,9 @@ class Plan:
     pipeline depth P (its fastest replica count D and micro-batch size), feasible rows fastest
     first, then excluded rows with their reasons. ``str(plan)`` is a table. ``search_stats``: what
     the C++ search did (depths, candidates, bounded, splits, split_failed, simulated, pruned,
-    actions; see ``csrc/search.h``)."""
+    actions, bound_rows; see ``csrc/search.h``). ``exhaustive``: False for a best-only search
+    (``plan(exhaustive=False)``), whose rows other than the best are the fastest candidate it
+    happened to simulate for their depth, or excluded as pruned."""
 
     gpus: int
     global_batch: int
@@ -100,6 +111,7 @@ class Plan:
     search_s: float
     notes: list[str] = field(default_factory=list)
     search_stats: dict = field(default_factory=dict)
+    exhaustive: bool = True
     _search: object = field(default=None, repr=False, compare=False)
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
 
@@ -137,7 +149,9 @@ class Plan:
         if self.target_examples:
             hdr += f" {'to target':>10} {'$ to target':>11}"
         lines = [f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
-                 f"{' + recompute' if self.recompute else ''} (searched in {self.search_s * 1e3:.1f} ms)", hdr]
+                 f"{' + recompute' if self.recompute else ''} (searched in {self.search_s * 1e3:.1f} ms"
+                 f"{'' if self.exhaustive else '; best-only search: rows after the first are not ranked exactly'})",
+                 hdr]
         for i, r in enumerate(self.feasible[:top]):
             line = (f"{i + 1:>4} {r.P:>3} {r.D:>4} {r.micro_batch_size:>4} {r.m:>5} {r.idle_gpus:>4} "
                     f"{_dur(r.time_s):>10} {r.examples_per_s:>9.2f} {r.bubble_fraction:>6.1%} "
@@ -150,7 +164,16 @@ class Plan:
             lines.append(f"     ... {more} more feasible configuration{'s' if more > 1 else ''} "
                          f"(table(top={len(self.feasible)}) shows all)")
         for r in self.excluded:
-            lines.append(f"  excluded P={r.P}: {r.reason}")
+            if not r.pruned:
+                lines.append(f"  excluded P={r.P}: {r.reason}")
+        pruned = [r for r in self.excluded if r.pruned]
+        if pruned:  # one line: a best-only search prunes most depths
+            lo = min(pruned, key=lambda r: r.lower_bound_s)
+            many = "s" if len(pruned) > 1 else ""
+            lines.append(f"  pruned P={_ranges([r.P for r in pruned])} ({len(pruned)} depth{many}, not simulated): "
+                         "each needs more time per mini-batch than the best row (lower bounds "
+                         f">= {_dur(lo.lower_bound_s)}, at P={lo.P}); plan(..., exhaustive=True) or `varuna plan` "
+                         "without --best-only simulates every depth")
         if self.prices.example:
             lines.append(f"  prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
                          f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) "
@@ -214,6 +237,17 @@ def _plain(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def _ranges(xs: Sequence[int]) -> str:
+    """Sorted ints as runs: [1, 2, 3, 5, 7, 8] -> "1-3, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for x in sorted(xs):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _dur(s: float) -> str:
@@ -409,6 +443,10 @@ def _reason(c, inp, sizes: list[int]) -> str:
     """Why the infeasible candidate ``c`` cannot run, in bytes the user can act on: the memory
     limit and the least a split into c.P stages needs (or the stage over the limit), else the
     search's own reason (no micro-batch size divides the replica batch)."""
+    if not c.simulated:
+        return (f"pruned by the best-only search: its candidates need at least {_dur(c.minibatch_time)} per "
+                "mini-batch (lower bound), more than the best row; plan(..., exhaustive=True) (varuna plan "
+                "without --best-only) simulates it")
     limit = inp.memory_limit
     if limit > 0 and c.micro_batch_size and not c.starts:
         need = _least_split_memory(inp, c.P, c.D, sizes.index(c.micro_batch_size))
@@ -467,6 +505,7 @@ def plan(
     target_examples: int | None = None,
     max_depth: int | None = None,
     replicas: int | None = None,
+    exhaustive: bool = True,
 ) -> Plan:
     """Rank every configuration of ``gpus`` GPUs for a fixed ``global_batch`` (paper §4.4).
 
@@ -498,6 +537,13 @@ def plan(
         max_depth: largest P tried, an int >= 1 (default min(gpus, segments)).
         replicas: a data-parallel width D fixed by the user (must divide ``global_batch`` and be
             <= ``gpus``); only depths P <= gpus / D are offered. Default: chosen per P.
+        exhaustive: True (default): every depth's row is its fastest candidate, simulated; the
+            cost grows about quadratically in G below the segment count (each depth P simulates a
+            pipeline of P stages). False (best only, for re-planning under a morph): candidates of
+            all depths are taken best first by lower bound and the search stops when none can
+            beat the fastest found, so it costs about linearly in G; the best row is the same,
+            other rows are the fastest candidate simulated for their depth (not necessarily its
+            fastest), and depths never simulated are excluded as pruned (``PlanRow.pruned``).
 
     Raises ``ConfigError`` for bad arguments (each checked before any work, the message saying
     what to pass instead) and ``ProfileError`` naming what the profile lacks.
@@ -541,6 +587,8 @@ def plan(
     if prices is not None and not isinstance(prices, Prices):
         raise ConfigError(f"prices={prices!r} must be a Prices(spot_per_gpu_hour=..., on_demand_per_gpu_hour=...) "
                           "or None for the example prices")
+    if not isinstance(exhaustive, (bool, np.bool_)):
+        raise ConfigError(f"exhaustive={exhaustive!r} must be True (simulate every depth's row) or False (best only)")
     if target_examples is not None:
         _positive("target_examples", target_examples,
                   "pass the examples to train on, e.g. 10**7, or None for no time/cost-to-target columns")
@@ -585,6 +633,7 @@ def plan(
     inp.opt_parallelism = profile.opt_parallelism
     inp.compute_interference = profile.compute_interference
     inp.ar_cpu_share = profile.network.ar_cpu_share if profile.network is not None else 1.0
+    inp.exhaustive = bool(exhaustive)
     if boundaries is not None:
         inp.fixed_starts = [b[0] for b in boundaries]
     sim = _core.SimConfig()
@@ -610,7 +659,8 @@ def plan(
         row = PlanRow(P=c.P, D=c.D, micro_batch_size=c.micro_batch_size, m=c.m, idle_gpus=c.idle_gpus, stages=stages,
                       time_s=c.minibatch_time if c.feasible else math.nan, examples_per_s=eps,
                       bubble_fraction=c.bubble_fraction, stage_memory_bytes=list(c.stage_memory) or [0.0],
-                      feasible=c.feasible, reason="" if c.feasible else _reason(c, inp, sizes))
+                      feasible=c.feasible, reason="" if c.feasible else _reason(c, inp, sizes),
+                      lower_bound_s=math.nan if c.simulated else c.minibatch_time)
         if c.feasible and eps > 0:
             used = c.P * c.D
             hours_per_1k = 1000.0 / eps / 3600.0
@@ -630,11 +680,12 @@ def plan(
         notes.append(_idle_note(best, gpus, global_batch, replicas, limits))
     return Plan(gpus=gpus, global_batch=global_batch, policy=policy, recompute=rec, rows=rows, prices=prices,
                 target_examples=target_examples, search_s=time.perf_counter() - t0, notes=notes,
-                search_stats=dict(stats), _search=inp, _sizes=list(sizes))
+                search_stats=dict(stats), exhaustive=bool(exhaustive), _search=inp, _sizes=list(sizes))
 
 
 def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, gpus_per_vm: int | None = None,
-                 compute_slots_per_vm: int | None = None, keep_fixed: bool = True) -> tuple[JobConfig, Plan]:
+                 compute_slots_per_vm: int | None = None, keep_fixed: bool = True,
+                 exhaustive: bool = True) -> tuple[JobConfig, Plan]:
     """Plan ``job`` for ``gpus`` workers (default ``job.launch.gpus``) and return a copy of it
     with ``parallel`` filled in from the best row (P, D, micro-batch size, stage boundaries),
     and the ``Plan``. The global batch, policy and recompute setting are the job's.
@@ -646,9 +697,11 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     ``keep_fixed``: a P, D or stage ``boundaries`` the config fixes are kept (only the rest is
     chosen; boundaries fix P and are checked as ``plan(boundaries=...)`` checks them); the manager
     passes False when the GPUs changed under a morph (P, D and boundaries are then all chosen
-    afresh). Raises ``ConfigError`` for boundaries that do not list the profile's segments once
-    each in order, a P that contradicts them, a P x D over the workers, or when no feasible plan
-    has the fixed P/D (listing the feasible ones) or none fits at all.
+    afresh). ``exhaustive=False``: a best-only search (``plan``), for what-ifs that need only the
+    best row; a fixed P is still searched exhaustively (its row must be exact). Raises
+    ``ConfigError`` for boundaries that do not list the profile's segments once each in order, a
+    P that contradicts them, a P x D over the workers, or when no feasible plan has the fixed P/D
+    (listing the feasible ones) or none fits at all.
     """
     import copy
     import os
@@ -681,7 +734,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     # boundaries fix P and the split; a fixed P caps the depths tried; a fixed D is the only replica count tried
     pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=p.recompute, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
-              boundaries=bnd)
+              boundaries=bnd, exhaustive=exhaustive or fixed_P is not None)
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
