@@ -400,6 +400,51 @@ std::string no_split_reason(const SearchInput& in, int P, const SegmentTable& t)
            " per GPU) at micro-batch " + std::to_string(t.micro_batch_size);
 }
 
+// Steady-state time per micro-batch that the schedule's order imposes beyond any one resource
+// (run_candidate's rate takes the larger): with slow links a stage waits on transfers it cannot
+// overlap.
+//  * GPipe: every stage runs all its forwards before any backward, so the forward wave and the
+//    backward wave follow each other: per micro-batch the slowest forward step (a stage's F or
+//    a link's activation) plus the slowest backward step (a stage's R + B or a link's gradient).
+//  * 1F1B: stage s holds at most k = P - s micro-batches in flight (F done, B not), and each
+//    stays in flight for at least its round trip: its F and the F of every later stage, the
+//    activation links, every later stage's backward and the gradient links back (Little's law:
+//    at most k round trips at once).
+//  * Varuna: its opportunistic forwards keep no fixed bound on what is in flight; 0.
+double flow_rate(const SimConfig& cfg, Policy policy, bool recompute) {
+    const int P = cfg.P;
+    if (P < 2 || policy == Policy::Varuna) return 0.0;
+    const int rph = std::max(1, cfg.ranks_per_host);
+    const double ov = cfg.action_overhead;
+    std::vector<double> f(P), b(P), link(P, 0.0), glink(P, 0.0);
+    for (int s = 0; s < P; ++s) {
+        const bool last = s == P - 1;
+        f[s] = cfg.fwd[s] + ov;
+        b[s] = cfg.bwd[s] + ov + ((recompute && !last) ? cfg.rec[s] + ov : 0.0);
+        if (!last) {
+            const bool local = (s / rph) == ((s + 1) / rph);
+            const double a = local ? cfg.local_alpha : cfg.p2p_alpha;
+            const double beta = local ? cfg.local_beta : cfg.p2p_beta;
+            link[s] = a + cfg.act_bytes[s] / beta;
+            glink[s] = a + (cfg.grad_bytes.empty() ? cfg.act_bytes[s] : cfg.grad_bytes[s]) / beta;
+        }
+    }
+    if (policy == Policy::GPipe) {
+        double fw = 0.0, bw = 0.0;
+        for (int s = 0; s < P; ++s) {
+            fw = std::max({fw, f[s], link[s]});
+            bw = std::max({bw, b[s], glink[s]});
+        }
+        return fw + bw;
+    }
+    double rate = 0.0, trip = 0.0;  // trip: round trip of stage s, built from the last stage up
+    for (int s = P - 1; s >= 0; --s) {
+        trip += f[s] + b[s] + link[s] + glink[s];
+        rate = std::max(rate, trip / std::min(cfg.m, P - s));
+    }
+    return rate;
+}
+
 // Simulate a candidate whose split is set (c.starts) and whose simulator configuration (full m)
 // is cfg; fills time, bubble, memory and feasibility.  actions += compute actions simulated.
 Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const SegmentTable& t, long long* actions) {
@@ -408,7 +453,8 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
     // Long mini-batches: simulate the first m_sim micro-batches (fill, warm-up and the start
     // of the steady state, where the peaks occur) and add (m - m_sim) times the steady-state
     // rate, which a work-conserving pipeline sets by its slowest resource: a stage's compute
-    // per micro-batch, a link's transfer time, or a host's compute divided by its slots.
+    // per micro-batch, a link's transfer time, a host's compute divided by its slots, or what
+    // the schedule's order imposes on top (flow_rate(): GPipe's two waves, 1F1B's round trips).
     const int m_sim = std::min(c.m, in.sim_cap > 0 ? in.sim_cap : std::max(P + 8, 64));
     double rate = 0.0;
     if (m_sim < c.m) {
@@ -435,6 +481,7 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
         }
         if (cfg.compute_slots_per_host > 0)
             for (double w : host_work) rate = std::max(rate, w / cfg.compute_slots_per_host);
+        rate = std::max(rate, flow_rate(cfg, in.policy, fwd_twice));
         cfg.m = m_sim;
     }
     SimResult r = simulate(cfg);

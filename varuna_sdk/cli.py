@@ -85,10 +85,19 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
     fixed = {k: v for k, v in (("P", par.P), ("D", par.D)) if v is not None}
     if fixed or par.boundaries:
         # the config fixes the depth, the width or the stages: the run `varuna train` would make
-        kept = plan(prof, G, B, max_depth=None if par.boundaries else par.P, replicas=par.D,
-                    boundaries=par.boundaries, **common)
-        rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)]
         what = ", ".join(f"parallel.{k}={v}" for k, v in fixed.items()) + (", parallel.boundaries" if par.boundaries else "")
+        if par.D is not None and (par.D > G or B % par.D):
+            print(f"varuna: parallel.D={par.D} from the config does not fit --gpus {G} and global batch {B} (D must "
+                  "be at most the GPUs and divide the global batch); set D to null to let the planner choose",
+                  file=sys.stderr)
+            return 1
+        try:
+            kept = plan(prof, G, B, max_depth=None if par.boundaries else par.P, replicas=par.D,
+                        boundaries=par.boundaries, **common)
+        except ConfigError as e:
+            print(f"varuna: {what} from the config cannot be kept with --gpus {G}: {e}", file=sys.stderr)
+            return 1
+        rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)]
         if not rows:
             print(f"varuna: no feasible plan keeps {what} from the config; set them to null to let the planner "
                   "choose", file=sys.stderr)

@@ -57,10 +57,11 @@ class PlanRow:
     GPUs the configuration uses (P·D; idle GPUs are reported, not billed); a number that does not
     apply (the time of an excluded row, time and cost to target without ``target_examples``) is
     NaN here and ``None`` in ``Plan.to_dict()``. For an excluded row, ``D`` and
-    ``micro_batch_size`` are those of the candidate its ``reason`` describes. ``lower_bound_s`` is
-    set (seconds per mini-batch) only on the excluded row of a depth that a best-only search
-    (``plan(exhaustive=False)``) pruned without simulating: the smallest lower bound of its
-    candidates, above the best row's time (``pruned`` is then True)."""
+    ``micro_batch_size`` are those of the candidate its ``reason`` describes. ``pruned`` is True
+    only for the excluded row of a depth that a best-only search (``plan(exhaustive=False)``)
+    ruled out without simulating or checking memory; its ``lower_bound_s`` (seconds per
+    mini-batch, NaN on every other row) is the smallest lower bound of its candidates, at least
+    the best row's time."""
 
     P: int
     D: int
@@ -78,12 +79,8 @@ class PlanRow:
     cost_per_1k_on_demand: float = math.nan
     time_to_target_s: float = math.nan
     cost_to_target_spot: float = math.nan
+    pruned: bool = False
     lower_bound_s: float = math.nan
-
-    @property
-    def pruned(self) -> bool:
-        """True for a depth a best-only search ruled out by its lower bound, without simulating it."""
-        return not math.isnan(self.lower_bound_s)
 
     def parallel_config(self, global_batch: int, policy: str = "varuna", recompute: bool | None = None) -> ParallelConfig:
         """This row as a ``ParallelConfig`` (explicit stage boundaries, so the run uses this split)."""
@@ -150,7 +147,7 @@ class Plan:
             hdr += f" {'to target':>10} {'$ to target':>11}"
         lines = [f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
                  f"{' + recompute' if self.recompute else ''} (searched in {self.search_s * 1e3:.1f} ms"
-                 f"{'' if self.exhaustive else '; best-only search: rows after the first are not ranked exactly'})",
+                 f"{'' if self.exhaustive else _BEST_ONLY_NOTE})",
                  hdr]
         for i, r in enumerate(self.feasible[:top]):
             line = (f"{i + 1:>4} {r.P:>3} {r.D:>4} {r.micro_batch_size:>4} {r.m:>5} {r.idle_gpus:>4} "
@@ -170,10 +167,10 @@ class Plan:
         if pruned:  # one line: a best-only search prunes most depths
             lo = min(pruned, key=lambda r: r.lower_bound_s)
             many = "s" if len(pruned) > 1 else ""
-            lines.append(f"  pruned P={_ranges([r.P for r in pruned])} ({len(pruned)} depth{many}, not simulated): "
-                         "each needs more time per mini-batch than the best row (lower bounds "
-                         f">= {_dur(lo.lower_bound_s)}, at P={lo.P}); plan(..., exhaustive=True) or `varuna plan` "
-                         "without --best-only simulates every depth")
+            lines.append(f"  pruned P={_ranges([r.P for r in pruned])} ({len(pruned)} depth{many}): by their lower "
+                         f"bounds (>= {_dur(lo.lower_bound_s)} per mini-batch, at P={lo.P}) none beats the best row; "
+                         "not simulated, memory not checked (an exhaustive search does both: varuna plan without "
+                         "--best-only, plan(..., exhaustive=True))")
         if self.prices.example:
             lines.append(f"  prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
                          f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) "
@@ -237,6 +234,10 @@ def _plain(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+_BEST_ONLY_NOTE = ("; best-only search: the first row is the fastest; each other row is the fastest candidate it "
+                   "simulated for that depth, not necessarily the depth's fastest")
 
 
 def _ranges(xs: Sequence[int]) -> str:
@@ -445,8 +446,8 @@ def _reason(c, inp, sizes: list[int]) -> str:
     search's own reason (no micro-batch size divides the replica batch)."""
     if not c.simulated:
         return (f"pruned by the best-only search: its candidates need at least {_dur(c.minibatch_time)} per "
-                "mini-batch (lower bound), more than the best row; plan(..., exhaustive=True) (varuna plan "
-                "without --best-only) simulates it")
+                "mini-batch (a lower bound), at least the best row's time; neither simulated nor checked against "
+                "memory (an exhaustive search does both: plan(..., exhaustive=True), varuna plan without --best-only)")
     limit = inp.memory_limit
     if limit > 0 and c.micro_batch_size and not c.starts:
         need = _least_split_memory(inp, c.P, c.D, sizes.index(c.micro_batch_size))
@@ -660,7 +661,7 @@ def plan(
                       time_s=c.minibatch_time if c.feasible else math.nan, examples_per_s=eps,
                       bubble_fraction=c.bubble_fraction, stage_memory_bytes=list(c.stage_memory) or [0.0],
                       feasible=c.feasible, reason="" if c.feasible else _reason(c, inp, sizes),
-                      lower_bound_s=math.nan if c.simulated else c.minibatch_time)
+                      pruned=not c.simulated, lower_bound_s=math.nan if c.simulated else c.minibatch_time)
         if c.feasible and eps > 0:
             used = c.P * c.D
             hours_per_1k = 1000.0 / eps / 3600.0
