@@ -28,7 +28,9 @@ the JSON keeps every round's pair. With ``--profile`` every round uses that one 
 Per configuration the JSON keeps, next to the pair and the relative error, a breakdown per stage:
 F/R/B compute (the engine's ``StepResult.compute_s`` less the time blocked on an input), waits,
 pipeline phase, synchronisation (all-reduces, consensus, norm, clipping) and optimizer, CPU time
-and page faults — to trace a gap to its source.
+and page faults — and the simulator's counterparts from the same prediction's timeline (F/R/B,
+pipeline end, synchronisation, optimizer; printed under each measured stage), to trace a gap to
+its source.
 
 Targets (DESIGN.md): |error| <= 5 % on every configuration; aggregate max |error| <= 5 % (aim 3 %).
 
@@ -202,7 +204,30 @@ def predict(profile, P: int, D: int, mbs: int, B: int) -> dict:
     if not row.feasible:
         raise RuntimeError(f"planner rejects P={P} D={D} mbs={mbs} B={B}: {row.reason}")
     assert (row.P, row.D, row.micro_batch_size) == (P, D, mbs) and row.stages == BOUNDARIES[P], row
-    return {"time_s": row.time_s, "bubble_fraction": row.bubble_fraction, "m": row.m}
+    return {"time_s": row.time_s, "bubble_fraction": row.bubble_fraction, "m": row.m,
+            "stages": simulated_stages(pl, row)}
+
+
+def simulated_stages(pl, row) -> list[dict]:
+    """Per stage, the simulated counterparts of summarize()'s measured breakdown (seconds, mean over
+    the replicas simulated): F, R, B (wall time of the actions, time-sharing included), pipeline_s
+    (end of the stage's last action), sync_s (from then to its optimizer step: all-reduces, waits)
+    and opt_s, from ``Plan.simulate``'s timeline."""
+    out = pl.simulate(row)
+    P = row.P
+    stages = []
+    for s in range(P):
+        ranks = [out.timeline[d * P + s] for d in range(out.replicas_simulated)]
+        per_rank = []
+        for segs in ranks:
+            d = {k: sum(g.end - g.start for g in segs if g.kind == k) for k in ("F", "R", "B")}
+            end = max(g.end for g in segs if g.kind in ("F", "R", "B"))
+            opt = [g for g in segs if g.kind == "OPT"]
+            d |= {"pipeline_s": end, "sync_s": (opt[0].start if opt else out.minibatch_time) - end,
+                  "opt_s": sum(g.end - g.start for g in opt)}
+            per_rank.append(d)
+        stages.append({k: statistics.mean(r[k] for r in per_rank) for k in per_rank[0]})
+    return stages
 
 
 def calibrate_once(path: str | None):
@@ -312,6 +337,10 @@ def main() -> None:
                   f"pipeline {st['pipeline_s'] * 1e3:7.1f} sync {st['sync_s'] * 1e3:6.1f} "
                   f"opt {st['opt_s'] * 1e3:6.1f} ms | cpu user {st['cpu_user_s'] * 1e3:6.1f} "
                   f"sys {st['cpu_sys_s'] * 1e3:6.1f} ms, {st['page_faults']:.0f} faults", flush=True)
+            ss = sim["stages"][s]
+            print(f"{'':>26}  simulated: F {ss['F'] * 1e3:7.1f} R {ss['R'] * 1e3:7.1f} B {ss['B'] * 1e3:7.1f} "
+                  f"{'':>20} pipeline {ss['pipeline_s'] * 1e3:7.1f} sync {ss['sync_s'] * 1e3:6.1f} "
+                  f"opt {ss['opt_s'] * 1e3:6.1f} ms (the median round's prediction)", flush=True)
         figures.append(common.Figure(name=f"simulated / measured mini-batch time, {name}", value=sim["time_s"],
                                      unit="s", baseline=pick["measured_s"], ratio=abs(err), target=f"<= {TARGET}",
                                      detail={"rel_error": err, "rounds": per_round, "measured": meas["stats"]}))
