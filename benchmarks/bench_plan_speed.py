@@ -180,7 +180,7 @@ def main() -> None:
           f"{'split':>5} {'simulated':>9} {'actions':>8} {'pruned rows':>11}  same best as the full search")
     for G, r in fast.items():
         print(f"{G:>5} {common.fmt_value(r['wall']['median'], 's'):>9} {r['wall']['median'] / f8:>7.1f} {G / 8:>5.0f} "
-              f"{r['bounded']:>5} {r['simulated']:>9} {r['actions']:>8} {r['bound_rows']:>11}  {r['same_best']}")
+              f"{r['bounded']:>5} {r['simulated']:>9} {r['actions']:>8} {r['pruned_rows']:>11}  {r['same_best']}")
     slope = {name: math.log(series[128]["wall"]["median"] / series[8]["wall"]["median"]) / math.log(128 / 8)
              for name, series in (("best_only", fast), ("full", rows))}
     print(f"growth G=8 -> 128 as G^slope: best-only {slope['best_only']:.2f} (target <= {SLOPE_TARGET}), "
@@ -213,7 +213,7 @@ def main() -> None:
         figures.append(common.Figure(f"best-only plan search G={G}", r["wall"]["median"], "s",
                                      baseline=rows[G]["wall"]["median"],
                                      detail={"wall": r["wall"], "simulated": r["simulated"], "bounded": r["bounded"],
-                                             "actions": r["actions"], "pruned_rows": r["bound_rows"],
+                                             "actions": r["actions"], "pruned_rows": r["pruned_rows"],
                                              "same_best_as_full_search": r["same_best"],
                                              "baseline_is": f"the full search at G={G} (median)"}))
     figures.append(common.Figure("best-only search growth G=8 -> 128 (slope of log t vs log G)", slope["best_only"],

@@ -224,12 +224,12 @@ void bind_search(py::module_& m) {
             d["simulated"] = st.simulated;
             d["pruned"] = st.pruned;
             d["actions"] = st.actions;
-            d["bound_rows"] = st.bound_rows;
+            d["pruned_rows"] = st.pruned_rows;
             return py::make_tuple(rows, d);
         },
         py::arg("input"),
         "search() and what it did: {depths, candidates, bounded, splits, split_failed, simulated, pruned, actions, "
-        "bound_rows}.");
+        "pruned_rows}.");
     m.def("evaluate", &varuna::evaluate, py::arg("input"), py::arg("P"), py::arg("D"), py::arg("table_index"),
           py::call_guard<py::gil_scoped_release>(),
           "One (P, D, micro-batch table) as search() evaluates it (split, simulation, memory).");

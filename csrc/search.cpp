@@ -6,6 +6,7 @@
 #include <deque>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <queue>
 #include <stdexcept>
 
@@ -930,8 +931,7 @@ std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
         depths.push_back(std::move(d));
     }
     st.depths = static_cast<long long>(depths.size());
-    std::vector<Candidate> pruned_rows(depths.size());
-    std::vector<bool> is_pruned(depths.size(), false);
+    std::vector<std::optional<Candidate>> pruned(depths.size());  // best-only: rows never simulated
     if (in.exhaustive) {
         // One depth at a time, best first: the option with the smallest key is split (its key
         // becomes its full bound) or, once split, simulated; stop when no key can beat the
@@ -985,15 +985,15 @@ std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
         for (; !queue.empty(); queue.pop()) {  // popped smallest key first: a depth's first is its bound
             const auto [di, i] = queue.top();
             Depth& d = depths[static_cast<std::size_t>(di)];
-            if (d.have || is_pruned[static_cast<std::size_t>(di)]) continue;
-            pruned_rows[static_cast<std::size_t>(di)] = d.pruned_row(in, d.opts[static_cast<std::size_t>(i)]);
-            is_pruned[static_cast<std::size_t>(di)] = true;
-            ++st.bound_rows;
+            auto& row = pruned[static_cast<std::size_t>(di)];
+            if (d.have || row) continue;
+            row = d.pruned_row(in, d.opts[static_cast<std::size_t>(i)]);
+            ++st.pruned_rows;
         }
     }
     for (std::size_t di = 0; di < depths.size(); ++di) {
         Depth& d = depths[di];
-        out.push_back(d.have ? std::move(d.best) : is_pruned[di] ? std::move(pruned_rows[di]) : d.excluded_row(in));
+        out.push_back(d.have ? std::move(d.best) : pruned[di] ? std::move(*pruned[di]) : d.excluded_row(in));
         st.splits += d.splits.runs;
     }
     std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {

@@ -31,7 +31,7 @@
 // found: every depth costs its split-free bounds (O(#D x #sizes), no split), and only the few
 // options whose bound is below the best are split or simulated, so it grows about linearly in
 // G.  Measured by benchmarks/bench_plan_speed.py (96 segments, 2-core testbed: exhaustive
-// ~1.6 ms at G=8, ~76 ms at G=128, ~94 ms at G=1024; best only ~0.8 / 2.6 / 6.6 ms, G^0.4
+// ~1.8 ms at G=8, ~75 ms at G=128, ~90 ms at G=1024; best only ~1.0 / 2.5 / 6.0 ms, G^0.32
 // from G=8 to 128, the same best row at every G).
 //
 // Pure C++17, no Python types.  Units: seconds, bytes, bytes/s.
@@ -131,7 +131,7 @@ struct SearchStats {
     long long simulated = 0;      // evaluate()d: simulated event by event
     long long pruned = 0;         // skipped: lower bound >= the best time found for that P
     long long actions = 0;        // compute actions simulated (all simulations)
-    long long bound_rows = 0;     // pruned rows (best-only search: no candidate of the depth simulated)
+    long long pruned_rows = 0;     // pruned rows (best-only search: no candidate of the depth simulated)
 };
 
 // One candidate's mini-batch simulated event by event for its full m (no steady-state

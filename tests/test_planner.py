@@ -344,7 +344,7 @@ def test_best_only_search_finds_the_brute_force_best(seed):
                 assert opt is None or c.minibatch_time <= opt.minibatch_time, (c.P, c.minibatch_time, opt)
             else:
                 assert opt is None, c.P  # excluded for memory only when brute force finds nothing either
-        assert st["bound_rows"] == sum(1 for c in rows if not c.simulated)
+        assert st["pruned_rows"] == sum(1 for c in rows if not c.simulated)
     assert pruned > 100  # the best-only search does skip whole depths
 
 

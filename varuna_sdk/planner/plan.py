@@ -94,7 +94,7 @@ class Plan:
     pipeline depth P (its fastest replica count D and micro-batch size), feasible rows fastest
     first, then excluded rows with their reasons. ``str(plan)`` is a table. ``search_stats``: what
     the C++ search did (depths, candidates, bounded, splits, split_failed, simulated, pruned,
-    actions, bound_rows; see ``csrc/search.h``). ``exhaustive``: False for a best-only search
+    actions, pruned_rows; see ``csrc/search.h``). ``exhaustive``: False for a best-only search
     (``plan(exhaustive=False)``), whose rows other than the best are the fastest candidate it
     happened to simulate for their depth, or excluded as pruned."""
 
@@ -169,8 +169,7 @@ class Plan:
             many = "s" if len(pruned) > 1 else ""
             lines.append(f"  pruned P={_ranges([r.P for r in pruned])} ({len(pruned)} depth{many}): by their lower "
                          f"bounds (>= {_dur(lo.lower_bound_s)} per mini-batch, at P={lo.P}) none beats the best row; "
-                         "not simulated, memory not checked (an exhaustive search does both: varuna plan without "
-                         "--best-only, plan(..., exhaustive=True))")
+                         f"not simulated, memory not checked {_EXHAUSTIVE_HINT}")
         if self.prices.example:
             lines.append(f"  prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
                          f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) "
@@ -236,6 +235,7 @@ def _plain(v):
     return v
 
 
+_EXHAUSTIVE_HINT = "(an exhaustive search does both: varuna plan without --best-only, plan(..., exhaustive=True))"
 _BEST_ONLY_NOTE = ("; best-only search: the first row is the fastest; each other row is the fastest candidate it "
                    "simulated for that depth, not necessarily the depth's fastest")
 
@@ -446,8 +446,8 @@ def _reason(c, inp, sizes: list[int]) -> str:
     search's own reason (no micro-batch size divides the replica batch)."""
     if not c.simulated:
         return (f"pruned by the best-only search: its candidates need at least {_dur(c.minibatch_time)} per "
-                "mini-batch (a lower bound), at least the best row's time; neither simulated nor checked against "
-                "memory (an exhaustive search does both: plan(..., exhaustive=True), varuna plan without --best-only)")
+                f"mini-batch (a lower bound), at least the best row's time; neither simulated nor checked against "
+                f"memory {_EXHAUSTIVE_HINT}")
     limit = inp.memory_limit
     if limit > 0 and c.micro_batch_size and not c.starts:
         need = _least_split_memory(inp, c.P, c.D, sizes.index(c.micro_batch_size))
