@@ -15,7 +15,8 @@ import pytest
 from varuna_sdk import _core
 from varuna_sdk.planner.plan import plan
 from varuna_sdk.planner.simulate import SimInput, SimOutput, allreduce_time
-from varuna_sdk.profiling.calibrate import compute_interference, crowded_share, fit_alpha_beta, oversubscription
+from varuna_sdk.profiling.calibrate import (compute_interference, crowded_mean, crowded_share, fit_alpha_beta,
+                                           oversubscription)
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile
 
 
@@ -152,6 +153,51 @@ def test_compute_interference_from_paired_samples_ignores_drift_and_outliers():
     for bad in (([], [], 2), (lone, crowded[:-1], 2)):
         with pytest.raises(ValueError, match="as many crowded samples as lone"):
             compute_interference(*bad)
+
+
+def test_crowded_samples_are_the_mean_over_the_processes_that_ran_them():
+    # two processes at once; the first (rank 0, which also ran the lone sample) 2 % crowded, the
+    # other 6 %: the per-process slowdown is their mean, 4 %, not rank 0's 2 %
+    lone = [0.30, 0.31, 0.29, 0.30]
+    r0, r1 = [t * 1.02 for t in lone], [t * 1.06 for t in lone]
+    assert crowded_mean([r0, r1]) == pytest.approx([t * 1.04 for t in lone])
+    assert compute_interference(lone, crowded_mean([r0, r1]), 2) == pytest.approx(0.04)
+    assert compute_interference(lone, r0, 2) == pytest.approx(0.02)
+    assert crowded_mean([lone]) == lone
+    for bad in ([], [r0, r1[:-1]]):
+        with pytest.raises(ValueError, match="all of one length"):
+            crowded_mean(bad)
+
+
+def test_measure_host_averages_every_crowded_process(monkeypatch):
+    """Real probe processes (two gloo ranks on this machine, a tiny GPT-2): the compute probe's
+    crowded samples come from both processes' files, and the interference is read off them."""
+    from functools import partial
+
+    import torch
+
+    from varuna_sdk.model.gpt2 import gpt2, init_gpt2, lm_loss, preset
+    from varuna_sdk.profiling import calibrate as cal
+
+    cfg = preset("tiny")
+    x = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    probe = {"model_fn": partial(gpt2, cfg), "loss_fn": lm_loss, "init_fn": partial(init_gpt2, n_layer=cfg.n_layer),
+             "seed": 0, "inputs": (x[:, :-1],), "targets": x[:, 1:]}
+    seen, real_mean = [], cal.crowded_mean
+
+    def spy(per_rank):  # what measure_host read from the probe processes' files
+        seen.append([list(v) for v in per_rank])
+        return real_mean(per_rank)
+
+    monkeypatch.setattr(cal, "crowded_mean", spy)
+    net, _, interference = cal.measure_host(world=2, sizes=(4096, 1 << 16), reps=3, timeout_s=120, compute=probe)
+    samples = dict((k, v) for k, v in net.samples["compute_samples"])
+    if net.samples["cpu_count"] < 2:
+        pytest.skip("one core: no crowded compute probe")
+    crowded = [v for v in seen if len(v) == 2]
+    assert len(crowded) == 1 and all(len(v) == 2 * 3 and min(v) > 0 for v in crowded[0])
+    assert samples[2] == pytest.approx([(a + b) / 2 for a, b in zip(*crowded[0])])
+    assert interference == pytest.approx(compute_interference(samples[1], samples[2], 2))
 
 
 # ---- profile and fits ---------------------------------------------------------------------------

@@ -466,10 +466,11 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
                 if rank < k:
                     compute["loss_fn"](model(*compute["inputs"]), compute["targets"]).backward()
                     model.zero_grad(set_to_none=True)
-                if i >= _WARMUP:
+                if i >= _WARMUP and rank < k:
                     samples[k].append(time.perf_counter() - t0)
-        res["compute"] = [[k, statistics.median(samples[k])] for k in ks]
-        res["compute_samples"] = [[k, samples[k]] for k in ks]  # rank 0's, kept for diagnosis
+        if rank < ks[-1]:  # every crowded process's own times, for measure_host to average
+            Path(f"{out}.compute{rank}").write_text(json.dumps({str(k): v for k, v in samples.items() if v}))
+        res["compute_ranks"] = ks[-1]
     # every rank waits for the last sample: a rank that left early would tear its process down
     # (a core's worth of work for ~1 s) while ranks < k still time their last crowded probe,
     # which made that sample up to 60 % slower and moved compute_interference by up to 0.05
@@ -517,6 +518,18 @@ def paired_ratio(lone: Sequence[float], crowded: Sequence[float]) -> float:
     return statistics.median(b / a for a, b in zip(lone, crowded))
 
 
+def crowded_mean(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Sample by sample, the mean over the processes that ran it at once (seconds): every one of
+    them measured the crowded time. Not rank 0's alone: rank 0 also ran the lone sample just before
+    and came out 1-4 points less crowded than its peer in 8 of 8 probe runs on the 2-vCPU testbed
+    (compute_interference 0.008-0.035 from rank 0 against 0.027-0.064 from the mean). Raises
+    ``ValueError`` for no processes or lists of different lengths."""
+    if not per_rank or len({len(v) for v in per_rank}) != 1:
+        raise ValueError(f"need samples of >= 1 process, all of one length; got lengths "
+                         f"{[len(v) for v in per_rank]}")
+    return [statistics.fmean(col) for col in zip(*per_rank)]
+
+
 def compute_interference(lone: Sequence[float], crowded: Sequence[float], k: int) -> float:
     """How much slower compute runs per other busy core (≥ 0): ``(paired_ratio(lone, crowded) -
     1) / (k - 1)`` from samples of one process alone and of ``k`` processes at once.
@@ -548,7 +561,8 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     t(one per core)`` of AdamW steps over ``opt_bytes`` of parameters (``paired_ratio``; 0.0 without
     ``opt_bytes``), and how much slower the model's forward + backward runs per other busy core,
     ``(t(one per core) / t(1 process) - 1) / (cores - 1)``, the ratio being the median over
-    adjacent pairs of samples (0.0 without ``compute``: a dict of
+    adjacent pairs of samples, a crowded sample's time the mean over its processes
+    (``crowded_mean``) (0.0 without ``compute``: a dict of
     picklable ``model_fn``, ``loss_fn``, ``init_fn``, ``seed``, ``inputs``, ``targets``).
     Raises ``WorkerFailure`` if a probe process fails or times out."""
     from ..cluster.local import spawn_workers
@@ -558,6 +572,11 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
         spawn_workers(_net_worker, world, (str(out), list(sizes), reps, int(opt_bytes), compute),
                       timeout_s=timeout_s, threads_per_worker=threads, work_dir=d)
         res = json.loads(out.read_text())
+        if res.get("compute_ranks"):
+            per_rank = [json.loads(Path(f"{out}.compute{r}").read_text()) for r in range(res["compute_ranks"])]
+            ks = sorted({1, res["compute_ranks"]})
+            res["compute_samples"] = [[k, crowded_mean([pr[str(k)] for pr in per_rank[:k]])] for k in ks]
+            res["compute"] = [[k, statistics.median(v)] for k, v in res["compute_samples"]]
     cores = max(1, int(res.get("cpu_count") or 1) // max(1, threads))
     p_alpha, p_beta = fit_alpha_beta([(b, t) for b, t in res["p2p"]])
     # ring α–β from the all-reduces with a core per participant (absolute residuals: the large

@@ -95,7 +95,8 @@ class Profile:
     # the core count when memory bandwidth, not cores, is the limit; 0 = not measured (= cores).
     opt_parallelism: float = 0.0
     # How much slower compute runs per other busy core of the machine (shared memory bandwidth
-    # and caches): t(every core runs the model) / t(alone) - 1, per extra core; 0 = not measured.
+    # and caches): t(every core runs the model; mean over those processes) / t(alone) - 1, per
+    # extra core; 0 = not measured.
     compute_interference: float = 0.0
 
     # ---- JSON -----------------------------------------------------------------------------
