@@ -164,14 +164,17 @@ def test_crowded_samples_are_the_mean_over_the_processes_that_ran_them():
     assert compute_interference(lone, crowded_mean([r0, r1]), 2) == pytest.approx(0.04)
     assert compute_interference(lone, r0, 2) == pytest.approx(0.02)
     assert crowded_mean([lone]) == lone
-    for bad in ([], [r0, r1[:-1]]):
+    for bad in ([], [[]], [r0, r1[:-1]]):
         with pytest.raises(ValueError, match="all of one length"):
             crowded_mean(bad)
 
 
-def test_measure_host_averages_every_crowded_process(monkeypatch):
-    """Real probe processes (two gloo ranks on this machine, a tiny GPT-2): the compute probe's
-    crowded samples come from both processes' files, and the interference is read off them."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_measure_host_averages_every_crowded_process(monkeypatch, world):
+    """Real probe processes (``world`` gloo ranks on this machine, a tiny GPT-2): the compute
+    probe's crowded samples are the mean of the k = min(world, cores) processes' own times, read
+    from their files (ranks >= k take no part), and the interference is read off them."""
+    import os
     from functools import partial
 
     import torch
@@ -179,6 +182,8 @@ def test_measure_host_averages_every_crowded_process(monkeypatch):
     from varuna_sdk.model.gpt2 import gpt2, init_gpt2, lm_loss, preset
     from varuna_sdk.profiling import calibrate as cal
 
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: no crowded compute probe")
     cfg = preset("tiny")
     x = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     probe = {"model_fn": partial(gpt2, cfg), "loss_fn": lm_loss, "init_fn": partial(init_gpt2, n_layer=cfg.n_layer),
@@ -190,14 +195,17 @@ def test_measure_host_averages_every_crowded_process(monkeypatch):
         return real_mean(per_rank)
 
     monkeypatch.setattr(cal, "crowded_mean", spy)
-    net, _, interference = cal.measure_host(world=2, sizes=(4096, 1 << 16), reps=3, timeout_s=120, compute=probe)
-    samples = dict((k, v) for k, v in net.samples["compute_samples"])
-    if net.samples["cpu_count"] < 2:
-        pytest.skip("one core: no crowded compute probe")
-    crowded = [v for v in seen if len(v) == 2]
-    assert len(crowded) == 1 and all(len(v) == 2 * 3 and min(v) > 0 for v in crowded[0])
-    assert samples[2] == pytest.approx([(a + b) / 2 for a, b in zip(*crowded[0])])
-    assert interference == pytest.approx(compute_interference(samples[1], samples[2], 2))
+    net, _, interference = cal.measure_host(world=world, sizes=(4096, 1 << 16), reps=3, timeout_s=120,
+                                            compute=probe)
+    k = min(world, net.samples["cpu_count"])
+    samples = dict((n, v) for n, v in net.samples["compute_samples"])
+    crowded = [v for v in seen if len(v) > 1]
+    assert [len(v) for v in seen] == [1, k] and len(crowded) == 1
+    assert all(len(v) == 2 * 3 and min(v) > 0 for v in crowded[0])
+    assert crowded[0][0] != crowded[0][1]  # each process's own times, not one rank's twice
+    assert samples[k] == pytest.approx([sum(col) / k for col in zip(*crowded[0])])
+    assert samples[1] == seen[0][0]  # the lone samples: rank 0's, unchanged
+    assert interference == pytest.approx(compute_interference(samples[1], samples[k], k))
 
 
 # ---- profile and fits ---------------------------------------------------------------------------

@@ -375,6 +375,9 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
 
     cores = os.cpu_count() or 1
     res: dict[str, list] = {"p2p": [], "allreduce": [], "ar_cpu": [], "consensus": [], "opt": [], "cpu_count": cores}
+    # processes that run at once on their own cores, each with this process's torch threads
+    # (measure_host divides cpu_count by the threads the same way)
+    k_max = min(world, max(1, cores // max(1, torch.get_num_threads())))
     pair = dist.new_group([0, 1])
     # p2p as the pipeline sends: a Channel (header + tensors, own two-rank communicator per direction)
     fwd_g, bwd_g = dist.new_group([0, 1]), dist.new_group([0, 1])
@@ -435,7 +438,7 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
         for q in params:
             q.grad = torch.randn_like(q)
         opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-        ks = sorted({1, min(world, cores)})
+        ks = sorted({1, k_max})
         samples = {k: [] for k in ks}
         for i in range(3 * reps + _WARMUP):  # alternating, so that both see the same machine
             for k in ks:
@@ -451,7 +454,7 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
     if compute is not None:
         # the model's forward + backward in 1 process, then in one per core at once: how much
         # compute slows down when the machine's other cores compute too (memory, caches)
-        ks = sorted({1, min(world, cores)})
+        ks = sorted({1, k_max})
         model = None
         if rank < ks[-1]:
             model = build_on_meta(compute["model_fn"])
@@ -524,8 +527,8 @@ def crowded_mean(per_rank: Sequence[Sequence[float]]) -> list[float]:
     and came out 1-4 points less crowded than its peer in 8 of 8 probe runs on the 2-vCPU testbed
     (compute_interference 0.008-0.035 from rank 0 against 0.027-0.064 from the mean). Raises
     ``ValueError`` for no processes or lists of different lengths."""
-    if not per_rank or len({len(v) for v in per_rank}) != 1:
-        raise ValueError(f"need samples of >= 1 process, all of one length; got lengths "
+    if not per_rank or len({len(v) for v in per_rank}) != 1 or not per_rank[0]:
+        raise ValueError(f"need samples of >= 1 process, all of one length >= 1; got lengths "
                          f"{[len(v) for v in per_rank]}")
     return [statistics.fmean(col) for col in zip(*per_rank)]
 
@@ -557,12 +560,13 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     those crowded probes when there are any, else its CPU time / wall time — and the planner
     applies the same sharing to its own placement.
 
-    Returns ``(network, opt_parallelism, compute_interference)``: ``cores × t(1 process) /
-    t(one per core)`` of AdamW steps over ``opt_bytes`` of parameters (``paired_ratio``; 0.0 without
-    ``opt_bytes``), and how much slower the model's forward + backward runs per other busy core,
-    ``(t(one per core) / t(1 process) - 1) / (cores - 1)``, the ratio being the median over
-    adjacent pairs of samples, a crowded sample's time the mean over its processes
-    (``crowded_mean``) (0.0 without ``compute``: a dict of
+    Returns ``(network, opt_parallelism, compute_interference)`` with ``k = min(world, cores)``
+    processes at once (``cores`` = CPUs // ``threads``): ``k × t(1 process) / t(k processes)`` of
+    AdamW steps over ``opt_bytes`` of parameters (``paired_ratio``; 0.0 without ``opt_bytes``), and
+    how much slower the model's forward + backward runs per other busy core,
+    ``(t(k processes) / t(1 process) - 1) / (k - 1)``, the ratio being the median over adjacent
+    pairs of samples, a crowded sample's time the mean over its k processes (``crowded_mean``)
+    (0.0 without ``compute`` or with k = 1; ``compute`` is a dict of
     picklable ``model_fn``, ``loss_fn``, ``init_fn``, ``seed``, ``inputs``, ``targets``).
     Raises ``WorkerFailure`` if a probe process fails or times out."""
     from ..cluster.local import spawn_workers
