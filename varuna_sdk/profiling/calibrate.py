@@ -473,7 +473,7 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
                     samples[k].append(time.perf_counter() - t0)
         if rank < ks[-1]:  # every crowded process's own times, for measure_host to average
             Path(f"{out}.compute{rank}").write_text(json.dumps({str(k): v for k, v in samples.items() if v}))
-        res["compute_ranks"] = ks[-1]
+        res["compute_ks"] = ks  # process counts probed: 1, then k
     # every rank waits for the last sample: a rank that left early would tear its process down
     # (a core's worth of work for ~1 s) while ranks < k still time their last crowded probe,
     # which made that sample up to 60 % slower and moved compute_interference by up to 0.05
@@ -576,9 +576,9 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
         spawn_workers(_net_worker, world, (str(out), list(sizes), reps, int(opt_bytes), compute),
                       timeout_s=timeout_s, threads_per_worker=threads, work_dir=d)
         res = json.loads(out.read_text())
-        if res.get("compute_ranks"):
-            per_rank = [json.loads(Path(f"{out}.compute{r}").read_text()) for r in range(res["compute_ranks"])]
-            ks = sorted({1, res["compute_ranks"]})
+        if res.get("compute_ks"):
+            ks = res["compute_ks"]
+            per_rank = [json.loads(Path(f"{out}.compute{r}").read_text()) for r in range(ks[-1])]
             res["compute_samples"] = [[k, crowded_mean([pr[str(k)] for pr in per_rank[:k]])] for k in ks]
             res["compute"] = [[k, statistics.median(v)] for k, v in res["compute_samples"]]
     cores = max(1, int(res.get("cpu_count") or 1) // max(1, threads))
