@@ -20,6 +20,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class CutPointObserver(Protocol):
@@ -93,43 +94,32 @@ class CutPoint(nn.Module):
         return out[0] if len(out) == 1 else out
 
 
-def _split_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[tuple[str, Any]]]:
-    slots: list[tuple[str, Any]] = []
-    tensors: list[torch.Tensor] = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            slots.append(("a", i))
-            tensors.append(a)
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            slots.append(("k", k))
-            tensors.append(v)
-    return tensors, slots
+def _cross_tree(tree: Any) -> Any:
+    """``tree`` (any nesting of tuples, lists and dicts) with every tensor leaf replaced by what
+    crossing returns; the tensors cross in ``tree_flatten`` order (the same on every stage)."""
+    leaves, spec = tree_flatten(tree)
+    idx = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if not idx:
+        return tree
+    crossed = _cross(tuple(leaves[i] for i in idx))
+    for i, t in zip(idx, crossed):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def _cut_call_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    tensors, slots = _split_tensors(args, kwargs)
-    if not tensors:
-        return args, kwargs
-    crossed = _cross(tuple(tensors))
-    new_args, new_kwargs = list(args), dict(kwargs)
-    for (kind, key), t in zip(slots, crossed):
-        if kind == "a":
-            new_args[key] = t
-        else:
-            new_kwargs[key] = t
-    return tuple(new_args), new_kwargs
+    """Cross every tensor a block is called with — positional or keyword, plain or inside
+    tuples/lists/dicts (Hugging Face's ``position_embeddings=(cos, sin)``)."""
+    return _cross_tree((tuple(args), dict(kwargs)))
 
 
 def _cut_output(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return _cross((output,))[0]
-    if isinstance(output, tuple) and output and all(isinstance(t, torch.Tensor) for t in output):
-        return tuple(_cross(output))
-    raise TypeError(
-        f"auto_cutpoints: the last block returned {type(output).__name__}; it must return a tensor "
-        "or a tuple of tensors. Mark cut-points by hand with CutPoint() for this model"
-    )
+    leaves, _ = tree_flatten(output)
+    if not any(isinstance(t, torch.Tensor) for t in leaves):
+        raise TypeError(
+            f"auto_cutpoints: the last block returned {type(output).__name__} without tensors; it must return a "
+            "tensor, or tuples/lists/dicts holding them. Mark cut-points by hand with CutPoint() for this model")
+    return _cross_tree(output)
 
 
 def find_block_list(model: nn.Module) -> tuple[str, nn.Module]:
@@ -159,7 +149,9 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     forward hooks, so neither the model's code nor its parameter names change (checkpoints of
     the plain model still load). With ``n`` blocks the model gets ``n + 1`` cut-points and
     ``n + 2`` segments: [embeddings], [block 0], …, [block n-1], [head]. Every tensor argument of
-    a block crosses the cut-point, so attention masks travel between stages automatically.
+    a block crosses the cut-point — positional or keyword, alone or inside tuples, lists and dicts —
+    so attention masks, position ids and rotary ``(cos, sin)`` travel between stages
+    automatically, and every block of a stage receives them.
 
     Returns the same model (marked in place). Calling it twice is a no-op.
     Raises ``ValueError`` if no body is found or ``blocks`` names no container.

@@ -1,11 +1,17 @@
-"""Build a model on the meta device and materialise only the parameters one stage needs.
+"""Build a model on the meta device and materialise only the parameters and buffers one stage
+needs.
 
-Initialisation is keyed by *name*: the module owning a parameter is initialised under a seed
-derived from (seed, module name), so any stage map — P=1 or P=16 — gives bit-identical initial
-weights. Tied parameters (one ``nn.Parameter`` reachable under several names) are materialised
-once and re-tied, so every module that shares it sees the same tensor. The original built the
-whole model on CPU in every process (varuna-original.md §9.2); here memory is spent on the
-local stage only.
+By default a stage's tensors get exactly what the model's own constructor computes
+(``model.deferred``: the constructor's tensor operations are recorded on meta and the ones the
+stage's tensors depend on are replayed on the real device, random initialisers seeded per
+recorded operation), so any stage map — P=1 or P=16 — gives bit-identical initial weights *and*
+buffers (rotary tables, masks), and a tensor nothing filled is an error naming it. With an
+``init_fn`` (for a model too large to record once, or our own GPT-2 preset's scheme) the module
+owning a parameter is initialised under a seed derived from (seed, module name) instead. Tied
+parameters (one ``nn.Parameter`` reachable under several names) are materialised once and
+re-tied, so every module that shares it sees the same tensor. The original built the whole
+model on CPU in every process (varuna-original.md §9.2); here memory is spent on the local
+stage only.
 
 Must never import ``varuna_sdk.pipeline``.
 """
@@ -17,21 +23,19 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from .deferred import build_recorded, construction_log
 from .rng import derive_seed, forked_rng
 
 InitFn = Callable[[nn.Module, str], None]
 
 
 def build_on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module:
-    """Call ``model_fn()`` with ``meta`` as the default device: no memory, no initialisation.
+    """Call ``model_fn()`` with every tensor made on the ``meta`` device (no memory, no compute),
+    recording its constructor's tensor operations for ``materialize`` (``deferred.build_recorded``).
 
     Raises ``TypeError`` if ``model_fn`` does not return an ``nn.Module``.
     """
-    with torch.device("meta"):
-        model = model_fn()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
-    return model
+    return build_recorded(model_fn)
 
 
 def default_init(module: nn.Module, name: str) -> None:
@@ -72,12 +76,19 @@ def materialize(
     """Materialise, in place, the parameters and buffers whose canonical names are in ``names``
     (every module that owns one of them gets all its direct tensors) and initialise them.
 
-    ``init_fn(module, module_name)`` runs once per materialised module under a seed derived from
-    ``(seed, module_name)``; it defaults to ``module.reset_parameters()``. Everything not named
-    stays on the meta device. Raises ``KeyError`` for a name the model does not have.
+    Without ``init_fn`` the values are the model's own constructor's (replayed from the log
+    ``build_on_meta`` recorded; a model built otherwise falls back to each module's
+    ``reset_parameters()``). ``init_fn(module, module_name)`` instead runs once per materialised
+    module under a seed derived from ``(seed, module_name)``. Everything not named stays on the
+    meta device. Raises ``KeyError`` for a name the model does not have, ``UninitializedError``
+    naming the tensors the constructor never filled.
     """
-    init_fn = init_fn or default_init
     device = torch.device(device)
+    log = construction_log(model) if init_fn is None else None
+    if log is not None:
+        _materialize_replayed(model, set(names), log, seed=seed, device=device)
+        return
+    init_fn = init_fn or default_init
     wanted = set(names)
     canonical: dict[str, torch.Tensor] = dict(model.named_parameters())
     canonical.update({n: b for n, b in model.named_buffers() if n not in canonical})
@@ -122,6 +133,29 @@ def materialize(
             mod._parameters[attr] = src
         else:
             mod._buffers[attr] = src
+
+
+def _materialize_replayed(model: nn.Module, wanted: set[str], log, *, seed: int, device: torch.device) -> None:
+    """``materialize`` from the constructor's recorded operations: every holder of a wanted tensor
+    (tied copies included) gets the one replayed tensor."""
+    canonical: dict[str, torch.Tensor] = dict(model.named_parameters())
+    canonical.update({n: b for n, b in model.named_buffers() if n not in canonical})
+    missing = wanted - set(canonical)
+    if missing:
+        raise KeyError(f"model has no parameters or buffers named {sorted(missing)}")
+    values = log.replay({n: canonical[n] for n in sorted(wanted)}, device, seed=seed)
+    by_id = {id(canonical[n]): values[n] for n in wanted}
+    made: dict[int, torch.Tensor] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and id(p) in by_id:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(by_id[id(p)], requires_grad=p.requires_grad)
+                mod._parameters[attr] = made[id(p)]
+        for attr, b in list(mod._buffers.items()):
+            if b is not None and id(b) in by_id:
+                made.setdefault(id(b), by_id[id(b)])
+                mod._buffers[attr] = made[id(b)]
 
 
 def local_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -1,7 +1,12 @@
-"""Dry-run tracer: runs the model once on the ``meta`` device (no memory, no real compute) and
-records, per segment, which parameters and buffers it touches, which tensors cross each
-cut-point (dtype, requires_grad, shape), a FLOP estimate, and every tensor that reaches a later
-segment *without* passing through a cut-point.
+"""Dry-run tracer: runs the model once with its weights on the ``meta`` device (no memory, no
+weight compute) and records, per segment, which parameters and buffers it touches, which tensors
+cross each cut-point (dtype, requires_grad, shape), a FLOP estimate, and every weight-derived
+tensor that reaches a later segment *without* passing through every cut-point in between.
+
+The inputs stay real and ``hybrid.MetaAsDevice`` is active, so what depends on the inputs alone
+(masks, positions, token-id checks in library code) is computed for real and steers the forward
+exactly as in a real run; such tensors are recomputed by every stage, so they may reach any
+segment — model inputs used late (labels, targets, masks) need not cross the cut-points.
 
 Paper §5.2 (tracking cross-partition dependencies). Unlike the original (varuna-original.md
 §2.1–2.2: ``sys.settrace`` argument sniffing, full forward on CPU, swallowed exceptions) this
@@ -23,6 +28,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .cutpoint import crossing_signature, observe_cutpoints
+from .hybrid import MetaAsDevice, WeightValueError
+from .inputs import ModelInputs, as_inputs, call_model, to_device
 
 
 @dataclass
@@ -104,25 +111,39 @@ class _Trace:
         self.crossings: list[list[dict]] = []
         self.flops: list[float] = [0.0]
         self.cross_uses: set[tuple[int, int, str]] = set()
+        self.carried: set[int] = set()  # ids of the tensors that crossed the previous cut-point
         self.in_cut = False
 
     def mark(self, tensors: Sequence[torch.Tensor], segment: int) -> None:
+        """Record ``segment`` as the producer of the weight-derived (meta) ``tensors``; real ones
+        depend on the inputs alone and every stage recomputes them."""
         for t in tensors:
-            self.producer[id(t)] = segment
-            self.keep.append(t)
+            if t.device.type == "meta":
+                self.producer[id(t)] = segment
+                self.keep.append(t)
 
     def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         self.in_cut = True
         try:
-            self.crossings.append(crossing_signature(tensors))
-            self.segment += 1
-            self.flops.append(0.0)
-            out = tuple(
-                t.detach().requires_grad_(bool(t.requires_grad and t.is_floating_point())) for t in tensors
-            )
-            self.mark(out, self.segment)
+            with torch._C.DisableTorchFunction():  # true devices (MetaAsDevice answers "cpu")
+                return self._crossing(tensors)
         finally:
             self.in_cut = False
+
+    def _crossing(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        k = self.segment  # this is crossing k: from segment k to segment k + 1
+        for t in tensors:
+            prod = self.producer.get(id(t))
+            if prod is not None and prod != k and id(t) not in self.carried:
+                # made before segment k and not carried across cut-point k - 1: a stage starting
+                # between them would not have it (e.g. one mask given only to later blocks)
+                self.cross_uses.add((prod, k + 1, f"cut-point {k}"))
+        self.crossings.append(crossing_signature(tensors))
+        self.segment += 1
+        self.flops.append(0.0)
+        out = tuple(t.detach().requires_grad_(bool(t.requires_grad and t.is_floating_point())) for t in tensors)
+        self.mark(out, self.segment)
+        self.carried = {id(t) for t in tensors} | {id(t) for t in out}
         return out
 
 
@@ -163,31 +184,38 @@ def to_meta(obj: Any) -> Any:
     return obj
 
 
-def trace_model(meta_model: nn.Module, sample_inputs: tuple) -> ModelStructure:
-    """Dry-run ``meta_model`` (built on the meta device) on meta copies of ``sample_inputs``.
+def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
+                device: torch.device | str = "cpu") -> ModelStructure:
+    """Dry-run ``meta_model`` (its weights on the meta device) on ``sample_inputs``.
 
     Args:
         meta_model: the full model, every parameter on ``device="meta"``.
-        sample_inputs: positional inputs of one micro-batch, e.g. ``(idx,)`` with ``idx`` of
-            shape ``[micro_batch, seq_len]`` int64. Only shapes and dtypes are used.
+        sample_inputs: one micro-batch of model inputs — a tuple (positional, e.g. ``(idx,)`` with
+            ``idx`` ``[micro_batch, seq_len]`` int64) or a mapping (keyword arguments). Real
+            values: code that inspects them (mask helpers) sees what a real run sees.
+        device: where the input-derived part runs (the workers' device; meta tensors report it).
 
-    Returns a ``ModelStructure``. Raises ``RuntimeError`` naming the op when the forward cannot
-    run on the meta device (data-dependent Python control flow such as ``if x.sum() > 0``).
+    Returns a ``ModelStructure``. Raises ``RuntimeError`` naming the segment when the forward reads
+    a value that depends on the weights (``.item()`` or ``if`` on an activation) or uses an
+    operation the meta device lacks.
     """
     trace = _Trace(meta_model)
-    inputs = to_meta(tuple(sample_inputs))
-    trace.mark(_tensors(inputs), 0)
+    inputs = to_device(as_inputs(sample_inputs), device)
     was_training = meta_model.training
     meta_model.train()
     try:
-        with observe_cutpoints(trace), _TraceMode(trace):
-            meta_model(*inputs)
+        # MetaAsDevice on top: it answers device queries and moves mixed operations to meta; the
+        # trace mode below it sees each operation as it runs (no mode active inside its handler)
+        with observe_cutpoints(trace), _TraceMode(trace), MetaAsDevice(device):
+            call_model(meta_model, inputs)
+    except WeightValueError as e:
+        raise RuntimeError(f"the dry run failed in segment {trace.segment}: {e}") from None
     except (NotImplementedError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "meta" not in str(e):
             raise  # an ordinary error of the user's forward (shapes, dtypes): keep it as it is
         raise RuntimeError(
-            f"the dry run on the meta device failed in segment {trace.segment}: {e}. The model's forward "
-            "must not depend on tensor values (no .item() or data-dependent if/for)"
+            f"the dry run with the weights on the meta device failed in segment {trace.segment}: {e}. The model's "
+            "forward must not depend on values computed from its weights (no .item() or if/for on activations)"
         ) from e
     finally:
         meta_model.train(was_training)

@@ -10,10 +10,15 @@ reduced, RNG is forked (never rewound), the loss is the mini-batch mean over all
 ``shared_params=None`` works, and short micro-batches cannot occur (the batch identity is
 validated up front).
 
-A stage's forward runs the user's whole ``forward``: segments before the stage run on the
-``meta`` device (no memory, no compute; tied weights held here are swapped for meta stand-ins
-meanwhile), the received activations are substituted at the stage's first cut-point, and the
-forward stops by exception at its last cut-point.
+A stage's forward runs the user's whole ``forward`` on the real inputs (so inputs a later
+segment uses — labels, masks — are there on every stage): segments before the stage run with
+their weights on the ``meta`` device (no memory, no weight compute; modules whose outputs depend
+on weights are replaced by stubs returning their recorded meta outputs, tied weights held here by
+meta stand-ins) under ``model.hybrid.MetaAsDevice``, so what depends on the inputs alone is
+computed for real and steers the forward as on the first stage. At the stage's first cut-point
+the received tensors replace the crossing ones — and wherever the same tensor objects are handed
+to a later block of the stage (a mask or rotary ``(cos, sin)`` given to every layer), the
+received ones are substituted again; the forward stops by exception at its last cut-point.
 
 Never imports ``varuna_sdk.cluster``/``manager``/``planner``.
 """
@@ -31,16 +36,18 @@ from torch import nn
 
 from ..config import ParallelConfig, validate_parallel
 from ..model.cutpoint import observe_cutpoints
+from ..model.hybrid import MetaAsDevice
+from ..model.inputs import ModelInputs, as_inputs, call_model, leading_dim, rows, shapes_key, tensors_of, to_device
 from ..model.materialize import build_on_meta, materialize
 from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names
 from ..model.rng import forked_rng, seed_segment
-from ..model.tracer import ModelStructure, segment_costs, to_meta, trace_model
+from ..model.tracer import ModelStructure, segment_costs, trace_model
 from .comm import Channel, Receiver
 from .groups import Topology, build_groups
 from .scaler import LossScaler
 from .schedule import StageScheduler, default_recompute
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[object, object], torch.Tensor]  # (model output, targets) -> scalar mean loss
 
 
 @dataclass
@@ -71,26 +78,45 @@ class _StageRun:
     """Cut-point observer for one forward of one micro-batch on this stage."""
 
     def __init__(self, start_cut: int, end_cut: int, received: tuple[torch.Tensor, ...] | None,
-                 seed: int, step: int, mb: int, on_enter: Callable[[], None] | None):
+                 seed: int, step: int, mb: int, on_enter: Callable[[], None] | None,
+                 mode: MetaAsDevice | None = None):
         self.k = 0
         self.start_cut, self.end_cut = start_cut, end_cut
         self.received = received
         self.seed, self.step, self.mb = seed, step, mb
         self.on_enter = on_enter
+        self.mode = mode
         self.entered = start_cut < 0
+        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _substitute(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The received tensor for every crossing tensor that is one received at the stage's first
+        cut-point (same object: a mask or rotary table handed to every block)."""
+        if not self.carried:
+            return tensors
+        out = []
+        for t in tensors:
+            hit = self.carried.get(id(t))
+            out.append(hit[1] if hit is not None and hit[0] is t else t)
+        return tuple(out)
 
     def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         k = self.k
         self.k += 1
         if k == self.end_cut:
-            raise _StageExit(tensors)
+            raise _StageExit(self._substitute(tensors))
         if k >= self.start_cut:
             seed_segment(self.seed, self.step, self.mb, k + 1)
         if k == self.start_cut:
             self.entered = True
             if self.on_enter is not None:
                 self.on_enter()
+            if self.mode is not None:
+                self.mode.pop()  # this stage's own segments run on the real device, unobserved
+            self.carried = {id(t): (t, r) for t, r in zip(tensors, self.received)}
             return self.received
+        if k > self.start_cut:
+            return self._substitute(tensors)
         return tensors
 
 
@@ -99,18 +125,23 @@ def _as_tuple(x) -> tuple:
 
 
 def split_batch(batch: Sequence, global_batch: int, replica_batch: int, replica: int) -> tuple:
-    """This replica's slice of ``(inputs, targets)``. Accepts the global batch (leading dim
+    """This replica's ``(inputs, targets)`` of a batch ``(inputs, targets)``: inputs a tensor, a
+    tuple of tensors (positional) or a mapping (keyword arguments); targets a tensor, any nesting
+    of tensors, or ``None`` (the model computes its loss). Accepts the global batch (leading dim
     ``global_batch``) or already the replica's share (leading dim ``replica_batch``).
 
     Raises ``ValueError`` naming the sizes when the leading dimension is neither.
     """
     inputs, targets = batch
-    n = targets.shape[0]
+    inputs = as_inputs(inputs)
+    n = leading_dim(targets)
+    if n is None:
+        n = leading_dim(inputs)
     if n == replica_batch:
-        return _as_tuple(inputs), targets
+        return inputs, targets
     if n == global_batch:
         a, b = replica * replica_batch, (replica + 1) * replica_batch
-        return tuple(t[a:b] for t in _as_tuple(inputs)), targets[a:b]
+        return rows(inputs, a, b), rows(targets, a, b)
     raise ValueError(
         f"batch has {n} examples; step() takes the global batch ({global_batch}) or this replica's "
         f"share ({replica_batch} = {global_batch} / D)"
@@ -121,16 +152,20 @@ class Varuna:
     """One rank of a pipeline × data-parallel job (paper §3, §6).
 
     Args:
-        model_fn: ``() -> nn.Module`` building the *whole* model (called on the meta device; only
-            this stage's parameters are then materialised). The model has cut-points
-            (``CutPoint`` modules or ``auto_cutpoints``) and ``forward(*inputs) -> output``.
-        loss_fn: ``(output, targets) -> scalar`` mean loss of one micro-batch.
+        model_fn: ``() -> nn.Module`` building the *whole* model (its tensors are made on the meta
+            device and its constructor's operations recorded; only this stage's parameters and
+            buffers are then computed, ``model.deferred``). The model has cut-points
+            (``CutPoint`` modules or ``auto_cutpoints``); it is called ``model(*inputs)`` or
+            ``model(**inputs)`` (see ``model.inputs``).
+        loss_fn: ``(output, targets) -> scalar`` mean loss of one micro-batch; ``output`` is
+            whatever the model returns (tensor, tuple, Hugging Face ``ModelOutput``), ``targets``
+            the micro-batch's targets (``None`` when the model computes its own loss).
         parallel: P, D, global batch, micro-batch size, policy, recompute, boundaries.
-        sample_inputs: positional inputs of one micro-batch (shapes/dtypes only), e.g.
-            ``(torch.zeros(b, T, dtype=torch.long),)``.
-        seed: model seed; weights depend only on (seed, parameter name), never on P or D.
-        init_fn: ``(module, name) -> None`` initialising a module's own parameters
-            (default ``reset_parameters``).
+        sample_inputs: model inputs of one micro-batch (a tuple or a mapping of tensors with
+            real values), e.g. ``(torch.zeros(b, T, dtype=torch.long),)``.
+        seed: model seed; weights depend only on (seed, what the constructor did), never on P or D.
+        init_fn: ``(module, name) -> None`` initialising a module's own parameters, for a model too
+            large to record once; default: the model's own constructor, replayed.
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + shared loss scaler).
         grad_clip: max global gradient L2 norm, or ``None``.
         rank: this process's global rank (default ``dist.get_rank()`` or 0).
@@ -186,7 +221,7 @@ class Varuna:
 
         # ---- model: trace, split, materialise this stage only --------------------------------
         self.model = build_on_meta(model_fn)
-        self.structure = structure or trace_model(self.model, tuple(sample_inputs))
+        self.structure = structure or trace_model(self.model, as_inputs(sample_inputs), self.device)
         n = self.structure.num_segments
         if parallel.boundaries is not None:
             self.stage_map = StageMap.from_lists(parallel.boundaries, n)
@@ -264,7 +299,7 @@ class Varuna:
     def _prefix_stubs(self, inputs: tuple) -> list[tuple[nn.Module, list]]:
         """Record, once per input shape, the meta outputs of every module that runs only before
         this stage's first cut-point; return the outermost such modules with their outputs."""
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        key = shapes_key(inputs)
         cached = self._stub_cache.get(key)
         if cached is not None:
             return cached
@@ -305,9 +340,9 @@ class Varuna:
         try:
             for mod, attr, p in swaps:
                 mod._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            with torch.no_grad(), observe_cutpoints(_Stop()):
+            with torch.no_grad(), observe_cutpoints(_Stop()), MetaAsDevice(self.device):
                 try:
-                    self.model(*to_meta(inputs))
+                    call_model(self.model, inputs)
                 except _StageExit:
                     pass
         finally:
@@ -319,12 +354,16 @@ class Varuna:
         def covered(m: nn.Module) -> bool:
             a = parents.get(m)
             while a is not None:
-                if a in calls and a not in crossing:
+                if a in calls and a not in crossing and a not in real_out:
                     return True
                 a = parents.get(a)
             return False
 
-        stubs = [(m, outs) for m, outs in calls.items() if m not in crossing and not covered(m)]
+        # a module whose output holds a real tensor computed it from the inputs alone (positions,
+        # masks): it runs every time (it is cheap), so that its values follow each micro-batch
+        real_out = {m for m, outs in calls.items() if any(t.device.type != "meta" for t in tensors_of(outs))}
+        stubs = [(m, outs) for m, outs in calls.items()
+                 if m not in crossing and m not in real_out and not covered(m)]
         self._stub_cache[key] = stubs
         return stubs
 
@@ -342,18 +381,15 @@ class Varuna:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def _forward(self, inputs: tuple, received: tuple | None, mb: int, grad: bool):
+    def _forward(self, inputs: ModelInputs, received: tuple | None, mb: int, grad: bool):
         """Run this stage's part of the user forward for global micro-batch ``mb``."""
         with forked_rng(), self._meta_prefix(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
-            run = _StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore)
-            if self.is_first:
-                seed_segment(self.seed, self.step_count, mb, 0)
-                args = inputs
-            else:
-                args = to_meta(inputs)
-            with observe_cutpoints(run):
+            mode = None if self.is_first else MetaAsDevice(self.device)
+            run = _StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode)
+            seed_segment(self.seed, self.step_count, mb, 0)
+            with observe_cutpoints(run), (mode if mode is not None else contextlib.nullcontext()):
                 try:
-                    out = self.model(*args)
+                    out = call_model(self.model, inputs)
                 except _StageExit as e:
                     return e.tensors
             if not run.entered:
@@ -373,7 +409,8 @@ class Varuna:
         """One optimizer step on one mini-batch (collective: every rank calls it).
 
         Args:
-            batch: ``(inputs, targets)`` — inputs a tensor or tuple of tensors with the batch as
+            batch: ``(inputs, targets)`` — inputs a tensor, a tuple of tensors or a mapping of
+                keyword arguments, targets a tensor (any nesting) or ``None``, all with the batch as
                 leading dimension; the global batch or this replica's share (``global/D``).
             optimizer: built on ``self.parameters()``; stepped here unless the step overflows.
 
@@ -382,11 +419,11 @@ class Varuna:
         """
         t0 = time.perf_counter()
         inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
-        inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
-        targets = targets.to(self.device, non_blocking=True)
+        inputs = to_device(inputs, self.device, non_blocking=True)
+        targets = to_device(targets, self.device, non_blocking=True)
         b = self.parallel.micro_batch_size
-        mb_in = [tuple(t[i * b:(i + 1) * b] for t in inputs) for i in range(self.m)]
-        mb_tg = [targets[i * b:(i + 1) * b] for i in range(self.m)]
+        mb_in = [rows(inputs, i * b, (i + 1) * b) for i in range(self.m)]
+        mb_tg = [rows(targets, i * b, (i + 1) * b) for i in range(self.m)]
         base = self.replica * self.m
         scale = self.scaler.scale
         self._begin_step()
@@ -532,8 +569,8 @@ class Varuna:
         """Mean loss over a held-out mini-batch (forward only, no RNG effect on training;
         collective). Dropout is off during evaluation."""
         inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
-        inputs = tuple(t.to(self.device) for t in inputs)
-        targets = targets.to(self.device)
+        inputs = to_device(inputs, self.device)
+        targets = to_device(targets, self.device)
         b = self.parallel.micro_batch_size
         self._begin_step()
         acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
@@ -545,10 +582,10 @@ class Varuna:
                 received = tuple(acts.get(i)[0]) if acts else None
                 if acts:
                     acts.release(i)
-                out = self._forward(tuple(t[i * b:(i + 1) * b] for t in inputs), self._leaves(received, recv_flags, False),
+                out = self._forward(rows(inputs, i * b, (i + 1) * b), self._leaves(received, recv_flags, False),
                                     self.replica * self.m + i, grad=False)
                 if self.is_last:
-                    total += self.loss_fn(out, targets[i * b:(i + 1) * b]).float()
+                    total += self.loss_fn(out, rows(targets, i * b, (i + 1) * b)).float()
                 else:
                     self.ch_act_out.send(out, [False] * len(out))
         finally:

@@ -1,0 +1,229 @@
+"""Deferred initialisation: build the whole model on the ``meta`` device while recording every
+tensor operation its constructor runs, then replay — for one stage — only the operations that
+produce that stage's parameters and buffers, on the real device.
+
+So a worker's initial weights and buffers are what the model's *own* constructor computes
+(``nn.Linear``'s Kaiming-uniform, a custom LayerNorm's ``torch.ones``, a rotary ``inv_freq``
+table, a Hugging Face model's ``_init_weights``), while memory and time are spent on the local
+stage only. The idea is torchdistx's ``deferred_init``; this is a small, self-contained
+version at the ATen level (a ``TorchDispatchMode``), keyed by storage so that views, in-place
+initialisers (``normal_``, ``fill_``, ``copy_``) and tied parameters are followed exactly.
+
+Random initialisers are re-seeded per recorded operation from ``(seed, operation index)``:
+the operation index is the same in every process (each builds the whole model on meta in the
+same order), so every (P, D) starts from bit-identical weights. ``exact=True`` replays every
+operation in order under the caller's RNG instead: the result then equals a plain
+``torch.manual_seed(s); model_fn()`` on that device bit for bit (the tests check it).
+
+A parameter or buffer that the constructor created with ``torch.empty`` and never filled is an
+error naming it (``UninitializedError``) — never silently garbage (third-party-models.md).
+
+Must never import ``varuna_sdk.pipeline``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .rng import derive_seed, forked_rng
+
+# ops that allocate without defining values
+_EMPTY = frozenset({"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+                    "aten::empty_like", "aten::empty_permuted"})
+
+
+class UninitializedError(ValueError):
+    """A parameter or buffer has no value: nothing in the model's constructor filled it."""
+
+
+def _skey(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+@dataclass
+class _Op:
+    func: Any                     # torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    outs: list[torch.Tensor]      # tensor outputs (meta)
+    writes: frozenset[int]        # storages whose values it defines or changes
+    reads: frozenset[int]         # storages of its meta tensor inputs
+    defines: bool                 # False for allocations without values (empty...)
+    random: bool
+
+
+class ConstructionLog:
+    """Every ATen operation on meta tensors run while a model was built (see the module
+    docstring). ``replay`` computes any subset of the model's tensors on a real device."""
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
+        self._known: set[int] = set()
+
+    def record(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        flat_in, _ = tree_flatten((args, kwargs))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        metas_in = [t for t in flat_in if _is_meta(t)]
+        metas_out = [t for t in outs if t.device.type == "meta"]
+        if not metas_in and not metas_out:
+            return
+        schema = func._schema
+        mutated: set[int] = set()
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in tree_flatten(v)[0]:
+                    if _is_meta(t):
+                        mutated.add(_skey(t))
+        fresh = {_skey(t) for t in metas_out} - self._known
+        self._known |= fresh | {_skey(t) for t in metas_in}
+        self.ops.append(_Op(func=func, args=args, kwargs=dict(kwargs), outs=metas_out,
+                            writes=frozenset(fresh | mutated), reads=frozenset(_skey(t) for t in metas_in),
+                            defines=schema.name not in _EMPTY,
+                            random=torch.Tag.nondeterministic_seeded in func.tags))
+
+    def _closure(self, need: set[int]) -> list[int]:
+        """Indices of the operations that ``need``'s storages depend on, in recorded order."""
+        chosen = []
+        for i in range(len(self.ops) - 1, -1, -1):
+            op = self.ops[i]
+            if op.writes & need:
+                chosen.append(i)
+                need |= op.reads
+        chosen.reverse()
+        return chosen
+
+    def replay(self, tensors: Mapping[str, torch.Tensor], device: torch.device | str, *, seed: int = 0,
+               exact: bool = False) -> dict[str, torch.Tensor]:
+        """Real values of ``tensors`` (name → the model's meta tensor) on ``device``.
+
+        Replays only the recorded operations those tensors depend on (all of them, in order,
+        under the caller's RNG, with ``exact``); random ones are seeded from ``(seed, index)``.
+        Returns name → real tensor (same shape, strides, dtype). Raises ``UninitializedError``
+        naming every tensor that no recorded operation gave a value, or that was not made while
+        recording.
+        """
+        device = torch.device(device)
+        need = {_skey(t) for t in tensors.values() if _is_meta(t)}
+        chosen = list(range(len(self.ops))) if exact else self._closure(set(need))
+        bases: dict[int, torch.Tensor] = {}
+        defined: set[int] = set()
+
+        def real(a: Any) -> Any:
+            if _is_meta(a):
+                base = bases.get(_skey(a))
+                if base is None:
+                    raise UninitializedError(
+                        f"a {tuple(a.shape)} {a.dtype} tensor used by the model's constructor was not made while "
+                        "it was recorded; build every tensor inside the model factory")
+                view = torch.empty(0, dtype=a.dtype, device=device)
+                return view.set_(base.untyped_storage(), a.storage_offset(), a.size(), a.stride())
+            if isinstance(a, torch.device) and a.type == "meta":
+                return device
+            return a
+
+        cuda = device.type == "cuda"
+        with torch.no_grad(), forked_rng():
+            for i in chosen:
+                op = self.ops[i]
+                args, kwargs = tree_map(real, op.args), tree_map(real, op.kwargs)
+                if "device" in kwargs and kwargs["device"] is not None and torch.device(kwargs["device"]).type == "meta":
+                    kwargs["device"] = device
+                if op.random and not exact:
+                    s = derive_seed("init", seed, i)
+                    torch.default_generator.manual_seed(s)
+                    if cuda:
+                        torch.cuda.default_generators[device.index or 0].manual_seed(s)
+                    kwargs.pop("generator", None)
+                out = op.func(*args, **kwargs)
+                routs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                for m, r in zip(op.outs, routs):
+                    bases.setdefault(_skey(m), r)
+                if op.defines:
+                    defined |= op.writes
+        result, missing = {}, []
+        for name, t in tensors.items():
+            if not _is_meta(t):
+                result[name] = t.to(device)
+                continue
+            k = _skey(t)
+            if k not in bases or k not in defined:
+                missing.append(name)
+                continue
+            result[name] = real(t)
+        if missing:
+            raise UninitializedError(
+                f"{len(missing)} parameter(s)/buffer(s) have no initial value: {missing[:8]}"
+                f"{' …' if len(missing) > 8 else ''}. The model's constructor made them with torch.empty and "
+                "never filled them (a Hugging Face model leaves that to post_init/_init_weights). Fill them in "
+                "__init__, or give the model spec an init_fn")
+        return result
+
+
+_META = torch.device("meta")
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs every ATen operation on the meta device (a ``device`` argument, given or defaulted,
+    becomes ``meta``) and records it. The process's default device is left alone, so libraries
+    that skip their weight initialisation under ``torch.device("meta")`` (Hugging Face's
+    ``init_weights``) run it, in their own order, and it is recorded too."""
+
+    def __init__(self, log: ConstructionLog):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs or any(a.name == "device" and a.kwarg_only for a in func._schema.arguments):
+            kwargs["device"] = _META
+        out = func(*args, **kwargs)
+        self.log.record(func, args, kwargs, out)
+        return out
+
+
+_LOGS: "weakref.WeakKeyDictionary[nn.Module, ConstructionLog]" = weakref.WeakKeyDictionary()
+
+
+class recording:
+    """Context manager that records meta-tensor operations into ``log`` (see ``build_recorded``)."""
+
+    def __init__(self, log: ConstructionLog):
+        self.log = log
+        self._mode = _Recorder(log)
+
+    def __enter__(self) -> ConstructionLog:
+        self._mode.__enter__()
+        return self.log
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def build_recorded(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    """``model_fn()`` with every tensor made on the ``meta`` device (no memory, no compute) and its
+    constructor's tensor operations recorded (``construction_log(model)`` returns them). Raises
+    ``TypeError`` if ``model_fn`` does not return an ``nn.Module``."""
+    log = ConstructionLog()
+    with recording(log):
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model factory must return an nn.Module, got {type(model).__name__}")
+    _LOGS[model] = log
+    return model
+
+
+def construction_log(model: nn.Module) -> ConstructionLog | None:
+    """The log recorded when ``model`` was built by ``build_recorded`` (None otherwise)."""
+    return _LOGS.get(model)
