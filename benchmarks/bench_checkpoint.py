@@ -98,7 +98,7 @@ def save_load_worker(rank: int, world: int, job_dict: dict, url: str, out_dir: s
     ckpt = StageCheckpointer(tr.engine, tr.optimizer, url, default_staging_dir(out_dir, rank), keep=2, timeout_s=120.0)
     doc: dict = {"rank": rank}
     if mode == "save":
-        tr.engine.step(tr.loader.replica_batch(0, tr.engine.replica, job.parallel.D), tr.optimizer)
+        tr.engine.step(tr.batch(0), tr.optimizer)
         flag = torch.zeros(1, dtype=torch.int32)
         lat = []
         for _ in range(5):  # the stop agreement's all-reduce alone, ranks in step (after a barrier)

@@ -55,7 +55,7 @@ def reshard_worker(rank: int, world: int, job_dict: dict, src_url: str | None, d
         for step in range(train_steps):
             for g in tr.optimizer.param_groups:
                 g["lr"] = lr_at(step, job)
-            tr.engine.step(tr.loader.replica_batch(step, tr.engine.replica, job.parallel.D), tr.optimizer)
+            tr.engine.step(tr.batch(step), tr.optimizer)
         tr.loader.load_state_dict({**tr.loader.state_dict(), "step": train_steps})
     else:
         info, common = ckpt.resume(src_url)

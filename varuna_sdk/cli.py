@@ -10,6 +10,7 @@ non-zero exit. Sits at the top of the dependency graph.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -112,20 +113,22 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
 def _check_profile_matches(prof, job: JobConfig, path: str | None, config: str | None) -> None:
     """A profile measured on another model would plan the wrong thing: refuse it, naming the
     difference. Raises ``ConfigError``."""
-    from .trainer import model_config, model_structure
+    from .trainer import model_structure, resolve
 
-    cfg = model_config(job).to_dict()
-    measured = (prof.model or {}).get("gpt2")
+    r = resolve(job)
     fix = (f"; calibrate this job with `varuna calibrate {config + ' ' if config else ''}-o PROFILE.json`, or leave "
            "out --profile" if path else "")
+    measured = (prof.model or {}).get("identity")
     if isinstance(measured, dict):
-        diff = {k: (measured.get(k), v) for k, v in cfg.items() if measured.get(k) != v}
-        if diff:
-            raise ConfigError(f"profile {path or ''} was measured on another model: "
-                              + ", ".join(f"{k} {a} (profile) vs {b} (job)" for k, (a, b) in sorted(diff.items())) + fix)
-    elif prof.num_segments != (n := model_structure(job).num_segments):
-        raise ConfigError(f"profile {path or ''} has {prof.num_segments} cut-point segments but the job's GPT-2 with "
-                          f"{cfg['n_layer']} blocks has {n}{fix}")
+        mine = json.loads(json.dumps(r.spec.identity, default=str))
+        if measured != mine:
+            keys = sorted(set(measured) | set(mine))
+            diff = [f"{k} {measured.get(k)!r} (profile) vs {mine.get(k)!r} (job)" for k in keys
+                    if measured.get(k) != mine.get(k)]
+            raise ConfigError(f"profile {path or ''} was measured on another model: " + "; ".join(diff) + fix)
+    elif prof.num_segments != (n := model_structure(job, r).num_segments):
+        raise ConfigError(f"profile {path or ''} has {prof.num_segments} cut-point segments but the job's model "
+                          f"({r.spec.name}) has {n}{fix}")
 
 
 def _dashboard(args: argparse.Namespace) -> int:

@@ -33,22 +33,63 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass
 class ModelConfig:
-    """Which model to train. ``preset`` names a GPT-2 shape (``tiny``, ``cpu-demo``, ``gpt2``,
-    ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``); the other fields override it when set."""
+    """Which model to train (the *model spec*, DESIGN.md), named one of three ways:
 
-    preset: str = "cpu-demo"
+    - ``factory``: an import path ``package.module:function`` (or ``:Class``) in the user's code
+      folder, called as ``function(**kwargs)`` and returning the whole ``nn.Module`` (its tensors
+      are made on the meta device; each worker computes only its stage's) — or the name of a
+      registered model (``gpt2``, ``hf-causal-lm``; see ``varuna_sdk.jobspec.MODELS``);
+    - ``by_value``: set by ``Job(model=...)`` for a callable defined in a notebook cell or
+      ``__main__``, shipped by value (cloudpickle) with the job — not written by hand;
+    - neither: the GPT-2 ``preset`` (``tiny``, ``cpu-demo``, ``gpt2`` … ``gpt2-xl``, default
+      ``cpu-demo``) with ``n_layer``/``n_head``/``n_embd``/``dropout`` overriding it.
+
+    ``loss``: ``null`` (automatic: the model's own loss when its forward takes ``labels`` or
+    ``targets``, else cross-entropy of its logits), ``model``, ``cross_entropy`` or an import path
+    of ``(output, targets) -> scalar``. ``inputs``: which batch fields feed the forward — a list
+    (positional) or a mapping argument → field; ``targets``: the field the loss compares with
+    (``null``: automatic; see ``model.spec.infer_call``). ``blocks``: the dotted name of the
+    model's list of layers where cut-points go (``null``: its largest ``ModuleList``). ``init``:
+    ``null`` (the model's own constructor, replayed per stage) or an import path of
+    ``init_fn(module, name)`` for a model too large to record once."""
+
+    preset: str | None = None
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
     dropout: float = 0.0
+    factory: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: str | None = None
+    inputs: list[str] | dict[str, str] | None = None
+    targets: str | None = None
+    blocks: str | None = None
+    init: str | None = None
+    by_value: str | None = None
 
 
 @dataclass
 class DataConfig:
-    """Training text: ``corpus`` (``shakespeare``), ``tokenizer`` (``gpt2`` real BPE or ``byte``),
-    sequence length in tokens, held-out fraction (the end of the corpus) and the data seed."""
+    """Training data, tokenizer and sequence length.
 
-    corpus: str = "shakespeare"
+    Where the data comes from (the first that is set): ``by_value`` (a dataset factory shipped
+    by ``Job(data=...)``), ``dataset`` (an import path ``pkg.mod:fn`` returning a map-style
+    ``torch.utils.data.Dataset``, called with ``dataset_kwargs``), ``path`` (a text file, a folder
+    of text files, a pre-tokenized ``.bin`` (``token_dtype`` ``uint16``/``uint32``) or ``.npy``
+    file, a ``datasets`` dataset saved with ``save_to_disk``, or local ``json``/``jsonl``/
+    ``parquet``/``csv`` files whose ``text_column`` holds the text; ``format`` ``auto`` tells them
+    apart), else the shipped ``corpus`` (``shakespeare``). ``tokenizer``: ``gpt2`` (real BPE),
+    ``byte``, or the path of a ``tokenizer.json``. ``seq_len`` tokens per example, the held-out
+    fraction (the end of the data) and the data seed (the order of examples)."""
+
+    corpus: str | None = None
+    path: str | None = None
+    format: str = "auto"
+    text_column: str = "text"
+    token_dtype: str | None = None
+    dataset: str | None = None
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)
+    by_value: str | None = None
     tokenizer: str = "gpt2"
     seq_len: int = 128
     val_fraction: float = 0.05
@@ -204,12 +245,8 @@ class JobConfig:
         if t.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
         validate_checkpointing(t)
-        if d.seq_len < 1:
-            raise ConfigError(f"data.seq_len={d.seq_len} must be >= 1")
-        if not 0.0 < d.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
-        if not 0.0 <= self.model.dropout < 1.0:
-            raise ConfigError(f"model.dropout={self.model.dropout} must be in [0, 1)")
+        validate_model(self.model)
+        validate_data(self.data)
         if self.launch.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"launch.backend={self.launch.backend!r}; choose auto, gloo or nccl")
         if self.launch.gpus < 1:
@@ -217,6 +254,73 @@ class JobConfig:
         if not 0 <= self.launch.master_port < 65536:
             raise ConfigError(f"launch.master_port={self.launch.master_port} must be in 0..65535 (0 = pick a free port)")
         return self
+
+
+def _is_import_path(v: Any) -> bool:
+    if not isinstance(v, str) or v.count(":") != 1:
+        return False
+    mod, obj = v.split(":")
+    return all(p.isidentifier() for p in mod.split(".")) and all(p.isidentifier() for p in obj.split("."))
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Check the model section's shape (not the model itself: ``jobspec`` resolves and checks
+    that); raise ``ConfigError`` saying what would work."""
+    if not isinstance(m.dropout, (int, float)) or isinstance(m.dropout, bool) or not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout!r} must be in [0, 1) (a probability)")
+    named = [k for k in ("factory", "by_value") if getattr(m, k) is not None]
+    if len(named) > 1:
+        raise ConfigError("model.factory and model.by_value both name a model; keep one")
+    if named and (m.preset is not None or any(getattr(m, k) is not None for k in ("n_layer", "n_head", "n_embd"))):
+        raise ConfigError(f"model.{named[0]} names the model, so model.preset/n_layer/n_head/n_embd (GPT-2 preset "
+                          "fields) do not apply; remove them, or pass such settings in model.kwargs")
+    if m.factory is not None and not (isinstance(m.factory, str) and m.factory.strip()):
+        raise ConfigError(f"model.factory={m.factory!r} must be an import path 'package.module:function' or a "
+                          "registered model name")
+    if not isinstance(m.kwargs, dict) or not all(isinstance(k, str) for k in m.kwargs):
+        raise ConfigError(f"model.kwargs must be a mapping of argument names to values, got {m.kwargs!r}")
+    if m.loss is not None and m.loss not in ("model", "cross_entropy") and not _is_import_path(m.loss):
+        raise ConfigError(f"model.loss={m.loss!r}; use null (automatic), model, cross_entropy, or an import path "
+                          "'package.module:function' of (output, targets) -> scalar")
+    if m.init is not None and not _is_import_path(m.init):
+        raise ConfigError(f"model.init={m.init!r} must be null (the model's own constructor) or an import path "
+                          "'package.module:function' of init_fn(module, name)")
+    if m.inputs is not None:
+        ok = (isinstance(m.inputs, list) and m.inputs and all(isinstance(x, str) for x in m.inputs)) or (
+            isinstance(m.inputs, dict) and m.inputs and all(isinstance(k, str) and isinstance(v, str)
+                                                             for k, v in m.inputs.items()))
+        if not ok:
+            raise ConfigError(f"model.inputs={m.inputs!r} must be a list of batch field names (positional) or a "
+                              "mapping argument -> field name, e.g. {input_ids: input_ids, labels: labels}")
+    for k in ("targets", "blocks", "preset"):
+        v = getattr(m, k)
+        if v is not None and not (isinstance(v, str) and v.strip()):
+            raise ConfigError(f"model.{k}={v!r} must be a name or null")
+
+
+def validate_data(d: DataConfig) -> None:
+    """Check the data section's values; raise ``ConfigError`` saying what would work. (Whether
+    the files exist and hold usable data is checked by ``jobspec`` before workers start.)"""
+    if not _is_int(d.seq_len) or d.seq_len < 1:
+        raise ConfigError(f"data.seq_len={d.seq_len!r} must be >= 1 (an integer number of tokens)")
+    if not isinstance(d.val_fraction, (int, float)) or isinstance(d.val_fraction, bool) or not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction!r} must be between 0 and 1")
+    if not _is_int(d.seed) or d.seed < 0:
+        raise ConfigError(f"data.seed={d.seed!r} must be an integer >= 0")
+    formats = ("auto", "text", "tokens", "hf", "json", "jsonl", "parquet", "csv")
+    if d.format not in formats:
+        raise ConfigError(f"data.format={d.format!r}; choose one of {list(formats)}")
+    if d.token_dtype is not None and d.token_dtype not in ("uint16", "uint32"):
+        raise ConfigError(f"data.token_dtype={d.token_dtype!r}; choose uint16 or uint32 (the width of each id)")
+    if d.dataset is not None and not _is_import_path(d.dataset):
+        raise ConfigError(f"data.dataset={d.dataset!r} must be an import path 'package.module:function' returning a "
+                          "torch.utils.data.Dataset")
+    if not isinstance(d.dataset_kwargs, dict):
+        raise ConfigError(f"data.dataset_kwargs must be a mapping, got {d.dataset_kwargs!r}")
+    for k in ("path", "corpus", "tokenizer", "text_column"):
+        v = getattr(d, k)
+        if v is not None and not (isinstance(v, str) and v.strip()):
+            raise ConfigError(f"data.{k}={v!r} must be a non-empty string" + (" or null" if k != "tokenizer" else ""))
 
 
 def _build(cls: type, value: Any, section: str):

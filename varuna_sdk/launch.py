@@ -1,23 +1,29 @@
-"""Run a ``JobConfig`` on local worker processes (the embedded default provider).
+"""The one launch façade: every way of running a job — ``varuna train``, ``varuna launch``,
+``Job.launch()`` in a notebook, ``make demo`` — goes through ``prepare_run`` and the morph
+manager (``manager.Manager``), so each of them plans, checkpoints and morphs the same way.
 
-Owns ``train_local``: validate the whole config before anything starts, make the run folder
-(``runs/<name>-<time>/`` with ``config.yaml``, ``metrics.jsonl``, ``summary.json``), prepare the
-tokenized corpus once in the parent (workers then hit the cache), start P × D workers with
-``cluster.local.spawn_workers`` and return the run's summary. Every worker is stopped on
-success, failure, timeout or Ctrl-C.
+``prepare_run`` does everything that can fail before a process starts: validate the config,
+pack callables shipped by value (``JobObjects``: a model, loss, init or dataset defined in a
+notebook cell), resolve and check the model spec and data together (``jobspec``: vocabulary,
+context, fields, too little data), trace and split the model for a fixed P, then make the run
+folder (``runs/<name>-<time>/``) with ``config.yaml`` and the objects file. ``launch_job`` runs
+the manager in the foreground on a provider's VMs; ``train_local`` is ``varuna train``: the
+job's fixed P × D on as many local worker slots (no calibration is needed to start; a failure
+ends the job at once with the failing rank's traceback), returning the run's summary.
+Every worker is stopped on success, failure, timeout or Ctrl-C.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
-from .cluster.local import spawn_workers
-from .config import JobConfig
-from .data.loader import tokenize_corpus
-from .trainer import check_partition, run_worker
+from .config import ConfigError, JobConfig
+from .shipping import objects_file_name, pack_objects
 
 
 @dataclass
@@ -36,6 +42,39 @@ class RunResult:
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
 
+@dataclass
+class JobObjects:
+    """Callables a job ships by value (``varuna_sdk.shipping``): ``model`` (a factory or class
+    returning the whole ``nn.Module``), ``loss`` (``(output, targets) -> scalar``), ``init``
+    (``init_fn(module, name)``), ``dataset`` (a factory returning a map-style ``Dataset``), and
+    ``modules``: the user's own modules to pickle by value as well (not installed on the VMs)."""
+
+    model: Callable | None = None
+    loss: Callable | None = None
+    init: Callable | None = None
+    dataset: Callable | None = None
+    modules: Sequence[Any] = field(default_factory=tuple)
+
+    def pack(self, job: JobConfig) -> dict[str, bytes]:
+        """Pack the model-side and data-side callables (one objects file each), set
+        ``job.model.by_value`` / ``job.data.by_value`` to their digests and return
+        ``{file name: bytes}`` to write into the run folder. Raises ``TypeError`` naming a
+        callable that cannot be pickled."""
+        files = {}
+        model_side = {"factory": self.model, "loss": self.loss, "init": self.init}
+        if any(v is not None for v in model_side.values()):
+            if self.model is None:
+                raise TypeError("a loss or init shipped by value needs the model shipped by value too (model=...)")
+            digest, blob = pack_objects(model_side, self.modules)
+            job.model.by_value, job.model.factory = f"sha256:{digest}", None
+            files[objects_file_name(digest)] = blob
+        if self.dataset is not None:
+            digest, blob = pack_objects({"dataset": self.dataset}, self.modules)
+            job.data.by_value = f"sha256:{digest}"
+            files[objects_file_name(digest)] = blob
+        return files
+
+
 def new_run_dir(job: JobConfig) -> Path:
     """A fresh ``<train.run_dir>/<name>-<YYYYmmdd-HHMMSS>`` folder (suffixed if it exists)."""
     base = Path(job.train.run_dir) / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -44,6 +83,34 @@ def new_run_dir(job: JobConfig) -> Path:
         path, k = Path(f"{base}-{k}"), k + 1
     path.mkdir(parents=True)
     return path
+
+
+def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
+                files: dict[str, bytes] | None = None) -> tuple[JobConfig, Path]:
+    """Check everything about ``job`` that can fail before a process starts, then make its run
+    folder (``run_dir``, or a fresh ``new_run_dir``) holding ``config.yaml`` and the objects
+    files (``objects`` packed here, or ``files`` packed already by ``JobObjects.pack``). Returns
+    ``(the job as it will run, run folder)``. Raises ``ConfigError``, ``DataError``,
+    ``ModelSpecError``, ``PartitionError`` (all ``ValueError``), ``ShippingError`` or
+    ``TypeError`` — leaving no folder behind."""
+    from .trainer import check_partition, resolve
+
+    job = copy.deepcopy(job).validate()
+    files = dict(files or {})
+    if objects is not None:
+        files.update(objects.pack(job))
+    resolved = resolve(job, run_dir)  # the model spec and the data, checked together
+    if not job.parallel.planned:
+        check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
+    out = Path(run_dir) if run_dir is not None else new_run_dir(job)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, blob in files.items():
+        if not (out / name).exists():
+            (out / f"{name}.tmp").write_bytes(blob)
+            (out / f"{name}.tmp").replace(out / name)
+    if not (out / "config.yaml").exists():
+        job.to_yaml(out / "config.yaml")
+    return job, out
 
 
 def plan_job(job: JobConfig, profile=None):
@@ -58,54 +125,23 @@ def plan_job(job: JobConfig, profile=None):
     return plan_for_job(job, profile or calibrate_job(job))
 
 
-def train_local(job: JobConfig, run_dir: str | Path | None = None) -> RunResult:
-    """Train ``job`` on P × D local processes (gloo on CPU, NCCL with GPUs).
-
-    Raises ``ConfigError`` before starting anything if the config is invalid, and
-    ``WorkerFailure`` (with the failing rank's traceback) if any worker fails; in every case no
-    worker process is left running.
-    """
-    job.validate()
-    if job.parallel.planned:
-        job, pl = plan_job(job)
-        print(pl.table(top=5), flush=True)
-        print(f"[varuna] planned: P={job.parallel.P} x D={job.parallel.D}, micro-batch "
-              f"{job.parallel.micro_batch_size}, stages {job.parallel.boundaries}", flush=True)
-    check_partition(job)  # unknown preset, bad shape or split -> ValueError now, not in a worker
-    tokenize_corpus(job.data.corpus, job.data.tokenizer)
-    out = Path(run_dir) if run_dir is not None else new_run_dir(job)
-    out.mkdir(parents=True, exist_ok=True)
-    job.to_yaml(out / "config.yaml")
-    spawn_workers(run_worker, job.parallel.world_size, (job.to_dict(), str(out)),
-                  backend=job.launch.backend, addr=job.launch.master_addr, port=job.launch.master_port,
-                  timeout_s=job.launch.timeout_s + 60.0 * job.train.steps, threads_per_worker=job.launch.threads_per_worker,
-                  work_dir=out)
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return RunResult(out, summary)
-
-
 def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=None, job_id: str | None = None,
-               **manager_options) -> dict:
+               objects: JobObjects | None = None, **manager_options) -> dict:
     """Run ``job`` under the morph manager in the foreground until it ends, on ``provider``'s
     VMs (default: ``job.launch.gpus`` local worker slots); returns ``Manager.summary()``.
 
     ``run_dir``: the job's folder; when it already holds the job's event log, the job is
     continued under the same id (a restarted manager picks it up: orphaned workers of the
-    previous one stop at a boundary with a checkpoint, then the job resumes). ``manager_options``
-    go to ``manager.Manager`` (``heartbeat_interval_s``, ``generation_options``...).
-    Raises ``ConfigError`` before anything starts when the config is invalid. The provider is
-    closed at the end (no worker left running) when this function made it.
+    previous one stop at a boundary with a checkpoint, then the job resumes). ``objects``:
+    callables shipped by value. ``manager_options`` go to ``manager.Manager``
+    (``heartbeat_interval_s``, ``generation_options``, ``calibrate_first``...). Raises
+    (``prepare_run``) before anything starts when the job cannot run. The provider is closed at
+    the end (no worker left running) when this function made it.
     """
     from .cluster.provider import LocalProvider
     from .manager.manager import Manager
 
-    job.validate()
-    out = Path(run_dir) if run_dir is not None else new_run_dir(job)
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / "config.yaml").exists():
-        job.to_yaml(out / "config.yaml")
-    tokenize_corpus(job.data.corpus, job.data.tokenizer)  # once here; workers hit the cache
+    job, out = prepare_run(job, run_dir, objects)
     own = provider is None
     provider = provider or LocalProvider(job.launch.gpus)
     try:
@@ -116,3 +152,36 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
         if own:
             provider.close()
 
+
+def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
+                **manager_options) -> RunResult:
+    """``varuna train``: the job on P × D local worker processes (gloo on CPU, NCCL with GPUs),
+    under the manager like every other launch. With P and D fixed it starts at once (no
+    calibration); with P or D null the planner chooses for ``launch.gpus`` workers first.
+
+    Raises ``ConfigError`` (and the other ``prepare_run`` errors) before starting anything, and
+    ``WorkerFailure`` (with the failing rank's traceback) if the job fails; in every case no
+    worker process is left running.
+    """
+    from .cluster.local import WorkerFailure
+    from .cluster.provider import LocalProvider
+
+    job = copy.deepcopy(job).validate()
+    slots = job.parallel.world_size if not job.parallel.planned else job.launch.gpus
+    opts = {"calibrate_first": False, "max_failures": 0, "grow": None, "straggler": None,
+            "generation_options": {"start_timeout_s": max(180.0, job.launch.timeout_s)}, **manager_options}
+    provider = LocalProvider(slots)
+    try:
+        summary = launch_job(job, run_dir=run_dir, provider=provider, objects=objects, **opts)
+    finally:
+        provider.close()
+    out = Path(summary["run_dir"])
+    if summary["state"] != "SUCCEEDED":
+        raise WorkerFailure(f"job {summary['job_id']} {summary['state']}: {summary['error']}",
+                            {0: (1, summary["error"] or "")})
+    summary_path = out / "summary.json"
+    return RunResult(out, json.loads(summary_path.read_text()) if summary_path.exists() else {})
+
+
+__all__ = ["JobObjects", "RunResult", "launch_job", "new_run_dir", "plan_job", "prepare_run", "train_local",
+           "ConfigError"]

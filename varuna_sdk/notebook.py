@@ -18,10 +18,20 @@ running says so and returns it, and a new ``Job`` with the name of a running one
 launch (``RuntimeError``) until that one is stopped — or made with ``replace=True``. A handle
 lost by re-running ``job = Job(...)`` is found again with ``Job.get(name)``.
 
-Workers are separate processes on other VMs; they build the model from the configuration (the
-GPT-2 presets of ``model/gpt2.py``) and read the corpus named in it. Python objects defined in
-the notebook (a model factory, a dataset) cannot reach them yet: ``Job`` refuses them with a
-``TypeError`` that says so, before anything starts.
+Your own model, loss and data, from a cell:
+
+    job = Job(model=MyGPT, data="my_text.txt", steps=200)     # a class or function defined here
+    job = Job(model=lambda: GPT2LMHeadModel(GPT2Config(n_layer=4)), data="tokens.bin",
+              config=JobConfig(data=DataConfig(token_dtype="uint16")))
+    job = Job(model="mypkg.models:build", data=make_dataset, loss=my_loss)
+
+A callable defined in the notebook (model factory or class, loss, init, dataset factory) is
+shipped by value with cloudpickle inside the job spec — to local workers through the run folder,
+to your VMs over the SSH bootstrap — and every worker checks the Python/torch/cloudpickle
+versions before unpickling (``varuna_sdk.shipping``); an import path is shipped by reference
+(your code folder is synced to the VMs). The model, data and loss are resolved and checked
+together when the ``Job`` is made — a model that cannot be cut, token ids beyond its vocabulary,
+a missing column fail in that cell, before anything starts.
 
 At interpreter exit (kernel shutdown or restart) every job this kernel launched is asked to
 stop and the providers it ran on are closed, so no worker or test host outlives the kernel.
@@ -75,10 +85,71 @@ def _unshippable(value: Any, where: str) -> str | None:
 
 
 _SHIP_HELP = (
-    "Workers run in separate processes on other VMs and build the model and data from the job's "
-    "configuration alone (model.preset / n_layer / n_head / n_embd, data.corpus / tokenizer); "
-    "functions, modules and datasets defined in this notebook cannot be sent to them yet. Describe "
-    "the model with ModelConfig(preset='cpu-demo', n_layer=..., n_embd=...) instead.")
+    "A job's config holds plain values only (it is YAML). Pass your own model, loss or dataset as "
+    "Job(model=..., loss=..., data=...): a callable defined here is shipped by value, an import path "
+    "'pkg.mod:fn' by reference.")
+
+
+def _name_of(obj: Any) -> str:
+    """A job name from a model: its qualified name, or the last part of an import path."""
+    if isinstance(obj, str):
+        base = obj.split(":")[-1]
+    else:
+        base = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+    clean = "".join(c if c.isalnum() or c in "-_" else "-" for c in base).strip("-_") or "job"
+    return clean[:48]
+
+
+def _apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: Any, ship_modules: tuple):
+    """Put ``Job(model=, loss=, data=, init=)`` into ``job``; returns the ``JobObjects`` to ship
+    by value (None when everything is named by import path or config). Raises ``TypeError``
+    for a value of the wrong kind, saying what each argument takes."""
+    from torch import nn
+
+    from .config import DataConfig, ModelConfig
+    from .launch import JobObjects
+
+    objs = JobObjects(modules=tuple(ship_modules))
+    if isinstance(model, nn.Module):
+        raise TypeError(f"Job(model=...) got a built {type(model).__name__}; pass its class or a function that "
+                        f"builds it (e.g. model=lambda: {type(model).__name__}(...)): each worker builds only its "
+                        "own stage")
+    if isinstance(model, ModelConfig):
+        job.model = copy.deepcopy(model)
+    elif isinstance(model, str):
+        job.model = ModelConfig(factory=model, loss=job.model.loss, inputs=job.model.inputs,
+                                targets=job.model.targets, blocks=job.model.blocks)
+    elif callable(model):
+        job.model = ModelConfig(loss=job.model.loss, inputs=job.model.inputs, targets=job.model.targets,
+                                blocks=job.model.blocks, kwargs=dict(job.model.kwargs or {}))
+        objs.model = model
+    elif model is not None:
+        raise TypeError(f"Job(model=...) takes a class or function building the model, an import path "
+                        f"'pkg.mod:fn', or a ModelConfig; got {type(model).__name__}")
+    if isinstance(loss, str):
+        job.model.loss = loss
+    elif callable(loss):
+        if objs.model is None:
+            raise TypeError("Job(loss=<function>) ships the loss by value, which needs the model shipped by value "
+                            "too (model=<class or function>); or name the loss by import path 'pkg.mod:fn'")
+        objs.loss = loss
+    elif loss is not None:
+        raise TypeError(f"Job(loss=...) takes 'model', 'cross_entropy', an import path or a function; got "
+                        f"{type(loss).__name__}")
+    if isinstance(init, str):
+        job.model.init = init
+    elif callable(init):
+        objs.init = init
+    if isinstance(data, DataConfig):
+        job.data = copy.deepcopy(data)
+    elif isinstance(data, (str, Path)):
+        job.data.path, job.data.corpus = str(data), None
+    elif callable(data):
+        objs.dataset = data
+    elif data is not None:
+        raise TypeError(f"Job(data=...) takes a path, a DataConfig or a function returning a Dataset; got "
+                        f"{type(data).__name__}")
+    return objs if (objs.model or objs.loss or objs.init or objs.dataset) else None
 
 
 @dataclass
@@ -132,7 +203,19 @@ class Job:
 
     Args:
         config: a ``JobConfig`` or the path of its YAML (copied: later changes to the object
-            you passed do not change this job).
+            you passed do not change this job); default ``JobConfig()`` (named after the model).
+        model: the model, overriding ``config.model``: a class or function returning the whole
+            ``nn.Module`` (shipped by value), an import path ``"pkg.mod:fn"`` or registered name
+            (shipped by reference), or a ``ModelConfig``.
+        loss: ``"model"``, ``"cross_entropy"``, an import path, or ``(output, targets) -> scalar``
+            (shipped by value); default automatic (``model.spec.infer_call``).
+        data: overriding ``config.data``: a path (text file or folder, token file, ``datasets``
+            folder, json/jsonl/parquet/csv), a ``DataConfig``, or a function returning a map-style
+            ``Dataset`` (shipped by value).
+        init: ``init_fn(module, name)`` for a model too large to record once (shipped by value).
+        ship_modules: your own modules whose code must travel by value too (not installed on
+            the VMs); a module in your synced code folder needs nothing.
+        steps: ``train.steps`` (a shortcut).
         provider: where workers run (``cluster.provider``: ``LocalProvider``, ``HostFileProvider``,
             ``cluster.spot.SpotEmulator``...); default ``LocalProvider(config.launch.gpus)``,
             local worker processes, closed by ``close()``. A provider you pass stays yours to close
@@ -144,23 +227,39 @@ class Job:
             goes to ``<run_dir>/gen<g>/workers.log`` (``job.logs()``), not into the notebook,
             unless ``generation_options={"sink": ...}`` says otherwise.
 
-    Raises ``ConfigError`` for an invalid config and ``TypeError`` for a config holding Python
-    objects the workers cannot receive (functions, modules, datasets) — before anything starts.
+    Raises ``ConfigError``/``DataError``/``ModelSpecError`` (all ``ValueError``) for a config,
+    model or data that cannot run, and ``TypeError`` for a config holding Python objects where
+    plain values belong, or a callable cloudpickle cannot ship — before anything starts.
     """
 
-    def __init__(self, config: JobConfig | str | Path, *, provider=None, run_dir: str | Path | None = None,
-                 replace: bool = False, manager_options: dict[str, Any] | None = None):
-        if isinstance(config, (str, Path)):
+    def __init__(self, config: JobConfig | str | Path | None = None, *, model: Any = None, loss: Any = None,
+                 data: Any = None, init: Any = None, ship_modules: tuple = (), steps: int | None = None,
+                 provider=None, run_dir: str | Path | None = None, replace: bool = False,
+                 manager_options: dict[str, Any] | None = None):
+        if config is None:
+            job = JobConfig()
+            if model is not None:
+                job.name = _name_of(model)
+        elif isinstance(config, (str, Path)):
             job = JobConfig.from_yaml(Path(config))
         elif isinstance(config, JobConfig):
             job = config
         else:
             what = getattr(config, "__qualname__", None) or type(config).__name__
             raise TypeError(f"Job(config) takes a JobConfig or the path of a job YAML, not {what!r}. {_SHIP_HELP}")
+        job = copy.deepcopy(job)
+        objects = _apply_overrides(job, model=model, loss=loss, data=data, init=init, ship_modules=ship_modules)
+        if steps is not None:
+            job.train.steps = steps
         bad = _unshippable(job.to_dict(), "config")
         if bad:
             raise TypeError(f"{bad} cannot be sent to the workers. {_SHIP_HELP}")
-        self.config = copy.deepcopy(job).validate()
+        job.validate()
+        self._files = objects.pack(job) if objects is not None else {}
+        from .trainer import resolve
+
+        self.resolved = resolve(job)  # the model, data and loss, checked together now
+        self.config = job
         self.provider = provider
         self.run_dir = Path(run_dir).resolve() if run_dir is not None else None
         self.replace = replace
@@ -202,7 +301,7 @@ class Job:
         again); returns the ``profiling.profile.Profile``."""
         from .trainer import calibrate_job
 
-        self._profile = calibrate_job(self.config, refresh=refresh)
+        self._profile = calibrate_job(self.config, refresh=refresh, resolved=self.resolved)
         return self._profile
 
     def _default_gpus(self) -> int:
@@ -297,11 +396,10 @@ class Job:
                 provider = LocalProvider(self.config.launch.gpus)
                 self._own_provider = True
                 self.provider = provider
-            if self.run_dir is None:
-                from .launch import new_run_dir
+            from .launch import prepare_run
 
-                self.run_dir = new_run_dir(self.config).resolve()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _, out = prepare_run(self.config, self.run_dir, files=self._files)  # config + shipped objects
+            self.run_dir = out.resolve()
             self.config.to_yaml(self.run_dir / "config.yaml")
             # a stopped or failed job continues under a new job id in the same folder: the
             # manager of the old id would only replay its terminal state

@@ -1,15 +1,17 @@
 """The training loop every worker runs for a ``JobConfig``: one flat loop, nanoGPT style.
 
-Owns: building the GPT-2 job from a config (data, model, engine, AdamW, warm-up + cosine
-learning rate), the per-step line and the JSON-lines metrics file (``metrics.jsonl`` in the run
-folder, one object per step, written by rank 0; the dashboard reads it), and the held-out
-perplexity at start and end (``summary.json``), and the job's cached calibration
-(``calibrate_job``). Also the worker's side of morphing (paper §4.2): resume from the newest
-complete per-layer checkpoint under the current stage map, periodic background checkpoints, and
-stopping all ranks after the same mini-batch when any one is asked (``should_stop``, agreed by
-one all-reduce), with a published checkpoint (``WorkerOutcome``). Sits above ``pipeline``,
-``checkpoint``, ``data`` and ``profiling``; never imports ``manager`` (heartbeats are fed through
-the ``on_step`` callback, stop requests through ``should_stop``).
+Owns: building a rank's training from a config (the job's model spec and data resolved by
+``jobspec`` — any model, data and loss; this module never knows which — the engine, AdamW,
+warm-up + cosine learning rate), the per-step line and the JSON-lines metrics file
+(``metrics.jsonl`` in the run folder, one object per step, written by rank 0; the dashboard reads
+it), the held-out perplexity at start and end (``summary.json``), and the job's cached
+calibration (``calibrate_job``, keyed by the model's identity). Also the worker's side of
+morphing (paper §4.2): resume from the newest complete per-layer checkpoint under the current
+stage map, periodic background checkpoints, and stopping all ranks after the same mini-batch
+when any one is asked (``should_stop``, agreed by one all-reduce), with a published checkpoint
+(``WorkerOutcome``). Sits above ``jobspec``, ``pipeline``, ``checkpoint``, ``data`` and
+``profiling``; never imports ``manager`` (heartbeats are fed through the ``on_step`` callback,
+stop requests through ``should_stop``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,21 +31,14 @@ import torch.distributed as dist
 from .checkpoint import CheckpointError, StageCheckpointer, default_staging_dir, default_store_url, latest_complete
 from .checkpoint.store import checkpoint_name
 from .config import JobConfig
-from .data.loader import BatchLoader, eval_batches, tokenize_corpus, train_val_split
-from .data.tokenizer import get_tokenizer
-from .model.gpt2 import GPT2Config, gpt2, init_gpt2, lm_loss, preset
+from .jobspec import ResolvedJob, resolve_job
 from .pipeline.engine import StepResult, Varuna
 
 
-def model_config(job: JobConfig) -> GPT2Config:
-    """The GPT-2 shape of a job: its preset, overridden by explicit fields, with the tokenizer's
-    vocabulary and a block size of at least ``seq_len``."""
-    m = job.model
-    overrides = {k: v for k, v in (("n_layer", m.n_layer), ("n_head", m.n_head), ("n_embd", m.n_embd)) if v is not None}
-    vocab = get_tokenizer(job.data.tokenizer).vocab_size
-    base = preset(m.preset)
-    return preset(m.preset, vocab_size=vocab, dropout=m.dropout,
-                  block_size=max(base.block_size, job.data.seq_len), **overrides)
+def resolve(job: JobConfig, run_dir: str | Path | None = None) -> ResolvedJob:
+    """The job's model spec and data, resolved and checked (``jobspec.resolve_job``); objects the
+    job shipped by value are looked up in ``run_dir`` too."""
+    return resolve_job(job, search=[run_dir] if run_dir is not None else [])
 
 
 def lr_at(step: int, job: JobConfig) -> float:
@@ -75,26 +69,25 @@ class StepMetrics:
     generation: int = 0
 
 
-def build_engine(job: JobConfig, rank: int | None = None) -> Varuna:
+def build_engine(job: JobConfig, rank: int | None = None, resolved: ResolvedJob | None = None) -> Varuna:
     """The ``Varuna`` engine of this rank for ``job`` (torch.distributed already initialised)."""
-    cfg = model_config(job)
+    r = resolved or resolve(job)
     p = job.parallel
-    sample = (torch.zeros(p.micro_batch_size, job.data.seq_len, dtype=torch.long),)
-    return Varuna(partial(gpt2, cfg), lm_loss, p, sample, seed=job.train.seed,
-                  init_fn=partial(init_gpt2, n_layer=cfg.n_layer), precision=job.train.precision,
-                  loss_scale=job.train.loss_scale, grad_clip=job.train.grad_clip, rank=rank,
-                  timeout_s=job.launch.timeout_s)
+    sample, _ = r.sample_inputs(p.micro_batch_size, job.data.seq_len)
+    return Varuna(r.spec.factory, r.spec.loss_fn, p, sample, seed=job.train.seed, init_fn=r.spec.init_fn,
+                  precision=job.train.precision, loss_scale=job.train.loss_scale, grad_clip=job.train.grad_clip,
+                  rank=rank, timeout_s=job.launch.timeout_s)
 
 
-def check_partition(job: JobConfig) -> str:
-    """Trace the job's model on the meta device and split it exactly as the workers will, so a
-    bad P, boundary list or cross-stage use fails in the caller before any process starts.
+def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
+    """Trace the job's model (weights on the meta device) and split it exactly as the workers will,
+    so a bad P, boundary list or cross-stage use fails in the caller before any process starts.
     Returns a one-line description of the stage map. Raises ``PartitionError``."""
     from .model.partition import StageMap, balanced_stage_map, shared_state
     from .model.tracer import segment_costs
 
     p = job.parallel
-    structure = model_structure(job)
+    structure = model_structure(job, resolved)
     if p.boundaries is not None:
         smap = StageMap.from_lists(p.boundaries, structure.num_segments)
     else:
@@ -103,50 +96,50 @@ def check_partition(job: JobConfig) -> str:
     return f"stages (segments) {smap.to_lists()}, tied across stages: {shared or 'none'}"
 
 
-def model_structure(job: JobConfig):
-    """The job's GPT-2 traced on the meta device (no memory, no compute): its cut-point segments
-    as the workers will see them (``model.tracer.ModelStructure``)."""
+def model_structure(job: JobConfig, resolved: ResolvedJob | None = None):
+    """The job's model traced with its weights on the meta device (no memory, no weight compute),
+    on a real micro-batch of its data: its cut-point segments as the workers will see them
+    (``model.tracer.ModelStructure``)."""
     from .model.materialize import build_on_meta
     from .model.tracer import trace_model
 
-    return trace_model(build_on_meta(partial(gpt2, model_config(job))),
-                       (torch.zeros(job.parallel.micro_batch_size or 1, job.data.seq_len, dtype=torch.long),))
+    r = resolved or resolve(job)
+    sample, _ = r.sample_inputs(job.parallel.micro_batch_size or 1, job.data.seq_len)
+    return trace_model(build_on_meta(r.spec.factory), sample)
 
 
-def profile_key(job: JobConfig) -> str:
-    """Cache key of a job's calibration: model shape, sequence length, precision, torch."""
+def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
+    """Cache key of a job's calibration: the model's identity (factory, arguments, code hash),
+    sequence length, precision, torch, threads per worker."""
     import hashlib
 
-    cfg = model_config(job)
-    text = json.dumps([cfg.to_dict(), job.data.seq_len, job.train.precision, torch.__version__,
-                       job.launch.threads_per_worker], sort_keys=True)
+    r = resolved or resolve(job)
+    text = json.dumps([r.spec.identity, job.data.seq_len, job.train.precision, torch.__version__,
+                       job.launch.threads_per_worker], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: bool = False,
-                  micro_batch_sizes: tuple[int, ...] = (1, 2, 4)):
-    """Calibrate the job's GPT-2 once (paper §4.3) and cache the ``Profile`` JSON under
-    ``cache_dir`` (default ``~/.cache/varuna_sdk/profiles``); a cached profile is reused."""
+                  micro_batch_sizes: tuple[int, ...] = (1, 2, 4), resolved: ResolvedJob | None = None,
+                  run_dir: str | Path | None = None):
+    """Calibrate the job's model once (paper §4.3) on real micro-batches of its data and cache the
+    ``Profile`` JSON under ``cache_dir`` (default ``~/.cache/varuna_sdk/profiles``), keyed by
+    ``profile_key``; a cached profile is reused."""
     from .data.loader import default_cache_dir
     from .profiling.calibrate import calibrate
     from .profiling.profile import Profile
 
+    r = resolved or resolve(job, run_dir)
     cache = Path(cache_dir) if cache_dir else default_cache_dir() / "profiles"
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{job.name}-{profile_key(job)}.json"
+    path = cache / f"{job.name}-{profile_key(job, r)}.json"
     if path.exists() and not refresh:
         return Profile.load(path)
-    cfg = model_config(job)
     T = job.data.seq_len
-
-    def make_batch(b: int):
-        g = torch.Generator().manual_seed(b)
-        x = torch.randint(0, cfg.vocab_size, (b, T + 1), generator=g)
-        return (x[:, :-1],), x[:, 1:]
-
-    prof = calibrate(partial(gpt2, cfg), lm_loss, make_batch, micro_batch_sizes, seed=job.train.seed,
-                     init_fn=partial(init_gpt2, n_layer=cfg.n_layer), precision=job.train.precision,
-                     threads=job.launch.threads_per_worker, model_info={"name": job.name, "gpt2": cfg.to_dict()})
+    prof = calibrate(r.spec.factory, r.spec.loss_fn, lambda b: r.sample_inputs(b, T), micro_batch_sizes,
+                     seed=job.train.seed, init_fn=r.spec.init_fn, precision=job.train.precision,
+                     threads=job.launch.threads_per_worker,
+                     model_info={"name": job.name, "model": r.spec.name, "identity": r.spec.identity})
     tmp = path.with_suffix(".tmp")
     prof.to_json(tmp)
     os.replace(tmp, path)
@@ -158,7 +151,7 @@ def _log(msg: str) -> None:
 
 
 def evaluate(engine: Varuna, batches: list) -> float:
-    """Mean held-out loss over ``batches`` (collective)."""
+    """Mean held-out loss over ``batches`` (``(inputs, targets)`` each; collective)."""
     losses = [engine.evaluate(b) for b in batches]
     return sum(losses) / len(losses)
 
@@ -166,28 +159,45 @@ def evaluate(engine: Varuna, batches: list) -> float:
 @dataclass
 class Training:
     """What one rank trains with: its engine, AdamW (decay on matrices only), the deterministic
-    batch loader and the held-out batches."""
+    batch loader (``replica_batch(step, replica, D)`` → the fields of a replica's share), the
+    held-out batches (``(inputs, targets)``) and the resolved job (``split`` turns fields into
+    the engine's ``(inputs, targets)``)."""
 
     engine: Varuna
     optimizer: torch.optim.Optimizer
-    loader: BatchLoader
+    loader: Any
     val: list
+    job: ResolvedJob
+
+    def batch(self, step: int) -> tuple:
+        """This rank's ``(inputs, targets)`` of ``step``."""
+        e = self.engine
+        return self.job.split(self.loader.replica_batch(step, e.replica, e.D))
 
 
-def build_training(job: JobConfig, rank: int | None = None) -> Training:
+def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path | None = None) -> Training:
     """Build this rank's engine, optimizer and data for ``job`` (torch.distributed initialised
     when P × D > 1; collective: the engine creates its process groups)."""
     d, p, t = job.data, job.parallel, job.train
-    tokens = tokenize_corpus(d.corpus, d.tokenizer)
-    train_tokens, val_tokens = train_val_split(tokens, d.val_fraction)
-    loader = BatchLoader(train_tokens, d.seq_len, p.global_batch, seed=d.seed)
-    val = eval_batches(val_tokens, d.seq_len, p.global_batch, max_batches=t.eval_batches)
-    engine = build_engine(job, rank)
+    r = resolve(job, run_dir)
+    loader, val = r.data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, t.eval_batches)
+    engine = build_engine(job, rank, r)
     decay = [q for n, q in engine.named_parameters() if q.dim() >= 2]
     no_decay = [q for n, q in engine.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(0.9, 0.95))
-    return Training(engine, opt, loader, val)
+    return Training(engine, opt, loader, [r.split(v) for v in val], r)
+
+
+def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int:
+    """Tokens in one example: ``seq_len`` for token data; for a dataset, the elements of its
+    first integer field (token ids), else 1."""
+    if resolved.data.tokens is not None:
+        return job.data.seq_len
+    for v in resolved.data.sample(1, job.data.seq_len).values():
+        if isinstance(v, torch.Tensor) and not v.is_floating_point():
+            return max(1, v[0].numel())
+    return 1
 
 
 # ---- stopping at a mini-batch boundary ----------------------------------------------------------
@@ -317,7 +327,7 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     job = JobConfig.from_dict(job_dict).validate()
     d, p, t = job.data, job.parallel, job.train
     _progress.update(steps_done=0, rank=rank)
-    tr = build_training(job, rank)
+    tr = build_training(job, rank, run_dir)
     engine, opt, loader, val = tr.engine, tr.optimizer, tr.loader, tr.val
     lead = rank == 0
     out = Path(run_dir)
@@ -351,7 +361,7 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
         ppl0 = math.exp(evaluate(engine, val))
         if lead:
             _log(f"[varuna] held-out perplexity at start: {ppl0:.2f}")
-    tokens_per_step = p.global_batch * d.seq_len
+    tokens_per_step = p.global_batch * tokens_per_example(job, tr.job)
     t_start = time.time()
     r = None
     outcome = WorkerOutcome(status="completed", step=start, generation=generation, resumed_from=resumed_from)
@@ -360,8 +370,7 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
         for step in range(start, t.steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, job)
-            batch = loader.replica_batch(step, engine.replica, p.D)
-            r = engine.step(batch, opt)
+            r = engine.step(tr.batch(step), opt)
             done = step + 1
             _progress["steps_done"] = done
             outcome.step, outcome.steps_run = done, outcome.steps_run + 1

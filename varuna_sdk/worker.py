@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from .manager.heartbeat import STOPPED, HeartbeatClient
+from .shipping import OBJECTS_DIR_ENV
 
 ENV_GENERATION = "VARUNA_GENERATION"
 
@@ -99,6 +100,9 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
     from .trainer import run_worker
 
     job = JobConfig.from_yaml(argv[0]).validate()
+    # callables shipped by value travel next to the config (``shipping``); they are unpickled only
+    # after this VM's Python/torch/cloudpickle versions are checked against the launcher's
+    os.environ.setdefault(OBJECTS_DIR_ENV, str(Path(argv[0]).resolve().parent))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     generation = int(os.environ.get(ENV_GENERATION, "0"))
     backend = "nccl" if torch.cuda.is_available() and job.launch.backend != "gloo" else "gloo"

@@ -34,6 +34,11 @@ from .tokenizer import get_tokenizer
 
 __all__ = [
     "BatchLoader",
+    "ExampleLoader",
+    "LM_FIELDS",
+    "collate",
+    "example_eval_batches",
+    "lm_fields",
     "default_cache_dir",
     "eval_batches",
     "tokenize_corpus",
@@ -318,3 +323,118 @@ def eval_batches(
         num_batches, batch_size, seq_len
     )
     return [(inputs[b].clone(), targets[b].clone()) for b in range(num_batches)]
+
+
+#: The fields of a language-model batch: ``input_ids`` ``[B, T]``, ``targets`` ``[B, T]`` (the next
+#: token of each position: ``input_ids`` shifted by one) and ``labels`` ``[B, T]`` (= ``input_ids``,
+#: the Hugging Face convention: the model shifts them itself). All int64.
+LM_FIELDS = ("input_ids", "targets", "labels")
+
+
+def lm_fields(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A language-model batch as named fields (``LM_FIELDS``)."""
+    return {"input_ids": inputs, "targets": targets, "labels": inputs}
+
+
+def collate(examples: list) -> dict[str, Any]:
+    """Examples of a user dataset as one batch of named fields: a dict example keeps its keys, a
+    tuple/list example ``(x, y, …)`` gives fields ``"0"``, ``"1"``, …, a lone tensor ``"0"``.
+    Stacked with ``torch.utils.data.default_collate`` (numbers become tensors)."""
+    from torch.utils.data import default_collate
+
+    first = examples[0]
+    batch = default_collate(examples)
+    if isinstance(first, Mapping):
+        return dict(batch)
+    if isinstance(first, (tuple, list)):
+        return {str(i): v for i, v in enumerate(batch)}
+    return {"0": batch}
+
+
+class ExampleLoader:
+    """Deterministic batches of a map-style dataset, the twin of ``BatchLoader`` for examples.
+
+    The examples of step ``t`` are positions ``t·B … t·B + B - 1`` of an endless stream that visits
+    ``indices`` (the training part of the dataset) once per epoch, each epoch in the order of
+    ``numpy.random.default_rng([seed, epoch]).permutation``: a pure function of ``(seed, step)``,
+    so every replica, after any restart or a change of D, sees the same examples in the same
+    order. ``replica_batch`` gathers only one replica's contiguous share. ``state_dict`` /
+    ``load_state_dict`` save and restore the position (the step).
+    """
+
+    def __init__(self, dataset: Any, global_batch: int, seed: int = 0, indices: Any = None) -> None:
+        n = len(dataset)
+        self.dataset = dataset
+        self.indices = np.arange(n, dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
+        if len(self.indices) == 0:
+            raise ValueError("the dataset has no training examples; give it more examples or a smaller val_fraction")
+        if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
+            raise ValueError(f"global_batch must be an int >= 1, got {global_batch!r}")
+        self.global_batch = int(global_batch)
+        self.seed = int(seed)
+        self._step = 0
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.indices)))
+        return self._perm[1]
+
+    def example_indices(self, step: int) -> np.ndarray:
+        """Dataset indices (int64, length ``global_batch``) of the examples of ``step``."""
+        step = BatchLoader._check_step(step)
+        n = len(self.indices)
+        pos = np.arange(step * self.global_batch, (step + 1) * self.global_batch, dtype=np.int64)
+        out = np.empty(len(pos), dtype=np.int64)
+        for epoch in np.unique(pos // n):
+            sel = pos // n == epoch
+            out[sel] = self.indices[self._epoch_order(int(epoch))[pos[sel] % n]]
+        return out
+
+    def _gather(self, idx: np.ndarray) -> dict[str, Any]:
+        return collate([self.dataset[int(i)] for i in idx])
+
+    def batch(self, step: int) -> dict[str, Any]:
+        """The fields of step ``step``'s global batch (see ``collate``)."""
+        return self._gather(self.example_indices(step))
+
+    def replica_batch(self, step: int, replica: int, num_replicas: int) -> dict[str, Any]:
+        """Rows ``[replica*b : (replica+1)*b]`` of ``batch(step)``, ``b = global_batch // num_replicas``."""
+        if num_replicas < 1 or self.global_batch % num_replicas or not 0 <= replica < num_replicas:
+            raise ValueError(f"replica {replica} of {num_replicas} does not fit global_batch={self.global_batch}; "
+                             f"valid num_replicas: {_divisors(self.global_batch)}")
+        per = self.global_batch // num_replicas
+        return self._gather(self.example_indices(step)[replica * per:(replica + 1) * per])
+
+    @property
+    def position(self) -> int:
+        return self._step
+
+    def state_dict(self) -> dict[str, int]:
+        """Position and identity of the stream, JSON-serialisable."""
+        return {"step": self._step, "seed": self.seed, "global_batch": self.global_batch,
+                "num_examples": int(len(self.indices))}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state["step"]``; raises ``ValueError`` for a state of another dataset or batch."""
+        for key in ("global_batch", "num_examples"):
+            mine = self.state_dict()[key]
+            if key in state and int(state[key]) != mine:
+                raise ValueError(f"state was saved with {key}={state[key]} but this loader has {key}={mine}; build "
+                                 "the loader with the same data and settings")
+        self._step = BatchLoader._check_step(state["step"])
+        self.seed = int(state.get("seed", self.seed))
+
+
+def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batches: int | None = None) -> list:
+    """Fixed held-out batches of a user dataset: ``indices`` in order, in full batches of
+    ``batch_size`` (a trailing partial batch is dropped), at most ``max_batches``. Raises
+    ``ValueError`` when there is not one full batch."""
+    idx = np.asarray(indices, dtype=np.int64)
+    n = len(idx) // batch_size
+    if max_batches is not None:
+        n = min(n, int(max_batches))
+    if n == 0:
+        raise ValueError(f"{len(idx)} held-out examples are fewer than one batch of {batch_size}; use a larger "
+                         "val_fraction or a smaller global batch")
+    return [collate([dataset[int(i)] for i in idx[k * batch_size:(k + 1) * batch_size]]) for k in range(n)]

@@ -9,10 +9,14 @@ This module owns text <-> token-id conversion. Everything works offline:
   time and is never called here.
 * ``ByteTokenizer`` maps text to its UTF-8 bytes (vocabulary 256): tiny embedding
   tables and fast steps, for tests.
+* ``FileTokenizer`` loads a ``tokenizer.json`` on disk (any Hugging Face fast
+  tokenizer: Llama's, Mistral's, a BPE you trained) with the ``tokenizers``
+  library — a local file, never a download.
 
-Both share the small ``Tokenizer`` interface (``name``, ``vocab_size``,
+All share the small ``Tokenizer`` interface (``name``, ``vocab_size``,
 ``eot_token``, ``encode``, ``decode``, ``encode_array``); ``get_tokenizer(name)``
-picks one by name.
+picks one by name (``"gpt2"``, ``"byte"``) or by path (a ``tokenizer.json``, or a
+folder holding one).
 
 This package (``varuna_sdk.data``) never imports ``varuna_sdk.pipeline``,
 ``varuna_sdk.cluster`` or ``varuna_sdk.manager``.
@@ -21,6 +25,7 @@ This package (``varuna_sdk.data``) never imports ``varuna_sdk.pipeline``,
 from __future__ import annotations
 
 import functools
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from importlib import resources
@@ -32,6 +37,7 @@ __all__ = [
     "GPT2_PAT_STR",
     "TOKENIZER_NAMES",
     "ByteTokenizer",
+    "FileTokenizer",
     "GPT2Tokenizer",
     "Tokenizer",
     "get_tokenizer",
@@ -153,6 +159,56 @@ class ByteTokenizer(Tokenizer):
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
+_EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+class FileTokenizer(Tokenizer):
+    """A ``tokenizer.json`` (Hugging Face ``tokenizers`` format) loaded from disk.
+
+    ``vocab_size`` counts added tokens; ``eot_token`` is the first of ``</s>``,
+    ``<|endoftext|>``, ``<eos>``… the vocabulary has (documents are joined with it),
+    or ``None``. Raises ``ValueError`` naming the path when the file is missing or
+    is not a tokenizer.
+    """
+
+    def __init__(self, path: str) -> None:
+        from pathlib import Path
+
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        p = Path(path).expanduser()
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise ValueError(f"tokenizer file {str(p)!r} does not exist; give the path of a tokenizer.json (or of "
+                             "the folder holding it), or one of: gpt2, byte")
+        try:
+            self._tok = _HFTokenizer.from_file(str(p))
+        except Exception as e:  # noqa: BLE001 - the library's own parse errors
+            raise ValueError(f"{str(p)!r} is not a tokenizer.json the tokenizers library can read: {e}") from None
+        self.name = f"file-{_file_digest(p)}"
+        self.path = str(p)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.eot_token = next((int(vocab[t]) for t in _EOT_CANDIDATES if t in vocab), None)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text (the library's batch path: parallel, one call)."""
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _file_digest(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:12]
+
+
 @functools.lru_cache(maxsize=1)
 def gpt2_tokenizer() -> GPT2Tokenizer:
     """The real GPT-2 BPE tokenizer, built offline once per process and cached."""
@@ -168,17 +224,24 @@ _REGISTRY = {"gpt2": gpt2_tokenizer, "byte": _byte_tokenizer}
 TOKENIZER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
+@functools.lru_cache(maxsize=8)
+def _file_tokenizer(path: str) -> FileTokenizer:
+    return FileTokenizer(path)
+
+
 def get_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer called ``name`` (``"gpt2"`` or ``"byte"``); instances are cached.
+    """The tokenizer called ``name`` (``"gpt2"`` or ``"byte"``), or the ``tokenizer.json`` at the
+    path ``name`` (a file, or a folder holding one); instances are cached.
 
     Raises:
-        ValueError: for an unknown name (the message lists the valid ones).
+        ValueError: for an unknown name that is not a tokenizer file either (the message lists
+        the valid names).
     """
-    try:
-        factory = _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown tokenizer {name!r}; valid names: {', '.join(TOKENIZER_NAMES)}"
-        ) from None
-    return factory()
+    if isinstance(name, str) and name in _REGISTRY:
+        return _REGISTRY[name]()
+    if isinstance(name, str) and (name.endswith(".json") or "/" in name or os.path.isdir(name)):
+        return _file_tokenizer(os.path.abspath(os.path.expanduser(name)))
+    raise ValueError(
+        f"unknown tokenizer {name!r}; valid names: {', '.join(TOKENIZER_NAMES)}, or the path of a tokenizer.json"
+    )
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import posixpath
 import secrets as _secrets
 import socket
@@ -67,6 +68,7 @@ from ..cluster.localproc import LOCAL_ADDRESS, is_local
 from ..cluster.remote import LineSink, RemoteJob, RemoteWorker, WorkerSpec, launch, print_sink
 from ..cluster.ssh import SSHConnection, SSHError, SSHOptions, SSHPool
 from ..config import JobConfig
+from ..shipping import objects_file_name
 from .events import Event, EventLog, Kind
 from .heartbeat import STOPPED, HeartbeatServer
 
@@ -392,6 +394,7 @@ class Generation:
             return {}, {}, {}
         t0 = time.monotonic()
         reports: dict[str, object] = {}
+        objects = self._objects_files()
 
         def one(h: Host) -> tuple[str, str, str]:
             sync = None
@@ -407,6 +410,8 @@ class Generation:
             gen = posixpath.join(base, "varuna", self.job_id, f"gen{self.generation}")
             remote = posixpath.join(gen, "config.yaml")
             self.pool.get(h).put(cfg, remote, mkdirs=True)
+            for f in objects:  # callables shipped by value travel with the job spec, over SFTP only
+                self.pool.get(h).put(f, posixpath.join(gen, f.name), mkdirs=True, mode=0o600)
             rr = self.remote_run_dir
             run = (rr(h) if callable(rr) else rr) if rr is not None else \
                 posixpath.join(base, "varuna", self.job_id, "run")
@@ -439,6 +444,19 @@ class Generation:
             self.bootstrap_report = reports
         return ({n: v[0] for n, v in out.items()}, {n: v[1] for n, v in out.items()},
                 {n: v[2] for n, v in out.items()})
+
+    def _objects_files(self) -> list[Path]:
+        """The job's objects files (callables shipped by value, ``varuna_sdk.shipping``) in the run
+        folder. Raises ``FileNotFoundError`` naming one that is missing."""
+        out = []
+        for ref in (self.job.model.by_value, self.job.data.by_value):
+            if ref:
+                f = self.run_dir / objects_file_name(ref.split(":", 1)[-1])
+                if not f.is_file():
+                    raise FileNotFoundError(f"the job ships objects by value ({f.name}) but {f} is missing; "
+                                            "launch it with Job.launch() or launch_job, which write it")
+                out.append(f)
+        return out
 
     def _host_failed(self, h: Host, message: str) -> None:
         """A host failed during bootstrap or config upload: lost if it cannot be reached now
@@ -509,7 +527,10 @@ class Generation:
             env.update(self.extra_env)
             if is_local(h):
                 cmd = [h.python, "-m", "varuna_sdk.worker", str(cfg.resolve()), str(self.run_dir.resolve())]
-                where = str(self.run_dir.resolve())
+                # the user's folder, as on an SSH VM (its synced code folder): relative data paths
+                # and a model given by import path mean what they mean in the user's session
+                where = str(Path(self.code_dir).resolve()) if self.code_dir is not None else os.getcwd()
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH")) if p)
             else:
                 cmd = [h.python, "-m", "varuna_sdk.worker", remote_cfg[h.name], remote_run[h.name]]
                 where = cwd[h.name]

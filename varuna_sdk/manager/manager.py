@@ -142,6 +142,10 @@ class Manager:
         max_preemptions, max_failures: budgets, counted separately.
         wait_for_hosts_s: how long to wait when the pool has no VM before failing.
         generation_options: extra keyword arguments for ``Generation`` (bootstrap settings...).
+        calibrate_first: plan the first generation from a calibration (default). ``False``: a
+            job whose config fixes P and D starts at once with them (the stage split balanced on
+            the traced model's costs, no simulation) and is calibrated only when a morph needs a
+            plan — for a fixed pool of workers (``varuna train``) that never happens.
 
     Raises ``ConfigError`` for an invalid job before anything starts.
     """
@@ -151,7 +155,7 @@ class Manager:
                  straggler: StragglerRule | None = StragglerRule(), stop_timeout_s: float = 60.0,
                  max_preemptions: int = 1000, max_failures: int = 2, wait_for_hosts_s: float = 300.0,
                  generation_options: dict[str, Any] | None = None,
-                 on_state: Callable[[JobState, str], None] | None = None):
+                 on_state: Callable[[JobState, str], None] | None = None, calibrate_first: bool = True):
         job = copy.deepcopy(job).validate()
         if job.train.checkpoint_every <= 0:
             # a sudden loss must not lose the whole run: checkpoint about every 10% of the run
@@ -180,6 +184,7 @@ class Manager:
             self.generation_options.setdefault("ssh_options", ssh)
         self._on_state = on_state
         self._profile = profile
+        self.calibrate_first = bool(calibrate_first)
         self.log = EventLog(self.run_dir / "events.db")
         self.state = JobState.PENDING
         self.morphs: list[MorphRecord] = []
@@ -288,7 +293,7 @@ class Manager:
         if self._profile is None:
             from ..trainer import calibrate_job
 
-            self._profile = calibrate_job(self.job)
+            self._profile = calibrate_job(self.job, run_dir=self.run_dir)
         return self._profile
 
     def _provider_hosts(self) -> list[Host]:
@@ -311,6 +316,9 @@ class Manager:
 
         G = pool_slots(hosts)
         job = copy.deepcopy(self.job)
+        p0 = job.parallel
+        if first and not self.calibrate_first and self._profile is None and not p0.planned and p0.P * p0.D <= G:
+            return job, None, None, self._hosts_for(hosts, p0.P * p0.D)  # as configured, no calibration
         if not first:
             job.parallel.P = job.parallel.D = None
             job.parallel.boundaries = None
@@ -328,20 +336,33 @@ class Manager:
             job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
                                      keep_fixed=False, exhaustive=not best_only)
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
-        need = job_g.parallel.P * job_g.parallel.D
+        return job_g, pl, row, self._hosts_for(hosts, job_g.parallel.P * job_g.parallel.D)
+
+    @staticmethod
+    def _hosts_for(hosts: list[Host], need: int) -> list[Host]:
+        """The first whole VMs, in the provider's order, that hold ``need`` workers."""
         used, n = [], 0
-        for h in hosts:  # whole VMs, in the provider's order
+        for h in hosts:
             if n >= need:
                 break
             used.append(h)
             n += worker_slots(h)
-        return job_g, pl, row, used
+        return used
 
     def _record_plan(self, job: JobConfig, pl, row, hosts: list[Host]) -> list[float]:
         """PLAN event with the ranked table and the simulated timeline; returns the predicted
         per-stage compute seconds per micro-batch (for straggler detection)."""
         p = job.parallel
         timeline, per_stage = [], []
+        if pl is None:  # started as configured, without a calibration (calibrate_first=False)
+            rank_hosts = [h.name for h in hosts for _ in range(worker_slots(h))]
+            self.log.append(Kind.PLAN, job_id=self.job_id, payload={
+                "generation": self.generation, "gpus": p.P * p.D, "pool_gpus": pool_slots(hosts), "P": p.P,
+                "D": p.D, "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
+                "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": None,
+                "examples_per_s": None, "bubble": None, "mem_per_stage_bytes": None, "rows": [], "timeline": [],
+                "note": "as configured (no calibration yet)"})
+            return []
         try:
             sim = pl.simulate(row, record_timeline=True)
             for s in range(p.P):
@@ -645,6 +666,12 @@ class Manager:
         except (ConfigError, ValueError):
             return
         since = time.time() - max(self._last_morph_time, run.started)
+        if run.row is None:  # started without a calibration: plan the running configuration now
+            try:
+                self.profile()  # calibrate now (cached by the model's identity)
+                _, run.plan, run.row, _ = self._replan(run.hosts, first=True, best_only=True)
+            except (ConfigError, ValueError):
+                return
         grow = self.grow.worth_it(run.row.examples_per_s, row.examples_per_s, since)
         if quiet and not grow:
             return

@@ -38,10 +38,11 @@ from torch import nn
 from ..config import ParallelConfig
 from ..model.cutpoint import observe_cutpoints
 from ..model.materialize import build_on_meta, materialize
+from ..model.inputs import as_inputs, call_model, to_device
 from ..model.tracer import trace_model
 from .profile import NetworkProfile, Profile, SegmentProfile, ring_allreduce_s
 
-BatchFn = Callable[[int], tuple]  # micro_batch_size -> (inputs tuple, targets)
+BatchFn = Callable[[int], tuple]  # micro_batch_size -> (inputs, targets)
 
 
 class _Clock:
@@ -113,7 +114,7 @@ def _time_segments(model: nn.Module, loss_fn, inputs: tuple, targets, n: int,
     with torch.no_grad(), observe_cutpoints(clock), autocast():
         _sync(device)
         t0 = time.perf_counter()
-        loss_fn(model(*inputs), targets)
+        loss_fn(call_model(model, inputs), targets)
         _sync(device)
         out["fwd_s"] = _diffs(t0, clock.times, time.perf_counter())
     out["out_bytes"] = clock.out_bytes + [0]
@@ -125,7 +126,7 @@ def _time_segments(model: nn.Module, loss_fn, inputs: tuple, targets, n: int,
     with observe_cutpoints(clock), hooks, autocast():
         _sync(device)
         t0 = time.perf_counter()
-        loss = loss_fn(model(*inputs), targets)
+        loss = loss_fn(call_model(model, inputs), targets)
         _sync(device)
         t1 = time.perf_counter()
     out["rec_s"] = _diffs(t0, clock.times, t1)
@@ -167,7 +168,8 @@ def calibrate(
     Args:
         model_fn: builds the whole model with cut-points (called on meta, then materialised).
         loss_fn: ``(output, targets) -> scalar``.
-        make_batch: ``micro_batch_size -> (inputs tuple, targets)`` with real data shapes.
+        make_batch: ``micro_batch_size -> (inputs, targets)``: real data of that many examples
+            (inputs a tuple or a mapping of tensors, targets a tensor, any nesting, or None).
         micro_batch_sizes: sizes to measure (≥ 2 sizes lets the planner interpolate).
         repeats, warmup: timed and untimed passes per size (medians are kept).
         network: also measure p2p and all-reduce in spawned processes (needed for P or D > 1).
@@ -191,7 +193,7 @@ def calibrate(
         try:
             meta_model = build_on_meta(model_fn)
             inputs0, _ = make_batch(sizes[0])
-            structure = trace_model(meta_model, tuple(inputs0))
+            structure = trace_model(meta_model, as_inputs(inputs0), device)
             n = structure.num_segments
             model = build_on_meta(model_fn)
             materialize(model, [nm for nm, _ in model.named_parameters()] + [nm for nm, _ in model.named_buffers()],
@@ -202,7 +204,7 @@ def calibrate(
             batches = {}
             for b in sizes:
                 inputs, targets = make_batch(b)
-                batches[b] = (tuple(t.to(device) for t in inputs), targets.to(device))
+                batches[b] = (to_device(as_inputs(inputs), device), to_device(targets, device))
             # rounds over the sizes (not one size after the other), so that a machine that speeds
             # up or slows down meanwhile shifts every size alike; half the timed rounds before the
             # host probes and half after, so that the medians span the whole calibration (a VM's
@@ -287,7 +289,7 @@ def _engine_costs(model_fn, loss_fn, make_batch, b: int, segment_compute: Callab
 
     inputs, targets = make_batch(b)
     par = ParallelConfig(P=1, D=1, global_batch=b * m, micro_batch_size=b, recompute=False)
-    eng = Varuna(model_fn, loss_fn, par, tuple(inputs), seed=seed, init_fn=init_fn, precision=precision,
+    eng = Varuna(model_fn, loss_fn, par, as_inputs(inputs), seed=seed, init_fn=init_fn, precision=precision,
                  device=device, structure=structure, grad_clip=grad_clip)
     opt = torch.optim.AdamW(eng.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     sync_s: list[float] = []
@@ -301,7 +303,7 @@ def _engine_costs(model_fn, loss_fn, make_batch, b: int, segment_compute: Callab
             sync_s.append(time.perf_counter() - t0)
 
     eng._sync_and_step = timed_sync  # this instance only: the end-of-step phase, timed
-    batch = (tuple(torch.cat([t] * m).to(device) for t in inputs), torch.cat([targets] * m).to(device))
+    batch = (to_device(_repeat_rows(as_inputs(inputs), m), device), to_device(_repeat_rows(targets, m), device))
     action, end, rest = [], [], []
     for i in range(warmup + repeats):
         compute = segment_compute()
@@ -315,6 +317,13 @@ def _engine_costs(model_fn, loss_fn, make_batch, b: int, segment_compute: Callab
     return {"per_action_s": max(0.0, statistics.median(action)),
             "opt_s_per_param_byte": statistics.median(end) / pbytes,
             "per_step_s": max(0.0, statistics.median(rest))}
+
+
+def _repeat_rows(obj, m: int):
+    """Every tensor leaf of ``obj`` repeated ``m`` times along the batch dimension."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: torch.cat([t] * m) if isinstance(t, torch.Tensor) else t, obj)
 
 
 def _shared(structure, params_bytes: dict[str, int]) -> list[dict]:
@@ -467,7 +476,7 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
                 dist.barrier()
                 t0 = time.perf_counter()
                 if rank < k:
-                    compute["loss_fn"](model(*compute["inputs"]), compute["targets"]).backward()
+                    compute["loss_fn"](call_model(model, compute["inputs"]), compute["targets"]).backward()
                     model.zero_grad(set_to_none=True)
                 if i >= _WARMUP and rank < k:
                     samples[k].append(time.perf_counter() - t0)
@@ -622,7 +631,7 @@ def _compute_probe(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precisio
     if precision != "fp32":
         return None
     probe = {"model_fn": model_fn, "loss_fn": loss_fn, "init_fn": init_fn, "seed": seed,
-             "inputs": tuple(t.cpu() for t in batch[0]), "targets": batch[1].cpu()}
+             "inputs": to_device(batch[0], "cpu"), "targets": to_device(batch[1], "cpu")}
     try:
         pickle.dumps({k: v for k, v in probe.items() if k not in ("inputs", "targets")})
     except Exception:  # noqa: BLE001 - any pickling failure means: no compute probe

@@ -1,0 +1,164 @@
+"""The user's own data (``data.sources``, ``jobspec.resolve_data``): every source yields the same
+token stream as reading it directly with the tokenizer; bad data is refused before any worker
+starts, naming the file or column and the fix; the data position is exact across a change of D."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig
+from varuna_sdk.data.loader import ExampleLoader
+from varuna_sdk.data.sources import DataError, open_tokens
+from varuna_sdk.data.tokenizer import get_tokenizer
+from varuna_sdk.jobspec import resolve_job
+
+DOCS = [f"Document {i}: the river ran {'quickly' if i % 2 else 'slowly'} past mill number {i}." for i in range(40)]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARUNA_SDK_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _doc_stream(tok) -> list[int]:
+    out = []
+    for d in DOCS:
+        out += tok.encode(d) + [tok.eot_token]
+    return out
+
+
+def test_text_file_and_folder(tmp_path):
+    tok = get_tokenizer("gpt2")
+    f = tmp_path / "one.txt"
+    f.write_text("\n".join(DOCS), encoding="utf-8")
+    t = open_tokens(str(f), tokenizer=tok)
+    assert t.tokens.tolist() == tok.encode("\n".join(DOCS)) and t.max_id == max(t.tokens)
+    folder = tmp_path / "many"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text(DOCS[1])
+    (folder / "a.md").write_text(DOCS[0])
+    (folder / "sub" / "c.txt").write_text(DOCS[2])
+    (folder / ".hidden.txt").write_text("never read")
+    (folder / "image.png").write_bytes(b"\x89PNG")
+    got = open_tokens(str(folder), tokenizer=tok).tokens.tolist()
+    assert got == tok.encode("\n\n".join([DOCS[0], DOCS[1], DOCS[2]]))  # sorted by path: a.md, b.txt, sub/c.txt
+    again = open_tokens(str(folder), tokenizer=tok)  # cached: same stream, read from the cache
+    assert again.tokens.tolist() == got
+
+
+def test_token_files(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 60000, size=5000)
+    ids.astype(np.uint16).tofile(tmp_path / "t.bin")
+    t = open_tokens(str(tmp_path / "t.bin"), tokenizer=get_tokenizer("gpt2"), token_dtype="uint16")
+    assert isinstance(t.tokens, np.memmap) and t.tokens.tolist() == ids.tolist()
+    ids.astype(np.uint32).tofile(tmp_path / "t.u32")
+    assert open_tokens(str(tmp_path / "t.u32"), tokenizer=get_tokenizer("gpt2")).tokens.tolist() == ids.tolist()
+    np.save(tmp_path / "t.npy", ids.astype(np.int32))
+    assert open_tokens(str(tmp_path / "t.npy"), tokenizer=get_tokenizer("gpt2")).tokens.tolist() == ids.tolist()
+    with pytest.raises(DataError, match="token_dtype to uint16 or uint32"):
+        open_tokens(str(tmp_path / "t.bin"), tokenizer=get_tokenizer("gpt2"))
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(DataError, match="not a whole number of uint16 ids"):
+        open_tokens(str(tmp_path / "odd.bin"), tokenizer=get_tokenizer("gpt2"), token_dtype="uint16")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "hf"])
+def test_column_data(tmp_path, fmt):
+    import datasets
+    import pandas as pd
+
+    tok = get_tokenizer("gpt2")
+    rows = [{"body": d, "n": i} for i, d in enumerate(DOCS)]
+    path = tmp_path / f"rows.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    elif fmt == "json":
+        path.write_text(json.dumps(rows))
+    elif fmt == "parquet":
+        pd.DataFrame(rows).to_parquet(path)
+    elif fmt == "csv":
+        pd.DataFrame(rows).to_csv(path, index=False)
+    else:
+        path = tmp_path / "saved"
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    t = open_tokens(str(path), tokenizer=tok, text_column="body")
+    assert t.tokens.tolist() == _doc_stream(tok)
+    with pytest.raises(DataError, match=r"no column 'text'; its columns are \['body', 'n'\]"):
+        open_tokens(str(path), tokenizer=tok)
+
+
+def test_tokenizer_json_on_disk(tmp_path):
+    """A ``tokenizer.json`` trained here with ``tokenizers`` (no download), loaded by path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.vocab_size == hf.get_vocab_size() and tok.eot_token == hf.token_to_id("</s>")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    t = open_tokens(str(rows), tokenizer=get_tokenizer(str(tmp_path)))   # the folder holding it works too
+    expect = []
+    for d in DOCS:
+        expect += hf.encode(d, add_special_tokens=False).ids + [hf.token_to_id("</s>")]
+    assert t.tokens.tolist() == expect
+
+
+def _job(tmp_path, **data) -> JobConfig:
+    return JobConfig(model=ModelConfig(factory="tests.thirdparty.singlefile_gpt:make_gpt",
+                                       kwargs={"n_layer": 2, "block_size": 32, "vocab_size": 256}),
+                     data=DataConfig(tokenizer="byte", seq_len=16, **data),
+                     parallel=ParallelConfig(P=2, D=1, global_batch=4, micro_batch_size=2))
+
+
+def test_bad_data_is_refused_naming_the_file_and_the_fix(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(DataError, match=r"empty.txt' holds no text"):
+        resolve_job(_job(tmp_path, path=str(empty)))
+    with pytest.raises(DataError, match="does not exist"):
+        resolve_job(_job(tmp_path, path=str(tmp_path / "missing.txt")))
+    big = tmp_path / "ids.bin"
+    np.array([1, 2, 300, 4] * 100, dtype=np.uint16).tofile(big)   # 300 >= the model's 256 ids
+    with pytest.raises(DataError, match=r"token id 300, beyond the model's vocabulary of 256 ids"):
+        resolve_job(_job(tmp_path, path=str(big), token_dtype="uint16"))
+    ok = tmp_path / "ok.txt"
+    ok.write_text("enough text for a few windows " * 20)
+    job = _job(tmp_path, path=str(ok))
+    job.data.seq_len = 40                                            # the model has 32 positions
+    with pytest.raises(DataError, match=r"seq_len=40 is longer than .* context of 32 positions"):
+        resolve_job(job)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too short")
+    with pytest.raises(DataError, match="tiny.txt"):
+        resolve_job(_job(tmp_path, path=str(tiny))).data.loaders(16, 4, 0, 0.05, 1)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    with pytest.raises(DataError, match="is not UTF-8 text"):
+        resolve_job(_job(tmp_path, path=str(latin)))
+
+
+def test_examples_keep_their_order_when_D_changes():
+    """``ExampleLoader``: the examples of a step are the same whatever D (replica shares
+    concatenate to the global batch), each epoch visits every training example once, and a
+    loader restored from a state continues exactly where an uninterrupted one is."""
+    ds = torch.utils.data.TensorDataset(torch.arange(50).view(50, 1), torch.arange(50) * 10)
+    a = ExampleLoader(ds, global_batch=6, seed=3, indices=range(45))
+    for step in range(20):
+        whole = a.batch(step)
+        for D in (1, 2, 3, 6):
+            parts = [a.replica_batch(step, r, D) for r in range(D)]
+            assert torch.equal(torch.cat([p["0"] for p in parts]), whole["0"])
+    seen = torch.cat([a.batch(s)["0"].view(-1) for s in range(15)])  # 90 = two epochs of 45
+    assert sorted(seen[:45].tolist()) == list(range(45)) and sorted(seen[45:].tolist()) == list(range(45))
+    b = ExampleLoader(ds, global_batch=6, seed=3, indices=range(45))
+    b.load_state_dict({**a.state_dict(), "step": 7})
+    assert b.position == 7 and torch.equal(b.replica_batch(7, 1, 2)["1"], a.replica_batch(7, 1, 2)["1"])
+    with pytest.raises(ValueError, match="global_batch=8 but this loader has global_batch=6"):
+        b.load_state_dict({**a.state_dict(), "global_batch": 8})

@@ -1,0 +1,164 @@
+"""Naming a model (``jobspec``): a registered preset, an import path, a callable shipped by value —
+resolved and checked before anything starts, with errors that say what to change; objects shipped
+by value refused on a version mismatch, naming the VM, before anything is unpickled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from varuna_sdk.config import ConfigError, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from varuna_sdk.jobspec import resolve_job
+from varuna_sdk.launch import JobObjects, launch_job
+from varuna_sdk.model.spec import ModelSpecError
+from varuna_sdk.shipping import ShippingError, pack_objects, read_objects, write_objects
+
+TEXT = "A small text for a small model, long enough for a few windows of thirty-two bytes each. " * 40
+
+
+def _job(tmp_path, model: ModelConfig, **par) -> JobConfig:
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    return JobConfig(name="spec", model=model, data=DataConfig(path=str(f), tokenizer="byte", seq_len=32),
+                     parallel=ParallelConfig(**{"P": 2, "D": 1, "global_batch": 4, "micro_batch_size": 2, **par}),
+                     train=TrainConfig(steps=2, eval_batches=1, run_dir=str(tmp_path / "runs")))
+
+
+def test_three_ways_to_name_a_model(tmp_path):
+    preset = resolve_job(_job(tmp_path, ModelConfig(preset="tiny")))
+    assert preset.spec.name == "GPT-2 tiny" and preset.spec.identity["kind"] == "preset"
+    imp = resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:gpt2", kwargs={"n_layer": 2})))
+    assert imp.spec.identity["kind"] == "import" and len(imp.spec.identity["code"]) == 16
+    assert imp.spec.call.describe() == "model(input_ids=input_ids, labels=labels), its own loss"
+    hf = resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs={
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2})))
+    assert hf.spec.vocab_size == 256 and hf.spec.name == "Hugging Face llama"
+    job = _job(tmp_path, ModelConfig())
+    JobObjects(model=lambda: _Plain()).pack(job)
+    val = resolve_job(job)
+    assert val.spec.identity["kind"] == "by_value" and val.spec.call.describe() == "model(input_ids), loss(output, targets)"
+    # identities differ between models and between arguments: calibration caches never mix them
+    other = resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:gpt2", kwargs={"n_layer": 3})))
+    assert other.spec.identity != imp.spec.identity
+
+
+class _Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, 256)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+class _NoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 8)
+        self.head = nn.Linear(8, 256)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"neither an import path .* nor a registered model \(\['gpt2', 'hf-causal-lm'\]\)"):
+        resolve_job(_job(tmp_path, ModelConfig(factory="gtp2")))
+    with pytest.raises(ConfigError, match="cannot import 'nowhere.models'"):
+        resolve_job(_job(tmp_path, ModelConfig(factory="nowhere.models:build")))
+    with pytest.raises(ConfigError, match=r"has no 'buld'.*callables there: .*'gpt2'"):
+        resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:buld")))
+    job = _job(tmp_path, ModelConfig())
+    JobObjects(model=_NoLayers).pack(job)
+    with pytest.raises(ModelSpecError, match=r"_NoLayers has no nn.ModuleList .* Set model.blocks"):
+        resolve_job(job)
+    job = _job(tmp_path, ModelConfig(loss="model"))
+    JobObjects(model=_Plain).pack(job)
+    with pytest.raises(ModelSpecError, match=r"loss='model' but _Plain.forward\('idx',\) takes neither labels nor targets"):
+        resolve_job(job)
+    job = _job(tmp_path, ModelConfig())
+    JobObjects(model=lambda: "not a model").pack(job)
+    with pytest.raises(ModelSpecError, match="returned a str, not an nn.Module"):
+        resolve_job(job)
+    with pytest.raises(ConfigError, match="model.factory names the model, so model.preset"):
+        _job(tmp_path, ModelConfig(factory="gpt2", preset="tiny")).validate()
+    with pytest.raises(ConfigError, match="model.loss='mse'"):
+        _job(tmp_path, ModelConfig(loss="mse")).validate()
+
+
+def test_shipped_objects_are_checked_before_unpickling(tmp_path, monkeypatch):
+    digest, blob = pack_objects({"factory": _Plain, "loss": None})
+    path = tmp_path / "objects.bin"
+    path.write_bytes(blob)
+    shipped = read_objects(path, where="vm3")
+    assert set(shipped.payloads) == {"factory"} and shipped.names["factory"] == "_Plain"
+
+    def rewrite(**versions):
+        magic, header, rest = blob.split(b"\n", 2)
+        h = json.loads(header)
+        h["versions"].update(versions)
+        path.write_bytes(magic + b"\n" + json.dumps(h).encode() + b"\n" + rest)
+
+    rewrite(python="3.9.18")
+    with pytest.raises(ShippingError, match=r"VM vm3 cannot load .*Python 3\.11\.\d+ here, 3\.9\.18 on the launcher"):
+        read_objects(path, where="vm3")
+    rewrite(cloudpickle="2.2.1")
+    monkeypatch.setenv("VARUNA_HOST", "spot-7")
+    with pytest.raises(ShippingError, match=r"VM spot-7 cannot load .*cloudpickle 3\.\d+\.\d+ here, 2\.2\.1 on the launcher"):
+        read_objects(path)
+    rewrite(torch="2.12.0+cu124")
+    with pytest.raises(ShippingError, match=r"torch 2\.13\.0\+cpu here, 2\.12\.0\+cu124"):
+        read_objects(path)
+    rewrite(torch="2.13.0+cu124")  # a GPU build of the same torch is fine
+    read_objects(path)
+    path.write_bytes(blob[:-5] + b"xxxxx")
+    with pytest.raises(ShippingError, match="the factory payload is damaged"):
+        read_objects(path)
+    path.write_bytes(b"\x80\x04garbage")
+    with pytest.raises(ShippingError, match="is not a varuna objects file"):
+        read_objects(path)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_refuses_mismatched_objects_naming_its_vm(tmp_path):
+    """A real worker process (launched by the manager on a local slot) finds objects packed under
+    another cloudpickle: the job fails at once, the error names the VM and the versions, and no
+    worker is left running."""
+    from varuna_sdk.cluster.provider import LocalProvider
+
+    job = _job(tmp_path, ModelConfig(), P=1)
+    run = tmp_path / "run"
+    digest = write_objects(run, {"factory": _Plain})
+    f = run / f"objects-{digest}.bin"
+    magic, header, rest = f.read_bytes().split(b"\n", 2)
+    h = json.loads(header)
+    h["versions"]["cloudpickle"] = "0.0.1"
+    f.write_bytes(magic + b"\n" + json.dumps(h).encode() + b"\n" + rest)
+    job.model.by_value = f"sha256:{digest}"
+    import varuna_sdk.shipping as shipping
+
+    shipping._PACKED.clear()  # this process must read the file too, as a fresh launcher would
+    with pytest.raises(ShippingError, match="cloudpickle"):
+        launch_job(job, run_dir=run)  # the launcher itself refuses before anything starts
+    # now the launcher holds the objects in memory (as after Job(model=...) in a notebook) and only
+    # the worker reads the file, whose header says another cloudpickle
+    good_digest, _ = pack_objects({"factory": _Plain})
+    assert good_digest == digest and digest in shipping._PACKED
+    provider = LocalProvider(1)
+    try:
+        summary = launch_job(job, run_dir=run, provider=provider, calibrate_first=False, max_failures=0,
+                             grow=None, straggler=None)
+    finally:
+        provider.close()
+    assert summary["state"] == "FAILED", summary
+    assert "VM local0 cannot load the objects shipped by value" in summary["error"], summary["error"]
+    assert "cloudpickle 3." in summary["error"] and "0.0.1 on the launcher" in summary["error"]

@@ -1,0 +1,26 @@
+"""Hugging Face ``transformers`` models as a user builds them for a small experiment: from a
+config, random weights, nothing downloaded. Import-path factories for the tests
+(``tests.thirdparty.hf_models:gpt2``)."""
+
+import transformers
+
+transformers.logging.set_verbosity_error()
+
+
+def gpt2(n_layer: int = 3, n_embd: int = 32, n_head: int = 2, vocab_size: int = 256, n_positions: int = 64,
+         dropout: float = 0.0):
+    """``GPT2LMHeadModel`` (``Conv1D`` layers, tied embeddings, learned positions)."""
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size,
+                                  n_positions=n_positions, resid_pdrop=dropout, embd_pdrop=dropout,
+                                  attn_pdrop=dropout)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama(n_layer: int = 3, hidden: int = 32, heads: int = 4, kv_heads: int = 2, vocab_size: int = 256,
+          max_positions: int = 64):
+    """``LlamaForCausalLM`` (rotary embeddings with an ``inv_freq`` buffer, RMSNorm, grouped-query
+    attention, untied head)."""
+    cfg = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab_size,
+                                   max_position_embeddings=max_positions)
+    return transformers.LlamaForCausalLM(cfg)

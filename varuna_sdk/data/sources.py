@@ -1,0 +1,369 @@
+"""The user's own training data: where it is read from and how it becomes tokens or examples.
+
+This module owns opening a data source and checking it before any worker starts:
+
+* **text** — a text file, or a folder of text files (``*.txt``, ``*.md``…, sorted by path and
+  joined with a blank line, as the Shakespeare corpus is), tokenized once and cached;
+* **tokens** — a pre-tokenized file: raw ``uint16``/``uint32`` ids (``.bin``, read through
+  ``numpy.memmap``: never loaded whole) or a ``.npy`` array (memory-mapped);
+* **column data** — a Hugging Face ``datasets`` dataset saved with ``save_to_disk``, or local
+  ``json``/``jsonl``/``parquet``/``csv`` files (read with ``datasets``, offline), whose text
+  column (``text_column``) is tokenized row by row, rows joined by the tokenizer's end-of-text
+  token (by a blank line when it has none);
+* **examples** — a map-style ``torch.utils.data.Dataset`` made by the user's factory: each
+  example a tensor, a tuple of tensors (``(x, y)``: inputs and targets) or a dict of tensors.
+
+``open_tokens(cfg)`` returns a ``TokenData`` (a 1-D id array, its vocabulary bound and an
+identity for checkpoints); ``open_examples(dataset)`` an ``ExampleData``. ``check_tokens``
+refuses ids beyond a model's vocabulary. Every error names the file or column and the fix.
+
+Never imports ``varuna_sdk.pipeline``, ``cluster`` or ``manager``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .tokenizer import Tokenizer
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+TOKEN_SUFFIXES = (".bin", ".npy", ".u16", ".u32")
+COLUMN_FORMATS = ("json", "jsonl", "parquet", "csv")
+FORMATS = ("auto", "text", "tokens", "hf", *COLUMN_FORMATS)
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_CACHE_FORMAT = 1
+
+
+class DataError(ValueError):
+    """The data cannot be used as given; the message names the file or column and the fix."""
+
+
+@dataclass
+class TokenData:
+    """A token stream: ``tokens`` (1-D integer array, possibly memory-mapped), ``max_id`` (its
+    largest id), ``source`` (what it was read from, for messages) and ``digest`` (content
+    identity, kept in checkpoints)."""
+
+    tokens: np.ndarray
+    max_id: int
+    source: str
+    digest: str
+
+    def __len__(self) -> int:
+        return int(len(self.tokens))
+
+
+def _cache_dir() -> Path:
+    from .loader import default_cache_dir
+
+    return default_cache_dir() / "tokens"
+
+
+def _save_atomic(path: Path, arr: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 65535 else np.uint32
+
+
+def detect_format(path: Path) -> str:
+    """``text``, ``tokens``, ``hf`` or a column format, from what ``path`` is. Raises ``DataError``."""
+    if not path.exists():
+        raise DataError(f"data path {str(path)!r} does not exist; give a text file, a folder of text files, a token "
+                        "file (.bin/.npy), a dataset saved with datasets' save_to_disk, or json/jsonl/parquet/csv files")
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            return "hf"
+        return "text"
+    suffix = path.suffix.lower()
+    if suffix in TOKEN_SUFFIXES:
+        return "tokens"
+    if suffix.lstrip(".") in COLUMN_FORMATS:
+        return suffix.lstrip(".")
+    return "text"
+
+
+# ---- text ------------------------------------------------------------------------------------
+def text_files(path: Path) -> list[Path]:
+    """The text files of ``path``: itself, or a folder's ``*.txt``/``*.md``/``*.text``/``*.rst``
+    files at any depth (hidden ones skipped), sorted by relative path. Raises ``DataError`` when
+    a folder has none."""
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise DataError(f"folder {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)}); put the training "
+                        "text there, or point data.path at a file")
+    return files
+
+
+def read_text(path: Path) -> str:
+    """All text of ``path`` (a file, or a folder's text files joined by a blank line), UTF-8.
+    Raises ``DataError`` for a file that is not UTF-8 text or holds only whitespace."""
+    parts = []
+    for f in text_files(path):
+        try:
+            parts.append(f.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{str(f)!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8, "
+                            "or give a token file with data.format: tokens") from None
+    text = "\n\n".join(parts)
+    if not text.strip():
+        raise DataError(f"{str(path)!r} holds no text (empty or whitespace only); add training text")
+    return text
+
+
+def _files_digest(files: Sequence[Path], extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
+    for f in files:
+        h.update(str(f.name).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _cached_tokens(key: str, build) -> np.ndarray:
+    path = _cache_dir() / f"{key}-v{_CACHE_FORMAT}.npy"
+    if path.exists():
+        try:
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError):
+            pass  # a corrupt cache file is rebuilt
+    arr = build()
+    _save_atomic(path, arr)
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def text_tokens(path: Path, tokenizer: Tokenizer) -> TokenData:
+    """Tokens of a text file or folder (cached by content and tokenizer)."""
+    files = text_files(path)
+    digest = _files_digest(files, tokenizer.name)
+
+    def build():
+        return np.ascontiguousarray(tokenizer.encode_array(read_text(path)), dtype=_token_dtype(tokenizer.vocab_size))
+
+    arr = _cached_tokens(f"text-{digest}", build)
+    if len(arr) == 0:
+        raise DataError(f"{str(path)!r} gives no tokens; add training text")
+    return TokenData(arr, int(arr.max()), str(path), digest)
+
+
+# ---- pre-tokenized files ---------------------------------------------------------------------
+def token_file(path: Path, dtype: str | None) -> TokenData:
+    """A pre-tokenized file, memory-mapped: ``.npy`` (its own dtype, 1-D integers) or raw ids
+    (``.bin``: ``dtype`` must say ``uint16`` or ``uint32``; ``.u16``/``.u32`` say it themselves).
+    Raises ``DataError`` for an empty file, a size that is not a whole number of ids, or a
+    missing/unknown dtype."""
+    if path.stat().st_size == 0:
+        raise DataError(f"token file {str(path)!r} is empty; write the token ids into it")
+    if path.suffix.lower() == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise DataError(f"{str(path)!r} is not a .npy array numpy can read: {e}") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"{str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; a token file is 1-D integer ids")
+    else:
+        dt = {".u16": "uint16", ".u32": "uint32"}.get(path.suffix.lower(), dtype)
+        if dt not in TOKEN_DTYPES:
+            raise DataError(f"raw token file {str(path)!r}: set data.token_dtype to uint16 or uint32 (the width of "
+                            f"each id in the file; got {dt!r})")
+        width = np.dtype(TOKEN_DTYPES[dt]).itemsize
+        if path.stat().st_size % width:
+            raise DataError(f"{str(path)!r} has {path.stat().st_size} bytes, not a whole number of {dt} ids; is "
+                            f"data.token_dtype right?")
+        arr = np.memmap(path, dtype=TOKEN_DTYPES[dt], mode="r")
+    if len(arr) == 0:
+        raise DataError(f"token file {str(path)!r} holds no ids")
+    st = path.stat()
+    digest = hashlib.sha256(f"{path.name}:{st.st_size}:{int(arr[:4096].sum())}:{int(arr[-4096:].sum())}"
+                            .encode()).hexdigest()[:16]
+    if np.issubdtype(arr.dtype, np.signedinteger) and int(arr.min()) < 0:
+        raise DataError(f"token file {str(path)!r} holds negative ids (min {int(arr.min())})")
+    return TokenData(arr, int(arr.max()), str(path), digest)
+
+
+# ---- column data (datasets) ------------------------------------------------------------------
+def _column_files(path: Path, fmt: str) -> list[str]:
+    if path.is_dir():
+        ext = "json" if fmt == "jsonl" else fmt
+        files = sorted(str(p) for p in path.rglob(f"*.{fmt}")) + (sorted(str(p) for p in path.rglob("*.json"))
+                                                                    if ext == "json" and fmt == "jsonl" else [])
+        if not files:
+            raise DataError(f"folder {str(path)!r} holds no .{fmt} files")
+        return files
+    return [str(path)]
+
+
+def load_rows(path: Path, fmt: str):
+    """A ``datasets.Dataset`` of the rows at ``path``: saved with ``save_to_disk`` (``hf``; a
+    ``DatasetDict``'s ``train`` split) or read from local json/jsonl/parquet/csv files (offline)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if fmt == "hf":
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise DataError(f"{str(path)!r} is not a dataset saved with datasets' save_to_disk: {e}") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"dataset {str(path)!r} has splits {sorted(ds)} and no 'train'; save the split to "
+                                "train on by itself, or name it train")
+            ds = ds["train"]
+        return ds
+    builder = "json" if fmt in ("json", "jsonl") else fmt
+    try:
+        return datasets.load_dataset(builder, data_files=_column_files(path, fmt), split="train",
+                                     cache_dir=str(_cache_dir().parent / "datasets"))
+    except Exception as e:  # noqa: BLE001 - the library's parse errors, reported with the file
+        raise DataError(f"cannot read {str(path)!r} as {fmt}: {type(e).__name__}: {e}") from None
+
+
+def row_texts(rows, column: str, source: str) -> list[str]:
+    """The ``column`` of every row, as strings. Raises ``DataError`` naming the columns there are
+    when it is missing, and naming the row when a value is not text."""
+    if column not in rows.column_names:
+        raise DataError(f"{source} has no column {column!r}; its columns are {rows.column_names}. Set "
+                        "data.text_column to the one holding the text")
+    texts = rows[column]
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise DataError(f"{source}, row {i}: column {column!r} holds a {type(t).__name__}, not text")
+    if not any(t.strip() for t in texts):
+        raise DataError(f"{source}: column {column!r} is empty in every row; add training text")
+    return texts
+
+
+def join_documents(token_lists: Iterable[Sequence[int]], eot: int | None) -> list[int]:
+    """Documents' tokens back to back, each followed by ``eot`` when the tokenizer has one."""
+    out: list[int] = []
+    for ids in token_lists:
+        out.extend(ids)
+        if eot is not None:
+            out.append(eot)
+    return out
+
+
+def encode_documents(texts: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
+    """The token stream of ``texts`` as documents: each encoded and followed by the end-of-text
+    token, or (a tokenizer without one) all joined by a blank line and encoded at once."""
+    dtype = _token_dtype(tokenizer.vocab_size)
+    if tokenizer.eot_token is None:
+        return np.ascontiguousarray(tokenizer.encode_array("\n\n".join(texts)), dtype=dtype)
+    batch = getattr(tokenizer, "encode_batch", None)
+    lists = batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
+    return np.asarray(join_documents(lists, tokenizer.eot_token), dtype=dtype)
+
+
+def column_tokens(path: Path, fmt: str, column: str, tokenizer: Tokenizer) -> TokenData:
+    """Tokens of a column dataset's text column (cached by content, column and tokenizer)."""
+    files = [Path(f) for f in _column_files(path, fmt)] if fmt != "hf" else sorted(
+        p for p in path.rglob("*") if p.is_file())
+    digest = _files_digest(files, f"{fmt}:{column}:{tokenizer.name}")
+
+    def build():
+        rows = load_rows(path, fmt)
+        return encode_documents(row_texts(rows, column, repr(str(path))), tokenizer)
+
+    arr = _cached_tokens(f"{fmt}-{digest}", build)
+    return TokenData(arr, int(arr.max()), f"{path} (column {column!r})", digest)
+
+
+# ---- examples (a user Dataset) ---------------------------------------------------------------
+@dataclass
+class ExampleData:
+    """A map-style dataset of examples (``len`` and ``[i]``), each a tensor, a tuple/list of
+    tensors, or a dict of tensors (numbers become tensors when batched)."""
+
+    dataset: Any
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def open_examples(dataset: Any, source: str) -> ExampleData:
+    """Check that ``dataset`` is a non-empty map-style dataset whose first example is a tensor, a
+    tuple/list or a dict of tensors (or numbers). Raises ``DataError`` saying what it is instead."""
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise DataError(f"{source} returned a {type(dataset).__name__}; it must return a map-style dataset (with "
+                        "__len__ and __getitem__), e.g. a torch.utils.data.Dataset or TensorDataset")
+    n = len(dataset)
+    if n == 0:
+        raise DataError(f"{source} returned an empty dataset; it needs at least one example per step's global batch")
+    import torch
+
+    first = dataset[0]
+
+    def ok(v):
+        return isinstance(v, (torch.Tensor, int, float, np.ndarray, np.number))
+    if isinstance(first, dict):
+        bad = [k for k, v in first.items() if not ok(v)]
+    elif isinstance(first, (tuple, list)):
+        bad = [str(i) for i, v in enumerate(first) if not ok(v)]
+    else:
+        bad = [] if ok(first) else ["the example itself"]
+    if bad:
+        raise DataError(f"{source}: example 0 holds non-tensor values at {bad}; each example must be a tensor, a "
+                        "tuple of tensors or a dict of tensors (numbers are fine)")
+    return ExampleData(dataset, source)
+
+
+def check_tokens(data: TokenData, vocab_size: int | None) -> None:
+    """Raise ``DataError`` when ``data`` holds an id the model's vocabulary cannot embed."""
+    if vocab_size is not None and data.max_id >= vocab_size:
+        raise DataError(f"{data.source} holds token id {data.max_id}, beyond the model's vocabulary of {vocab_size} "
+                        f"ids; use the tokenizer the model was made for, or a model with vocab_size >= "
+                        f"{data.max_id + 1}")
+
+
+def open_tokens(path: str | None, *, tokenizer: Tokenizer, fmt: str = "auto", text_column: str = "text",
+                token_dtype: str | None = None, corpus: str | None = None) -> TokenData:
+    """The token stream of a data source: ``path`` (any of the forms in the module docstring;
+    ``fmt`` ``auto`` tells them apart) or, without a path, the shipped ``corpus``.
+    Raises ``DataError`` naming the file or column and the fix."""
+    if path is None:
+        from .corpus import load_corpus
+        from .loader import tokenize_corpus
+
+        name = corpus or "shakespeare"
+        arr = tokenize_corpus(name, tokenizer.name if tokenizer.name in ("gpt2", "byte") else "gpt2")
+        if tokenizer.name not in ("gpt2", "byte"):
+            arr = np.ascontiguousarray(tokenizer.encode_array(load_corpus(name)), dtype=_token_dtype(tokenizer.vocab_size))
+        digest = hashlib.sha256(f"{name}:{tokenizer.name}:{len(arr)}".encode()).hexdigest()[:16]
+        return TokenData(arr, int(arr.max()), f"corpus {name!r}", digest)
+    p = Path(path).expanduser()
+    if fmt not in FORMATS:
+        raise DataError(f"data.format={fmt!r}; choose one of {list(FORMATS)}")
+    kind = detect_format(p) if fmt == "auto" else fmt
+    if not p.exists():
+        detect_format(p)  # raises with the list of accepted forms
+    if kind == "tokens":
+        if p.is_dir():
+            raise DataError(f"data.format is tokens but {str(p)!r} is a folder; give the token file itself")
+        return token_file(p, token_dtype)
+    if kind == "text":
+        return text_tokens(p, tokenizer)
+    return column_tokens(p, kind, text_column, tokenizer)

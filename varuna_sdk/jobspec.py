@@ -1,0 +1,400 @@
+"""The job layer's model and data: turn a ``JobConfig`` (plus what a notebook shipped by value)
+into a ``model.spec.ModelSpec`` and the job's data, and check the two together — all before any
+process starts, and again, identically, in every worker.
+
+A model is named one of three ways (``config.ModelConfig``):
+
+- a **registered** model (``MODELS``; ``register_model`` adds one): ``gpt2`` (our GPT-2 presets,
+  the default) and ``hf-causal-lm`` (any Hugging Face causal LM from a config:
+  ``kwargs: {model_type: llama, hidden_size: 64, ...}``, random weights, nothing downloaded);
+- an **import path** ``package.module:function`` in the user's code folder, called with
+  ``kwargs`` — shipped *by reference*: the bootstrap syncs the folder to the VMs and each worker
+  imports it there;
+- a **callable shipped by value** (a class or function defined in a notebook cell or
+  ``__main__``, and the user's own modules where asked): ``Job(model=...)`` packs it with
+  cloudpickle into an objects file (``write_objects``) that travels only inside the job spec — to
+  local worker processes through the run folder, to the user's own VMs over the SSH/SFTP
+  bootstrap — never over the heartbeat or metrics channels. A worker reads the file's header
+  first and refuses to unpickle on a Python (major.minor), torch or cloudpickle mismatch, naming
+  its VM and the versions (``ShippingError``).
+
+Data (``config.DataConfig``) is the user's text, token file, ``datasets`` folder or column
+files (``data.sources``), or a ``Dataset`` factory (import path or by value). ``resolve_job``
+returns a ``ResolvedJob``: the spec, the data, how batches become model inputs, and the checks
+that refuse bad data — token ids beyond the model's vocabulary, sequences longer than its
+context, too little data, missing fields — naming the file or field and the fix.
+
+Callables in a spec are picklable (``Imported``, ``ByValue``, ``Prepared``), so spawned worker
+and calibration-probe processes receive them as they are.
+
+Sits above ``model``, ``data`` and ``config``; below ``trainer`` and everything that launches.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import ConfigError, JobConfig
+from .data.loader import (LM_FIELDS, BatchLoader, ExampleLoader, collate, eval_batches, example_eval_batches,
+                          lm_fields, train_val_split)
+from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
+from .data.tokenizer import Tokenizer, get_tokenizer
+from .model.materialize import build_on_meta
+from .model.spec import CallSpec, ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model
+from .shipping import ByValue, ShippingError, find_objects
+
+# ---- picklable callables ---------------------------------------------------------------------
+def import_object(ref: str) -> Any:
+    """The object at ``package.module:attr.path``, imported (the current folder and the user's
+    code folder are on ``sys.path`` in workers). Raises ``ConfigError`` naming what is missing."""
+    if not isinstance(ref, str) or ref.count(":") != 1:
+        raise ConfigError(f"{ref!r} is not an import path; write it as 'package.module:function'")
+    mod_name, attr = ref.split(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"cannot import {mod_name!r} for {ref!r}: {e}. The module must be importable from the "
+                          f"working folder ({os.getcwd()}) or an installed package; on VMs the job's code folder "
+                          "is synced and is the workers' working folder") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            have = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))[:20]
+            raise ConfigError(f"{mod_name!r} has no {part!r} (for {ref!r}); callables there: {have}")
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Imported:
+    """A callable named by import path, imported on first call (pickles as the path)."""
+
+    ref: str
+
+    def __call__(self, *args, **kwargs):
+        return import_object(self.ref)(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """``factory(**kwargs)`` then ``model.spec.prepare_model`` (cache off, cut-points at ``blocks``)."""
+
+    factory: Callable[..., nn.Module]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    blocks: str | None = None
+
+    def __call__(self) -> nn.Module:
+        model = self.factory(**dict(self.kwargs))
+        if not isinstance(model, nn.Module):
+            raise ModelSpecError(f"the model factory returned a {type(model).__name__}, not an nn.Module; it must "
+                                 "build and return the whole model")
+        return prepare_model(model, self.blocks)
+
+
+# ---- registered models -----------------------------------------------------------------------
+@dataclass
+class Registered:
+    """What a registered model contributes: its factory, loss (``None``: automatic), per-module
+    ``init_fn`` (``None``: the constructor's own), name and identity."""
+
+    factory: Callable[..., nn.Module]
+    name: str
+    identity: dict
+    loss: Any = None
+    init_fn: Any = None
+
+
+RegisteredBuilder = Callable[[JobConfig, Tokenizer], Registered]
+MODELS: dict[str, RegisteredBuilder] = {}
+
+
+def register_model(name: str, builder: RegisteredBuilder) -> None:
+    """Add a registered model: ``builder(job, tokenizer) -> Registered``, used when
+    ``model.factory`` is ``name`` (or, for ``gpt2``, when no model is named). Raises ``ValueError``
+    for a name that is taken or holds a ``:``."""
+    if ":" in name or not name:
+        raise ValueError(f"registered model names are plain words, got {name!r}")
+    if name in MODELS:
+        raise ValueError(f"a model named {name!r} is registered already")
+    MODELS[name] = builder
+
+
+def _gpt2_builder(job: JobConfig, tok: Tokenizer) -> Registered:
+    from .model.gpt2 import GPT2Config, gpt2, init_gpt2, lm_loss, preset
+
+    m = job.model
+    kw = dict(m.kwargs or {})
+    name = kw.pop("preset", None) or m.preset or "cpu-demo"
+    overrides = {k: v for k, v in (("n_layer", m.n_layer), ("n_head", m.n_head), ("n_embd", m.n_embd)) if v is not None}
+    overrides.update(kw)
+    base = preset(name)
+    cfg: GPT2Config = preset(name, **{"vocab_size": tok.vocab_size, "dropout": m.dropout,
+                                      "block_size": max(base.block_size, job.data.seq_len), **overrides})
+    return Registered(functools.partial(gpt2, cfg, False), name=f"GPT-2 {name}",
+                      identity={"kind": "preset", "name": "gpt2", "gpt2": cfg.to_dict()},
+                      loss=lm_loss, init_fn=functools.partial(init_gpt2, n_layer=cfg.n_layer))
+
+
+def hf_causal_lm(model_type: str, **config: Any) -> nn.Module:
+    """A Hugging Face causal LM of ``model_type`` (``gpt2``, ``llama``, ``mistral``, ``qwen2``…)
+    from a config with ``config`` overriding its defaults — random weights, nothing downloaded."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _hf_builder(job: JobConfig, tok: Tokenizer) -> Registered:
+    import transformers
+
+    kw = dict(job.model.kwargs or {})
+    if "model_type" not in kw:
+        raise ConfigError("model.factory hf-causal-lm needs model.kwargs.model_type (e.g. gpt2, llama, mistral) and "
+                          "the config fields to set (e.g. num_hidden_layers, hidden_size)")
+    kw.setdefault("vocab_size", tok.vocab_size)
+    return Registered(functools.partial(hf_causal_lm, **kw), name=f"Hugging Face {kw['model_type']}",
+                      identity={"kind": "hf", "kwargs": kw, "transformers": transformers.__version__})
+
+
+register_model("gpt2", _gpt2_builder)
+register_model("hf-causal-lm", _hf_builder)
+
+
+def _by_value_ref(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return value.split(":", 1)[1] if value.startswith("sha256:") else value
+
+
+# ---- resolution ------------------------------------------------------------------------------
+def _source_digest(obj: Any) -> str:
+    try:
+        src = inspect.getsourcefile(obj) or inspect.getfile(obj)
+        return hashlib.sha256(Path(src).read_bytes()).hexdigest()[:16]
+    except (TypeError, OSError):
+        return "unknown"
+
+
+def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
+                  search: Sequence[str | Path | None] = ()) -> ModelSpec:
+    """The ``ModelSpec`` of ``job`` for data with ``fields`` (see the module docstring).
+
+    Builds the model once on the meta device (no memory) to read its forward's signature and
+    limits. Raises ``ConfigError`` (unknown registered name, import failure), ``ModelSpecError``
+    (no cut-points possible, a call the data cannot feed) or ``ShippingError``.
+    """
+    m = job.model
+    loss: Any = m.loss
+    init_fn: Any = None
+    digest = _by_value_ref(m.by_value)
+    if digest is not None:
+        shipped = find_objects(digest, search)
+        payloads = shipped.payloads
+        if "factory" not in payloads:
+            raise ShippingError("the objects shipped with the job hold no model factory")
+        factory: Callable = ByValue(payloads["factory"])
+        kwargs = dict(m.kwargs or {})
+        if "loss" in payloads:
+            loss = ByValue(payloads["loss"])
+        if "init" in payloads:
+            init_fn = ByValue(payloads["init"])
+        name = shipped.names.get("factory", "model defined in the notebook")
+        identity = {"kind": "by_value", "sha256": hashlib.sha256(payloads["factory"]).hexdigest()[:24],
+                    "kwargs": kwargs}
+    elif m.factory is not None and ":" in m.factory:
+        obj = import_object(m.factory)
+        if not callable(obj):
+            raise ConfigError(f"model.factory {m.factory!r} is a {type(obj).__name__}, not a callable")
+        factory, kwargs, name = Imported(m.factory), dict(m.kwargs or {}), m.factory
+        identity = {"kind": "import", "ref": m.factory, "kwargs": kwargs, "code": _source_digest(obj)}
+    else:
+        reg_name = m.factory or "gpt2"
+        if reg_name not in MODELS:
+            raise ConfigError(f"model.factory={reg_name!r} is neither an import path 'package.module:function' nor a "
+                              f"registered model ({sorted(MODELS)})")
+        reg = MODELS[reg_name](job, tokenizer)
+        factory, kwargs, name, identity = reg.factory, {}, reg.name, reg.identity
+        if loss is None and reg.loss is not None:
+            loss = reg.loss
+        init_fn = reg.init_fn
+    if isinstance(loss, str) and ":" in loss:
+        loss = Imported(loss)
+    if m.init is not None:
+        init_fn = Imported(m.init)
+    prepared = Prepared(factory, tuple(sorted(kwargs.items())), m.blocks)
+    meta = build_on_meta(prepared)
+    call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets)
+    vocab, ctx = model_limits(meta)
+    del meta
+    return ModelSpec(factory=prepared, loss_fn=loss_fn, call=call, name=name, identity=identity,
+                     init_fn=init_fn, shared_params=job.parallel.shared_params, vocab_size=vocab, context=ctx)
+
+
+@dataclass
+class JobData:
+    """The job's data, opened and checked: a token stream (``tokens``, with its ``tokenizer``)
+    or a dataset of examples (``examples``). ``fields``: the names a batch has."""
+
+    tokenizer: Tokenizer
+    tokens: TokenData | None = None
+    examples: ExampleData | None = None
+    source: str = ""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        if self.tokens is not None:
+            return LM_FIELDS
+        return tuple(collate([self.examples.dataset[0]]))
+
+    def sample(self, n: int, seq_len: int) -> dict[str, Any]:
+        """The fields of ``n`` real examples (the data's first), for tracing and calibration."""
+        if self.tokens is not None:
+            toks = self.tokens.tokens
+            if len(toks) < seq_len + 1:
+                raise DataError(f"{self.source} gives {len(toks)} tokens, fewer than one sequence of seq_len + 1 = "
+                                f"{seq_len + 1}; use data.seq_len <= {max(1, len(toks) - 1)} or more data")
+            span = len(toks) - seq_len
+            rows_ = [toks[(i * (seq_len + 1)) % span:(i * (seq_len + 1)) % span + seq_len + 1] for i in range(n)]
+            x = torch.from_numpy(np.stack(rows_).astype("int64"))
+            return lm_fields(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        return collate([self.examples.dataset[i % len(self.examples)] for i in range(n)])
+
+    def loaders(self, seq_len: int, global_batch: int, seed: int, val_fraction: float, eval_batches_max: int):
+        """``(train loader, held-out batches)``: the loader's ``replica_batch(step, replica, D)``
+        gives a replica's fields of a step; held-out batches are lists of fields (the data's last
+        ``val_fraction``). Raises ``DataError`` when either part is too small."""
+        if self.tokens is not None:
+            train, val = train_val_split(self.tokens.tokens, val_fraction)
+            try:
+                loader = BatchLoader(train, seq_len, global_batch, seed=seed)
+                val_b = [lm_fields(x, y) for x, y in eval_batches(val, seq_len, global_batch, max_batches=eval_batches_max)]
+            except ValueError as e:
+                raise DataError(f"{self.source}: {e}") from None
+            return _LMLoader(loader), val_b
+        n = len(self.examples)
+        n_val = max(1, int(round(n * val_fraction)))
+        if n - n_val < 1:
+            raise DataError(f"{self.source} has {n} examples: too few to hold out {val_fraction:.0%} and train on the rest")
+        loader = ExampleLoader(self.examples.dataset, global_batch, seed=seed, indices=range(n - n_val))
+        try:
+            val_b = example_eval_batches(self.examples.dataset, range(n - n_val, n), global_batch, eval_batches_max)
+        except ValueError as e:
+            raise DataError(f"{self.source}: {e}") from None
+        return loader, val_b
+
+
+class _LMLoader:
+    """``BatchLoader`` giving named fields (``LM_FIELDS``) instead of ``(inputs, targets)``."""
+
+    def __init__(self, loader: BatchLoader):
+        self.inner = loader
+
+    def replica_batch(self, step: int, replica: int, num_replicas: int) -> dict[str, torch.Tensor]:
+        return lm_fields(*self.inner.replica_batch(step, replica, num_replicas))
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        return lm_fields(*self.inner.batch(step))
+
+    @property
+    def position(self) -> int:
+        return self.inner.position
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> JobData:
+    """Open and check the job's data (see ``config.DataConfig``). Raises ``DataError`` naming the
+    file, column or factory and the fix, ``ConfigError`` for an unknown tokenizer."""
+    d = job.data
+    try:
+        tok = get_tokenizer(d.tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    digest = _by_value_ref(d.by_value)
+    if digest is not None or d.dataset is not None:
+        if digest is not None:
+            shipped = find_objects(digest, search)
+            if "dataset" not in shipped.payloads:
+                raise ShippingError("the objects shipped with the job hold no dataset factory")
+            make = ByValue(shipped.payloads["dataset"])
+            where = f"dataset factory {shipped.names.get('dataset', '')} (shipped with the job)"
+        else:
+            make, where = Imported(d.dataset), f"data.dataset {d.dataset!r}"
+        try:
+            ds = make(**dict(d.dataset_kwargs or {}))
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's factory failed: say which, keep its message
+            raise DataError(f"{where} raised {type(e).__name__}: {e}") from e
+        return JobData(tok, examples=open_examples(ds, where), source=where)
+    tokens = open_tokens(d.path, tokenizer=tok, fmt=d.format, text_column=d.text_column,
+                         token_dtype=d.token_dtype, corpus=d.corpus)
+    return JobData(tok, tokens=tokens, source=tokens.source)
+
+
+@dataclass
+class ResolvedJob:
+    """A job's model spec and data, checked together (``resolve_job``)."""
+
+    spec: ModelSpec
+    data: JobData
+
+    def split(self, fields: Mapping[str, Any]) -> tuple:
+        """``(inputs, targets)`` for the engine from a batch's fields."""
+        return self.spec.call.split(fields)
+
+    def sample_inputs(self, n: int, seq_len: int) -> tuple:
+        """``(inputs, targets)`` of ``n`` real examples (tracing, calibration)."""
+        return self.split(self.data.sample(n, seq_len))
+
+
+def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
+    """Refuse data the model cannot take, before workers start: token ids beyond its vocabulary,
+    ``seq_len`` beyond its context, batches without the fields its call reads. Raises
+    ``DataError`` naming the source and the fix."""
+    if data.tokens is not None:
+        check_tokens(data.tokens, spec.vocab_size)
+        if spec.context is not None and job.data.seq_len > spec.context:
+            raise DataError(f"data.seq_len={job.data.seq_len} is longer than {spec.name}'s context of {spec.context} "
+                            f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
+    try:
+        spec.call.split(data.sample(1, job.data.seq_len))
+    except ModelSpecError as e:
+        raise DataError(f"{data.source}: {e}") from None
+    d, p = job.data, job.parallel
+    data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
+
+
+def resolve_job(job: JobConfig, search: Sequence[str | Path | None] = ()) -> ResolvedJob:
+    """``resolve_data`` + ``resolve_model`` + ``check_together`` (``search``: folders that may hold
+    the job's objects file — its run folder). Raises ``ConfigError``/``DataError``/
+    ``ModelSpecError`` (all ``ValueError``) or ``ShippingError`` before anything starts."""
+    data = resolve_data(job, search)
+    spec = resolve_model(job, data.tokenizer, data.fields, search)
+    check_together(spec, data, job)
+    return ResolvedJob(spec, data)
+
+
+def model_identity(job: JobConfig, resolved: ResolvedJob | None = None) -> dict:
+    """Plain data naming exactly the job's model (factory, arguments, code hash) — a calibration
+    cache key part."""
+    return (resolved or resolve_job(job)).spec.identity

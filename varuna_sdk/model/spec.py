@@ -1,0 +1,263 @@
+"""The model spec (DESIGN.md): what a job trains, as one long-lived, resolved type.
+
+``ModelSpec`` holds a factory returning the *whole* model (called with every tensor on the meta
+device, ``model.deferred``), how a batch's named fields become the model's inputs and the loss's
+targets (``CallSpec``), the loss, an optional per-module ``init_fn`` (for models too large to
+record once), shared-weight declarations and an identity (for calibration caches). How a spec is
+*named* — a registered preset, an import path, a callable shipped by value — is the job layer's
+business (``varuna_sdk.jobspec``); the engine, trainer, profiler and planner only see this type.
+
+Models are taken as people write them: ``prepare_model`` turns off a Hugging Face model's cache
+and marks cut-points at its decoder layers (``auto_cutpoints``) unless the model has its own;
+``infer_call`` reads the forward's signature to pass what it asks for — ``labels=`` to a Hugging
+Face model, ``targets`` to a single-file GPT whose forward is ``(idx, targets)``, just the tokens
+to a model that returns logits; ``model_loss`` takes a loss the model computed itself (``.loss``,
+``["loss"]``, the scalar in ``(logits, loss)``) and ``cross_entropy`` computes one from the
+logits (a tensor, ``.logits`` or the first element of a tuple).
+
+Must never import ``varuna_sdk.pipeline``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cutpoint import CutPoint, auto_cutpoints
+from .inputs import ModelInputs
+
+InitFn = Callable[[nn.Module, str], None]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class ModelSpecError(ValueError):
+    """A model, its call or its loss cannot be used as given; the message says what to change."""
+
+
+# ---- losses ----------------------------------------------------------------------------------
+def output_logits(output: Any) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, ``.logits``, ``["logits"]`` or the first
+    element of a tuple/list. Raises ``ModelSpecError`` naming the output's type otherwise."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ModelSpecError(f"cannot find logits in the model's output ({type(output).__name__}); give the job a loss "
+                         "function (output, targets) -> scalar")
+
+
+def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
+    """The loss the model computed itself: ``output.loss`` (Hugging Face), ``output["loss"]``, or
+    the one 0-dim floating tensor of a tuple such as ``(logits, loss)``. ``targets`` is ignored.
+    Raises ``ModelSpecError`` when the output holds no loss (e.g. labels were not passed)."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)):
+        scalars = [t for t in output if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
+        loss = scalars[0] if len(scalars) == 1 else None
+    if not isinstance(loss, torch.Tensor):
+        raise ModelSpecError(
+            f"the model's output ({type(output).__name__}) holds no loss. With loss='model' the forward must compute "
+            "it (pass labels/targets: see model.inputs), or give a loss function (output, targets) -> scalar")
+    return loss
+
+
+def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of the output's logits ``[B, T, V]`` (or ``[B, V]``) against
+    ``targets`` ``[B, T]`` (or ``[B]``) int64; fp32 whatever the autocast dtype."""
+    logits = output_logits(output)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+LOSSES: dict[str, LossFn] = {"model": model_loss, "cross_entropy": cross_entropy}
+
+
+# ---- how a batch becomes the model's inputs ---------------------------------------------------
+@dataclass(frozen=True)
+class CallSpec:
+    """How the named fields of a batch feed the model and the loss.
+
+    ``args``: field names passed positionally, in order; ``kwargs``: (argument name, field name)
+    pairs passed by keyword; ``targets``: the field handed to the loss function (``None``: the
+    model computes its own loss). Tensor shapes are the data's (batch first)."""
+
+    args: tuple[str, ...] = ()
+    kwargs: tuple[tuple[str, str], ...] = ()
+    targets: str | None = None
+
+    def fields(self) -> list[str]:
+        """Every field the call reads."""
+        names = list(self.args) + [f for _, f in self.kwargs]
+        return names + ([self.targets] if self.targets and self.targets not in names else [])
+
+    def split(self, batch: Mapping[str, Any]) -> tuple[ModelInputs, Any]:
+        """``(inputs, targets)`` of a batch of named fields. Raises ``ModelSpecError`` naming a
+        missing field and the fields there are."""
+        missing = [f for f in self.fields() if f not in batch]
+        if missing:
+            raise ModelSpecError(f"the batch has no field(s) {missing}; it has {sorted(batch)}. Set model.inputs "
+                                 "(and the targets field) to names the data gives")
+        inputs: ModelInputs = ({a: batch[f] for a, f in self.kwargs} if self.kwargs and not self.args
+                               else tuple(batch[f] for f in self.args))
+        if self.kwargs and self.args:
+            raise ModelSpecError("a model call takes positional or keyword fields, not both")
+        return inputs, (batch[self.targets] if self.targets else None)
+
+    def describe(self) -> str:
+        """``model(input_ids, targets)`` / ``model(input_ids=input_ids, labels=labels)`` and the loss's targets."""
+        parts = list(self.args) + [f"{a}={f}" for a, f in self.kwargs]
+        return f"model({', '.join(parts)})" + (f", loss(output, {self.targets})" if self.targets else ", its own loss")
+
+
+def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | None,
+               inputs: Sequence[str] | Mapping[str, str] | None = None, targets: str | None = None
+               ) -> tuple[CallSpec, LossFn]:
+    """Choose how to call ``model`` and which loss to use from the forward's signature and the
+    fields the data gives (``fields``), unless ``inputs``/``targets``/``loss`` say it.
+
+    ``loss``: ``None`` (automatic), ``"model"`` (the model computes it), ``"cross_entropy"``, or a
+    callable ``(output, targets) -> scalar``. Automatic, for language-model fields
+    (``input_ids``, ``targets``, ``labels``): a forward with a ``labels`` parameter gets
+    ``input_ids=, labels=`` and its own loss (Hugging Face); one with a ``targets`` parameter gets
+    ``(input_ids, targets)`` and its own loss (single-file GPTs); otherwise ``(input_ids)`` and the
+    cross-entropy against ``targets``. For a dataset's fields: tuple examples ``(x, y)`` give
+    ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword.
+
+    Returns ``(CallSpec, loss function)``. Raises ``ModelSpecError`` for a call that cannot be
+    made (a loss that needs targets the data lacks, an unknown loss name).
+    """
+    fields = list(fields)
+    if isinstance(loss, str) and loss not in LOSSES:
+        raise ModelSpecError(f"model.loss={loss!r}; use 'model' (the model computes it), 'cross_entropy', an import "
+                             "path 'pkg.mod:fn', or pass a function (output, targets) -> scalar")
+    params = _forward_params(model)
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    own = loss == "model"
+    if inputs is not None:
+        call = (CallSpec(kwargs=tuple(dict(inputs).items())) if isinstance(inputs, Mapping)
+                else CallSpec(args=tuple(inputs)))
+    elif "input_ids" in fields:  # language-model data
+        if "labels" in names and (loss is None or own):
+            call, own = CallSpec(kwargs=(("input_ids", "input_ids"), ("labels", "labels"))), True
+        elif "targets" in names[1:] and (loss is None or own):
+            call, own = CallSpec(args=("input_ids", "targets")), True
+        elif own:
+            raise ModelSpecError(f"loss='model' but {type(model).__name__}.forward{tuple(names)} takes neither labels "
+                                 "nor targets; say which fields to pass with model.inputs")
+        else:
+            call = CallSpec(args=("input_ids",))
+    elif all(f.isdigit() for f in fields):  # tuple examples (x, y, ...)
+        n = len(fields)
+        call = CallSpec(args=tuple(fields if own or n == 1 else fields[:-1]))
+    else:  # dict examples: by keyword
+        tgt = targets or next((f for f in ("targets", "labels", "label") if f in fields), None)
+        keep = [f for f in fields if own or f != tgt]
+        call = CallSpec(kwargs=tuple((f, f) for f in keep))
+    if own:
+        return CallSpec(call.args, call.kwargs, None), model_loss
+    fn = LOSSES["cross_entropy"] if loss is None else (LOSSES[loss] if isinstance(loss, str) else loss)
+    if not callable(fn):
+        raise ModelSpecError(f"model.loss={loss!r} is not callable")
+    tgt = targets
+    if tgt is None:
+        used = set(call.fields())
+        tgt = next((f for f in ("targets", "labels", "label") if f in fields and f not in used), None)
+        if tgt is None and all(f.isdigit() for f in fields) and len(fields) > len(call.args):
+            tgt = fields[len(call.args)]
+    if tgt is None:
+        raise ModelSpecError(f"the loss needs targets but the data's fields {fields} hold none the model does not "
+                             "already take; name the targets field, or use loss='model'")
+    return CallSpec(call.args, call.kwargs, tgt), fn
+
+
+# ---- preparing a model built from the user's factory ----------------------------------------
+def is_hf_model(model: nn.Module) -> bool:
+    """True for a Hugging Face ``transformers`` ``PreTrainedModel`` (checked without importing it)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+def prepare_model(model: nn.Module, blocks: str | None = None) -> nn.Module:
+    """Ready a freshly built model for the pipeline, without editing its code: a Hugging Face
+    model's key/value cache is turned off (training needs none, and a ``Cache`` object cannot
+    cross a stage boundary); cut-points are marked at the blocks of ``blocks`` (a dotted module
+    name) or of its largest ``ModuleList`` unless it has ``CutPoint`` modules already.
+
+    Raises ``ModelSpecError`` naming the model and what to do when no block list is found.
+    """
+    if is_hf_model(model):
+        cfg = getattr(model, "config", None)
+        if cfg is not None and getattr(cfg, "use_cache", None):
+            cfg.use_cache = False
+    if any(isinstance(m, CutPoint) for m in model.modules()) or getattr(model, "_varuna_auto_cutpoints", False):
+        return model
+    try:
+        return auto_cutpoints(model, blocks)
+    except ValueError as e:
+        raise ModelSpecError(
+            f"{e}. Set model.blocks to the dotted name of the model's list of layers (e.g. 'transformer.h'), or "
+            f"put CutPoint() modules in its forward") from None
+
+
+def model_limits(model: nn.Module) -> tuple[int | None, int | None]:
+    """``(vocab size, longest sequence)`` the model accepts, when it says (its ``config``'s
+    ``vocab_size`` and ``max_position_embeddings``/``n_positions``/``block_size``/``n_ctx``, or
+    the same attributes on the model or its ``cfg``); ``None`` where unknown."""
+    vocab = ctx = None
+    for holder in (getattr(model, "config", None), getattr(model, "cfg", None), model):
+        if holder is None:
+            continue
+        if vocab is None and isinstance(getattr(holder, "vocab_size", None), int):
+            vocab = int(holder.vocab_size)
+        for attr in ("max_position_embeddings", "n_positions", "block_size", "n_ctx", "max_seq_len"):
+            v = getattr(holder, attr, None)
+            if ctx is None and isinstance(v, int) and not isinstance(v, bool):
+                ctx = int(v)
+    return vocab, ctx
+
+
+@dataclass
+class ModelSpec:
+    """A resolved model spec (see the module docstring).
+
+    ``factory``: ``() -> nn.Module`` — the whole model, cut-points marked (``prepare_model``
+    applied); ``loss_fn``: ``(output, targets) -> scalar`` mean loss of a micro-batch;
+    ``call``: how a batch's fields feed model and loss; ``init_fn``: ``(module, name) -> None``
+    or ``None`` (the constructor's own initialisation, replayed); ``shared_params``: parameter
+    names that may be used on several stages (``None``: tie automatically); ``name``: for
+    messages; ``identity``: plain data naming exactly this model (factory, arguments, code hash),
+    part of calibration cache keys; ``vocab_size``/``context``: what the model accepts (``None``:
+    it does not say), checked against the data before workers start."""
+
+    factory: Callable[[], nn.Module]
+    loss_fn: LossFn
+    call: CallSpec
+    name: str
+    identity: dict = field(default_factory=dict)
+    init_fn: InitFn | None = None
+    shared_params: list[str] | None = None
+    vocab_size: int | None = None
+    context: int | None = None
+
+    def describe(self) -> str:
+        """One line: the model and how it is called."""
+        return f"{self.name}: {self.call.describe()}"

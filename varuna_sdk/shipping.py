@@ -1,0 +1,199 @@
+"""Objects shipped by value with a job: callables defined in a notebook cell or ``__main__`` (a
+model factory, a loss, an init function, a dataset factory) packed with cloudpickle into one
+objects file that travels only inside the job spec — to local worker processes through the run
+folder, to the user's own VMs over the SSH/SFTP bootstrap — never over the heartbeat, metrics or
+dashboard channels, which stay pickle-free.
+
+File format: a magic line, one JSON line (the Python, torch and cloudpickle versions it was
+packed under, each object's qualified name, size and SHA-256), then the payloads. A reader checks
+the header *before* anything is unpickled: Python must match in major.minor (the pickled code's
+bytecode), torch ignoring its build tag, cloudpickle exactly — a mismatch is a ``ShippingError``
+naming the VM (``$VARUNA_HOST``) and the versions; a payload whose size or hash differs is refused
+too.
+
+Owns ``pack_objects``, ``write_objects``, ``read_objects``, ``find_objects``, ``Shipped``,
+``ByValue``, ``ShippingError``, ``runtime_versions``, ``version_problems``,
+``objects_file_name``. Imports neither torch (versions come from package metadata) nor anything
+of the SDK, so the manager can ship files without loading torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Sequence
+
+OBJECTS_MAGIC = b"VARUNA-OBJECTS 1\n"
+OBJECTS_DIR_ENV = "VARUNA_OBJECTS_DIR"
+MAX_OBJECTS_HEADER = 64 * 1024
+
+
+class ShippingError(RuntimeError):
+    """Objects shipped by value cannot be loaded here (versions differ, file missing or damaged)."""
+
+
+class ByValue:
+    """A callable shipped by value: cloudpickle ``payload`` bytes, loaded on first call (pickles as
+    the bytes, so processes spawned on this machine get it too)."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+        self._obj = None
+
+    def __call__(self, *args, **kwargs):
+        if self._obj is None:
+            import cloudpickle
+
+            self._obj = cloudpickle.loads(self.payload)
+        return self._obj(*args, **kwargs)
+
+    def __reduce__(self):
+        return (ByValue, (self.payload,))
+
+
+def runtime_versions() -> dict[str, str]:
+    """This process's Python, torch and cloudpickle versions (what shipped objects depend on)."""
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {"python": platform.python_version(), "torch": version("torch"), "cloudpickle": version("cloudpickle")}
+
+
+def version_problems(shipped: Mapping[str, str], here: Mapping[str, str]) -> list[str]:
+    """Why objects pickled under ``shipped`` versions cannot load under ``here``: Python must match
+    in major.minor (bytecode), torch ignoring its build tag (``+cpu``/``+cu124``), cloudpickle exactly."""
+    out = []
+    if shipped.get("python", "").split(".")[:2] != here.get("python", "").split(".")[:2]:
+        out.append(f"Python {here.get('python')} here, {shipped.get('python')} on the launcher")
+    if shipped.get("torch", "").split("+")[0] != here.get("torch", "").split("+")[0]:
+        out.append(f"torch {here.get('torch')} here, {shipped.get('torch')} on the launcher")
+    if shipped.get("cloudpickle") != here.get("cloudpickle"):
+        out.append(f"cloudpickle {here.get('cloudpickle')} here, {shipped.get('cloudpickle')} on the launcher")
+    return out
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """Objects shipped by value: cloudpickle ``payloads`` by role (``factory``, ``loss``, ``init``,
+    ``dataset``) and the ``names`` (qualified names) they had on the launcher, for messages."""
+
+    payloads: dict[str, bytes]
+    names: dict[str, str]
+
+
+_PACKED: dict[str, Shipped] = {}  # digest -> objects packed or read in this process
+
+
+def pack_objects(objects: Mapping[str, Any], by_value_modules: Sequence[Any] = ()) -> tuple[str, bytes]:
+    """Pack callables (``{"factory": f, "loss": g, ...}``; ``None`` values are dropped) with
+    cloudpickle, each separately; modules in ``by_value_modules`` (the user's own, not installed
+    on the VMs) are pickled by value too. Returns ``(digest, file bytes)``: a magic line, a JSON
+    header (versions, names, sizes, SHA-256 of each payload), the payloads. Raises
+    ``TypeError`` naming an object that cannot be pickled."""
+    import cloudpickle
+
+    mods = list(by_value_modules)
+    for m in mods:
+        cloudpickle.register_pickle_by_value(m)
+    try:
+        payloads = {}
+        for k, v in objects.items():
+            if v is None:
+                continue
+            try:
+                payloads[k] = cloudpickle.dumps(v)
+            except Exception as e:  # noqa: BLE001 - report which object, and why
+                raise TypeError(f"the job's {k} ({getattr(v, '__qualname__', type(v).__name__)}) cannot be shipped "
+                                f"by value: {type(e).__name__}: {e}") from None
+    finally:
+        for m in mods:
+            cloudpickle.unregister_pickle_by_value(m)
+    names = {k: str(getattr(objects[k], "__qualname__", type(objects[k]).__name__)) for k in payloads}
+    header = {"versions": runtime_versions(), "names": names,
+              "objects": {k: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()} for k, p in payloads.items()}}
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:24]
+    header["digest"] = digest
+    blob = OBJECTS_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + b"".join(payloads.values())
+    _PACKED[digest] = Shipped(payloads, names)
+    return digest, blob
+
+
+def objects_file_name(digest: str) -> str:
+    """File name of the objects with ``digest`` (next to the job's config, in the run folder)."""
+    return f"objects-{digest}.bin"
+
+
+def write_objects(folder: str | Path, objects: Mapping[str, Any], by_value_modules: Sequence[Any] = ()) -> str:
+    """``pack_objects`` and write the file into ``folder`` (atomically); returns the digest."""
+    digest, blob = pack_objects(objects, by_value_modules)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / objects_file_name(digest)
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+    return digest
+
+
+def read_objects(path: str | Path, where: str | None = None) -> Shipped:
+    """The payloads of an objects file, after checking its header: the versions it was packed
+    under against this process's (``version_problems``), each payload's size and SHA-256.
+    Nothing is unpickled here. ``where`` names this VM in errors (default ``$VARUNA_HOST`` or
+    the host name). Raises ``ShippingError`` saying what differs."""
+    where = where or os.environ.get("VARUNA_HOST") or platform.node()
+    data = Path(path).read_bytes()
+    if not data.startswith(OBJECTS_MAGIC):
+        raise ShippingError(f"{path} on {where} is not a varuna objects file")
+    end = data.find(b"\n", len(OBJECTS_MAGIC), len(OBJECTS_MAGIC) + MAX_OBJECTS_HEADER)
+    if end < 0:
+        raise ShippingError(f"{path} on {where}: its header is missing or too long")
+    try:
+        header = json.loads(data[len(OBJECTS_MAGIC):end])
+        entries = dict(header["objects"])
+        shipped = dict(header["versions"])
+        names = {str(k): str(v) for k, v in dict(header.get("names") or {}).items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShippingError(f"{path} on {where}: unreadable header ({e})") from None
+    problems = version_problems(shipped, runtime_versions())
+    if problems:
+        raise ShippingError(f"VM {where} cannot load the objects shipped by value with the job (model or data "
+                            f"defined in the notebook): {'; '.join(problems)}. Install the launcher's versions on "
+                            "the VM, or give the model by import path from the code folder")
+    out, off = {}, end + 1
+    for k, e in entries.items():
+        n = int(e["bytes"])
+        p = data[off:off + n]
+        off += n
+        if len(p) != n or hashlib.sha256(p).hexdigest() != e["sha256"]:
+            raise ShippingError(f"{path} on {where}: the {k} payload is damaged (size or SHA-256 differs)")
+        out[k] = p
+    return Shipped(out, names)
+
+
+def find_objects(digest: str, search: Sequence[str | Path | None] = ()) -> Shipped:
+    """The objects with ``digest``: packed in this process, or read (checked) from
+    ``objects-<digest>.bin`` in ``$VARUNA_OBJECTS_DIR`` or one of ``search``. Raises
+    ``ShippingError`` when no such file is found."""
+    if digest in _PACKED:
+        return _PACKED[digest]
+    dirs = [os.environ.get(OBJECTS_DIR_ENV)] + list(search)
+    for d in dirs:
+        if d and (Path(d) / objects_file_name(digest)).is_file():
+            shipped = read_objects(Path(d) / objects_file_name(digest))
+            _PACKED[digest] = shipped
+            return shipped
+    raise ShippingError(f"the objects shipped by value with this job ({objects_file_name(digest)}) are not in "
+                        f"{[str(d) for d in dirs if d]}; launch the job through Job.launch(), varuna launch or "
+                        "launch_job, which ship them")
+
+
