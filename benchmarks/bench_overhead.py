@@ -46,25 +46,9 @@ class PlainLoop:
 
     def step(self, batch) -> tuple[float, dict, float]:
         x, y = batch
-        b, m = self.b, self.m
-        t0 = time.perf_counter()
-        total = 0.0
-        fwd = bwd = 0.0
-        for i in range(m):
-            ta = time.perf_counter()
-            loss = lm_loss(self.model(x[i * b:(i + 1) * b]), y[i * b:(i + 1) * b])
-            tb = time.perf_counter()
-            (loss / m).backward()
-            tc = time.perf_counter()
-            total += loss.item() / m
-            fwd += tb - ta
-            bwd += tc - tb
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        ph = {"fwd": fwd, "bwd": bwd, "opt": self.phase.pop("opt", 0.0)}
-        ph["other"] = dt - sum(ph.values())
-        return dt, ph, total
+        b = self.b
+        return common.accumulated_step(lambda i: lm_loss(self.model(x[i * b:(i + 1) * b]), y[i * b:(i + 1) * b]),
+                                       self.m, self.opt, self.phase)
 
 
 class Engine:

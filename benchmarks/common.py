@@ -80,6 +80,30 @@ def timed_optimizer(opt: torch.optim.Optimizer, sink: dict, key: str = "opt") ->
         lambda *a: sink.__setitem__(key, sink.get(key, 0.0) + time.perf_counter() - state["t"]))
 
 
+def accumulated_step(loss_of: Callable[[int], torch.Tensor], m: int, opt: torch.optim.Optimizer,
+                     phase: dict) -> tuple[float, dict, float]:
+    """One optimizer step as a user writes it in plain PyTorch: ``loss_of(i)`` for micro-batches
+    ``i = 0..m-1``, ``(loss / m).backward()`` each, then ``opt.step()`` and ``zero_grad``. Returns
+    (seconds, per-phase seconds ``fwd``/``bwd``/``opt``/``other``, the mean loss); ``opt`` must be
+    wrapped by ``timed_optimizer(opt, phase)``."""
+    t0 = time.perf_counter()
+    total = fwd = bwd = 0.0
+    for i in range(m):
+        ta = time.perf_counter()
+        loss = loss_of(i)
+        tb = time.perf_counter()
+        (loss / m).backward()
+        tc = time.perf_counter()
+        total += loss.item() / m
+        fwd, bwd = fwd + tb - ta, bwd + tc - tb
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    ph = {"fwd": fwd, "bwd": bwd, "opt": phase.pop("opt", 0.0)}
+    ph["other"] = dt - sum(ph.values())
+    return dt, ph, total
+
+
 def timed_method(obj: object, name: str, sink: dict, key: str) -> None:
     """Wrap ``obj.name`` (on the instance) so that each call adds its wall time to ``sink[key]``."""
     fn = getattr(obj, name)

@@ -359,6 +359,7 @@ class Dashboard:
         tiles = [("step", _num(last("step"), "{:,.0f}")), ("loss", _num(last("loss"), "{:.4f}")),
                  ("examples/s", _num(last("examples_per_s"), "{:,.1f}")),
                  ("tokens/s", _num(last("tokens_per_s"), "{:,.0f}")),
+                 ("model", str((plan or {}).get("labels", {}).get("model") or "–")),
                  ("plan", (f"P={plan.get('P')} × D={plan.get('D')} · gen {plan.get('generation', '?')}"
                            if plan else "–")),
                  ("VMs up", f"{counts['up'] + counts['notice']} / {len(st.vms)}"),

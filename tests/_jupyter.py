@@ -15,11 +15,12 @@ Imports only jupyter_client, nbclient, nbformat and the standard library.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
@@ -118,6 +119,25 @@ class Kernel:
         finally:
             if self.km.has_kernel:
                 self.km.shutdown_kernel(now=now)
+
+
+@contextlib.contextmanager
+def kernel_session(root: Path, setup: str, close: str, setup_timeout_s: float = 300.0,
+                   close_timeout_s: float = 150.0) -> Iterator[Kernel]:
+    """A kernel started in ``root`` (``kernel.root``) that has run ``setup``; at the end ``close``
+    runs in it (jobs closed, providers released) and the kernel is shut down, even when a test
+    failed."""
+    k = Kernel(kernel_manager(root), cwd=root)
+    k.root = root
+    try:
+        k.ok(setup, timeout_s=setup_timeout_s)
+        yield k
+    finally:
+        try:
+            if k.km.has_kernel:
+                k.run(close, timeout_s=close_timeout_s)
+        finally:
+            k.shutdown()
 
 
 def execute_notebook(path: Path, cwd: Path, km: KernelManager, cell_timeout_s: float):

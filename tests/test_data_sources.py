@@ -162,3 +162,41 @@ def test_examples_keep_their_order_when_D_changes():
     assert b.position == 7 and torch.equal(b.replica_batch(7, 1, 2)["1"], a.replica_batch(7, 1, 2)["1"])
     with pytest.raises(ValueError, match="global_batch=8 but this loader has global_batch=6"):
         b.load_state_dict({**a.state_dict(), "global_batch": 8})
+
+
+class _Bare(torch.nn.Module):
+    """Says nothing about its limits (no config, no vocab_size attribute): only its tables do."""
+
+    def __init__(self, vocab=100, positions=32):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, 8)
+        self.pos = torch.nn.Embedding(positions, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.out = torch.nn.Linear(8, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def test_the_dry_run_finds_the_vocabulary_and_context_of_a_model_that_does_not_say(tmp_path):
+    from functools import partial
+
+    from varuna_sdk.launch import JobObjects
+
+    f = tmp_path / "t.txt"
+    f.write_text("bytes up to 255: \u00ff\u00fe and plain text " * 80)
+    job = JobConfig(data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=4, micro_batch_size=2))
+    JobObjects(model=_Bare).pack(job)
+    with pytest.raises(DataError, match=r"token id 195, beyond the model's vocabulary of 100 ids \(tok.weight\)"):
+        resolve_job(job)
+    job = JobConfig(data=DataConfig(path=str(f), tokenizer="byte", seq_len=40),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=4, micro_batch_size=2))
+    JobObjects(model=partial(_Bare, vocab=256)).pack(job)
+    with pytest.raises(DataError, match=r"seq_len=40 makes .* look up row 39 of pos.weight, which has 32 rows"):
+        resolve_job(job)
+    job.data.seq_len = 32
+    assert resolve_job(job).spec.call.describe() == "model(input_ids), loss(output, targets)"

@@ -5,7 +5,8 @@ of the same name refuses while the first runs, and ``Job.get`` hands the first b
 ``metrics``, ``events`` and ``morphs`` are the documented types and agree with the run folder's
 ``metrics.jsonl``; ``stop()`` checkpoints at a mini-batch boundary and leaves no worker process,
 and ``launch()`` then continues at the next step to SUCCEEDED with every step trained once;
-objects the workers cannot receive are refused before anything starts; shutting the kernel down
+a config holding Python objects, or a built model instead of its class, is refused before
+anything starts; shutting the kernel down
 while a job runs on SSH test hosts leaves neither a worker nor a test host behind.
 
 The job is the small GPT-2 of ``notebooks/03_spot_vms.ipynb`` (same name and shape, so the two
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from _jupyter import Kernel, kernel_manager
-from varuna_sdk.cluster.testhosts import procs_mentioning, skip_reason
+from _jupyter import Kernel, kernel_manager, kernel_session
+from varuna_sdk.cluster.testhosts import procs_left, procs_mentioning, skip_reason
 
 STEPS = 80
 
@@ -55,25 +56,13 @@ LAUNCH = "t0 = time.monotonic(); job.launch(); launch_s = time.monotonic() - t0;
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     root = tmp_path_factory.mktemp("nbjob")
-    k = Kernel(kernel_manager(root), cwd=root)
-    k.root = root
-    try:
-        k.ok(SETUP, timeout_s=300)  # a calibration, unless cached
+    with kernel_session(root, SETUP, "job.close()") as k:  # SETUP calibrates, unless cached
         yield k
-    finally:
-        try:
-            if k.km.has_kernel:
-                k.run("job.close()", timeout_s=150)
-        finally:
-            k.shutdown()
-            assert not _leftover(str(root), 20.0), "worker processes left behind"
+    assert not _leftover(str(root), 20.0), "worker processes left behind"
 
 
 def _leftover(text: str, timeout_s: float) -> list[int]:
-    deadline = time.time() + timeout_s
-    while procs_mentioning(text) and time.time() < deadline:
-        time.sleep(0.5)
-    return procs_mentioning(text)
+    return procs_left(text, timeout_s=timeout_s)
 
 
 @pytest.mark.timeout(120)
@@ -169,7 +158,9 @@ def test_stop_checkpoints_and_launch_continues(kernel):
 def test_objects_the_workers_cannot_receive_are_refused(kernel):
     res = kernel.run("def make_model():\n    return None\nJob(make_model)")
     assert res.ename == "TypeError" and "make_model" in res.evalue and "JobConfig" in res.evalue
-    assert "ModelConfig(preset=" in res.evalue
+    assert "pass it as Job(model=make_model)" in res.evalue  # the config is plain data; a model goes in model=
+    res = kernel.run("import torch\nJob(cfg, model=torch.nn.Linear(2, 2))")
+    assert res.ename == "TypeError" and "pass its class or a function that builds it" in res.evalue
     res = kernel.run("import copy\nbad = copy.deepcopy(cfg)\nbad.model.preset = make_model\nJob(bad)")
     assert res.ename == "TypeError" and "config.model.preset" in res.evalue and "cannot be sent to the workers" in res.evalue
     res = kernel.run("import torch\nJob(torch.nn.Linear(2, 2))")

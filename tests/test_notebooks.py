@@ -5,7 +5,8 @@ next to themselves). No cell may fail, and each notebook must show what it teach
 start trains to SUCCEEDED and reports held-out perplexity after a stop and a resume; the planning
 notebook's sweeps, what-ifs and Gantt chart come out; the spot-VM notebook morphs on a pre-emption
 notice, a sudden loss and a returned VM, finishes, and its loss trajectory equals an uninterrupted
-run's. Afterwards no process started by a notebook is left (workers, test hosts' sshd).
+run's; the your-own-model notebook trains a model defined in a cell through a pre-emption with
+every step once, refuses bad data in the cell, and trains an unedited Hugging Face GPT-2. Afterwards no process started by a notebook is left (workers, test hosts' sshd).
 
 The committed notebooks carry no outputs (they are executed here, not stored executed).
 
@@ -26,7 +27,7 @@ from _jupyter import execute_notebook, kernel_manager
 from varuna_sdk.cluster.testhosts import procs_mentioning
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-TUTORIALS = ["01_quickstart.ipynb", "02_planning.ipynb", "03_spot_vms.ipynb"]
+TUTORIALS = ["01_quickstart.ipynb", "02_planning.ipynb", "03_spot_vms.ipynb", "04_your_own_model.ipynb"]
 
 
 def run_tutorial(name: str, tmp_path: Path, cell_timeout_s: float = 420.0) -> nbformat.NotebookNode:
@@ -147,3 +148,24 @@ def test_03_spot_vms(tmp_path):
     assert "the final trajectory has every step once: True" in check, check
     ref = text(cell(nb, "uninterrupted = "))
     assert ref.startswith("SUCCEEDED") and float(ref.split("difference over 120 steps: ")[1]) < 1e-5, ref
+
+
+@pytest.mark.timeout(600)
+def test_04_your_own_model(tmp_path):
+    nb = run_tutorial("04_your_own_model.ipynb", tmp_path)
+    assert "TinyTransformer: model(input_ids), loss(output, targets)" in text(cell(nb, "config = JobConfig("))
+    refused = text(cell(nb, "try:\n    Job(config, model=lambda"))
+    assert "DataError" in refused and "beyond the model's vocabulary of 100 ids" in refused, refused
+    assert "Partition map" in cell(nb, "t0 = time.monotonic()\nprofile").outputs[-1].data["text/html"]
+    trained = text(cell(nb, "emu = SpotEmulator("))
+    assert "morphed after the notice" in trained and "state='SUCCEEDED'" in trained, trained
+    table = cell(nb, 'job.morphs[["cause"').outputs[0].data["text/plain"]
+    assert " notice " in table, table
+    check = text(cell(nb, "show(job.plot())"))
+    assert "every step trained once: True" in check, check
+    start, end = (float(x) for x in check.split("perplexity ")[1].split(" -> "))
+    assert end < start, check
+    hf = text(cell(nb, "from transformers import"))
+    assert "model(input_ids=input_ids, labels=labels), its own loss" in hf and "SUCCEEDED" in hf, hf
+    start, end = (float(x) for x in hf.split("perplexity ")[1].split(" -> "))
+    assert end < start, hf

@@ -8,12 +8,11 @@ its calibration is cached under the model's identity; nothing is left running.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
-from _jupyter import Kernel, kernel_manager
-from varuna_sdk.cluster.testhosts import procs_mentioning
+from _jupyter import kernel_session
+from varuna_sdk.cluster.testhosts import procs_left
 
 STEPS = 160
 
@@ -77,21 +76,9 @@ def wait_until(job, cond, timeout_s=180):
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     root = tmp_path_factory.mktemp("yourmodel")
-    k = Kernel(kernel_manager(root), cwd=root)
-    k.root = root
-    try:
-        k.ok(SETUP, timeout_s=120)
+    with kernel_session(root, SETUP, "[j.close() for j in list(globals().values()) if isinstance(j, Job)]") as k:
         yield k
-    finally:
-        try:
-            if k.km.has_kernel:
-                k.run("[j.close() for j in list(globals().values()) if isinstance(j, Job)]", timeout_s=120)
-        finally:
-            k.shutdown()
-    deadline = time.time() + 20
-    while procs_mentioning(str(root)) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not procs_mentioning(str(root)), "worker processes left behind"
+    assert not procs_left(str(root)), "worker processes left behind"
 
 
 @pytest.mark.timeout(600)

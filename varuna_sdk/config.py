@@ -78,11 +78,12 @@ class DataConfig:
     of text files, a pre-tokenized ``.bin`` (``token_dtype`` ``uint16``/``uint32``) or ``.npy``
     file, a ``datasets`` dataset saved with ``save_to_disk``, or local ``json``/``jsonl``/
     ``parquet``/``csv`` files whose ``text_column`` holds the text; ``format`` ``auto`` tells them
-    apart), else the shipped ``corpus`` (``shakespeare``). ``tokenizer``: ``gpt2`` (real BPE),
+    apart), else the shipped ``corpus`` (``shakespeare``, the default; ignored when one of the
+    others is set). ``tokenizer``: ``gpt2`` (real BPE),
     ``byte``, or the path of a ``tokenizer.json``. ``seq_len`` tokens per example, the held-out
     fraction (the end of the data) and the data seed (the order of examples)."""
 
-    corpus: str | None = None
+    corpus: str | None = "shakespeare"
     path: str | None = None
     format: str = "auto"
     text_column: str = "text"

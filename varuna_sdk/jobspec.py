@@ -55,6 +55,7 @@ from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
 from .model.spec import CallSpec, ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model
+from .model.tracer import trace_model
 from .shipping import ByValue, ShippingError, find_objects
 
 # ---- picklable callables ---------------------------------------------------------------------
@@ -156,6 +157,10 @@ def hf_causal_lm(model_type: str, **config: Any) -> nn.Module:
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type, **config)
+    vocab = getattr(cfg, "vocab_size", None)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of a vocabulary it no longer has
+        if isinstance(getattr(cfg, k, None), int) and vocab is not None and getattr(cfg, k) >= vocab and k not in config:
+            setattr(cfg, k, None)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
@@ -371,15 +376,27 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     """Refuse data the model cannot take, before workers start: token ids beyond its vocabulary,
     ``seq_len`` beyond its context, batches without the fields its call reads. Raises
     ``DataError`` naming the source and the fix."""
+    T = job.data.seq_len
     if data.tokens is not None:
         check_tokens(data.tokens, spec.vocab_size)
-        if spec.context is not None and job.data.seq_len > spec.context:
-            raise DataError(f"data.seq_len={job.data.seq_len} is longer than {spec.name}'s context of {spec.context} "
+        if spec.context is not None and T > spec.context:
+            raise DataError(f"data.seq_len={T} is longer than {spec.name}'s context of {spec.context} "
                             f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
     try:
-        spec.call.split(data.sample(1, job.data.seq_len))
+        inputs, _ = spec.call.split(data.sample(1, T))
     except ModelSpecError as e:
         raise DataError(f"{data.source}: {e}") from None
+    # the dry run sees every embedding lookup: token tables bound the ids, position tables the length
+    structure = trace_model(build_on_meta(spec.factory), inputs)
+    for e in structure.embeddings:
+        if e["from_input"] and data.tokens is not None and data.tokens.max_id >= e["rows"]:
+            raise DataError(f"{data.source} holds token id {data.tokens.max_id}, beyond the model's vocabulary of "
+                            f"{e['rows']} ids ({e['param']}); use the tokenizer the model was made for, or a model "
+                            f"with at least {data.tokens.max_id + 1} token embeddings")
+        if not e["from_input"] and e["max_index"] >= e["rows"]:
+            raise DataError(f"data.seq_len={T} makes {spec.name} look up row {e['max_index']} of {e['param']}, which "
+                            f"has {e['rows']} rows (its context); lower data.seq_len, or build the model with a "
+                            "longer context")
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
 

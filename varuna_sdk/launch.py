@@ -85,12 +85,17 @@ def new_run_dir(job: JobConfig) -> Path:
     return path
 
 
+def job_labels(resolved) -> dict[str, str]:
+    """What the dashboard shows of a job's model and data (plain strings)."""
+    return {"model": resolved.spec.name, "call": resolved.spec.call.describe(), "data": resolved.data.source}
+
+
 def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
-                files: dict[str, bytes] | None = None) -> tuple[JobConfig, Path]:
+                files: dict[str, bytes] | None = None) -> tuple[JobConfig, Path, Any]:
     """Check everything about ``job`` that can fail before a process starts, then make its run
     folder (``run_dir``, or a fresh ``new_run_dir``) holding ``config.yaml`` and the objects
     files (``objects`` packed here, or ``files`` packed already by ``JobObjects.pack``). Returns
-    ``(the job as it will run, run folder)``. Raises ``ConfigError``, ``DataError``,
+    ``(the job as it will run, run folder, its jobspec.ResolvedJob)``. Raises ``ConfigError``, ``DataError``,
     ``ModelSpecError``, ``PartitionError`` (all ``ValueError``), ``ShippingError`` or
     ``TypeError`` — leaving no folder behind."""
     from .trainer import check_partition, resolve
@@ -110,7 +115,7 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
             (out / f"{name}.tmp").replace(out / name)
     if not (out / "config.yaml").exists():
         job.to_yaml(out / "config.yaml")
-    return job, out
+    return job, out, resolved
 
 
 def plan_job(job: JobConfig, profile=None):
@@ -141,10 +146,11 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     from .cluster.provider import LocalProvider
     from .manager.manager import Manager
 
-    job, out = prepare_run(job, run_dir, objects)
+    job, out, resolved = prepare_run(job, run_dir, objects)
     own = provider is None
     provider = provider or LocalProvider(job.launch.gpus)
     try:
+        manager_options.setdefault("labels", job_labels(resolved))
         mgr = Manager(job, provider, run_dir=out, job_id=job_id, **manager_options)
         mgr.run()
         return mgr.summary()

@@ -116,13 +116,12 @@ def _apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: 
                         "own stage")
     if isinstance(model, ModelConfig):
         job.model = copy.deepcopy(model)
-    elif isinstance(model, str):
-        job.model = ModelConfig(factory=model, loss=job.model.loss, inputs=job.model.inputs,
-                                targets=job.model.targets, blocks=job.model.blocks)
-    elif callable(model):
-        job.model = ModelConfig(loss=job.model.loss, inputs=job.model.inputs, targets=job.model.targets,
-                                blocks=job.model.blocks, kwargs=dict(job.model.kwargs or {}))
-        objs.model = model
+    elif isinstance(model, str) or callable(model):  # the config's call and loss settings still apply
+        m = job.model
+        job.model = ModelConfig(factory=model if isinstance(model, str) else None, loss=m.loss, inputs=m.inputs,
+                                targets=m.targets, blocks=m.blocks, kwargs=dict(m.kwargs or {}))
+        if not isinstance(model, str):
+            objs.model = model
     elif model is not None:
         raise TypeError(f"Job(model=...) takes a class or function building the model, an import path "
                         f"'pkg.mod:fn', or a ModelConfig; got {type(model).__name__}")
@@ -245,8 +244,12 @@ class Job:
         elif isinstance(config, JobConfig):
             job = config
         else:
+            from torch import nn
+
             what = getattr(config, "__qualname__", None) or type(config).__name__
-            raise TypeError(f"Job(config) takes a JobConfig or the path of a job YAML, not {what!r}. {_SHIP_HELP}")
+            hint = f" To train {what}, pass it as Job(model={what})." if callable(config) and not isinstance(
+                config, nn.Module) else ""
+            raise TypeError(f"Job(config) takes a JobConfig or the path of a job YAML, not {what!r}.{hint} {_SHIP_HELP}")
         job = copy.deepcopy(job)
         objects = _apply_overrides(job, model=model, loss=loss, data=data, init=init, ship_modules=ship_modules)
         if steps is not None:
@@ -398,14 +401,16 @@ class Job:
                 self.provider = provider
             from .launch import prepare_run
 
-            _, out = prepare_run(self.config, self.run_dir, files=self._files)  # config + shipped objects
+            _, out, _ = prepare_run(self.config, self.run_dir, files=self._files)  # config + shipped objects
             self.run_dir = out.resolve()
             self.config.to_yaml(self.run_dir / "config.yaml")
             # a stopped or failed job continues under a new job id in the same folder: the
             # manager of the old id would only replay its terminal state
             job_id = self.run_dir.name if self.launches == 0 else f"{self.run_dir.name}.{self.launches}"
+            from .launch import job_labels
+
             manager = Manager(self.config, provider, run_dir=self.run_dir, job_id=job_id, profile=self._profile,
-                              **self.manager_options)
+                              **{"labels": job_labels(self.resolved), **self.manager_options})
             if getattr(provider, "started", True) is False:
                 provider.start()
             self.manager = manager

@@ -318,6 +318,17 @@ def procs_mentioning(text: str) -> list[int]:
     return found
 
 
+def procs_left(*texts: str, timeout_s: float = 20.0) -> list[int]:
+    """Wait up to ``timeout_s`` seconds for every process mentioning any of ``texts`` to end;
+    returns those still alive then (empty: nothing was left behind)."""
+    deadline = time.time() + timeout_s
+    while True:
+        left = sorted({pid for t in texts for pid in procs_mentioning(t)})
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.25)
+
+
 def worker_processes(test_hosts: "TestHosts", hosts) -> list[tuple[int, str]]:
     """Live non-sshd processes of the given test hosts (what a job could leave behind)."""
     out = []

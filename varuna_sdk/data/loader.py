@@ -92,8 +92,15 @@ def tokenize_corpus(
             pass  # unreadable/corrupt cache: rebuild it below
 
     arr = np.ascontiguousarray(tok.encode_array(text), dtype=dtype)
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=cache)
+    save_array(path, arr)
+    return arr
+
+
+def save_array(path: Path, arr: np.ndarray) -> None:
+    """Write ``arr`` as ``.npy`` to ``path`` atomically: a temporary file in the same folder, then
+    ``os.replace`` — concurrent writers and crashes never leave a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, arr, allow_pickle=False)
@@ -104,7 +111,6 @@ def tokenize_corpus(
         except OSError:
             pass
         raise
-    return arr
 
 
 def train_val_split(

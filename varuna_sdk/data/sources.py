@@ -23,14 +23,13 @@ Never imports ``varuna_sdk.pipeline``, ``cluster`` or ``manager``.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .loader import default_cache_dir, save_array
 from .tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -61,24 +60,7 @@ class TokenData:
 
 
 def _cache_dir() -> Path:
-    from .loader import default_cache_dir
-
     return default_cache_dir() / "tokens"
-
-
-def _save_atomic(path: Path, arr: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _token_dtype(vocab_size: int):
@@ -151,7 +133,7 @@ def _cached_tokens(key: str, build) -> np.ndarray:
         except (OSError, ValueError, EOFError):
             pass  # a corrupt cache file is rebuilt
     arr = build()
-    _save_atomic(path, arr)
+    save_array(path, arr)
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 

@@ -530,7 +530,8 @@ class Generation:
                 # the user's folder, as on an SSH VM (its synced code folder): relative data paths
                 # and a model given by import path mean what they mean in the user's session
                 where = str(Path(self.code_dir).resolve()) if self.code_dir is not None else os.getcwd()
-                env["PYTHONPATH"] = os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH")) if p)
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (where, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")) if p)
             else:
                 cmd = [h.python, "-m", "varuna_sdk.worker", remote_cfg[h.name], remote_run[h.name]]
                 where = cwd[h.name]

@@ -146,6 +146,9 @@ class Manager:
             job whose config fixes P and D starts at once with them (the stage split balanced on
             the traced model's costs, no simulation) and is calibrated only when a morph needs a
             plan — for a fixed pool of workers (``varuna train``) that never happens.
+        labels: plain strings describing the job for people (``{"model": ..., "data": ...}`` from the
+            launcher's model spec), recorded with every plan for the dashboard; the manager does
+            not read them.
 
     Raises ``ConfigError`` for an invalid job before anything starts.
     """
@@ -155,7 +158,8 @@ class Manager:
                  straggler: StragglerRule | None = StragglerRule(), stop_timeout_s: float = 60.0,
                  max_preemptions: int = 1000, max_failures: int = 2, wait_for_hosts_s: float = 300.0,
                  generation_options: dict[str, Any] | None = None,
-                 on_state: Callable[[JobState, str], None] | None = None, calibrate_first: bool = True):
+                 on_state: Callable[[JobState, str], None] | None = None, calibrate_first: bool = True,
+                 labels: dict[str, str] | None = None):
         job = copy.deepcopy(job).validate()
         if job.train.checkpoint_every <= 0:
             # a sudden loss must not lose the whole run: checkpoint about every 10% of the run
@@ -185,6 +189,7 @@ class Manager:
         self._on_state = on_state
         self._profile = profile
         self.calibrate_first = bool(calibrate_first)
+        self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
         self.log = EventLog(self.run_dir / "events.db")
         self.state = JobState.PENDING
         self.morphs: list[MorphRecord] = []
@@ -361,7 +366,7 @@ class Manager:
                 "D": p.D, "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
                 "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": None,
                 "examples_per_s": None, "bubble": None, "mem_per_stage_bytes": None, "rows": [], "timeline": [],
-                "note": "as configured (no calibration yet)"})
+                "note": "as configured (no calibration yet)", "labels": self.labels})
             return []
         try:
             sim = pl.simulate(row, record_timeline=True)
@@ -386,7 +391,7 @@ class Manager:
             "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
             "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": row.time_s,
             "examples_per_s": row.examples_per_s, "bubble": row.bubble_fraction,
-            "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline})
+            "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline, "labels": self.labels})
         return per_stage
 
     def _resume_step(self) -> int:

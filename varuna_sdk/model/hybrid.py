@@ -56,13 +56,15 @@ def _to_meta(x: Any) -> Any:
 
 class MetaAsDevice(TorchFunctionMode):
     """Torch-function mode: meta tensors pose as tensors on ``device``; operations mixing meta and
-    real tensors run on meta (see the module docstring). Use as a context manager; ``pop()``
+    real tensors run on meta (see the module docstring); ``on_mixed(func, args, kwargs)``, if
+    given, sees each such operation with its real arguments first. Use as a context manager; ``pop()``
     leaves it in the middle of a forward (a stage reaching its own layers), ``pop`` again and
     ``__exit__`` are then no-ops."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, on_mixed=None):
         super().__init__()
         self.device = torch.device(device)
+        self.on_mixed = on_mixed  # (func, args, kwargs) of each operation run on meta, before moving
         self._on = False
 
     def __enter__(self):
@@ -103,4 +105,6 @@ class MetaAsDevice(TorchFunctionMode):
                 "computed from the model's weights. A pipeline stage runs the layers before its own without their "
                 "weights, so only values computed from the inputs alone (masks, positions, token ids) may decide "
                 "what the forward does; move such a check out of forward() or make it depend on the inputs")
+        if self.on_mixed is not None:
+            self.on_mixed(func, args, kwargs)
         return func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))

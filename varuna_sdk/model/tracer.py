@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -47,6 +48,10 @@ class ModelStructure:
         segment_param_bytes: bytes of parameters first used in each segment.
         cross_uses: ``(producer_segment, consumer_segment, op)`` for tensors that skip a cut-point.
         segment_modules: per segment, names of modules whose parameters it uses (for messages).
+        embeddings: every embedding lookup whose indices were real (computed from the inputs):
+            ``{"param", "rows", "max_index", "from_input"}`` — ``from_input``: the indices are a
+            model input itself (token ids, so ``rows`` bounds the vocabulary), else derived from
+            them (positions: ``max_index`` grows with the sequence length).
     """
 
     num_segments: int
@@ -58,6 +63,7 @@ class ModelStructure:
     segment_param_bytes: list[int]
     cross_uses: list[tuple[int, int, str]] = field(default_factory=list)
     segment_modules: list[list[str]] = field(default_factory=list)
+    embeddings: list[dict] = field(default_factory=list)
 
     def segments_of(self, name: str) -> list[int]:
         return self.state_segments.get(name, [0])
@@ -113,6 +119,22 @@ class _Trace:
         self.cross_uses: set[tuple[int, int, str]] = set()
         self.carried: set[int] = set()  # ids of the tensors that crossed the previous cut-point
         self.in_cut = False
+        self.input_storages: set[int] = set()
+        self.embeddings: dict[str, dict] = {}
+
+    def on_mixed(self, func, args: tuple, kwargs: dict) -> None:
+        """An operation about to run on meta with its real arguments: note embedding lookups
+        with real indices (how large the tables must be)."""
+        if func is not F.embedding or len(args) < 2:
+            return
+        idx, weight = args[0], args[1]
+        if not isinstance(idx, torch.Tensor) or idx.device.type == "meta" or idx.numel() == 0:
+            return
+        name = self.state_ids.get(id(weight), "?")
+        e = self.embeddings.setdefault(name, {"param": name, "rows": int(weight.shape[0]), "max_index": -1,
+                                              "from_input": False})
+        e["max_index"] = max(e["max_index"], int(idx.max()))
+        e["from_input"] = e["from_input"] or idx.untyped_storage().data_ptr() in self.input_storages
 
     def mark(self, tensors: Sequence[torch.Tensor], segment: int) -> None:
         """Record ``segment`` as the producer of the weight-derived (meta) ``tensors``; real ones
@@ -201,12 +223,13 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
     """
     trace = _Trace(meta_model)
     inputs = to_device(as_inputs(sample_inputs), device)
+    trace.input_storages = {t.untyped_storage().data_ptr() for t in _tensors(inputs)}
     was_training = meta_model.training
     meta_model.train()
     try:
         # MetaAsDevice on top: it answers device queries and moves mixed operations to meta; the
         # trace mode below it sees each operation as it runs (no mode active inside its handler)
-        with observe_cutpoints(trace), _TraceMode(trace), MetaAsDevice(device):
+        with observe_cutpoints(trace), _TraceMode(trace), MetaAsDevice(device, on_mixed=trace.on_mixed):
             call_model(meta_model, inputs)
     except WeightValueError as e:
         raise RuntimeError(f"the dry run failed in segment {trace.segment}: {e}") from None
@@ -247,6 +270,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         segment_param_bytes=pbytes,
         cross_uses=sorted(trace.cross_uses),
         segment_modules=seg_modules,
+        embeddings=list(trace.embeddings.values()),
     )
 
 
