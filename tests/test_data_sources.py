@@ -200,3 +200,46 @@ def test_the_dry_run_finds_the_vocabulary_and_context_of_a_model_that_does_not_s
         resolve_job(job)
     job.data.seq_len = 32
     assert resolve_job(job).spec.call.describe() == "model(input_ids), loss(output, targets)"
+
+
+@pytest.mark.timeout(240)
+def test_a_dataset_factory_trains_through_the_pipeline_as_plain_pytorch_does(tmp_path):
+    """``data.dataset`` names a factory of ``(x, y)`` examples and ``model.factory`` a classifier:
+    trained at P=2 by ``varuna train``'s path (real processes, the manager), every step's loss
+    equals plain PyTorch on the same examples from the same initial weights."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.launch import train_local
+    from varuna_sdk.model.materialize import build_on_meta, materialize
+    from varuna_sdk.trainer import resolve
+
+    job = JobConfig(name="classify", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 400}),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=6, lr=1e-2, warmup_steps=1, eval_batches=1, grad_clip=None,
+                                      run_dir=str(tmp_path / "runs")))
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    r = resolve(job)
+    assert r.spec.call.describe() == "model(example[0]), loss(output, example[1])"
+    model = build_on_meta(r.spec.factory)
+    materialize(model, [n for n, _ in model.named_parameters()], seed=job.train.seed, device="cpu")
+    from varuna_sdk.trainer import lr_at
+
+    opt = torch.optim.AdamW([{"params": [q for q in model.parameters() if q.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}],
+                            lr=job.train.lr, betas=(0.9, 0.95))
+    loader, _ = r.data.loaders(job.data.seq_len, 16, job.data.seed, job.data.val_fraction, 1)
+    ref = []
+    for step in range(6):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, job)
+        batch = loader.batch(step)
+        x, y = batch["0"], batch["1"]
+        total = 0.0
+        for i in range(4):
+            loss = torch.nn.functional.cross_entropy(model(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4])
+            (loss / 4).backward()
+            total += loss.item() / 4
+        opt.step()
+        opt.zero_grad()
+        ref.append(total)
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)

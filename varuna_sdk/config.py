@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -234,7 +234,7 @@ class JobConfig:
     # ---- validation --------------------------------------------------------------------
     def validate(self) -> "JobConfig":
         validate_parallel(self.parallel)
-        t, d = self.train, self.data
+        t = self.train
         if t.steps < 1:
             raise ConfigError(f"train.steps={t.steps} must be >= 1")
         if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:

@@ -264,7 +264,7 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     Returns ``SpotDemoResult``. Raises ``ConfigError`` for a bad job or slice before anything
     starts; every worker process is stopped and every emulated VM removed on return, error or
     Ctrl-C."""
-    from .launch import new_run_dir
+    from .launch import job_labels, prepare_run
     from .manager.decisions import GrowRule
     from .manager.manager import JobState, Manager
     from .trainer import calibrate_job
@@ -278,16 +278,15 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     if p.P is not None and p.D is not None and p.P * p.D > trace_slice.capacity:
         raise ConfigError(f"P={p.P} x D={p.D} needs {p.P * p.D} workers but the spot demo holds at most "
                           f"{trace_slice.capacity} VMs; use --P/--D with P x D <= {trace_slice.capacity}")
-    run = Path(run_dir) if run_dir is not None else new_run_dir(job)
-    run.mkdir(parents=True, exist_ok=True)
-    say(f"[demo] {job.name}: {job.model.preset} GPT-2, global batch {p.global_batch}, {job.train.steps} steps, "
+    job, run, resolved = prepare_run(job, run_dir)  # the one launch facade: checked, run folder made
+    say(f"[demo] {job.name}: {resolved.spec.name}, global batch {p.global_batch}, {job.train.steps} steps, "
         f"checkpoint every {job.train.checkpoint_every} steps; first plan P={p.P} x D={p.D}, then whatever the "
         f"planner predicts fastest for the VMs left")
     say(f"[demo] spot VMs: {trace_slice.describe()}")
     say("[demo] backend: local slots (workers are subprocesses on this machine; no sshd needed). "
         "A removal kills the VM's worker processes.")
     t_cal = time.monotonic()
-    profile = calibrate_job(job)  # before the replay starts: a first calibration takes a while
+    profile = calibrate_job(job, resolved=resolved)  # before the replay starts: a first calibration takes a while
     say(f"[demo] calibration ready in {time.monotonic() - t_cal:.1f} s; starting the replay")
 
     emu = trace_slice.emulator(backend="local", hold=True)
@@ -319,7 +318,7 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
 
     mgr = Manager(job, emu, run_dir=run, profile=profile, heartbeat_interval_s=heartbeat_interval_s,
                   grow=GrowRule(min_gain=1.10, cooldown_s=10.0), straggler=None, stop_timeout_s=60.0,
-                  generation_options={"sink": _DemoSink(say)}, on_state=on_state)
+                  generation_options={"sink": _DemoSink(say)}, on_state=on_state, labels=job_labels(resolved))
     t_wall = time.monotonic()
     state = None
     try:

@@ -12,7 +12,7 @@ A model is named one of three ways (``config.ModelConfig``):
   imports it there;
 - a **callable shipped by value** (a class or function defined in a notebook cell or
   ``__main__``, and the user's own modules where asked): ``Job(model=...)`` packs it with
-  cloudpickle into an objects file (``write_objects``) that travels only inside the job spec — to
+  cloudpickle into an objects file (``shipping``) that travels only inside the job spec — to
   local worker processes through the run folder, to the user's own VMs over the SSH/SFTP
   bootstrap — never over the heartbeat or metrics channels. A worker reads the file's header
   first and refuses to unpickle on a Python (major.minor), torch or cloudpickle mismatch, naming
@@ -24,10 +24,14 @@ returns a ``ResolvedJob``: the spec, the data, how batches become model inputs, 
 that refuse bad data — token ids beyond the model's vocabulary, sequences longer than its
 context, too little data, missing fields — naming the file or field and the fix.
 
-Callables in a spec are picklable (``Imported``, ``ByValue``, ``Prepared``), so spawned worker
-and calibration-probe processes receive them as they are.
+Callables in a spec are picklable (``Imported``, ``shipping.ByValue``, ``Prepared``), so spawned
+worker and calibration-probe processes receive them as they are.
 
-Sits above ``model``, ``data`` and ``config``; below ``trainer`` and everything that launches.
+Owns ``resolve_job``/``resolve_model``/``resolve_data``, ``ResolvedJob``, ``JobData``,
+``check_together``, ``MODELS``/``register_model``/``Registered``, ``import_object``,
+``Imported``, ``Prepared``, ``hf_causal_lm``. Sits above ``model``, ``data``, ``shipping`` and
+``config``; below ``trainer`` and everything that launches; never imports ``pipeline``,
+``cluster`` or ``manager``.
 """
 
 from __future__ import annotations
@@ -36,11 +40,10 @@ import functools
 import hashlib
 import importlib
 import inspect
-import json
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -54,7 +57,7 @@ from .data.loader import (LM_FIELDS, BatchLoader, ExampleLoader, collate, eval_b
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
-from .model.spec import CallSpec, ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model
+from .model.spec import ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model
 from .model.tracer import trace_model
 from .shipping import ByValue, ShippingError, find_objects
 

@@ -325,7 +325,7 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     resumed one does not fit the job, ``PeerLost`` if another rank dies.
     """
     job = JobConfig.from_dict(job_dict).validate()
-    d, p, t = job.data, job.parallel, job.train
+    p, t = job.parallel, job.train
     _progress.update(steps_done=0, rank=rank)
     tr = build_training(job, rank, run_dir)
     engine, opt, loader, val = tr.engine, tr.optimizer, tr.loader, tr.val

@@ -117,8 +117,12 @@ class CallSpec:
 
     def describe(self) -> str:
         """``model(input_ids, targets)`` / ``model(input_ids=input_ids, labels=labels)`` and the loss's targets."""
-        parts = list(self.args) + [f"{a}={f}" for a, f in self.kwargs]
-        return f"model({', '.join(parts)})" + (f", loss(output, {self.targets})" if self.targets else ", its own loss")
+        def show(field: str) -> str:  # a tuple example's position: example[0]
+            return f"example[{field}]" if field.isdigit() else field
+
+        parts = [show(f) for f in self.args] + [f"{a}={show(f)}" for a, f in self.kwargs]
+        return f"model({', '.join(parts)})" + (f", loss(output, {show(self.targets)})" if self.targets
+                                               else ", its own loss")
 
 
 def _forward_params(model: nn.Module) -> list[inspect.Parameter]:

@@ -1,0 +1,35 @@
+"""What a user brings besides text: a ``torch.utils.data.Dataset`` factory and a model for it
+(import paths ``tests.thirdparty.user_data:...``)."""
+
+import torch
+from torch import nn
+
+
+def make_dataset(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
+    """(x, y) pairs: x a float vector, y its class (which of the first ``classes`` features is largest)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    return torch.utils.data.TensorDataset(x, x[:, :classes].argmax(dim=1))
+
+
+class Residual(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.ReLU())
+
+    def forward(self, h):
+        return h + self.net(h)
+
+
+class Classifier(nn.Module):
+    def __init__(self, features=16, hidden=32, depth=3, classes=4):
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.body = nn.ModuleList([Residual(hidden) for _ in range(depth)])
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.body:
+            h = block(h)
+        return self.out(h)
