@@ -177,6 +177,11 @@ def test_setup_command_runs_fails_clearly_and_times_out(ssh_hosts, tmp_path):
         with pytest.raises(BootstrapError, match="timed out after 1s and was killed"):
             run_setup(pool, hosts[:1], "sleep 30; echo never", timeout_s=1)
         assert time.monotonic() - t0 < 8
-    left = [p for p in ssh_hosts.pids(hosts[0])
-            if not _is_zombie(p) and Path(f"/proc/{p}/comm").read_text().strip() == "sleep"]
+    def comm(pid: int) -> str:  # a process may end between listing and reading: then it is not left
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            return ""
+
+    left = [p for p in ssh_hosts.pids(hosts[0]) if not _is_zombie(p) and comm(p) == "sleep"]
     assert not left

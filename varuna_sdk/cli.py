@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .config import ConfigError, JobConfig
 from .demo import demo_config  # re-exported: `from varuna_sdk.cli import demo_config`
+from .shipping import ShippingError
 
 
 def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> JobConfig:
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"[varuna] run folder: {result.run_dir} (metrics.jsonl, summary.json, config.yaml)")
         return 0
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, ShippingError) as e:
         print(f"varuna: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -109,10 +109,12 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
         check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)
     out.mkdir(parents=True, exist_ok=True)
-    for name, blob in files.items():
+    for name, blob in files.items():  # the user's code, readable by the user only
         if not (out / name).exists():
-            (out / f"{name}.tmp").write_bytes(blob)
-            (out / f"{name}.tmp").replace(out / name)
+            tmp = out / f"{name}.tmp"
+            tmp.touch(mode=0o600)
+            tmp.write_bytes(blob)
+            tmp.replace(out / name)
     if not (out / "config.yaml").exists():
         job.to_yaml(out / "config.yaml")
     return job, out, resolved
