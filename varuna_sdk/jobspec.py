@@ -404,13 +404,15 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
 
 
-def resolve_job(job: JobConfig, search: Sequence[str | Path | None] = ()) -> ResolvedJob:
+def resolve_job(job: JobConfig, search: Sequence[str | Path | None] = (), check: bool = True) -> ResolvedJob:
     """``resolve_data`` + ``resolve_model`` + ``check_together`` (``search``: folders that may hold
-    the job's objects file — its run folder). Raises ``ConfigError``/``DataError``/
-    ``ModelSpecError`` (all ``ValueError``) or ``ShippingError`` before anything starts."""
+    the job's objects file — its run folder; ``check=False``: a worker, whose launcher checked
+    the same job already). Raises ``ConfigError``/``DataError``/``ModelSpecError`` (all
+    ``ValueError``) or ``ShippingError`` before anything starts."""
     data = resolve_data(job, search)
     spec = resolve_model(job, data.tokenizer, data.fields, search)
-    check_together(spec, data, job)
+    if check:
+        check_together(spec, data, job)
     return ResolvedJob(spec, data)
 
 

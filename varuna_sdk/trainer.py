@@ -35,10 +35,10 @@ from .jobspec import ResolvedJob, resolve_job
 from .pipeline.engine import StepResult, Varuna
 
 
-def resolve(job: JobConfig, run_dir: str | Path | None = None) -> ResolvedJob:
-    """The job's model spec and data, resolved and checked (``jobspec.resolve_job``); objects the
-    job shipped by value are looked up in ``run_dir`` too."""
-    return resolve_job(job, search=[run_dir] if run_dir is not None else [])
+def resolve(job: JobConfig, run_dir: str | Path | None = None, check: bool = True) -> ResolvedJob:
+    """The job's model spec and data, resolved and (``check``) checked together
+    (``jobspec.resolve_job``); objects the job shipped by value are looked up in ``run_dir`` too."""
+    return resolve_job(job, search=[run_dir] if run_dir is not None else [], check=check)
 
 
 def lr_at(step: int, job: JobConfig) -> float:
@@ -179,7 +179,7 @@ def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path 
     """Build this rank's engine, optimizer and data for ``job`` (torch.distributed initialised
     when P × D > 1; collective: the engine creates its process groups)."""
     d, p, t = job.data, job.parallel, job.train
-    r = resolve(job, run_dir)
+    r = resolve(job, run_dir, check=False)  # the launcher checked this job before any worker started
     loader, val = r.data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, t.eval_batches)
     engine = build_engine(job, rank, r)
     decay = [q for n, q in engine.named_parameters() if q.dim() >= 2]
