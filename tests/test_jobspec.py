@@ -12,7 +12,7 @@ from torch import nn
 
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from varuna_sdk.jobspec import resolve_job
-from varuna_sdk.launch import JobObjects, launch_job
+from varuna_sdk.launch import JobObjects, launch_job, prepare_run
 from varuna_sdk.model.spec import ModelSpecError
 from varuna_sdk.shipping import ShippingError, pack_objects, read_objects, write_objects
 
@@ -77,10 +77,14 @@ def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
         resolve_job(_job(tmp_path, ModelConfig(factory="nowhere.models:build")))
     with pytest.raises(ConfigError, match=r"has no 'buld'.*callables there: .*'gpt2'"):
         resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:buld")))
-    job = _job(tmp_path, ModelConfig())
+    job = _job(tmp_path, ModelConfig())          # no list of layers: P = 1 only, and P = 2 says what to do
     JobObjects(model=_NoLayers).pack(job)
-    with pytest.raises(ModelSpecError, match=r"_NoLayers has no nn.ModuleList .* Set model.blocks"):
-        resolve_job(job)
+    assert resolve_job(job).spec.name == "_NoLayers"
+    from varuna_sdk.model.partition import PartitionError
+
+    with pytest.raises(PartitionError, match=r"P=2 is larger than the model's 1 segments .*set model.blocks"):
+        prepare_run(job)
+    assert not (tmp_path / "runs").exists()
     job = _job(tmp_path, ModelConfig(loss="model"))
     JobObjects(model=_Plain).pack(job)
     with pytest.raises(ModelSpecError, match=r"loss='model' but _Plain.forward\('idx',\) takes neither labels nor targets"):
@@ -89,6 +93,36 @@ def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
     JobObjects(model=lambda: "not a model").pack(job)
     with pytest.raises(ModelSpecError, match="returned a str, not an nn.Module"):
         resolve_job(job)
+    job = _job(tmp_path, ModelConfig())
+    JobObjects(model=_Plain, loss=lambda out, y: (_ for _ in ()).throw(ValueError("my loss is broken"))).pack(job)
+    with pytest.raises(ModelSpecError, match=r"the loss raised ValueError: my loss is broken \(called on _Plain's output"):
+        resolve_job(job)
+    for bad, pattern in ((lambda out, y: torch.nn.functional.cross_entropy(out.reshape(-1, 256), y.reshape(-1),
+                                                                           reduction="none"),
+                          r"loss returned a \(32,\) torch.float32 tensor; it must return a scalar"),
+                         (lambda out, y: 3, "the loss returned a int; it must return a scalar tensor"),
+                         (lambda out, y: torch.zeros(()), "does not depend on the model's parameters")):
+        job = _job(tmp_path, ModelConfig())
+        JobObjects(model=_Plain, loss=bad).pack(job)
+        with pytest.raises(ModelSpecError, match=pattern):
+            resolve_job(job)
+    job = _job(tmp_path, ModelConfig(init="nowhere.inits:init"))
+    JobObjects(model=_Plain).pack(job)
+    with pytest.raises(ConfigError, match="cannot import 'nowhere.inits'"):
+        resolve_job(job)
+    job = _job(tmp_path, ModelConfig())
+    JobObjects(model=_Plain, init=lambda mod, name: 1 / 0 if name == "layers.1" else None).pack(job)
+    with pytest.raises(ModelSpecError, match=r"model.init raised on module layers.1 \(Linear\): ZeroDivisionError"):
+        resolve_job(job)
+    job = _job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:gpt2", kwargs={"n_lyer": 2}))
+    with pytest.raises(ModelSpecError, match=r"building the model .* failed: TypeError: .*'n_lyer'"):
+        resolve_job(job)
+    job = _job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs={"model_type": "llama", "num_layers": 2}))
+    with pytest.raises(ConfigError, match=r"LlamaConfig has no field\(s\) \['num_layers'\]; num_layers: did you mean "
+                                          r"'num_hidden_layers'\?"):
+        resolve_job(job)
+    with pytest.raises(ConfigError, match="did you mean 'hf-causal-lm'"):
+        resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-llm")))
     with pytest.raises(ConfigError, match="model.factory names the model, so model.preset"):
         _job(tmp_path, ModelConfig(factory="gpt2", preset="tiny")).validate()
     with pytest.raises(ConfigError, match="model.loss='mse'"):
@@ -162,3 +196,20 @@ def test_a_worker_refuses_mismatched_objects_naming_its_vm(tmp_path):
     assert summary["state"] == "FAILED", summary
     assert "VM local0 cannot load the objects shipped by value" in summary["error"], summary["error"]
     assert "cloudpickle 3." in summary["error"] and "0.0.1 on the launcher" in summary["error"]
+
+
+def _nan_loss(out, targets):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1)) * float("nan")
+
+
+@pytest.mark.timeout(240)
+def test_a_job_whose_loss_is_never_finite_fails_instead_of_succeeding(tmp_path):
+    """fp32 has no loss scaler to lower: 3 steps in a row with a non-finite loss end the job with a
+    message saying so (none was applied), instead of SUCCEEDED with NaN everywhere."""
+    from varuna_sdk.cluster.local import WorkerFailure
+    from varuna_sdk.launch import train_local
+
+    job = _job(tmp_path, ModelConfig(), P=1)
+    job.train.steps = 8
+    with pytest.raises(WorkerFailure, match=r"not finite .* 3 steps in a row in fp32, so no step was applied"):
+        train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))

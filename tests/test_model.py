@@ -123,7 +123,7 @@ def test_tensor_skipping_a_cut_point_across_stages_names_both_segments():
             shared_state(s, StageMap.from_lists(lists, 3))
         msg = str(ei.value)
         assert "segment 0 (emb)" in msg and re.search(r"segment 2 \([^)]*fc2", msg), msg
-        assert "without passing through a cut-point" in msg and "CutPoint" in msg
+        assert "without passing through the cut-points in between" in msg and "CutPoint" in msg
     assert shared_state(s, StageMap.from_lists([[0, 1, 2]], 3)) == {}
 
 

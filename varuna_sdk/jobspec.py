@@ -36,6 +36,7 @@ Owns ``resolve_job``/``resolve_model``/``resolve_data``, ``ResolvedJob``, ``JobD
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import importlib
@@ -58,6 +59,7 @@ from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
 from .model.spec import ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model
+from .model.hybrid import WeightValueError
 from .model.tracer import trace_model
 from .shipping import ByValue, ShippingError, find_objects
 
@@ -159,6 +161,17 @@ def hf_causal_lm(model_type: str, **config: Any) -> nn.Module:
     from a config with ``config`` overriding its defaults — random weights, nothing downloaded."""
     import transformers
 
+    try:
+        cls = transformers.AutoConfig.for_model(model_type).__class__
+    except ValueError as e:
+        raise ConfigError(f"hf-causal-lm: {_short(str(e), 300)}") from None
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    unknown = sorted(set(config) - known)
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        raise ConfigError(f"hf-causal-lm: {cls.__name__} has no field(s) {unknown}"
+                          + "".join(f"; {k}: did you mean {h[0]!r}?" for k, h in hints.items() if h)
+                          + " (a field it does not know would be ignored and the model built with its default)")
     cfg = transformers.AutoConfig.for_model(model_type, **config)
     vocab = getattr(cfg, "vocab_size", None)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of a vocabulary it no longer has
@@ -190,6 +203,12 @@ def _by_value_ref(value: str | None) -> str | None:
 
 
 # ---- resolution ------------------------------------------------------------------------------
+def _short(text: str, limit: int = 600) -> str:
+    """``text`` cut to ``limit`` characters (a library's message can list hundreds of names)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + f" … ({len(text) - limit} more characters)"
+
+
 def _source_digest(obj: Any) -> str:
     try:
         src = inspect.getsourcefile(obj) or inspect.getfile(obj)
@@ -233,8 +252,9 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
     else:
         reg_name = m.factory or "gpt2"
         if reg_name not in MODELS:
+            near = difflib.get_close_matches(reg_name, list(MODELS), n=1)
             raise ConfigError(f"model.factory={reg_name!r} is neither an import path 'package.module:function' nor a "
-                              f"registered model ({sorted(MODELS)})")
+                              f"registered model ({sorted(MODELS)})" + (f"; did you mean {near[0]!r}?" if near else ""))
         reg = MODELS[reg_name](job, tokenizer)
         factory, kwargs, name, identity = reg.factory, {}, reg.name, reg.identity
         if loss is None and reg.loss is not None:
@@ -243,9 +263,17 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
     if isinstance(loss, str) and ":" in loss:
         loss = Imported(loss)
     if m.init is not None:
+        if not callable(import_object(m.init)):
+            raise ConfigError(f"model.init {m.init!r} is not a function init_fn(module, name)")
         init_fn = Imported(m.init)
     prepared = Prepared(factory, tuple(sorted(kwargs.items())), m.blocks)
-    meta = build_on_meta(prepared)
+    try:
+        meta = build_on_meta(prepared)
+    except (ModelSpecError, ConfigError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's constructor failed: say where, keep its words
+        raise ModelSpecError(f"building the model ({name}{'(**' + repr(kwargs) + ')' if kwargs else '()'}) failed: "
+                             f"{type(e).__name__}: {_short(str(e))}") from e
     call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets)
     vocab, ctx = model_limits(meta)
     del meta
@@ -386,11 +414,33 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             raise DataError(f"data.seq_len={T} is longer than {spec.name}'s context of {spec.context} "
                             f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
     try:
-        inputs, _ = spec.call.split(data.sample(1, T))
+        inputs, targets = spec.call.split(data.sample(1, T))
     except ModelSpecError as e:
         raise DataError(f"{data.source}: {e}") from None
-    # the dry run sees every embedding lookup: token tables bound the ids, position tables the length
-    structure = trace_model(build_on_meta(spec.factory), inputs)
+    meta = build_on_meta(spec.factory)
+    if spec.init_fn is not None:
+        _check_init(meta, spec.init_fn)
+    # one dry run (weights on meta, a real example): the forward, the loss on its output, and every
+    # embedding lookup (token tables bound the ids, position tables the length)
+    def loss_on(out: Any) -> None:
+        try:
+            loss = spec.loss_fn(out, targets)
+        except WeightValueError:
+            return  # the loss reads values (e.g. to log them): fine in a real run, not checkable here
+        except Exception as e:  # noqa: BLE001 - the user's loss failed on the model's output
+            raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
+                                 f"output, a {type(out).__name__}, as {spec.call.describe()})") from e
+        _check_loss(loss, spec)
+
+    try:
+        structure = trace_model(meta, inputs, after=loss_on)
+    except (ModelSpecError, DataError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's forward failed on real data: say which data
+        shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(1, T).items()
+                           if isinstance(v, torch.Tensor))
+        raise ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
+                             f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}") from e
     for e in structure.embeddings:
         if e["from_input"] and data.tokens is not None and data.tokens.max_id >= e["rows"]:
             raise DataError(f"{data.source} holds token id {data.tokens.max_id}, beyond the model's vocabulary of "
@@ -402,6 +452,32 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                             "longer context")
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
+
+
+def _check_loss(loss: Any, spec: ModelSpec) -> None:
+    """The loss of a dry-run micro-batch must be a 0-dim floating tensor that depends on the
+    weights (so ``backward`` reaches them)."""
+    if not isinstance(loss, torch.Tensor):
+        raise ModelSpecError(f"the loss returned a {type(loss).__name__}; it must return a scalar tensor (the "
+                             "micro-batch's mean loss)")
+    if loss.dim() != 0 or not loss.is_floating_point():
+        raise ModelSpecError(f"the loss returned a {tuple(loss.shape)} {loss.dtype} tensor; it must return a scalar "
+                             "floating-point tensor (the micro-batch's mean, e.g. reduction='mean')")
+    if not loss.requires_grad:
+        raise ModelSpecError("the loss does not depend on the model's parameters (no gradient would reach them); "
+                             "compute it from the model's output")
+
+
+def _check_init(meta: nn.Module, init_fn) -> None:
+    """Run ``init_fn(module, name)`` on every module of the meta model (no memory): an init that
+    raises does so now, not in a worker."""
+    with torch.no_grad():
+        for name, mod in meta.named_modules():
+            try:
+                init_fn(mod, name)
+            except Exception as e:  # noqa: BLE001 - the user's init failed: say on which module
+                raise ModelSpecError(f"model.init raised on module {name or '<root>'} ({type(mod).__name__}): "
+                                     f"{type(e).__name__}: {_short(str(e))}") from e
 
 
 def resolve_job(job: JobConfig, search: Sequence[str | Path | None] = (), check: bool = True) -> ResolvedJob:

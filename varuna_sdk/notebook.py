@@ -262,6 +262,10 @@ class Job:
         from .trainer import resolve
 
         self.resolved = resolve(job)  # the model, data and loss, checked together now
+        if not job.parallel.planned:
+            from .trainer import check_partition
+
+            check_partition(job, self.resolved)  # and the configured split, before launch()
         self.config = job
         self.provider = provider
         self.run_dir = Path(run_dir).resolve() if run_dir is not None else None

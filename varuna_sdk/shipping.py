@@ -50,7 +50,14 @@ class ByValue:
         if self._obj is None:
             import cloudpickle
 
-            self._obj = cloudpickle.loads(self.payload)
+            try:
+                self._obj = cloudpickle.loads(self.payload)
+            except ModuleNotFoundError as e:
+                where = os.environ.get("VARUNA_HOST") or platform.node()
+                raise ShippingError(
+                    f"VM {where} cannot load an object shipped by value: it refers to module {e.name!r}, which is "
+                    "not installed there. Put that module in the job's code folder (synced to the VMs), or ship "
+                    f"it by value too: Job(..., ship_modules=[{e.name}])") from None
         return self._obj(*args, **kwargs)
 
     def __reduce__(self):

@@ -200,6 +200,11 @@ def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int:
     return 1
 
 
+#: Steps in a row whose loss or gradients are not finite after which a job without loss scaling
+#: (fp32, bf16) fails, instead of going on without applying any step. (fp16's loss scaler skips
+#: such steps while it lowers the scale; the engine skips one in fp32 too, everywhere at once.)
+MAX_NONFINITE_STEPS = 3
+
 # ---- stopping at a mini-batch boundary ----------------------------------------------------------
 _progress = {"steps_done": 0, "rank": 0}
 
@@ -366,11 +371,19 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     r = None
     outcome = WorkerOutcome(status="completed", step=start, generation=generation, resumed_from=resumed_from)
     every = t.checkpoint_every
+    skipped_in_a_row = 0
     with open(metrics_path, "a") if lead else open(os.devnull, "w") as mf:
         for step in range(start, t.steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, job)
             r = engine.step(tr.batch(step), opt)
+            skipped_in_a_row = skipped_in_a_row + 1 if r.skipped else 0
+            if skipped_in_a_row >= MAX_NONFINITE_STEPS and t.precision != "fp16":
+                raise FloatingPointError(
+                    f"steps {step - skipped_in_a_row + 2}..{step + 1}: the loss or the gradients were not finite "
+                    f"(loss {r.loss}, grad norm {r.grad_norm}) {skipped_in_a_row} steps in a row in {t.precision}, so "
+                    "no step was applied; check the loss function and the data, lower train.lr, or enable "
+                    "train.grad_clip")
             done = step + 1
             _progress["steps_done"] = done
             outcome.step, outcome.steps_run = done, outcome.steps_run + 1
@@ -412,13 +425,19 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     if lead:
         _log(f"[varuna] held-out perplexity: start {ppl0:.2f} -> end {ppl1:.2f} "
              f"({outcome.steps_run} steps in {time.time() - t_start:.1f} s)")
-        (out / "summary.json").write_text(json.dumps({
+        (out / "summary.json").write_text(_strict_json({
             "name": job.name, "steps": t.steps, "P": p.P, "D": p.D, "ppl_start": ppl0, "ppl_end": ppl1,
             "final_loss": r.loss if r is not None else None, "train_time_s": time.time() - t_start,
-            "generation": generation, "resumed_from": resumed_from}, indent=2))
+            "generation": generation, "resumed_from": resumed_from}))
         _write_outcome(out, outcome)
     sys.stdout.flush()
     return outcome
+
+
+def _strict_json(doc: dict) -> str:
+    """``doc`` as JSON any reader accepts: non-finite numbers (a diverged perplexity) become null."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in doc.items()}
+    return json.dumps(clean, indent=2, allow_nan=False)
 
 
 def _write_outcome(out: Path, outcome: WorkerOutcome) -> None:

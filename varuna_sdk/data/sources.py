@@ -70,7 +70,9 @@ def _token_dtype(vocab_size: int):
 def detect_format(path: Path) -> str:
     """``text``, ``tokens``, ``hf`` or a column format, from what ``path`` is. Raises ``DataError``."""
     if not path.exists():
-        raise DataError(f"data path {str(path)!r} does not exist; give a text file, a folder of text files, a token "
+        where = "" if path.is_absolute() else f" (looked for {str(path.absolute())!r}: relative paths are taken from " \
+                                               "the folder the job is launched from)"
+        raise DataError(f"data path {str(path)!r} does not exist{where}; give a text file, a folder of text files, a token "
                         "file (.bin/.npy), a dataset saved with datasets' save_to_disk, or json/jsonl/parquet/csv files")
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():

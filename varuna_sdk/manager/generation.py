@@ -55,6 +55,7 @@ import os
 import posixpath
 import secrets as _secrets
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -530,8 +531,11 @@ class Generation:
                 # the user's folder, as on an SSH VM (its synced code folder): relative data paths
                 # and a model given by import path mean what they mean in the user's session
                 where = str(Path(self.code_dir).resolve()) if self.code_dir is not None else os.getcwd()
-                env["PYTHONPATH"] = os.pathsep.join(
-                    p for p in (where, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")) if p)
+                # ... and everything the launcher can import (a local slot is this machine), as spawned
+                # processes get the parent's sys.path
+                paths = [where, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")]
+                paths += [p for p in sys.path if p and os.path.isdir(p)]
+                env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
             else:
                 cmd = [h.python, "-m", "varuna_sdk.worker", remote_cfg[h.name], remote_run[h.name]]
                 where = cwd[h.name]

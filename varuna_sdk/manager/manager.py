@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import logging
 import math
 import os
 import queue
@@ -51,6 +52,8 @@ from ..cluster.localproc import is_local
 from ..config import ConfigError, JobConfig
 from .decisions import GrowRule, StragglerRule, find_stragglers, pool_slots, steps_lost, worker_slots
 from .events import Event, EventLog, Kind
+
+_log = logging.getLogger(__name__)
 
 
 SUSPECT_S = 120.0  # a VM reported lost is not planned on for this long unless the provider re-adds it
@@ -333,9 +336,13 @@ class Manager:
         try:
             job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
                                      keep_fixed=first, exhaustive=not best_only)
-        except ConfigError:
+        except ConfigError as e:
             if not first:
                 raise
+            msg = (f"parallel.P={p0.P} x D={p0.D} from the config cannot run on the {G} worker slot(s) the pool "
+                   f"has ({e}); planning for the pool instead")
+            _log.warning("job %s: %s", self.job_id, msg)
+            self.log.append("warning", job_id=self.job_id, payload={"message": msg})
             job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
             job.parallel.boundaries = None
             job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,

@@ -94,9 +94,11 @@ def check_depth(num_segments: int, P: int) -> None:
     if P < 1:
         raise PartitionError(f"pipeline depth P={P} must be at least 1")
     if P > num_segments:
+        hint = (" (it has no cut-points: set model.blocks to the dotted name of its list of layers, or put "
+                "CutPoint() modules in its forward)") if num_segments == 1 else ""
         raise PartitionError(
             f"pipeline depth P={P} is larger than the model's {num_segments} segments "
-            f"({num_segments - 1} cut-points); choose P <= {num_segments} or add cut-points"
+            f"({num_segments - 1} cut-points); choose P <= {num_segments} or add cut-points{hint}"
         )
 
 
@@ -179,9 +181,11 @@ def check_tensor_flow(structure: ModelStructure, stage_map: StageMap) -> None:
         if sp != sc:
             raise PartitionError(
                 f"a tensor made in {describe_segment(structure, prod)} on stage {sp} is used by {op!r} in "
-                f"{describe_segment(structure, cons)} on stage {sc} without passing through a cut-point. "
-                "Pass it through every CutPoint in between (x, mask = self.cut(x, mask)) or recompute it "
-                "in the later segment"
+                f"{describe_segment(structure, cons)} on stage {sc} without passing through the cut-points in "
+                "between, so that stage would not have it. Keep those segments on one stage (other "
+                "parallel.boundaries, or a smaller P), pass the tensor through every cut-point in between (as "
+                "an argument of each block with automatic cut-points; x, skip = cut(x, skip) with CutPoint "
+                "modules), or recompute it in the later segment"
             )
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cutpoint import CutPoint, auto_cutpoints
+from .cutpoint import CutPoint, auto_cutpoints, find_block_list
 from .inputs import ModelInputs
 
 InitFn = Callable[[nn.Module, str], None]
@@ -206,7 +206,9 @@ def prepare_model(model: nn.Module, blocks: str | None = None) -> nn.Module:
     cross a stage boundary); cut-points are marked at the blocks of ``blocks`` (a dotted module
     name) or of its largest ``ModuleList`` unless it has ``CutPoint`` modules already.
 
-    Raises ``ModelSpecError`` naming the model and what to do when no block list is found.
+    A model without any ``ModuleList``/``Sequential`` of blocks (and ``blocks`` not given) is left
+    without cut-points: it trains at P = 1 only, and a deeper pipeline is refused by the partition
+    check with what to do. Raises ``ModelSpecError`` when ``blocks`` names no such container.
     """
     if is_hf_model(model):
         cfg = getattr(model, "config", None)
@@ -214,12 +216,16 @@ def prepare_model(model: nn.Module, blocks: str | None = None) -> nn.Module:
             cfg.use_cache = False
     if any(isinstance(m, CutPoint) for m in model.modules()) or getattr(model, "_varuna_auto_cutpoints", False):
         return model
+    if blocks is None:
+        try:
+            find_block_list(model)
+        except ValueError:
+            return model  # one segment: P = 1 (check_depth says what to do for more)
     try:
         return auto_cutpoints(model, blocks)
     except ValueError as e:
-        raise ModelSpecError(
-            f"{e}. Set model.blocks to the dotted name of the model's list of layers (e.g. 'transformer.h'), or "
-            f"put CutPoint() modules in its forward") from None
+        raise ModelSpecError(f"{e}; set model.blocks to the dotted name of the model's list of layers (e.g. "
+                             "'transformer.h')") from None
 
 
 def model_limits(model: nn.Module) -> tuple[int | None, int | None]:

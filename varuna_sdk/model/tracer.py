@@ -180,6 +180,8 @@ class _TraceMode(TorchFunctionMode):
         if tr.in_cut:
             return func(*args, **kwargs)
         seg = tr.segment
+        if getattr(func, "__name__", "") == "__get__":  # x.shape, x.dtype...: no values are read
+            return func(*args, **kwargs)
         for t in _tensors((args, kwargs)):
             name = tr.state_ids.get(id(t))
             if name is not None:
@@ -207,7 +209,7 @@ def to_meta(obj: Any) -> Any:
 
 
 def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
-                device: torch.device | str = "cpu") -> ModelStructure:
+                device: torch.device | str = "cpu", after: Callable[[Any], None] | None = None) -> ModelStructure:
     """Dry-run ``meta_model`` (its weights on the meta device) on ``sample_inputs``.
 
     Args:
@@ -216,6 +218,8 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
             ``idx`` ``[micro_batch, seq_len]`` int64) or a mapping (keyword arguments). Real
             values: code that inspects them (mask helpers) sees what a real run sees.
         device: where the input-derived part runs (the workers' device; meta tensors report it).
+        after: called with the model's output while the dry run's modes are still on (e.g. to run
+            the loss on it: meta where it depends on weights, real where it depends on inputs).
 
     Returns a ``ModelStructure``. Raises ``RuntimeError`` naming the segment when the forward reads
     a value that depends on the weights (``.item()`` or ``if`` on an activation) or uses an
@@ -230,7 +234,9 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         # MetaAsDevice on top: it answers device queries and moves mixed operations to meta; the
         # trace mode below it sees each operation as it runs (no mode active inside its handler)
         with observe_cutpoints(trace), _TraceMode(trace), MetaAsDevice(device, on_mixed=trace.on_mixed):
-            call_model(meta_model, inputs)
+            out = call_model(meta_model, inputs)
+            if after is not None:
+                after(out)
     except WeightValueError as e:
         raise RuntimeError(f"the dry run failed in segment {trace.segment}: {e}") from None
     except (NotImplementedError, RuntimeError) as e:
