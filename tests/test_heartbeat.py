@@ -21,8 +21,8 @@ import pytest
 
 from varuna_sdk.cluster.hosts import Secret
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.heartbeat import (ENV_TOKEN, HeartbeatClient, HeartbeatServer, derive_key,
-                                          encode)
+from varuna_sdk.manager.heartbeat import (ENV_TOKEN, HeartbeatClient, HeartbeatServer, RefusalBudget,
+                                          derive_key, encode)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,6 +107,7 @@ def test_heartbeats_are_recorded(job):
 def test_bad_mac_malformed_and_replayed_messages_are_rejected_and_logged(job, caplog):
     caplog.set_level(logging.DEBUG)
     server, log, secret, spawn = job
+    server.refusals = RefusalBudget(rows_per_window=10_000)  # every reason recorded (budget: hostile tests)
     wrong = spawn("vm-evil", 7, token="not-the-job-secret")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not log.events(kind=Kind.AUTH_FAILED):
@@ -163,7 +164,7 @@ def test_bad_mac_malformed_and_replayed_messages_are_rejected_and_logged(job, ca
     assert closed(s)
     time.sleep(0.2)
     reasons = [e.payload["reason"] for e in log.events(kind=Kind.AUTH_FAILED)]
-    assert any("not a JSON line" in r for r in reasons)
+    assert any("not a JSON line" in r for r in reasons), reasons
     assert sum("bad MAC" in r for r in reasons) == before + 1
     assert any("nonce of another connection" in r for r in reasons)
     assert any("seq did not increase" in r for r in reasons)

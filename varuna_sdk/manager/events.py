@@ -92,6 +92,7 @@ class Kind:
     WORKER_EXITED = "worker_exited"          # the launcher saw the process end
     HOST_LOST = "host_lost"                  # heartbeats stopped / process died / VM gone
     AUTH_FAILED = "auth_failed"              # a message with a bad MAC, malformed, replayed
+    AUTH_FAILED_SUPPRESSED = "auth_failed_suppressed"  # refusals over the per-minute row budget
     PREEMPTION_NOTICE = "preemption_notice"  # payload: {"deadline": unix s, "lead_s": s}
     BOOTSTRAP = "bootstrap"
     # Provider / VM pool (``host`` column names the VM; payload may carry {"gpus": n, "price_per_hour": $})

@@ -281,7 +281,7 @@ class Generation:
         loop = all(a == LOCAL_ADDRESS for a in advertise.values())
         self.server = HeartbeatServer(
             self.job_id, self.token, self.events, interval_s=self.interval_s,
-            miss_limit=self.miss_limit, startup_grace_s=self.startup_grace_s,
+            miss_limit=self.miss_limit, startup_grace_s=self.startup_grace_s, placed_only=True,
             bind=LOCAL_ADDRESS if loop else "0.0.0.0",
             advertise=next(iter(advertise.values())), on_event=self._on_event).start()
         self._emit("generation_started", payload={

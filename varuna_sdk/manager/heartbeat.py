@@ -53,9 +53,15 @@ server line. The server checks the MAC (constant time) *before* parsing ``TEXT``
 id, the connection's nonce (no replay from another connection) and a strictly increasing ``seq``
 (no replay within one); the client checks the same of server lines with both nonces (its own
 fresh ``cnonce`` stops a replayed ``stop`` of an earlier connection). Any failure on the server —
-bad MAC, malformed, oversized, wrong job, replay — is recorded as an ``auth_failed`` event (peer
-address and reason, never the message or the secret) and the connection is closed; the client
-drops a connection that sends a bad line. The job secret is a ``Secret``: it is never logged,
+bad MAC, malformed, oversized, wrong job, replay, a (host, rank) the generation never placed
+(``placed_only``), or any exception while handling it — refuses that connection only: it is
+closed and recorded as an ``auth_failed`` event (peer address and reason, never the message or
+the secret), at most ``REFUSAL_ROWS_PER_MIN`` rows a minute, the rest counted in one
+``auth_failed_suppressed`` row per minute. The server holds at most ``connection_limit()``
+connections (below half the descriptor limit; unauthenticated ones at most half of that), and
+when ``accept`` fails (descriptors exhausted) it stops watching the listening socket for a
+doubling pause (0.05–2 s) instead of spinning. The client drops a connection that sends a bad
+line. The job secret is a ``Secret``: it is never logged,
 stored in the event log or put in an exception.
 
 Environment contract for workers (``HeartbeatServer.worker_env()`` makes it; the launcher adds
@@ -148,6 +154,81 @@ class _Reject(Exception):
         self.reason = reason
 
 
+_HEX = frozenset("0123456789abcdef")
+MAX_HOST_NAME = 253           # a DNS name's limit; longer host fields are malformed
+MAX_RANK = 1 << 20
+REFUSAL_ROWS_PER_MIN = 30     # auth_failed rows per minute at most; the rest are counted
+REFUSAL_WINDOW_S = 60.0
+ACCEPT_BACKOFF_S = (0.05, 2.0)  # accept errors (descriptors exhausted): first and longest pause
+
+
+def _json(text: str | bytes) -> Any:
+    """``json.loads`` that turns every failure on hostile input (bad UTF-8, deep nesting, huge
+    numbers) into ``_Reject``."""
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError, MemoryError):
+        raise _Reject("malformed: not a JSON line") from None
+
+
+class RefusalBudget:
+    """Bounds what refused connections write: at most ``rows_per_window`` ``auth_failed`` rows (and
+    log lines) per ``window_s``; the rest are counted and summarised in one
+    ``auth_failed_suppressed`` row when the window ends (``summary(now)``). Not thread-safe: the
+    server thread owns it."""
+
+    def __init__(self, rows_per_window: int = REFUSAL_ROWS_PER_MIN, window_s: float = REFUSAL_WINDOW_S):
+        self.rows_per_window, self.window_s = rows_per_window, window_s
+        self.window_start: float | None = None
+        self.rows = 0
+        self.suppressed = 0
+        self.total = 0
+        self._peers: set[str] = set()
+        self._reasons: collections.Counter = collections.Counter()
+
+    def admit(self, now: float, peer: str, reason: str) -> bool:
+        """Count one refusal; True when it may write its own row."""
+        if self.window_start is None or now - self.window_start >= self.window_s:
+            self.window_start, self.rows = now, 0
+        self.total += 1
+        if self.rows < self.rows_per_window:
+            self.rows += 1
+            return True
+        self.suppressed += 1
+        if len(self._peers) < 1000:
+            self._peers.add(peer.rsplit(":", 1)[0])
+        self._reasons[reason[:80]] += 1
+        return False
+
+    def summary(self, now: float) -> dict[str, Any] | None:
+        """The summary payload of the window that ended by ``now`` (None: nothing suppressed or the
+        window is still open); resets the counters."""
+        if not self.suppressed or self.window_start is None or now - self.window_start < self.window_s:
+            return None
+        out = {"suppressed": self.suppressed, "window_s": self.window_s,
+               "peers": sorted(self._peers)[:20], "peer_count": len(self._peers),
+               "reasons": dict(self._reasons.most_common(5))}
+        self.suppressed = 0
+        self._peers.clear()
+        self._reasons.clear()
+        self.window_start, self.rows = now, 0
+        return out
+
+    def next_due(self) -> float | None:
+        """When the open window's summary falls due (monotonic s), if anything was suppressed."""
+        return None if not self.suppressed or self.window_start is None else self.window_start + self.window_s
+
+
+def connection_limit(requested: int, reserve: int = 64) -> int:
+    """Connections the server may hold: ``requested`` but at most half of this process's
+    descriptor limit (``RLIMIT_NOFILE``) after ``reserve``, so a flood of connections can never
+    take the descriptors that the event log, SSH sessions and worker pipes need."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return requested
+    return max(4, min(requested, (soft - reserve) // 2))
+
+
 # ------------------------------------------------------------------------------------ server state
 @dataclass
 class SenderState:
@@ -193,7 +274,8 @@ class HeartbeatServer:
                  miss_limit: float = 2.0, reconnect_grace_s: float | None = None,
                  bind: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
                  auth_timeout_s: float = 10.0, max_connections: int = 4096,
-                 startup_grace_s: float = 15.0,
+                 startup_grace_s: float = 15.0, placed_only: bool = False,
+                 refusal_rows_per_min: int = REFUSAL_ROWS_PER_MIN,
                  on_event: Callable[[Event], None] | None = None):
         if not isinstance(secret, Secret):
             raise TypeError("secret must be a Secret (so that it can never be printed)")
@@ -209,7 +291,14 @@ class HeartbeatServer:
                                   else float(reconnect_grace_s))
         self.auth_timeout_s = auth_timeout_s
         self.startup_grace_s = float(startup_grace_s)
-        self.max_connections = max_connections
+        # below the descriptor limit; unauthenticated connections get at most half of it, so a
+        # flood of them can never keep a placed worker out
+        self.max_connections = connection_limit(max_connections)
+        self.max_pending = max(2, self.max_connections // 2)
+        self.placed_only = bool(placed_only)
+        self.refusals = RefusalBudget(refusal_rows_per_min)
+        self._accept_pause = 0.0            # current accept back-off (s); 0: accepting
+        self._accept_resume_at: float | None = None
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listen.bind((bind, port))
@@ -447,29 +536,47 @@ class HeartbeatServer:
                                             rank=s.rank if s.rank >= 0 else None, payload=payload)
 
     def _loop(self) -> None:
+        """The server thread. Nothing a peer sends may end it: each connection's handling is
+        guarded (a failure drops that connection only), and so is each turn of the loop."""
         while not self._stop.is_set():
-            timeout = self._check_deadlines()
-            self._send_stops()
             try:
-                ready = self._sel.select(timeout)
-            except (OSError, ValueError):
+                self._turn()
+            except Exception as e:  # noqa: BLE001 - keep detecting losses whatever happened
                 if self._stop.is_set():
                     return
-                raise
-            for key, mask in ready:
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    try:
-                        while self._wake_r.recv(4096):
-                            pass
-                    except (BlockingIOError, OSError):
+                log.error("heartbeat server: %s in its loop (continuing)", type(e).__name__)
+                time.sleep(0.05)
+
+    def _turn(self) -> None:
+        timeout = self._check_deadlines()
+        self._resume_accepting()
+        if self._accept_resume_at is not None:
+            timeout = min(timeout, max(0.0, self._accept_resume_at - time.monotonic()))
+        self._send_stops()
+        try:
+            ready = self._sel.select(timeout)
+        except (OSError, ValueError):
+            if self._stop.is_set():
+                return
+            raise
+        for key, mask in ready:
+            if key.data == "listen":
+                self._accept()
+            elif key.data == "wake":
+                try:
+                    while self._wake_r.recv(4096):
                         pass
-                else:
+                except (BlockingIOError, OSError):
+                    pass
+            else:
+                c = key.data
+                try:
                     if mask & selectors.EVENT_WRITE:
-                        self._flush_out(key.data)
-                    if mask & selectors.EVENT_READ and key.data.sock.fileno() >= 0:
-                        self._read(key.data)
+                        self._flush_out(c)
+                    if mask & selectors.EVENT_READ and c.sock.fileno() >= 0:
+                        self._read(c)
+                except Exception as e:  # noqa: BLE001 - this connection only
+                    self._reject(c, f"internal error handling the connection ({type(e).__name__})")
 
     # ------------------------------------------------------------------- server -> client lines
     def _send_line(self, c: _Conn, body: Mapping[str, Any]) -> None:
@@ -511,6 +618,14 @@ class HeartbeatServer:
         """Declare overdue workers lost; returns how long the loop may sleep."""
         now = time.monotonic()
         nearest = now + 1.0
+        summary = self.refusals.summary(now)
+        if summary is not None:
+            log.warning("heartbeat: %d more refused connections in the last %.0f s (from %d peers)",
+                        summary["suppressed"], summary["window_s"], summary["peer_count"])
+            self._emit(Kind.AUTH_FAILED_SUPPRESSED, payload=summary)
+        due = self.refusals.next_due()
+        if due is not None:
+            nearest = min(nearest, due)
         with self._lock:
             for s in list(self._senders.values()):
                 if s.deadline is None or s.status not in ("running", "disconnected", "expected"):
@@ -538,11 +653,17 @@ class HeartbeatServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                log.warning("heartbeat accept failed: %s", e)
+                # descriptors or buffers exhausted: the listening socket stays readable, so stop
+                # watching it for a while (doubling up to ACCEPT_BACKOFF_S[1]) instead of spinning
+                self._pause_accepting(e)
                 return
+            self._accept_pause = 0.0
             peer_s = f"{peer[0]}:{peer[1]}"
-            if len(self._conns) >= self.max_connections:
+            pending = sum(1 for c in self._conns.values() if c.sender is None)
+            if len(self._conns) >= self.max_connections or pending >= self.max_pending:
                 sock.close()
+                self._refused(peer_s, f"too many connections ({len(self._conns)} open, "
+                                      f"{pending} not authenticated)")
                 continue
             nonce = _secrets.token_hex(16)
             try:
@@ -557,6 +678,27 @@ class HeartbeatServer:
             with self._lock:
                 self._conns[sock] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _pause_accepting(self, err: OSError) -> None:
+        first, longest = ACCEPT_BACKOFF_S
+        self._accept_pause = min(longest, max(first, 2 * self._accept_pause))
+        self._accept_resume_at = time.monotonic() + self._accept_pause
+        try:
+            self._sel.unregister(self._listen)
+        except (KeyError, ValueError, OSError):
+            pass
+        if self.refusals.admit(time.monotonic(), "accept", "accept failed"):
+            log.warning("heartbeat accept failed (%s); not accepting for %.2f s",
+                        err.strerror or type(err).__name__, self._accept_pause)
+
+    def _resume_accepting(self) -> None:
+        if self._accept_resume_at is None or time.monotonic() < self._accept_resume_at:
+            return
+        self._accept_resume_at = None
+        try:
+            self._sel.register(self._listen, selectors.EVENT_READ, "listen")
+        except (KeyError, ValueError, OSError):
+            pass
 
     def _read(self, c: _Conn) -> None:
         try:
@@ -590,24 +732,28 @@ class HeartbeatServer:
         return True
 
     def _verify(self, c: _Conn, line: bytes) -> dict:
-        try:
-            outer = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
-            raise _Reject("malformed: not a JSON line") from None
+        outer = _json(line)
         if not (isinstance(outer, dict) and isinstance(outer.get("mac"), str)
                 and isinstance(outer.get("msg"), str)):
             raise _Reject("malformed: expected {\"mac\", \"msg\"}")
-        want = hmac.new(self._key, outer["msg"].encode(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(want, outer["mac"]):
+        mac = outer["mac"]
+        if len(mac) != 64 or not _HEX.issuperset(mac):
+            raise _Reject("malformed: mac is not 64 hex digits")
+        try:
+            text = outer["msg"].encode()
+        except UnicodeEncodeError:
+            raise _Reject("malformed: msg is not valid UTF-8 text") from None
+        want = hmac.new(self._key, text, hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, mac):
             raise _Reject("bad MAC (wrong job secret or altered message)")
         try:
-            msg = json.loads(outer["msg"])
-        except ValueError:
+            msg = _json(outer["msg"])
+        except _Reject:
             raise _Reject("malformed: authenticated text is not JSON") from None
         if not isinstance(msg, dict):
             raise _Reject("malformed: message is not an object")
         if msg.get("v") != PROTOCOL_VERSION:
-            raise _Reject(f"protocol version {msg.get('v')!r} (want {PROTOCOL_VERSION})")
+            raise _Reject(f"protocol version {repr(msg.get('v'))[:40]} (want {PROTOCOL_VERSION})")
         if msg.get("job") != self.job_id:
             raise _Reject("message of another job")
         if msg.get("nonce") != c.nonce:
@@ -616,16 +762,22 @@ class HeartbeatServer:
         if not isinstance(seq, int) or isinstance(seq, bool) or seq <= c.seq:
             raise _Reject("replayed or reordered message (seq did not increase)")
         host, rank = msg.get("host"), msg.get("rank")
-        if not (isinstance(host, str) and host and isinstance(rank, int) and not isinstance(rank, bool)):
+        if not (isinstance(host, str) and 0 < len(host) <= MAX_HOST_NAME and isinstance(rank, int)
+                and not isinstance(rank, bool) and 0 <= rank < MAX_RANK):
             raise _Reject("malformed: host and rank required")
         if c.sender is not None and c.sender != (host, rank):
             raise _Reject("a connection speaks for one worker only")
+        if c.sender is None and self.placed_only:
+            with self._lock:
+                placed = (host, rank) in self._senders
+            if not placed:
+                raise _Reject(f"host {host[:64]!r} rank {rank} was not placed in this generation")
         cnonce = msg.get("cnonce")
         if not (isinstance(cnonce, str) and 16 <= len(cnonce) <= 128) or (
                 c.cnonce is not None and cnonce != c.cnonce):
             raise _Reject("malformed: missing or changed client nonce")
         if msg.get("type") not in _TYPES:
-            raise _Reject(f"unknown message type {msg.get('type')!r}")
+            raise _Reject(f"unknown message type {repr(msg.get('type'))[:40]}")
         c.seq = seq
         return msg
 
@@ -728,11 +880,16 @@ class HeartbeatServer:
             return True
 
     def _reject(self, c: _Conn, reason: str) -> None:
-        log.warning("heartbeat from %s rejected: %s", c.peer, reason)
-        who = c.sender or (None, None)
-        self._emit(Kind.AUTH_FAILED, host=who[0], rank=who[1],
-                   payload={"peer": c.peer, "reason": reason})
+        """Refuse connection ``c`` (only it): a logged, rate-limited ``auth_failed`` row, then close."""
+        self._refused(c.peer, reason, c.sender)   # recorded before the peer sees the close
         self._drop(c, quiet=True)
+
+    def _refused(self, peer: str, reason: str, who: tuple[str, int] | None = None) -> None:
+        if not self.refusals.admit(time.monotonic(), peer, reason):
+            return
+        log.warning("heartbeat from %s rejected: %s", peer, reason)
+        who = who or (None, None)
+        self._emit(Kind.AUTH_FAILED, host=who[0], rank=who[1], payload={"peer": peer, "reason": reason})
 
     def _closed_by_peer(self, c: _Conn) -> None:
         now = time.monotonic()
