@@ -90,7 +90,7 @@ def test_window_and_compression_are_exact():
     ("0,add\n", r"t.csv:1: a counts row in a trace of"),
     ("# only a comment\n0,add,node 1\n", r"t.csv:2: node name 'node 1'"),
     ("abc,add,node1\n", r"t.csv:1: time 'abc' is not a whole number"),
-    ("0,3\n10,-1\n", r"t.csv:2: count -1 is negative"),
+    ("0,3\n10,-1\n", r"t.csv:2: count -1 must be in 0..100000"),
     ("0,add,node1,extra\n", r"t.csv:1: expected 'ms,add\|remove,node' or 'ms,count'"),
     ("\n# nothing\n", r"no events"),
 ])
@@ -109,7 +109,7 @@ def test_trace_arguments_and_count_traces(tmp_path):
     assert [(e.t_s, e.kind, e.node) for e in t.events] == [
         (0.0, "add", "node0"), (0.0, "add", "node1"), (1.0, "add", "node2"),
         (2.0, "remove", "node2"), (2.0, "remove", "node1")]  # last in, first out
-    with pytest.raises(TraceError, match="compress=0 must be a number > 0"):
+    with pytest.raises(TraceError, match="compress=0 must be a finite number > 0"):
         load_trace(p, compress=0)
     with pytest.raises(TraceError, match="need 0 <= start_s < end_s"):
         load_trace(p, start_s=5, end_s=5)

@@ -13,6 +13,8 @@ Imports nothing from the rest of ``varuna_sdk`` (it is the bottom of the depende
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,159 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what would work."""
+
+
+# ------------------------------------------------------------------------------ field rules
+# Every field of every section has a rule (a test checks that none is missing); ``check_fields``
+# applies them before any relationship between fields is checked, so no comparison below ever
+# meets a string, NaN or a list where a number belongs.
+MAX_TEXT = 4096            # characters of any string field (paths, import paths, names)
+MAX_ITEMS = 4096           # items of any list, and entries of a mapping tree (kwargs)
+MAX_DEPTH = 8              # nesting of kwargs mappings
+MAX_CONFIG_BYTES = 1 << 20  # a job YAML file or text
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def _show(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+@dataclass(frozen=True)
+class Int:
+    """An integer (not a bool) in [lo, hi]."""
+
+    lo: int
+    hi: int
+    optional: bool = False
+
+    def check(self, where: str, v: Any) -> None:
+        if v is None and self.optional:
+            return
+        null = ", or null" if self.optional else ""
+        if not _is_int(v):
+            raise ConfigError(f"{where}={_show(v)} must be an integer >= {self.lo}{null}")
+        if v < self.lo:
+            raise ConfigError(f"{where}={v} must be an integer >= {self.lo}{null}")
+        if v > self.hi:
+            raise ConfigError(f"{where}={v} must be an integer <= {self.hi}")
+
+
+@dataclass(frozen=True)
+class Num:
+    """A finite real number in [lo, hi] (``lo_open``/``hi_open``: the bound itself excluded)."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+    optional: bool = False
+    unit: str = ""
+
+    def describe(self) -> str:
+        return (f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+                + (f" ({self.unit})" if self.unit else ""))
+
+    def check(self, where: str, v: Any) -> None:
+        if v is None and self.optional:
+            return
+        null = ", or null" if self.optional else ""
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ConfigError(f"{where}={_show(v)} must be a finite number in {self.describe()}{null}")
+        low = v <= self.lo if self.lo_open else v < self.lo
+        high = v >= self.hi if self.hi_open else v > self.hi
+        if low or high:
+            raise ConfigError(f"{where}={v!r} must be in {self.describe()}{null}")
+
+
+@dataclass(frozen=True)
+class Text:
+    """A non-empty string of at most ``MAX_TEXT`` characters (one of ``choices`` when given)."""
+
+    choices: tuple[str, ...] | None = None
+    optional: bool = False
+
+    def check(self, where: str, v: Any) -> None:
+        if v is None and self.optional:
+            return
+        if self.choices is not None:
+            if v not in self.choices:
+                raise ConfigError(f"{where}={_show(v)}; choose one of {list(self.choices)}")
+            return
+        null = " or null" if self.optional else ""
+        if not isinstance(v, str) or not v.strip():
+            raise ConfigError(f"{where}={_show(v)} must be a non-empty string{null}")
+        if len(v) > MAX_TEXT or "\x00" in v:
+            raise ConfigError(f"{where} is {len(v)} characters{' with a NUL' if chr(0) in v else ''}; "
+                              f"at most {MAX_TEXT}, no NUL")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """``true`` or ``false`` (or null when optional)."""
+
+    optional: bool = False
+
+    def check(self, where: str, v: Any) -> None:
+        if not (isinstance(v, bool) or (v is None and self.optional)):
+            raise ConfigError(f"{where}={_show(v)} must be true or false" + (", or null" if self.optional else ""))
+
+
+@dataclass(frozen=True)
+class Plain:
+    """Plain data: a mapping (``kind="map"``), a list of names (``"names"``), a list of lists of
+    integers (``"index_lists"``) or names-or-mapping (``"inputs"``); bounded in size and depth, floats
+    finite, keys strings."""
+
+    kind: str
+    optional: bool = True
+
+    def check(self, where: str, v: Any) -> None:
+        if v is None and self.optional:
+            return
+        if self.kind == "map":
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where} must be a mapping of names to values, got {_show(v)}")
+            _check_tree(where, v, [0], 0)
+        elif self.kind == "names":
+            if not (isinstance(v, list) and len(v) <= MAX_ITEMS
+                    and all(isinstance(x, str) and 0 < len(x) <= MAX_TEXT for x in v)):
+                raise ConfigError(f"{where}={_show(v)} must be a list of names (at most {MAX_ITEMS}), or null")
+        elif self.kind == "index_lists":
+            if not (isinstance(v, list) and len(v) <= MAX_ITEMS and all(
+                    isinstance(x, list) and len(x) <= MAX_ITEMS and all(_is_int(i) and 0 <= i < 1 << 20 for i in x)
+                    for x in v)):
+                raise ConfigError(f"{where}={_show(v)} must be one list of segment indices (integers >= 0) per "
+                                  "stage, e.g. [[0, 1], [2, 3]], or null")
+        elif self.kind == "inputs":
+            ok = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(isinstance(x, str) for x in v)) or (
+                isinstance(v, dict) and 0 < len(v) <= MAX_ITEMS
+                and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()))
+            if not ok:
+                raise ConfigError(f"{where}={_show(v)} must be a list of batch field names (positional) or a "
+                                  "mapping argument -> field name, e.g. {input_ids: input_ids, labels: labels}")
+
+
+def _check_tree(where: str, v: Any, count: list[int], depth: int) -> None:
+    count[0] += 1
+    if count[0] > MAX_ITEMS:
+        raise ConfigError(f"{where} holds more than {MAX_ITEMS} values; pass large data as a file")
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{where} is nested deeper than {MAX_DEPTH} levels")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{where}={v!r}: values must be finite numbers")
+    if isinstance(v, str) and len(v) > MAX_TEXT:
+        raise ConfigError(f"{where} holds a string of {len(v)} characters (at most {MAX_TEXT})")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{where} has key {_show(k)}; keys must be names (strings)")
+            _check_tree(f"{where}.{k}", x, count, depth + 1)
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            _check_tree(f"{where}[{i}]", x, count, depth + 1)
+    elif not (v is None or isinstance(v, (bool, int, float, str))):
+        raise ConfigError(f"{where}={_show(v)} must be plain data (numbers, strings, lists, mappings)")
 
 
 def _divisors(n: int) -> list[int]:
@@ -219,42 +374,126 @@ class JobConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "JobConfig":
-        """Load a YAML file (``yaml.safe_load``: no arbitrary objects). Raises ``ConfigError`` if the
-        file does not exist or holds unknown keys."""
+        """Load a YAML file (``load_yaml``: safe, no aliases, at most ``MAX_CONFIG_BYTES``). Raises
+        ``ConfigError`` naming the file if it does not exist, is not YAML (with the line) or holds
+        unknown keys."""
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        return cls.from_yaml_text(p.read_text())
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {str(path)!r} is {p.stat().st_size} bytes; a job config is at most "
+                              f"{MAX_CONFIG_BYTES} bytes")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text") from None
+        try:
+            return cls.from_yaml_text(text, source=str(path))
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError(msg if str(path) in msg else f"{path}: {msg}") from None
 
     @classmethod
-    def from_yaml_text(cls, text: str) -> "JobConfig":
-        """Parse YAML text into a ``JobConfig``."""
-        return cls.from_dict(yaml.safe_load(text) or {})
+    def from_yaml_text(cls, text: str, *, source: str = "<config text>") -> "JobConfig":
+        """Parse YAML text into a ``JobConfig`` (see ``load_yaml``)."""
+        return cls.from_dict(load_yaml(text, source=source) or {})
 
     # ---- validation --------------------------------------------------------------------
     def validate(self) -> "JobConfig":
+        """Check every field's type and range (``RULES``), then how fields fit together; raise
+        ``ConfigError`` for the first problem, naming the field and what would work."""
+        check_name(self.name)
+        for name in ("model", "data", "parallel", "train", "launch"):
+            section = getattr(self, name)
+            if type(section) is not type(getattr(JobConfig(), name)):
+                raise ConfigError(f"config section {name!r} must be a mapping, got {type(section).__name__}")
         validate_parallel(self.parallel)
         t = self.train
-        if t.steps < 1:
-            raise ConfigError(f"train.steps={t.steps} must be >= 1")
-        if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-            raise ConfigError(f"train.lr={t.lr} must be > 0 and 0 <= train.min_lr={t.min_lr} <= lr")
-        if t.precision not in PRECISIONS:
-            raise ConfigError(f"train.precision={t.precision!r}; choose one of {list(PRECISIONS)}")
-        if t.grad_clip is not None and t.grad_clip <= 0:
-            raise ConfigError(f"train.grad_clip={t.grad_clip} must be > 0, or null to disable clipping")
-        if t.warmup_steps < 0:
-            raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+        check_fields("train", t)
+        if t.min_lr > t.lr:
+            raise ConfigError(f"train.min_lr={t.min_lr} must be <= train.lr={t.lr} (the cosine decays from lr to "
+                              "min_lr)")
         validate_checkpointing(t)
         validate_model(self.model)
         validate_data(self.data)
-        if self.launch.backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError(f"launch.backend={self.launch.backend!r}; choose auto, gloo or nccl")
-        if self.launch.gpus < 1:
-            raise ConfigError(f"launch.gpus={self.launch.gpus} must be >= 1")
-        if not 0 <= self.launch.master_port < 65536:
-            raise ConfigError(f"launch.master_port={self.launch.master_port} must be in 0..65535 (0 = pick a free port)")
+        check_fields("launch", self.launch)
         return self
+
+
+_OPT = Text(optional=True)
+BIG = 10 ** 9
+RULES: dict[type, dict[str, Any]] = {
+    ModelConfig: {"preset": _OPT, "n_layer": Int(1, 4096, True), "n_head": Int(1, 4096, True),
+                  "n_embd": Int(1, 1 << 17, True), "dropout": Num(0.0, 1.0, hi_open=True, unit="a probability"),
+                  "factory": _OPT, "kwargs": Plain("map", optional=False), "loss": _OPT,
+                  "inputs": Plain("inputs"), "targets": _OPT, "blocks": _OPT, "init": _OPT, "by_value": _OPT},
+    DataConfig: {"corpus": _OPT, "path": _OPT,
+                 "format": Text(("auto", "text", "tokens", "hf", "json", "jsonl", "parquet", "csv")),
+                 "text_column": Text(), "token_dtype": Text(("uint16", "uint32"), optional=True), "dataset": _OPT,
+                 "dataset_kwargs": Plain("map", optional=False), "by_value": _OPT, "tokenizer": Text(),
+                 "seq_len": Int(1, 1 << 20), "val_fraction": Num(0.0, 1.0, True, True),
+                 "seed": Int(0, 2 ** 63 - 1)},
+    ParallelConfig: {"P": Int(1, 4096, True), "D": Int(1, 1 << 20, True), "global_batch": Int(1, 1 << 30),
+                     "micro_batch_size": Int(1, 1 << 20), "policy": Text(POLICIES), "recompute": Flag(True),
+                     "boundaries": Plain("index_lists"), "shared_params": Plain("names")},
+    TrainConfig: {"steps": Int(1, BIG), "lr": Num(0.0, 10.0, lo_open=True), "min_lr": Num(0.0, 10.0),
+                  "weight_decay": Num(0.0, 10.0), "warmup_steps": Int(0, BIG),
+                  "grad_clip": Num(0.0, 1e9, lo_open=True, optional=True), "precision": Text(PRECISIONS),
+                  "loss_scale": Num(1.0, 2.0 ** 64), "seed": Int(0, 2 ** 63 - 1), "eval_batches": Int(0, 1 << 20),
+                  "run_dir": Text(), "checkpoint_every": Int(0, BIG), "checkpoint_url": _OPT,
+                  "keep_checkpoints": Int(1, 10_000), "resume": Flag()},
+    LaunchConfig: {"backend": Text(("auto", "gloo", "nccl")), "gpus": Int(1, 1 << 20), "master_addr": Text(),
+                   "master_port": Int(0, 65535), "timeout_s": Num(0.0, 7 * 86400.0, lo_open=True, unit="seconds"),
+                   "threads_per_worker": Int(1, 1024)},
+}
+
+
+def check_fields(section: str, obj: Any) -> None:
+    """Apply ``RULES`` to every field of the section ``obj`` (a config dataclass): each value has
+    its type and range (finite floats, integers that are integers, bounded strings, lists and
+    mappings). Raises ``ConfigError`` naming ``section.field``, the value and what would work."""
+    rules = RULES[type(obj)]
+    for f in fields(obj):
+        rules[f.name].check(f"{section}.{f.name}", getattr(obj, f.name))
+
+
+def check_name(name: Any) -> None:
+    """A job name: 1-100 letters, digits, ``.``, ``_`` or ``-``, not starting with ``.``/``-`` — it names
+    the run folder inside ``train.run_dir``, so it can never point elsewhere."""
+    if not (isinstance(name, str) and NAME_RE.match(name)) or name in (".", ".."):
+        raise ConfigError(f"name={_show(name)} must be 1-100 letters, digits, '.', '_' or '-' starting with a letter "
+                          "or digit (it names the run folder inside train.run_dir), e.g. 'my-model-run'")
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses aliases (``*name``): a few lines of anchors and aliases can
+    expand to gigabytes ("billion laughs"), and a job config never needs them."""
+
+    def compose_node(self, parent, index):  # noqa: D102 - PyYAML's hook
+        if self.check_event(yaml.events.AliasEvent):
+            ev = self.peek_event()
+            raise ConfigError(f"line {ev.start_mark.line + 1}: YAML alias *{ev.anchor} is not allowed in a job config "
+                              "(aliases can expand a small file enormously); write the value out")
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str, *, source: str = "<config text>") -> Any:
+    """Parse untrusted YAML: safe types only, no aliases, at most ``MAX_CONFIG_BYTES``; every
+    failure is a ``ConfigError`` naming ``source`` and the line (never a PyYAML traceback)."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{source}: expected YAML text, got {type(text).__name__}")
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source} is more than {MAX_CONFIG_BYTES} bytes; a config is at most that")
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}:{where}: not valid YAML: {e.problem or e.context}") from None
+    except (yaml.YAMLError, RecursionError, ValueError) as e:
+        raise ConfigError(f"{source}: not valid YAML ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _is_import_path(v: Any) -> bool:
@@ -267,8 +506,7 @@ def _is_import_path(v: Any) -> bool:
 def validate_model(m: ModelConfig) -> None:
     """Check the model section's shape (not the model itself: ``jobspec`` resolves and checks
     that); raise ``ConfigError`` saying what would work."""
-    if not isinstance(m.dropout, (int, float)) or isinstance(m.dropout, bool) or not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout={m.dropout!r} must be in [0, 1) (a probability)")
+    check_fields("model", m)
     named = [k for k in ("factory", "by_value") if getattr(m, k) is not None]
     if len(named) > 1:
         raise ConfigError("model.factory and model.by_value both name a model; keep one")
@@ -278,50 +516,21 @@ def validate_model(m: ModelConfig) -> None:
     if m.factory is not None and not (isinstance(m.factory, str) and m.factory.strip()):
         raise ConfigError(f"model.factory={m.factory!r} must be an import path 'package.module:function' or a "
                           "registered model name")
-    if not isinstance(m.kwargs, dict) or not all(isinstance(k, str) for k in m.kwargs):
-        raise ConfigError(f"model.kwargs must be a mapping of argument names to values, got {m.kwargs!r}")
     if m.loss is not None and m.loss not in ("model", "cross_entropy") and not _is_import_path(m.loss):
         raise ConfigError(f"model.loss={m.loss!r}; use null (automatic), model, cross_entropy, or an import path "
                           "'package.module:function' of (output, targets) -> scalar")
     if m.init is not None and not _is_import_path(m.init):
         raise ConfigError(f"model.init={m.init!r} must be null (the model's own constructor) or an import path "
                           "'package.module:function' of init_fn(module, name)")
-    if m.inputs is not None:
-        ok = (isinstance(m.inputs, list) and m.inputs and all(isinstance(x, str) for x in m.inputs)) or (
-            isinstance(m.inputs, dict) and m.inputs and all(isinstance(k, str) and isinstance(v, str)
-                                                             for k, v in m.inputs.items()))
-        if not ok:
-            raise ConfigError(f"model.inputs={m.inputs!r} must be a list of batch field names (positional) or a "
-                              "mapping argument -> field name, e.g. {input_ids: input_ids, labels: labels}")
-    for k in ("targets", "blocks", "preset"):
-        v = getattr(m, k)
-        if v is not None and not (isinstance(v, str) and v.strip()):
-            raise ConfigError(f"model.{k}={v!r} must be a name or null")
 
 
 def validate_data(d: DataConfig) -> None:
     """Check the data section's values; raise ``ConfigError`` saying what would work. (Whether
     the files exist and hold usable data is checked by ``jobspec`` before workers start.)"""
-    if not _is_int(d.seq_len) or d.seq_len < 1:
-        raise ConfigError(f"data.seq_len={d.seq_len!r} must be >= 1 (an integer number of tokens)")
-    if not isinstance(d.val_fraction, (int, float)) or isinstance(d.val_fraction, bool) or not 0.0 < d.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={d.val_fraction!r} must be between 0 and 1")
-    if not _is_int(d.seed) or d.seed < 0:
-        raise ConfigError(f"data.seed={d.seed!r} must be an integer >= 0")
-    formats = ("auto", "text", "tokens", "hf", "json", "jsonl", "parquet", "csv")
-    if d.format not in formats:
-        raise ConfigError(f"data.format={d.format!r}; choose one of {list(formats)}")
-    if d.token_dtype is not None and d.token_dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"data.token_dtype={d.token_dtype!r}; choose uint16 or uint32 (the width of each id)")
+    check_fields("data", d)
     if d.dataset is not None and not _is_import_path(d.dataset):
         raise ConfigError(f"data.dataset={d.dataset!r} must be an import path 'package.module:function' returning a "
                           "torch.utils.data.Dataset")
-    if not isinstance(d.dataset_kwargs, dict):
-        raise ConfigError(f"data.dataset_kwargs must be a mapping, got {d.dataset_kwargs!r}")
-    for k in ("path", "corpus", "tokenizer", "text_column"):
-        v = getattr(d, k)
-        if v is not None and not (isinstance(v, str) and v.strip()):
-            raise ConfigError(f"data.{k}={v!r} must be a non-empty string" + (" or null" if k != "tokenizer" else ""))
 
 
 def _build(cls: type, value: Any, section: str):
@@ -347,14 +556,7 @@ def validate_checkpointing(t: TrainConfig) -> None:
     ``checkpoint_url`` ``None``, a path, or a URL whose scheme fsspec knows (and whose driver is
     installed, e.g. ``s3fs`` for ``s3://``).
     """
-    if not _is_int(t.checkpoint_every) or t.checkpoint_every < 0:
-        raise ConfigError(f"train.checkpoint_every={t.checkpoint_every!r} must be an integer >= 0 "
-                          "(optimizer steps between checkpoints; 0 = only when the job is stopped)")
-    if not _is_int(t.keep_checkpoints) or t.keep_checkpoints < 1:
-        raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints!r} must be an integer >= 1 "
-                          "(how many complete checkpoints to keep)")
-    if not isinstance(t.resume, bool):
-        raise ConfigError(f"train.resume={t.resume!r} must be true or false")
+    check_fields("train", t)
     url = t.checkpoint_url
     if url is None:
         return
@@ -379,14 +581,7 @@ def validate_parallel(p: ParallelConfig) -> None:
     Rules: P >= 1, D >= 1, micro_batch_size >= 1, policy known, and ``global_batch`` divisible
     by ``micro_batch_size × D`` (so m is a whole number; P plays no part).
     """
-    for name in ("P", "D", "global_batch", "micro_batch_size"):
-        v = getattr(p, name)
-        if v is None and name in ("P", "D"):
-            continue  # chosen by the planner
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"parallel.{name}={v!r} must be an integer >= 1")
-    if p.policy not in POLICIES:
-        raise ConfigError(f"parallel.policy={p.policy!r}; choose one of {list(POLICIES)}")
+    check_fields("parallel", p)   # P and D may be null: chosen by the planner
     if p.planned:
         return
     if p.boundaries is not None and len(p.boundaries) != p.P:

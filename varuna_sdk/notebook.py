@@ -96,7 +96,7 @@ def _name_of(obj: Any) -> str:
         base = obj.split(":")[-1]
     else:
         base = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
-    clean = "".join(c if c.isalnum() or c in "-_" else "-" for c in base).strip("-_") or "job"
+    clean = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "-" for c in base).strip("-_") or "job"
     return clean[:48]
 
 

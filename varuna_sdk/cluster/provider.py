@@ -295,6 +295,23 @@ class LocalProvider(PoolProvider):
 
 
 # --------------------------------------------------------------------------------- host file
+MAX_HOST_FILE_BYTES = 1 << 20   # a host file (some thousand hosts) is far smaller
+MAX_GPUS_PER_HOST = 1024
+
+
+def read_small_text(path: Path, limit: int, what: str, error: type[Exception]) -> str:
+    """The UTF-8 text of ``path`` if it is at most ``limit`` bytes; else ``error`` saying which
+    file and what is wrong (too big, not UTF-8) — never a decode traceback or an unbounded read."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise error(f"{what} {path} is larger than {limit} bytes; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path} is not UTF-8 text (byte {e.start}); save it as plain text") from None
+
+
 class HostFileError(ValueError):
     """A host file is malformed; the message names the file, the line and the fix."""
 
@@ -367,8 +384,9 @@ def parse_host_file(text: str, *, source: str = "<host file>",
                 labels[k[6:] if k.startswith("label.") else k] = v
             elif k in _OPTS:
                 if k == "gpus":
-                    if not v.isdigit():
-                        raise HostFileError(f"{where}: gpus={v!r} must be a whole number >= 0")
+                    if not (v.isascii() and v.isdigit() and len(v) <= 5 and int(v) <= MAX_GPUS_PER_HOST):
+                        raise HostFileError(f"{where}: gpus={v[:20]!r} must be a whole number in "
+                                            f"0..{MAX_GPUS_PER_HOST}")
                     kw["gpus"] = int(v)
                 else:
                     kw[_OPTS[k]] = v
@@ -414,7 +432,7 @@ class HostFileProvider(PoolProvider):
         self.poll_s, self.settle_s = poll_s, settle_s
         self.defaults = dict(defaults or {})
         self._sig = self._signature()
-        self._text = self.path.read_text()
+        self._text = self._read()
         for h in parse_host_file(self._text, source=str(self.path), defaults=self.defaults):
             self._pool[h.name] = h
         self.last_error: str | None = None
@@ -438,6 +456,9 @@ class HostFileProvider(PoolProvider):
         self._thread.start()
         return self
 
+    def _read(self) -> str:
+        return read_small_text(self.path, MAX_HOST_FILE_BYTES, "host file", HostFileError)
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
@@ -456,13 +477,18 @@ class HostFileProvider(PoolProvider):
             self._warn(f"host file {self.path} disappeared; keeping the previous "
                        f"{len(self.all_hosts())} host(s)")
             return False
-        text = self.path.read_text()
-        while True:  # wait until the content stops changing
-            time.sleep(self.settle_s)
-            again = self.path.read_text() if self.path.exists() else text
-            if again == text:
-                break
-            text = again
+        try:
+            text = self._read()
+            while True:  # wait until the content stops changing
+                time.sleep(self.settle_s)
+                again = self._read() if self.path.exists() else text
+                if again == text:
+                    break
+                text = again
+        except (HostFileError, OSError) as e:
+            self._sig = self._signature()
+            self._warn(f"{e} — keeping the previous hosts until the file is fixed")
+            return False
         self._sig = self._signature()
         if text == self._text:
             return False

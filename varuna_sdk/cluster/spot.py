@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import logging
 import os
 import re
@@ -52,12 +53,17 @@ from typing import Any, Callable
 
 from .hosts import Host
 from .localproc import kill_host, local_host
-from .provider import PoolProvider
+from .provider import PoolProvider, read_small_text
 from .ssh import SSHOptions
 
 log = logging.getLogger(__name__)
 
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+MAX_TRACE_BYTES = 64 << 20     # the shipped traces are < 1 MB
+MAX_TRACE_NODES = 100_000       # nodes up at once in a count row
+MAX_TRACE_EVENTS = 1_000_000
 
 
 class TraceError(ValueError):
@@ -127,8 +133,10 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace file {p} does not exist (traces are in shared/data/spot-traces/)")
-    if not (isinstance(compress, (int, float)) and compress > 0):
-        raise TraceError(f"compress={compress!r} must be a number > 0 (60: an hour of trace in a minute)")
+    if not (isinstance(compress, (int, float)) and math.isfinite(compress) and compress > 0):
+        raise TraceError(f"compress={compress!r} must be a finite number > 0 (60: an hour of trace in a minute)")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (start_s, 0.0 if end_s is None else end_s)):
+        raise TraceError(f"window start_s={start_s!r}, end_s={end_s!r} must be finite numbers of seconds")
     if start_s < 0 or (end_s is not None and end_s <= start_s):
         raise TraceError(f"window start_s={start_s}, end_s={end_s}: need 0 <= start_s < end_s (seconds)")
     raw: list[tuple[int, str, str, int]] = []  # (ms, kind, node, line)
@@ -137,7 +145,7 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
     alive: set[str] = set()
     stack: list[str] = []  # count traces: LIFO
     made = itertools.count()
-    for no, text in enumerate(p.read_text().splitlines(), 1):
+    for no, text in enumerate(read_small_text(p, MAX_TRACE_BYTES, "trace file", TraceError).splitlines(), 1):
         line = text.split("#", 1)[0].strip()
         if not line:
             continue
@@ -181,8 +189,11 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
                 count = int(parts[1])
             except ValueError:
                 raise TraceError(f"{where}: count {parts[1]!r} is not a whole number") from None
-            if count < 0:
-                raise TraceError(f"{where}: count {count} is negative")
+            if not 0 <= count <= MAX_TRACE_NODES:
+                raise TraceError(f"{where}: count {count} must be in 0..{MAX_TRACE_NODES} (nodes up at once)")
+            if len(raw) + abs(count - len(stack)) > MAX_TRACE_EVENTS:
+                raise TraceError(f"{where}: the trace makes more than {MAX_TRACE_EVENTS} events; cut it into "
+                                 "windows")
             while len(stack) < count:
                 node = f"node{next(made)}"
                 stack.append(node)
