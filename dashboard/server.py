@@ -9,6 +9,16 @@ requests are redirected to ``/login``; websockets without the cookie are refused
 origins are limited to the served address (plus ``allow_origins``), so another site cannot use a
 logged-in browser's cookie.
 
+Sessions live on the server (``Sessions``): the cookie holds a random session id, not the user
+name, so ``/logout`` revokes it at once and every session expires (``SESSION_TTL_S``, 12 h).
+Cookies are ``HttpOnly`` and ``SameSite=Strict``, and ``Secure`` when served over TLS
+(``certfile``/``keyfile``). Login attempts are throttled (``LoginThrottle``: per client address
+and overall; over the limit the answer is ``429`` without checking the password), and every
+failed attempt is logged with the user name and address, never the password. Passwords must have
+at least ``MIN_PASSWORD_LENGTH`` characters of ``MIN_DISTINCT_CHARS`` different ones. The
+framework's component-resource route serves only the packages the app uses (``panel``,
+``bokeh``), to signed-in users: it never imports another module on a request.
+
 ``Credentials`` come from a JSON file ``{"user": "password", ...}`` (mode 0600, refused if
 others can read it), or ``VARUNA_DASHBOARD_PASSWORD`` (user ``VARUNA_DASHBOARD_USER``, default
 ``varuna``), or are generated once into ``RUN_DIR/dashboard-credentials.json`` (0600). Passwords
@@ -20,13 +30,17 @@ Imports panel/tornado and ``dashboard.app``; never imports torch or anything tha
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import secrets
 import socket
 import stat
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -40,6 +54,13 @@ ENV_USER = "VARUNA_DASHBOARD_USER"
 DEFAULT_USER = "varuna"
 CREDENTIALS_FILE = "dashboard-credentials.json"
 FAILED_LOGIN_DELAY_S = 1.0
+MIN_PASSWORD_LENGTH = 12
+MIN_DISTINCT_CHARS = 6
+SESSION_TTL_S = 12 * 3600.0
+MAX_SESSIONS = 10_000
+COMPONENT_PACKAGES = ("panel", "bokeh")   # what the app's components come from
+
+log = logging.getLogger(__name__)
 
 _env = jinja2.Environment(autoescape=True)
 LOGIN_PAGE = _env.from_string("""<!DOCTYPE html>
@@ -81,9 +102,13 @@ class Credentials:
         if not self.users:
             raise ValueError("credentials need at least one user")
         for u, p in self.users.items():
-            if not isinstance(u, str) or not u or not isinstance(p, str) or len(p) < 8:
-                raise ValueError(f"user {u!r}: user names must be non-empty strings and passwords strings of at "
-                                 "least 8 characters")
+            if not isinstance(u, str) or not u or len(u) > 64 or not isinstance(p, str):
+                raise ValueError(f"user {str(u)[:64]!r}: user names must be strings of 1-64 characters and "
+                                 "passwords strings")
+            if len(p) < MIN_PASSWORD_LENGTH or len(set(p)) < MIN_DISTINCT_CHARS:
+                raise ValueError(f"user {u!r}: the password is too weak: use at least {MIN_PASSWORD_LENGTH} "
+                                 f"characters with at least {MIN_DISTINCT_CHARS} different ones (a passphrase, or "
+                                 "leave it out and a random one is generated)")
 
     def __repr__(self) -> str:
         return f"Credentials(users={sorted(self.users)})"
@@ -154,9 +179,100 @@ def load_credentials(source: str | Path, credentials_file: str | Path | None = N
     return c, f"user {DEFAULT_USER!r}, password generated into {path} (mode 0600)"
 
 
-def _login_classes(credentials: Credentials):
-    """The Panel auth provider class bound to ``credentials`` (imports panel lazily)."""
+class Sessions:
+    """Server-side login sessions: ``{random id: (user, expires at)}``. Thread-safe. The cookie
+    holds only the id, so ``revoke`` (logout) ends a session at once and ``ttl_s`` bounds every
+    session's life; at most ``max_sessions`` are kept (the oldest go first)."""
+
+    def __init__(self, ttl_s: float = SESSION_TTL_S, max_sessions: int = MAX_SESSIONS):
+        self.ttl_s, self.max_sessions = float(ttl_s), int(max_sessions)
+        self._by_id: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def create(self, user: str) -> str:
+        sid = secrets.token_urlsafe(32)
+        with self._lock:
+            self._by_id[sid] = (user, time.monotonic() + self.ttl_s)
+            while len(self._by_id) > self.max_sessions:
+                self._by_id.popitem(last=False)
+        return sid
+
+    def user(self, sid: str | None) -> str | None:
+        """The user of a live session ``sid`` (None: unknown, revoked or expired)."""
+        if not sid:
+            return None
+        with self._lock:
+            entry = self._by_id.get(sid)
+            if entry is None:
+                return None
+            if time.monotonic() >= entry[1]:
+                del self._by_id[sid]
+                return None
+            return entry[0]
+
+    def revoke(self, sid: str | None) -> None:
+        with self._lock:
+            self._by_id.pop(sid or "", None)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+class LoginThrottle:
+    """Bounds password guessing: at most ``per_client`` failed attempts per ``window_s`` from one
+    client address and ``overall`` from all of them; ``allowed(addr)`` says whether an attempt may
+    be checked now (else answer ``429``), ``failed(addr)`` counts one. Thread-safe."""
+
+    def __init__(self, per_client: int = 5, overall: int = 50, window_s: float = 60.0):
+        self.per_client, self.overall, self.window_s = per_client, overall, window_s
+        self._fails: dict[str, collections.deque] = {}
+        self._all: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def _trim(self, q: collections.deque, now: float) -> None:
+        while q and now - q[0] >= self.window_s:
+            q.popleft()
+
+    def allowed(self, addr: str) -> tuple[bool, float]:
+        """(may this attempt be checked, seconds until it may be when not)."""
+        now = time.monotonic()
+        with self._lock:
+            q = self._fails.get(addr)
+            if q is not None:
+                self._trim(q, now)
+            self._trim(self._all, now)
+            if q is not None and len(q) >= self.per_client:
+                return False, self.window_s - (now - q[0])
+            if len(self._all) >= self.overall:
+                return False, self.window_s - (now - self._all[0])
+            return True, 0.0
+
+    def failed(self, addr: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._fails) > 10_000:   # bounded memory under a flood of addresses
+                self._fails = {a: q for a, q in self._fails.items() if q and now - q[-1] < self.window_s}
+            self._fails.setdefault(addr, collections.deque()).append(now)
+            self._all.append(now)
+
+
+def _login_classes(credentials: Credentials, *, tls: bool = False, sessions: Sessions | None = None,
+                   throttle: LoginThrottle | None = None):
+    """The Panel auth provider class bound to ``credentials`` (imports panel lazily), with
+    server-side ``sessions`` and a login ``throttle``; cookies ``Secure`` when ``tls``."""
     from panel.auth import BasicAuthProvider, BasicLoginHandler, LogoutHandler
+    from panel.config import config as pn_config
+
+    sessions = Sessions() if sessions is None else sessions      # (an empty table is falsy)
+    throttle = LoginThrottle() if throttle is None else throttle
+    cookie_flags = {"httponly": True, "samesite": "Strict", "secure": tls}
+
+    def _session_id(handler) -> str | None:
+        raw = handler.get_secure_cookie("user", max_age_days=max(1, SESSION_TTL_S / 86400))
+        try:
+            return raw.decode("ascii") if raw else None
+        except UnicodeDecodeError:
+            return None
 
     class LoginHandler(BasicLoginHandler):
         _login_template = LOGIN_PAGE
@@ -165,19 +281,55 @@ def _login_classes(credentials: Credentials):
             return credentials.check(username, password)
 
         async def post(self):
-            if self._validate(self.get_argument("username", ""), self.get_argument("password", "")):
-                return super().post()  # validates again (cheap), sets the cookie, redirects
+            addr = self.request.remote_ip or "?"
+            ok, wait_s = throttle.allowed(addr)
+            user = self.get_argument("username", "")[:64]
+            if not ok:
+                log.warning("dashboard login from %s refused: too many failed attempts (retry in %.0f s)", addr, wait_s)
+                self.set_status(429)
+                self.set_header("Retry-After", str(max(1, int(wait_s + 0.999))))
+                self.write("Too many failed sign-in attempts; try again later.")
+                return
+            if self._validate(user, self.get_argument("password", "")):
+                log.info("dashboard login: user %r from %s", user, addr)
+                self.set_current_user(user)
+                self.redirect(_validated_next(self))
+                return
+            throttle.failed(addr)
+            log.warning("dashboard login failed: user %r from %s", user, addr)
             await asyncio.sleep(FAILED_LOGIN_DELAY_S)  # slows password guessing
             self.redirect(self._login_endpoint + "?error=" + "Invalid%20user%20name%20or%20password")
 
+        def set_current_user(self, user):
+            self.clear_cookie("is_guest")
+            self.set_secure_cookie("user", sessions.create(user), expires_days=SESSION_TTL_S / 86400,
+                                   path=pn_config.cookie_path, **cookie_flags)
+
+        def set_secure_cookie(self, name, value, expires_days=30, version=None, **kwargs):
+            return super().set_secure_cookie(name, value, expires_days, version, **{**kwargs, **cookie_flags})
+
     class Logout(LogoutHandler):
         _logout_template = LOGOUT_PAGE
+
+        def get(self):
+            sessions.revoke(_session_id(self))
+            super().get()
 
     class Provider(BasicAuthProvider):
         def __init__(self):
             super().__init__()
             self._login_template = LOGIN_PAGE
             self._logout_template = LOGOUT_PAGE
+            self.sessions, self.throttle = sessions, throttle
+
+        def _remove_user(self, session_context):  # panel's active-user count keys on names we do not put in cookies
+            return None
+
+        @property
+        def get_user(self):
+            def get_user(request_handler):
+                return sessions.user(_session_id(request_handler))
+            return get_user
 
         @property
         def login_handler(self):
@@ -190,6 +342,34 @@ def _login_classes(credentials: Credentials):
             return Logout
 
     return Provider
+
+
+def _validated_next(handler) -> str:
+    """Where to go after signing in: the ``next_url`` cookie if it is a path on this server."""
+    nxt = handler.get_cookie("next_url", "/") or "/"
+    handler.clear_cookie("next_url")
+    return nxt if nxt.startswith("/") and not nxt.startswith("//") and "\\" not in nxt else "/"
+
+
+def _component_handler(get_user):
+    """Panel's component-resource route, limited to ``COMPONENT_PACKAGES`` and signed-in users: it
+    resolves the module named in the URL, and the framework's own would import any installed one."""
+    from panel.io.server import ComponentResourceHandler
+    from tornado.web import HTTPError
+
+    class LimitedComponentResources(ComponentResourceHandler):
+        def get_current_user(self):
+            return get_user(self)
+
+        def parse_url_path(self, path: str) -> str:
+            if self.current_user is None:
+                raise HTTPError(403, "sign in first")
+            module = path.split("/", 1)[0]
+            if module.split(".", 1)[0] not in COMPONENT_PACKAGES:
+                raise HTTPError(404, "Module not found")
+            return super().parse_url_path(path)
+
+    return LimitedComponentResources
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -216,12 +396,16 @@ def default_origins(address: str, port: int) -> list[str]:
 
 def serve(source: str | Path, *, credentials: Credentials, port: int = 0, address: str = "127.0.0.1",
           allow_origins: list[str] | None = None, job_id: str | None = None, refresh_s: float = 1.0,
-          max_points: int = 2000, threaded: bool = False, start: bool = True):
+          max_points: int = 2000, threaded: bool = False, start: bool = True,
+          certfile: str | Path | None = None, keyfile: str | Path | None = None,
+          throttle: LoginThrottle | None = None, sessions: Sessions | None = None):
     """Serve the dashboard of ``source`` (run folder or ``events.db``) at ``http://address:port/``
     behind a login with ``credentials``. ``port=0`` picks a free port. ``threaded=True``: returns a
     running ``StoppableThread`` at once (``.stop()`` ends it). Otherwise returns the Bokeh
     ``Server`` (``.port``, ``.start()``, ``.io_loop``), after blocking in its loop until Ctrl-C
     when ``start``. The whole history is read before the port opens (a 100k-step log: ~1 s).
+    ``certfile``/``keyfile``: serve HTTPS (PEM files) with ``Secure`` cookies. ``throttle``,
+    ``sessions``: the login throttle and session table (defaults: ``LoginThrottle()``, ``Sessions()``).
 
     Raises ``FileNotFoundError`` when there is no event log at ``source`` yet, ``ValueError`` for
     bad arguments — before anything listens.
@@ -233,8 +417,22 @@ def serve(source: str | Path, *, credentials: Credentials, port: int = 0, addres
     resolve_event_log(source)  # fail before listening
     if not isinstance(credentials, Credentials):
         raise ValueError("credentials must be a dashboard.Credentials (a team dashboard always requires a login)")
-    if refresh_s <= 0:
-        raise ValueError(f"refresh_s must be > 0 seconds, got {refresh_s}")
+    if not (isinstance(refresh_s, (int, float)) and 0 < refresh_s <= 3600):
+        raise ValueError(f"refresh_s must be between 0 and 3600 seconds, got {refresh_s}")
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("TLS needs both certfile and keyfile (PEM files), or neither")
+    tls = {}
+    if certfile is not None:
+        for what, f in (("certfile", certfile), ("keyfile", keyfile)):
+            if not Path(f).is_file():
+                raise FileNotFoundError(f"{what} {f} does not exist")
+        import ssl
+
+        try:  # fail before listening, with the file named
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(certfile), str(keyfile))
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"cannot use certfile {certfile} with keyfile {keyfile}: {e}") from None
+        tls = {"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile)}
     port = port or free_port(address if address not in ("", "0.0.0.0") else "127.0.0.1")
     origins = default_origins(address, port) + list(allow_origins or [])
 
@@ -245,6 +443,9 @@ def serve(source: str | Path, *, credentials: Credentials, port: int = 0, addres
     def app():
         return build_app(source, job_id=job_id, refresh_s=refresh_s, max_points=max_points)
 
+    provider = _login_classes(credentials, tls=bool(tls), sessions=sessions, throttle=throttle)()
+    components = (r"/components/(.*)", _component_handler(provider.get_user), {})
     return pn.serve({"/": app}, port=port, address=address, show=False, start=start, threaded=threaded,
                     title="varuna dashboard", websocket_origin=origins, verbose=False,
-                    auth_provider=_login_classes(credentials)(), cookie_secret=secrets.token_urlsafe(32))
+                    auth_provider=provider, cookie_secret=secrets.token_urlsafe(32),
+                    extra_patterns=[components], **tls)

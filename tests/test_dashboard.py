@@ -484,8 +484,9 @@ def test_credentials(tmp_path):
     assert c.check("ann", "correct horse battery")
     assert not c.check("ann", "correct horse batterY") and not c.check("bob", "correct horse battery")
     assert "correct" not in repr(c) and "correct" not in str(c)
-    with pytest.raises(ValueError, match="8 characters"):
-        Credentials({"ann": "short"})
+    for weak in ("short", "aaaaaaaaaaaaaaaa", "abababab1212"):   # too short; too few different characters
+        with pytest.raises(ValueError, match="too weak: use at least 12 characters with at least 6 different"):
+            Credentials({"ann": weak})
     f = tmp_path / "users.json"
     f.write_text(json.dumps({"ann": "correct horse battery"}))
     f.chmod(0o644)

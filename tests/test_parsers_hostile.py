@@ -215,3 +215,38 @@ def test_run_folders_stay_inside_run_dir(tmp_path):
     with pytest.raises(ConfigError, match="name='../escape'"):
         prepare_run(job)
     assert not (tmp_path / "escape").exists() and not list(Path(tmp_path).glob("escape*"))
+
+
+TINY = "model: {preset: tiny}\ndata: {tokenizer: byte, seq_len: 16}\ntrain: {steps: 1, eval_batches: 1}\n"
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("", r"is empty; start from `varuna config > job.yaml`"),
+    (TINY + "train: {steps: 3}\n", r"line 4: key 'train' appears twice \(first on line 3\)"),
+    ("model: {preset: null, factory: 'os:system', kwargs: {command: 'touch {marker}'}}\n",
+     r"'os:system' names the standard library module 'os'"),
+    ("model: {preset: null, factory: 'subprocess:run', kwargs: {args: ['touch', '{marker}']}}\n",
+     r"names the standard library module 'subprocess'"),
+    (TINY.replace("steps: 1", "steps: 1, run_dir: '{afile}'"), r"cannot create the run folder .*afile is a file"),
+    (TINY.replace("steps: 1", "steps: 1, run_dir: /proc/varuna-nope"), r"cannot create the run folder /proc/varuna-nope"),
+    (TINY.replace("steps: 1", "steps: 1, checkpoint_url: 'ftp://nonexistent.invalid/x'"),
+     r"train.checkpoint_url='ftp://nonexistent.invalid/x' cannot be opened from here"),
+])
+def test_found_by_a_breaker_each_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, text, pattern):
+    """Inputs a fresh helper found to run code, write tracebacks or train the wrong job."""
+    import re
+    monkeypatch.chdir(tmp_path)
+    marker, afile = tmp_path / "PWNED", tmp_path / "afile"
+    afile.write_text("a file")
+    f = tmp_path / "job.yaml"
+    f.write_text(text.replace("{marker}", str(marker)).replace("{afile}", str(afile)))
+    assert cli.main(["train", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("varuna: ") and "Traceback" not in err and re.search(pattern, err), err
+    assert not marker.exists(), "a config ran a command"
+    assert not (tmp_path / "runs").exists()     # no run folder: nothing started
+
+
+def test_plan_refuses_more_gpus_than_it_searches(capsys):
+    assert cli.main(["plan", "--gpus", "1000000000"]) == 2
+    assert "--gpus 1000000000 is more than the planner searches (4096)" in capsys.readouterr().err

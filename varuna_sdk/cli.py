@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, JobConfig
+from .config import MAX_GPUS, ConfigError, JobConfig
 from .demo import demo_config  # re-exported: `from varuna_sdk.cli import demo_config`
 from .shipping import ShippingError
 
@@ -55,6 +55,9 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
                         ("--target-examples", args.target_examples), ("--top", args.top)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
+    if args.gpus > MAX_GPUS:
+        raise ConfigError(f"--gpus {args.gpus} is more than the planner searches ({MAX_GPUS}); plan at most {MAX_GPUS} "
+                          "GPUs")
     for flag, value in (("--bandwidth-gbps", args.bandwidth_gbps), ("--spot-price", args.spot_price),
                         ("--on-demand-price", args.on_demand_price)):
         if value is not None and not (math.isfinite(value) and value >= (0 if flag.endswith("price") else 1e-9)):
@@ -144,14 +147,16 @@ def _dashboard(args: argparse.Namespace) -> int:
         return 2
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
-    if args.refresh <= 0:
-        raise ValueError(f"--refresh {args.refresh} must be > 0 seconds")
+    if not 0 < args.refresh <= 3600:   # (also false for NaN)
+        raise ValueError(f"--refresh {args.refresh} must be between 0 and 3600 seconds")
     db = resolve_event_log(args.run_dir)
     creds, where = load_credentials(args.run_dir, args.credentials)
     server = serve(args.run_dir, credentials=creds, port=args.port, address=args.address,
-                   allow_origins=args.allow_origin, job_id=args.job_id, refresh_s=args.refresh, start=False)
+                   allow_origins=args.allow_origin, job_id=args.job_id, refresh_s=args.refresh, start=False,
+                   certfile=args.certfile, keyfile=args.keyfile)
     host = "localhost" if args.address in ("127.0.0.1", "::1", "localhost") else args.address
-    print(f"[varuna] dashboard of {db} at http://{host}:{server.port}/ (read-only; sign in with {where}); "
+    scheme = "https" if args.certfile else "http"
+    print(f"[varuna] dashboard of {db} at {scheme}://{host}:{server.port}/ (read-only; sign in with {where}); "
           "Ctrl-C stops it", flush=True)
     server.start()
     try:
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="another host:port browsers load the page from (e.g. a proxy); repeatable")
     sp.add_argument("--job-id", dest="job_id", help="show only this job's rows of a shared event log")
     sp.add_argument("--refresh", type=float, default=1.0, help="seconds between reads of the event log")
+    sp.add_argument("--certfile", help="serve HTTPS with this PEM certificate (with --keyfile); cookies become Secure")
+    sp.add_argument("--keyfile", help="the PEM private key of --certfile")
     sp = sub.add_parser("launch", help="run a job under the morph manager (local slots or an SSH host file); "
                         "run it again on the same --run-dir to continue the job")
     sp.add_argument("config", help="job YAML")

@@ -37,6 +37,7 @@ MAX_TEXT = 4096            # characters of any string field (paths, import paths
 MAX_ITEMS = 4096           # items of any list, and entries of a mapping tree (kwargs)
 MAX_DEPTH = 8              # nesting of kwargs mappings
 MAX_CONFIG_BYTES = 1 << 20  # a job YAML file or text
+MAX_GPUS = 4096            # workers a job (and the planner's search) may have
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -98,6 +99,7 @@ class Text:
 
     choices: tuple[str, ...] | None = None
     optional: bool = False
+    hint: str = ""   # what the value is, for the message ("a path or an fsspec URL ...")
 
     def check(self, where: str, v: Any) -> None:
         if v is None and self.optional:
@@ -108,7 +110,7 @@ class Text:
             return
         null = " or null" if self.optional else ""
         if not isinstance(v, str) or not v.strip():
-            raise ConfigError(f"{where}={_show(v)} must be a non-empty string{null}")
+            raise ConfigError(f"{where}={_show(v)} must be {self.hint or 'a non-empty string'}{null}")
         if len(v) > MAX_TEXT or "\x00" in v:
             raise ConfigError(f"{where} is {len(v)} characters{' with a NUL' if chr(0) in v else ''}; "
                               f"at most {MAX_TEXT}, no NUL")
@@ -387,6 +389,8 @@ class JobConfig:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text") from None
+        if not text.strip():
+            raise ConfigError(f"config file {str(path)!r} is empty; start from `varuna config > job.yaml` and edit it")
         try:
             return cls.from_yaml_text(text, source=str(path))
         except ConfigError as e:
@@ -440,9 +444,11 @@ RULES: dict[type, dict[str, Any]] = {
                   "weight_decay": Num(0.0, 10.0), "warmup_steps": Int(0, BIG),
                   "grad_clip": Num(0.0, 1e9, lo_open=True, optional=True), "precision": Text(PRECISIONS),
                   "loss_scale": Num(1.0, 2.0 ** 64), "seed": Int(0, 2 ** 63 - 1), "eval_batches": Int(0, 1 << 20),
-                  "run_dir": Text(), "checkpoint_every": Int(0, BIG), "checkpoint_url": _OPT,
+                  "run_dir": Text(), "checkpoint_every": Int(0, BIG), "checkpoint_url": Text(optional=True, hint=(
+                      "a path or an fsspec URL (e.g. '/shared/ckpt', 'file:///shared/ckpt', 's3://bucket/job'); "
+                      "null: <run folder>/checkpoints")),
                   "keep_checkpoints": Int(1, 10_000), "resume": Flag()},
-    LaunchConfig: {"backend": Text(("auto", "gloo", "nccl")), "gpus": Int(1, 1 << 20), "master_addr": Text(),
+    LaunchConfig: {"backend": Text(("auto", "gloo", "nccl")), "gpus": Int(1, MAX_GPUS), "master_addr": Text(),
                    "master_port": Int(0, 65535), "timeout_s": Num(0.0, 7 * 86400.0, lo_open=True, unit="seconds"),
                    "threads_per_worker": Int(1, 1024)},
 }
@@ -468,6 +474,17 @@ def check_name(name: Any) -> None:
 class _NoAliasLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses aliases (``*name``): a few lines of anchors and aliases can
     expand to gigabytes ("billion laughs"), and a job config never needs them."""
+
+    def construct_mapping(self, node, deep=False):  # noqa: D102 - PyYAML's hook
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice (first on line "
+                                  f"{seen[key]}); the second would silently replace the first: keep one")
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
     def compose_node(self, parent, index):  # noqa: D102 - PyYAML's hook
         if self.check_event(yaml.events.AliasEvent):

@@ -70,6 +70,11 @@ def import_object(ref: str) -> Any:
     if not isinstance(ref, str) or ref.count(":") != 1:
         raise ConfigError(f"{ref!r} is not an import path; write it as 'package.module:function'")
     mod_name, attr = ref.split(":")
+    if mod_name.split(".")[0] in sys.stdlib_module_names:
+        # a job config names the user's code; a standard-library callable (os:system ...) is never a
+        # model, loss or dataset, and running it from a config file would run arbitrary commands
+        raise ConfigError(f"{ref!r} names the standard library module {mod_name!r}; an import path in a job config "
+                          "must name your own code (a module in the code folder or an installed package)")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

@@ -81,8 +81,36 @@ def new_run_dir(job: JobConfig) -> Path:
     path, k = base, 1
     while path.exists():
         path, k = Path(f"{base}-{k}"), k + 1
-    path.mkdir(parents=True)
+    make_run_folder(path, "train.run_dir")
     return path
+
+
+def make_run_folder(path: Path, what: str) -> None:
+    """``mkdir -p path``; an ``OSError`` (a file in the way, no permission, a read-only or virtual
+    file system) becomes a ``ConfigError`` naming ``what`` to change."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else (e.strerror or str(e))
+        raise ConfigError(f"cannot create the run folder {path}: {why}; set {what} to a folder you can "
+                          "write") from None
+
+
+def check_store_url(job: JobConfig) -> None:
+    """A remote ``train.checkpoint_url`` (``s3://``, ``gs://``, ``ftp://`` ...) must open from the
+    launcher before anything starts; raises ``ConfigError`` with the driver's reason."""
+    url = job.train.checkpoint_url
+    if not url or "://" not in url or url.startswith("file://"):
+        return
+    from .checkpoint import Store
+
+    try:
+        Store(url).fs.exists(Store(url).root)
+    except Exception as e:  # noqa: BLE001 - any driver's error: DNS, credentials, permissions
+        raise ConfigError(f"train.checkpoint_url={url!r} cannot be opened from here ({type(e).__name__}: "
+                          f"{str(e)[:200]}); every worker must reach the store: fix the URL or its "
+                          "credentials") from None
 
 
 def job_labels(resolved) -> dict[str, str]:
@@ -107,8 +135,9 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     resolved = resolve(job, run_dir)  # the model spec and the data, checked together
     if not job.parallel.planned:
         check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
+    check_store_url(job)
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)
-    out.mkdir(parents=True, exist_ok=True)
+    make_run_folder(out, "the run folder (--run-dir)")
     for name, blob in files.items():  # the user's code, readable by the user only
         if not (out / name).exists():
             tmp = out / f"{name}.tmp"

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointError, StageCheckpointer, default_staging_dir, default_store_url, latest_complete
+from .checkpoint.store import manifest_key
 from .checkpoint.store import checkpoint_name
 from .config import JobConfig
 from .jobspec import ResolvedJob, resolve_job
@@ -306,7 +307,8 @@ def _refuse_stale_store(url: str, lead: bool, device: torch.device) -> None:
 
 def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
                on_step: Callable[[int, StepResult, dict], None] | None = None,
-               should_stop: Callable[[], bool] | None = None, generation: int = 0) -> WorkerOutcome:
+               should_stop: Callable[[], bool] | None = None, generation: int = 0,
+               secret: str | None = None) -> WorkerOutcome:
     """Entry point of one worker (``spawn_workers`` target): train ``job`` from its newest complete
     checkpoint (``train.resume``) or from scratch, under the job's current P, D and stage map.
 
@@ -325,6 +327,12 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
             ``checkpoint_every`` 0) and published before returning ``status="stopped"``. Must be
             picklable to pass through ``spawn_workers`` (``StopAtStep``, ``StopFile``).
         generation: the manager's relaunch counter, written into each metrics line and manifest.
+        secret: the job secret (the manager's, ``VARUNA_JOB_TOKEN``): checkpoint manifests are
+            signed with a key derived from it and only manifests so signed are resumed from.
+            ``None``: unsigned manifests (checksums only), for runs without a manager.
+
+    Before the first step every rank checks that the checkpoint store takes a write and has room
+    for its share of a checkpoint (``StageCheckpointer.check_store``).
 
     Returns ``WorkerOutcome``. Raises ``CheckpointError`` if a checkpoint cannot be written or a
     resumed one does not fit the job, ``PeerLost`` if another rank dies.
@@ -341,7 +349,9 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     url = t.checkpoint_url or default_store_url(out)
     # rank 0 waits this long for every rank's files before giving a checkpoint up (large models, remote stores)
     ckpt = StageCheckpointer(engine, opt, url, default_staging_dir(out, rank), keep=t.keep_checkpoints,
-                             timeout_s=max(600.0, job.launch.timeout_s), generation=generation)
+                             timeout_s=max(600.0, job.launch.timeout_s), generation=generation,
+                             key=manifest_key(secret) if secret else None)
+    ckpt.check_store()
     if lead:
         _log(f"[varuna] {job.name}: P={p.P} x D={p.D}, global batch {p.global_batch} = micro-batch "
              f"{p.micro_batch_size} x m={p.num_micro_batches} x D={p.D}, policy {p.policy}, "

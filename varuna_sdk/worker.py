@@ -27,7 +27,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .manager.heartbeat import STOPPED, HeartbeatClient
+from .manager.heartbeat import ENV_TOKEN, STOPPED, HeartbeatClient
 from .shipping import OBJECTS_DIR_ENV
 
 ENV_GENERATION = "VARUNA_GENERATION"
@@ -111,7 +111,7 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
     torch.set_num_threads(job.launch.threads_per_worker)
     retain_freed_memory()
     m = job.parallel.num_micro_batches
-    kwargs: dict = {"generation": generation}
+    kwargs: dict = {"generation": generation, "secret": os.environ.get(ENV_TOKEN) or None}
     if hb is not None:
         def on_step(step, r, metrics) -> None:
             hb.record_step(step, loss=r.loss, compute_s=r.compute_s, micro_batches=m,

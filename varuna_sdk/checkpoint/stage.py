@@ -118,8 +118,9 @@ class StageCheckpointer:
     """
 
     def __init__(self, engine, optimizer: torch.optim.Optimizer, url: str, staging_dir: str | Path, *,
-                 keep: int = 3, timeout_s: float = 600.0, generation: int = 0):
+                 keep: int = 3, timeout_s: float = 600.0, generation: int = 0, key: bytes | None = None):
         self.engine, self.optimizer = engine, optimizer
+        self.key = key
         self.url, self.generation = str(url), generation
         self.rank, self.world = engine.rank, engine.topo.world_size
         self.device = engine.device
@@ -132,7 +133,12 @@ class StageCheckpointer:
         self.local = dict(engine.named_parameters())
         self.local_buffers = {n: b for n, b in engine.model.named_buffers()
                               if n in self.owner and b.device.type != "meta"}
-        self.writer = CheckpointWriter(self.url, self.rank, self.world, staging_dir, keep=keep, timeout_s=timeout_s)
+        self.writer = CheckpointWriter(self.url, self.rank, self.world, staging_dir, keep=keep, timeout_s=timeout_s,
+                                       key=key)
+        # bytes this rank writes per checkpoint: its tensors, plus AdamW's two moments of parameters
+        self.bytes_per_checkpoint = sum(sizes.get(name, 0) for (name, _unit), r in self.plan.items()
+                                        if r == self.rank)
+        self.staging_dir = Path(staging_dir)
         self.tag = self._agree_tag()
         self.last_save_s = 0.0
 
@@ -204,6 +210,20 @@ class StageCheckpointer:
         self.last_save_s = time.perf_counter() - t0
         return self.last_save_s
 
+    def check_store(self) -> None:
+        """Before the first step: the store takes a write and has room for this rank's share of a
+        checkpoint (``bytes_per_checkpoint`` x 1.1), and the local staging folder is writable.
+        Raises ``CheckpointError`` naming the location and what to change."""
+        self.writer.store.probe(int(self.bytes_per_checkpoint * 1.1))
+        try:
+            self.staging_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.staging_dir / ".probe"
+            probe.write_bytes(b"x")
+            probe.unlink()
+        except OSError as e:
+            raise CheckpointError(f"the local checkpoint staging folder {str(self.staging_dir)!r} is not writable "
+                                  f"({e.strerror or e}); the run folder must be writable") from None
+
     def wait(self, timeout_s: float | None = None):
         """Join this rank's write in flight; rank 0 returns the published ``CheckpointInfo``."""
         return self.writer.wait(timeout_s)
@@ -214,7 +234,14 @@ class StageCheckpointer:
         optimizer state, and ``common.pt``. Touches nothing in the engine. Raises
         ``CheckpointError`` naming the file when one is missing or corrupt, or when the checkpoint
         was taken from a different model (other parameter names)."""
-        store = Store(info.url)
+        try:
+            return self._read(info)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+            raise CheckpointError(f"checkpoint {info.name!r} in {info.url!r} is malformed: its files do not hold "
+                                  f"what its manifest says ({type(e).__name__}: {str(e)[:200]})") from None
+
+    def _read(self, info: CheckpointInfo) -> StageState:
+        store = Store(info.url, self.key)
         items = info.manifest["items"]
         where = f"checkpoint {info.name!r} in {info.url!r}"
         theirs, mine = set(items), set(self.owner)
@@ -244,6 +271,12 @@ class StageCheckpointer:
                     merged.update(payloads[f]["optim"][n])
                 optim[n] = merged
         common = self._load(store, info, COMMON_FILE)
+        rng = common.get("rng") if isinstance(common, dict) else None
+        if not (isinstance(common, dict) and isinstance(common.get("step"), int) and isinstance(common.get("scaler"), dict)
+                and isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor)
+                and all(isinstance(t, torch.Tensor) for t in tensors.values())):
+            raise CheckpointError(f"checkpoint {info.name!r}: {COMMON_FILE} or a segment file lacks the step, "
+                                  "loss scaler, RNG state or tensors it should hold")
         return StageState(info, tensors, optim, common)
 
     @staticmethod
@@ -285,20 +318,26 @@ class StageCheckpointer:
         every rank reads without error (collective). Rank 0 picks the candidate and broadcasts its
         name; every rank reads and verifies its files; one MAX all-reduce says whether any failed;
         if so all move on to the next older one. Returns ``(info, common)``, or ``(None, None)``
-        when there is no usable checkpoint (then nothing was changed)."""
+        when there is no usable checkpoint (then nothing was changed).
+
+        Every fallback is said (stdout, the worker log): rank 0 names each checkpoint newer than the
+        one it resumes from that it skipped — incomplete, torn, malformed, not signed with the job's
+        secret, or unreadable on some rank — with the reason."""
         url = str(url or self.url)
-        candidates = complete_checkpoints(url) if self.rank == 0 else []
+        skipped: list[tuple[str, str]] = []
+        candidates = complete_checkpoints(url, self.key, skipped) if self.rank == 0 else []
         k = 0
         while True:
             name = candidates[k].name if k < len(candidates) else ""
             name = self._broadcast_name(name)
             if not name:
+                self._say_skipped(skipped, None)
                 return None, None
             info = candidates[k] if self.rank == 0 else None
             error = None
             try:
                 if info is None:
-                    store = Store(url)
+                    store = Store(url, self.key)
                     body = store.read_manifest(name)
                     info = CheckpointInfo(store.url, name, int(body["step"]), body)
                 state = self.read(info)
@@ -308,10 +347,27 @@ class StageCheckpointer:
             if _distributed():
                 dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if not int(failed.item()):
+                self._say_skipped(skipped, info)
                 return info, self.apply(state)
             if error is not None:
                 print(f"[varuna] rank {self.rank}: skipping checkpoint {name}: {error}", flush=True)
+            if self.rank == 0:
+                skipped.append((name, str(error) if error is not None else "another rank could not read its files "
+                                "(see that rank's log)"))
             k += 1
+
+    def _say_skipped(self, skipped: list[tuple[str, str]], chosen: CheckpointInfo | None) -> None:
+        """Rank 0: one line per skipped checkpoint newer than ``chosen`` (all of them when None)."""
+        if self.rank != 0:
+            return
+        from .store import parse_name
+
+        floor = -1 if chosen is None else chosen.step
+        for name, reason in skipped:
+            parsed = parse_name(name)
+            if parsed is not None and parsed[0] >= floor and (chosen is None or name != chosen.name):
+                target = f"falling back to {chosen.name}" if chosen else "no usable checkpoint: starting from scratch"
+                print(f"[varuna] skipped checkpoint {name} ({reason}); {target}", flush=True)
 
     def _broadcast_name(self, name: str, size: int = 128) -> str:
         raw = name.encode()

@@ -24,6 +24,7 @@ or ``manager``.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -58,6 +59,71 @@ def parse_name(name: str) -> tuple[int, str] | None:
     """``(step, tag)`` of a checkpoint directory name, ``None`` for anything else."""
     m = _NAME.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")   # a plain file name: no '/', no '..'
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def check_manifest_schema(body: dict) -> str | None:
+    """What is wrong with the structure of a manifest whose checksum verified (``None``: nothing):
+    the fields ``read_manifest``'s callers index must be there with the right types, and every
+    listed file must be a plain name inside the checkpoint's directory. A manifest a bug or a
+    hand edit made odd is skipped like a torn one instead of failing a worker later."""
+    for key in ("step", "world"):
+        if not _is_int(body.get(key), 0 if key == "step" else 1):
+            return f"{key}={body.get(key)!r} is not an integer"
+    for key in ("P", "D"):
+        if key in body and not _is_int(body[key], 1):
+            return f"{key}={body[key]!r} is not an integer >= 1"
+    created = body.get("created", 0.0)
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or created != created:
+        return f"created={created!r} is not a time"
+    files = body.get("files")
+    if not isinstance(files, dict):
+        return "files is not a mapping"
+    for fname, meta in files.items():
+        if not (isinstance(fname, str) and _FILE.match(fname) and ".." not in fname):
+            return f"file name {str(fname)[:80]!r} is not a plain file name"
+        if not (isinstance(meta, dict) and _is_int(meta.get("size")) and isinstance(meta.get("sha256"), str)
+                and _HEX64.match(meta["sha256"]) and _is_int(meta.get("rank"))):
+            return f"file {fname!r}: expected {{size, sha256, rank}}, got {str(meta)[:80]}"
+    items = body.get("items")
+    if items is not None:
+        if not isinstance(items, dict):
+            return "items is not a mapping"
+        for n, it in items.items():
+            if not (isinstance(n, str) and isinstance(it, dict) and (it.get("tensor") is None or it.get("tensor") in files)
+                    and isinstance(it.get("optim", []), list) and all(f in files for f in it.get("optim", []))):
+                return f"item {str(n)[:80]!r} does not name files of the manifest"
+    return None
+
+
+_MAC_LABEL = b"varuna-checkpoint-manifest-v1"
+
+
+def manifest_key(secret: str) -> bytes:
+    """The manifest MAC key of a job secret (domain-separated: never the heartbeat key)."""
+    if not secret:
+        raise ValueError("the job secret is empty")
+    return hmac.new(secret.encode(), _MAC_LABEL, hashlib.sha256).digest()
+
+
+def manifest_mac(key: bytes, body: dict) -> str:
+    """HMAC-SHA256 (hex) of the canonical JSON of a manifest without ``checksum`` and ``mac``."""
+    rest = {k: v for k, v in body.items() if k not in ("checksum", "mac")}
+    return hmac.new(key, json.dumps(rest, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
+
+
+def verify_manifest_mac(key: bytes, body: dict) -> bool:
+    """Whether ``body`` carries a valid ``mac`` for ``key`` (constant-time comparison)."""
+    mac = body.get("mac")
+    return isinstance(mac, str) and len(mac) == 64 and hmac.compare_digest(manifest_mac(key, body), mac)
 
 
 def manifest_checksum(body: dict) -> str:
@@ -104,14 +170,18 @@ class Store:
 
     Small, whole-object operations only: every write is one object, so an object store never shows
     half a manifest; on a local file system writes go to a unique temporary name and are renamed
-    into place (``os.replace``). Raises ``CheckpointError`` when the URL cannot be opened.
+    into place (``os.replace``), and a failed write removes its temporary file. ``key``
+    (``manifest_key(job secret)``): manifests are signed with it and only manifests signed with it
+    are read (so only the job's own writers can publish a checkpoint it loads); ``None``: checksum
+    only (a run without a manager). Raises ``CheckpointError`` when the URL cannot be opened.
     """
 
-    def __init__(self, url: str | os.PathLike):
+    def __init__(self, url: str | os.PathLike, key: bytes | None = None):
         self.url = str(url)
+        self.key = key
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url)
-        except (ValueError, ImportError) as e:
+        except Exception as e:  # noqa: BLE001 - any driver's error: unknown scheme, DNS, credentials
             raise CheckpointError(f"cannot open checkpoint store {self.url!r}: {e}") from None
         self.root = self.root.rstrip("/") or "/"
         self.local = isinstance(self.fs, LocalFileSystem)
@@ -126,11 +196,15 @@ class Store:
         if self.local:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, dest)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
         else:
             self.fs.pipe_file(dest, data)
 
@@ -141,12 +215,35 @@ class Store:
         if self.local:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
-            (shutil.move if move else shutil.copyfile)(local_path, tmp)
-            os.replace(tmp, dest)
+            try:
+                (shutil.move if move else shutil.copyfile)(local_path, tmp)
+                os.replace(tmp, dest)
+            except BaseException:
+                _unlink_quietly(tmp)   # a full disk leaves no partial copy behind
+                raise
         else:
             self.fs.put_file(local_path, dest)
             if move:
                 os.unlink(local_path)
+
+    def probe(self, need_bytes: int = 0) -> None:
+        """Check, before training starts, that this store takes a write (an object written and
+        removed) and, on a local file system, that it has ``need_bytes`` free. Raises
+        ``CheckpointError`` saying what is wrong and what to change."""
+        rel = f".probe-{uuid.uuid4().hex[:12]}"
+        try:
+            self.write_bytes(rel, b"varuna store probe\n")
+            self.fs.rm_file(self.path(rel))
+        except Exception as e:  # noqa: BLE001 - any driver's error: read-only, no permission, gone
+            raise CheckpointError(f"checkpoint store {self.url!r} is not writable ({type(e).__name__}: "
+                                  f"{str(e)[:200]}); give train.checkpoint_url a location every worker can write "
+                                  "(checked before the first step, so no training is lost)") from None
+        if self.local and need_bytes > 0:
+            free = shutil.disk_usage(self.root).free
+            if free < need_bytes:
+                raise CheckpointError(f"checkpoint store {self.url!r} has {free / 2**20:.1f} MiB free but one "
+                                      f"checkpoint of this rank needs about {need_bytes / 2**20:.1f} MiB; free "
+                                      "space or give train.checkpoint_url another location")
 
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
@@ -197,14 +294,26 @@ class Store:
             raw = self.read_bytes(f"{name}/{MANIFEST}")
         except FileNotFoundError:
             raise CheckpointError(f"{where} is incomplete: it has no {MANIFEST} (its write did not finish)") from None
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{where}: {MANIFEST} is {len(raw)} bytes (at most {MAX_MANIFEST_BYTES})")
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise CheckpointError(f"{where}: {MANIFEST} is not valid JSON ({len(raw)} bytes; a torn write)") from None
-        if not isinstance(body, dict) or body.get("checksum") != manifest_checksum(body):
+        try:
+            ok = isinstance(body, dict) and body.get("checksum") == manifest_checksum(body)
+        except (TypeError, ValueError, RecursionError):
+            ok = False
+        if not ok:
             raise CheckpointError(f"{where}: {MANIFEST} checksum does not match its content (torn or edited)")
         if body.get("format") != FORMAT:
-            raise CheckpointError(f"{where}: format {body.get('format')!r}, this SDK reads {FORMAT!r}")
+            raise CheckpointError(f"{where}: format {str(body.get('format'))[:40]!r}, this SDK reads {FORMAT!r}")
+        if self.key is not None and not verify_manifest_mac(self.key, body):
+            raise CheckpointError(f"{where}: {MANIFEST} is not signed with this job's secret (written by another job "
+                                  "or by someone without the secret)")
+        problem = check_manifest_schema(body)
+        if problem is not None:
+            raise CheckpointError(f"{where}: {MANIFEST} is malformed: {problem}")
         present = self.listdir(name)
         for fname, meta in sorted(body["files"].items()):
             if fname not in present:
@@ -231,39 +340,52 @@ class Store:
         return data
 
 
-def complete_checkpoints(url: str | os.PathLike) -> list[CheckpointInfo]:
-    """Every complete checkpoint in the store at ``url`` whose manifest verifies, newest first
-    (by step, then by creation time). Incomplete or torn ones are skipped. ``[]`` if none or the
-    store does not exist yet. Raises ``CheckpointError`` if the URL cannot be opened."""
-    store = Store(url)
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def complete_checkpoints(url: str | os.PathLike, key: bytes | None = None,
+                         skipped: list[tuple[str, str]] | None = None) -> list[CheckpointInfo]:
+    """Every complete checkpoint in the store at ``url`` whose manifest verifies (signed with
+    ``key`` when given), newest first (by step, then by creation time). Incomplete, torn, unsigned
+    or malformed ones are skipped; ``skipped`` (a list) receives ``(name, reason)`` of each. ``[]``
+    if none or the store does not exist yet. Raises ``CheckpointError`` if the URL cannot be
+    opened."""
+    store = Store(url, key)
     out = []
     for name in store.checkpoint_names():
         try:
             body = store.read_manifest(name)
-        except CheckpointError:
+        except CheckpointError as e:
+            if skipped is not None:
+                skipped.append((name, str(e)))
             continue
         out.append(CheckpointInfo(store.url, name, int(body["step"]), body))
     out.sort(key=lambda i: (i.step, float(i.manifest.get("created", 0.0)), i.name), reverse=True)
     return out
 
 
-def latest_complete(url: str | os.PathLike) -> CheckpointInfo | None:
+def latest_complete(url: str | os.PathLike, key: bytes | None = None) -> CheckpointInfo | None:
     """The newest checkpoint in the store at ``url`` whose manifest verifies (``None`` if there is
     none): the one a resumed job starts from. Cheap: reads manifests and one directory listing per
     checkpoint, not the tensor files (those are checked against their SHA-256 when loaded)."""
-    found = complete_checkpoints(url)
+    found = complete_checkpoints(url, key)
     return found[0] if found else None
 
 
-def prune(url: str | os.PathLike, keep: int, published: str | None = None, _crash=None) -> list[str]:
+def prune(url: str | os.PathLike, keep: int, published: str | None = None, _crash=None,
+          key: bytes | None = None) -> list[str]:
     """Keep the newest ``keep`` complete checkpoints; delete older complete ones and incomplete
     ones older than ``published`` (the one just completed; torn leftovers of earlier attempts).
     Incomplete checkpoints newer than that are left alone (they may still be being written).
     Returns the deleted names. Raises ``ValueError`` for ``keep < 1``."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1")
-    store = Store(url)
-    complete = complete_checkpoints(url)
+    store = Store(url, key)
+    complete = complete_checkpoints(url, key)
     if not complete:
         return []
     kept = {i.name for i in complete[:keep]}

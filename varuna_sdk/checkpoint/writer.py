@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .store import (DONE_DIR, FORMAT, MANIFEST, CheckpointError, CheckpointInfo, Store, manifest_checksum, prune,
-                    wait_for_markers)
+from .store import (DONE_DIR, FORMAT, MANIFEST, CheckpointError, CheckpointInfo, Store, manifest_checksum,
+                    manifest_mac, prune, wait_for_markers)
 
 CRASH_ENV = "VARUNA_CKPT_CRASH"
 PHASES = ("staged", "uploading", "uploaded", "marked", "markers", "manifest-half", "published", "pruning")
@@ -89,6 +89,11 @@ class CheckpointWriter:
         manifest_writer: whether this rank writes the manifest and prunes (rank 0).
         keep: complete checkpoints to keep (>= 1).
         timeout_s: how long the manifest writer waits for every rank's marker.
+        key: ``store.manifest_key(job secret)``: the manifest is signed with it (None: unsigned).
+
+    A write that fails (a full disk, a store that went away) removes what it left: the local
+    staging files and this rank's files of that checkpoint in the store (the manifest writer: the
+    whole checkpoint, which can never complete), so a full store does not stay full.
 
     ``save`` returns once the thread has started; ``wait`` joins it and returns the published
     ``CheckpointInfo`` (manifest writer) or the checkpoint name (other ranks). A failure in the
@@ -96,10 +101,11 @@ class CheckpointWriter:
     """
 
     def __init__(self, url: str, rank: int, world: int, staging_dir: str | Path, *, manifest_writer: bool | None = None,
-                 keep: int = 3, timeout_s: float = 600.0):
+                 keep: int = 3, timeout_s: float = 600.0, key: bytes | None = None):
         if keep < 1:
             raise ValueError(f"keep={keep} must be >= 1")
-        self.store = Store(url)
+        self.key = key
+        self.store = Store(url, key)
         self.rank, self.world = rank, world
         self.staging = Path(staging_dir)
         self.manifest_writer = rank == 0 if manifest_writer is None else manifest_writer
@@ -107,6 +113,8 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._result: Any = None
+        self._mine: list[str] = []
+        self._published = False
         self.timings: dict[str, float] = {}  # seconds of the last checkpoint's phases
 
     @property
@@ -147,7 +155,31 @@ class CheckpointWriter:
         try:
             self._result = self._write(name, step, files, manifest)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by wait()
+            files.clear()
+            self._clean_up(name)
             self._error = e
+
+    def _clean_up(self, name: str) -> None:
+        """After a failed write: drop the local staging of ``name`` and what this rank put in the
+        store for it (the manifest writer: the whole checkpoint directory)."""
+        shutil.rmtree(self.staging / name, ignore_errors=True)
+        try:
+            self.staging.rmdir()
+        except OSError:
+            pass
+        if self._published:   # it failed while pruning: the checkpoint itself is complete
+            return
+        try:
+            if self.manifest_writer:
+                self.store.remove_checkpoint(name)
+            else:
+                for fname in self._mine:
+                    try:
+                        self.store.fs.rm_file(self.store.path(name, fname))
+                    except (FileNotFoundError, OSError):
+                        pass
+        except Exception:  # noqa: BLE001 - the store itself may be gone; the error is reported anyway
+            pass
 
     def _write(self, name: str, step: int, files: dict[str, Any], manifest: dict | None):
         r, t = self.rank, {}
@@ -155,6 +187,7 @@ class CheckpointWriter:
         local = self.staging / name
         local.mkdir(parents=True, exist_ok=True)
         entries = {}
+        self._mine, self._published = list(files), False
         for fname, obj in files.items():
             entries[fname] = {**save_hashed(obj, local / fname), "rank": r}
         files.clear()  # drop the snapshot as soon as it is on disk
@@ -192,6 +225,8 @@ class CheckpointWriter:
                 all_files[fname] = meta
         body = {"format": FORMAT, **(manifest or {}), "step": step, "world": self.world, "files": all_files,
                 "created": time.time()}
+        if self.key is not None:
+            body["mac"] = manifest_mac(self.key, body)
         body["checksum"] = manifest_checksum(body)
         data = json.dumps(body, indent=1, sort_keys=True).encode()
         if _crash_wanted("manifest-half", r, step):
@@ -199,9 +234,10 @@ class CheckpointWriter:
                 f.write(data[: len(data) // 2])
             os._exit(17)
         self.store.write_bytes(f"{name}/{MANIFEST}", data)
+        self._published = True
         t["publish_s"] = time.perf_counter() - t2
         _crash_point("published", r, step)
-        prune(self.store.url, self.keep, published=name, _crash=lambda: _crash_point("pruning", r, step))
+        prune(self.store.url, self.keep, published=name, _crash=lambda: _crash_point("pruning", r, step), key=self.key)
         t["total_s"] = time.perf_counter() - t0
         self.timings = t
         return CheckpointInfo(self.store.url, name, step, body)

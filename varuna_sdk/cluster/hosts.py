@@ -52,6 +52,33 @@ class Secret:
     def reveal(self) -> str:
         return self._value
 
+    @classmethod
+    def load_or_create(cls, path: "str | os.PathLike") -> "Secret":
+        """The secret kept in ``path`` (mode 0600), made (32 random bytes, URL-safe) when the file
+        does not exist yet — a job's secret outlives its manager, so a restarted manager and
+        every later generation sign and verify with the same one. Raises ``PermissionError`` when
+        the file is readable by others (fix with ``chmod 600``)."""
+        import secrets as _secrets
+        import stat
+
+        p = os.fspath(path)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            mode = os.stat(p).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise PermissionError(f"{p} holds the job secret but is readable by others "
+                                      f"(mode {stat.S_IMODE(mode):o}); chmod 600 it") from None
+            with open(p, encoding="ascii") as f:
+                value = f.read().strip()
+            if len(value) < 16:
+                raise PermissionError(f"{p} does not hold a job secret (too short); delete it to make a new one")
+            return cls(value)
+        value = _secrets.token_urlsafe(32)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(value + "\n")
+        return cls(value)
+
     def __repr__(self) -> str:
         return "Secret('***')"
 

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..cluster.hosts import Host
+from ..cluster.hosts import Host, Secret
 from ..cluster.localproc import is_local
 from ..config import ConfigError, JobConfig
 from .decisions import GrowRule, StragglerRule, find_stragglers, pool_slots, steps_lost, worker_slots
@@ -58,6 +58,15 @@ _log = logging.getLogger(__name__)
 
 SUSPECT_S = 120.0  # a VM reported lost is not planned on for this long unless the provider re-adds it
 
+
+
+JOB_SECRET_FILE = ".job-secret"   # in the run folder, mode 0600
+
+
+def _manifest_key(token: Secret) -> bytes:
+    from ..checkpoint.store import manifest_key
+
+    return manifest_key(token.reveal())
 
 class JobState(str, enum.Enum):
     """Where a job is. Terminal: SUCCEEDED, FAILED, STOPPED."""
@@ -186,6 +195,10 @@ class Manager:
         self.max_failures = int(max_failures)
         self.wait_for_hosts_s = float(wait_for_hosts_s)
         self.generation_options = dict(generation_options or {})
+        # one secret for the whole job, kept in the run folder (0600): every generation's heartbeats
+        # and every checkpoint manifest are signed with it, and a restarted manager reuses it
+        self.generation_options.setdefault("token", Secret.load_or_create(self.run_dir / JOB_SECRET_FILE))
+        self._manifest_key = _manifest_key(self.generation_options["token"])
         ssh = provider.ssh_options() if hasattr(provider, "ssh_options") else None
         if ssh is not None:
             self.generation_options.setdefault("ssh_options", ssh)
@@ -404,7 +417,7 @@ class Manager:
     def _resume_step(self) -> int:
         from ..checkpoint import latest_complete
 
-        ck = latest_complete(self._store_url())
+        ck = latest_complete(self._store_url(), self._manifest_key)
         return 0 if ck is None else int(ck.step)
 
     def _store_url(self) -> str:
