@@ -326,3 +326,41 @@ def test_a_persistently_slow_worker_is_excluded(tmp_path, reference):
         log.close()
     assert verdicts and verdicts[-1]["action"] == "excluded" and verdicts[-1]["slowdown"] >= 1.5
     assert_same_trajectory(final_losses(run), reference)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, reference):
+    """kill -9 of one worker of a P=2 x D=2 job on 4 local slots: the VM is fine, only its process
+    died, so the morph may plan on that slot at once — before, the slot was distrusted for 120 s
+    (a plan needing it waited 121 s). Losses stay the uninterrupted run's,
+    and the steps redone (counted from the metrics rows, not the manager's record) are at most
+    the checkpoint interval."""
+    import os
+    import signal
+
+    from varuna_sdk.cluster.provider import LocalProvider
+
+    run = tmp_path / "run"
+    provider = LocalProvider(4)
+    mgr = Manager(tiny_job(), provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None,
+                  generation_options={"sink": None})
+    try:
+        mgr.start()
+        wait_step(run, 8, 120, generation=0)
+        with EventLog.reader(run / "events.db") as log:
+            pid = next(e.payload["pid"] for e in log.events(kind=Kind.WORKER_JOINED) if e.rank == 1)
+        os.kill(pid, signal.SIGKILL)
+        assert mgr.wait(200) == JobState.SUCCEEDED, mgr.error
+    finally:
+        mgr.cancel()
+        mgr.wait(30)
+        provider.close()
+    morphs = mgr.summary()["morphs"]
+    assert [m["cause"] for m in morphs] == ["loss"], morphs
+    assert "local1" in morphs[0]["new"]["hosts"], morphs   # the killed worker's slot is planned on again
+    assert 0 < morphs[0]["downtime_s"] < 15, morphs
+    with EventLog.reader(run / "events.db") as log:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    redone = len(rows) - len({r["step"] for r in rows})
+    assert 0 <= redone <= EVERY, redone
+    assert_same_trajectory(final_losses(run), reference)

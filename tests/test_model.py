@@ -141,6 +141,10 @@ def test_undeclared_shared_parameter_names_parameter_and_stages():
     assert shared_state(s, sm, ["wte.weight"]) == {"wte.weight": [0, 1]}
     assert shared_state(s, sm, None) == {"wte.weight": [0, 1]}
     assert shared_state(s, StageMap.from_lists([list(range(s.num_segments))], s.num_segments), []) == {}
+    # a misspelt name is refused with the closest valid one (it used to be ignored silently)
+    with pytest.raises(PartitionError, match=r"shared_params names 'wte.weigth', which is not a parameter of the "
+                                             r"model; did you mean 'wte.weight'\?"):
+        shared_state(s, sm, ["wte.weigth"])
 
 
 class _BufferTwice(nn.Module):

@@ -68,6 +68,20 @@ def _manifest_key(token: Secret) -> bytes:
 
     return manifest_key(token.reveal())
 
+
+def _answers(h: Host, timeout_s: float = 1.0) -> bool:
+    """Whether a VM reported lost is reachable again: a local slot always is (only its worker
+    died); an SSH VM when its SSH port accepts a TCP connection within ``timeout_s``."""
+    if is_local(h):
+        return True
+    import socket
+
+    try:
+        with socket.create_connection((h.address, h.port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
 class JobState(str, enum.Enum):
     """Where a job is. Terminal: SUCCEEDED, FAILED, STOPPED."""
 
@@ -322,11 +336,14 @@ class Manager:
 
     def _usable_hosts(self) -> list[Host]:
         """VMs the next plan may use: held by the provider, not under notice, not excluded as a
-        straggler, and not reported lost in the last ``SUSPECT_S`` seconds (unless re-added)."""
+        straggler, and not reported lost in the last ``SUSPECT_S`` seconds (unless re-added, or it
+        answers: a local slot whose worker was killed is reusable at once, an SSH VM whose SSH port
+        accepts a connection within a second is too)."""
         now = time.time()
         return [h for h in self.provider.hosts() if h.name not in self._excluded and
                 not (h.name in self._noticed and self._noticed[h.name] > now - 3600) and
-                not (h.name in self._suspect and self._suspect[h.name] > now - SUSPECT_S)]
+                not (h.name in self._suspect and self._suspect[h.name] > now - SUSPECT_S
+                     and not _answers(h))]
 
     def _replan(self, hosts: list[Host], *, first: bool, best_only: bool = False
                 ) -> tuple[JobConfig, Any, Any, list[Host]]:

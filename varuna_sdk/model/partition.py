@@ -144,13 +144,23 @@ def shared_state(
 
     With ``declared_shared=None`` every such parameter is tied automatically (its copies start
     identical and their gradients are summed, paper §5.2). With a list, only the named ones may
-    be shared. Raises ``PartitionError`` naming the parameter, the stages and the fix when an
+    be shared, and each must be a parameter of the model (a misspelt name is refused with the
+    closest one). Raises ``PartitionError`` naming the parameter, the stages and the fix when an
     undeclared parameter, or any buffer (mutable state that cannot be kept identical), is used
     on several stages, or when a tensor skips a cut-point across a stage boundary.
     """
     check_tensor_flow(structure, stage_map)
     declared = None if declared_shared is None else set(declared_shared)
     params = set(structure.param_names)
+    for name in sorted(declared or ()):
+        if name not in params:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(params), n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise PartitionError(
+                f"shared_params names {name!r}, which is not a parameter of the model; {hint}"
+                f"names are the model's own (named_parameters), e.g. {sorted(params)[:3]}")
     out: dict[str, list[int]] = {}
     for name, segs in structure.state_segments.items():
         stages = sorted({stage_map.stage_of_segment(k) for k in segs})
