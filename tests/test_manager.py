@@ -364,3 +364,40 @@ def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, referen
     redone = len(rows) - len({r["step"] for r in rows})
     assert 0 <= redone <= EVERY, redone
     assert_same_trajectory(final_losses(run), reference)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how,said", [("os._exit", "rank 1 on local1 exited with code 0 before"),
+                                      ("sys.exit", "SystemExit: 0")])
+def test_a_rank_that_exits_cleanly_before_training_is_named_within_seconds(tmp_path, how, said):
+    """User code that ends one worker with ``sys.exit(0)`` while its model is built: the other
+    ranks would wait for it in the rendezvous until the collective timeout (before: the job failed
+    only at the overall timeout, naming nobody). Now the job fails within seconds of that exit,
+    naming the rank and the cause."""
+    from varuna_sdk.cluster.provider import LocalProvider
+
+    text = tmp_path / "tale.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 200)
+    job = JobConfig(name="exits", model=ModelConfig(factory="tests.thirdparty.misbehaving:exits_on_rank",
+                                                    kwargs={"rank": 1, "how": how, "n_layer": 2, "block_size": 32}),
+                    data=DataConfig(path=str(text), tokenizer="byte", seq_len=16),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=4, micro_batch_size=2),
+                    train=TrainConfig(steps=5, eval_batches=1), launch=LaunchConfig(gpus=2, timeout_s=600))
+    run = tmp_path / "run"
+    provider = LocalProvider(2)
+    mgr = Manager(job, provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None, max_failures=0,
+                  calibrate_first=False, generation_options={"sink": None, "code_dir": str(Path(__file__).parent.parent)})
+    try:
+        mgr.start()
+        assert mgr.wait(120) == JobState.FAILED, (mgr.state, mgr.error)
+    finally:
+        mgr.cancel()
+        mgr.wait(30)
+        provider.close()
+    with EventLog.reader(run / "events.db") as log:
+        exited = [e for e in log.events(kind=Kind.WORKER_FAILED) if e.rank == 1]
+        started = log.events(kind="generation_started")[0].time
+        ended = [e for e in log.events(kind=Kind.JOB_STATE) if e.payload.get("state") == "FAILED"][0].time
+    assert exited and said in exited[0].payload["error"], exited
+    assert "rank 1" in (mgr.error or ""), mgr.error
+    assert ended - started < 60, ended - started   # seconds, not launch.timeout_s (600 s)

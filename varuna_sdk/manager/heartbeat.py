@@ -386,10 +386,11 @@ class HeartbeatServer:
     def report_exit(self, host: str, rank: int, exit_code: int | None, *,
                     at: float | None = None) -> None:
         """The launcher saw worker ``rank`` on ``host`` end (``at``: ``time.monotonic()`` when it
-        did). A worker that said goodbye, one we are stopping, or one that exited 0 (its goodbye
-        was lost on the way) just gets ``worker_exited``; any other is a process death (a
-        signal, a non-zero exit without goodbye, ``exit_code=None``: its VM is unreachable):
-        its host is declared lost now."""
+        did). A worker that said goodbye, one we are stopping, or one that exited 0 after training
+        (its goodbye was lost on the way) just gets ``worker_exited``; one that exited 0 before its
+        first step, without a goodbye, is a ``worker_failed`` naming the rank (it ended itself; the
+        others would wait for it); any other is a process death (a signal, a non-zero exit without
+        goodbye, ``exit_code=None``: its VM is unreachable): its host is declared lost now."""
         now = time.monotonic()
         with self._lock:
             s = self._senders.setdefault((host, rank), SenderState(host, rank))
@@ -399,6 +400,16 @@ class HeartbeatServer:
                 s.loss_time = now if at is None else at
                 reason = "worker_process_died" if exit_code is not None else "vm_unreachable"
                 self._declare_lost(s, reason, now, extra={"exit_code": exit_code})
+            elif s.status in ("running", "disconnected", "expected") and s.last.get("step") is None:
+                # exit 0 without a goodbye and without one training step: the process ended itself
+                # (sys.exit / os._exit in user code, a broken start-up) — the other ranks would wait
+                # for it until the collective timeout; name it now
+                s.status, s.deadline = "failed", None
+                where = "before it joined" if s.joined_at is None else "before its first training step"
+                self._emit(Kind.WORKER_FAILED, host=host, rank=rank, payload={
+                    "status": "exited", "last_step": None, "error": f"rank {rank} on {host} exited with code 0 "
+                    f"{where} (its engine was never built, or the code it runs ended the process: look for "
+                    "sys.exit/os._exit in the model, data or loss code, and at its worker log)"})
             elif s.status not in ("lost",):
                 s.status = "exited" if s.status != "failed" else s.status
 
