@@ -45,6 +45,16 @@ VM_STATES = ("up", "notice", "pre-empted", "lost", "released")
 QUIET_KINDS = frozenset({"worker_after_loss"})
 
 
+READ_BATCH = 5000          # rows read per query when catching up with a log
+MAX_KEPT_EVENTS = 5000     # plans, morphs, checkpoints kept for the views (the newest)
+
+
+def _append_bounded(items: list, item: Any, cap: int = MAX_KEPT_EVENTS) -> None:
+    items.append(item)
+    if len(items) > cap + cap // 4:   # trim in chunks, not on every append
+        del items[: len(items) - cap]
+
+
 def resolve_event_log(source: str | Path) -> Path:
     """The event log of ``source``: a run folder holding ``events.db``, or the ``.db`` file itself.
 
@@ -231,18 +241,26 @@ class TelemetryStore:
             self._last_refresh = now
             t0 = time.perf_counter()
             changed = False
-            events = self._log.events(job_id=self.job_id, since_id=self._ev_cursor)
-            if events:
+            while True:   # in batches: a long log is folded in bounded memory
+                events = self._log.events(job_id=self.job_id, since_id=self._ev_cursor, limit=READ_BATCH)
+                if not events:
+                    break
                 for e in events:
                     self._apply(e)
                 self._ev_cursor = events[-1].id
                 self.version.events += 1
                 changed = True
-            rows = self._log.metrics(job_id=self.job_id, since_id=self.metrics.last_id)
-            if rows:
+                if len(events) < READ_BATCH:
+                    break
+            while True:
+                rows = self._log.metrics(job_id=self.job_id, since_id=self.metrics.last_id, limit=READ_BATCH)
+                if not rows:
+                    break
                 self.metrics.extend(rows)
                 self.version.metrics = len(self.metrics)
                 changed = True
+                if len(rows) < READ_BATCH:
+                    break
             if self._hb_cursor == 0:  # first read: only the latest per rank, not the whole table
                 latest = self._log.latest_heartbeats(self.job_id)
                 hbs = sorted(latest.values(), key=lambda h: h.id)
@@ -321,16 +339,16 @@ class TelemetryStore:
             if host:
                 self._vm(host, e.time).straggler = dict(p)
         elif k == Kind.PLAN:
-            self.plans.append(e)
+            _append_bounded(self.plans, e)
             for h in p.get("hosts") or []:
                 if isinstance(h, str) and h not in self.vms and not self._has_pool_events:
                     self.vms[h] = VM(h, since=e.time)
         elif k == Kind.MORPH:
-            self.morphs.append(e)
+            _append_bounded(self.morphs, e)
         elif k == Kind.JOB_STATE:
             self.job_state = e
         elif k == Kind.CHECKPOINT:
-            self.checkpoints.append(e)
+            _append_bounded(self.checkpoints, e)
         elif k in (Kind.WORKER_JOINED, Kind.WORKER_REJOINED) and e.host and not self._has_pool_events:
             self._vm(e.host, e.time)
 

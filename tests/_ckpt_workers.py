@@ -18,10 +18,11 @@ from varuna_sdk.trainer import build_training, lr_at
 
 def tiny_job(P: int, D: int, steps: int = 6, global_batch: int = 4, **train) -> JobConfig:
     """Tiny GPT-2 with 8 blocks (10 cut-point segments, so P = 8 is possible), byte tokens, fp32,
-    dropout 0, micro-batch 1 (so m = global_batch / D)."""
+    dropout 0.1 (so the checkpoint and morph equivalences cover the dropout masks), micro-batch 1 (so m =
+    global_batch / D)."""
     return JobConfig(
         name="ckpt-test",
-        model=ModelConfig(preset="tiny", n_layer=8, dropout=0.0),
+        model=ModelConfig(preset="tiny", n_layer=8, dropout=0.1),
         data=DataConfig(tokenizer="byte", seq_len=16),
         parallel=ParallelConfig(P=P, D=D, global_batch=global_batch, micro_batch_size=1),
         train=TrainConfig(steps=steps, lr=3e-3, warmup_steps=1, eval_batches=1, precision="fp32", **train),

@@ -323,13 +323,15 @@ class EventLog:
                f"(SELECT MAX(id) FROM heartbeats {where} GROUP BY rank) ORDER BY rank")
         return {row[4]: HeartbeatRow(*row[:12], json.loads(row[12])) for row in self._query(sql, args)}
 
-    def metrics(self, *, job_id: str | None = None, since_id: int = 0) -> list[dict[str, Any]]:
-        """Per-step metrics rows as dicts (the stored JSON plus ``id``, ``time``, ``job_id``)."""
+    def metrics(self, *, job_id: str | None = None, since_id: int = 0,
+                limit: int | None = None) -> list[dict[str, Any]]:
+        """Per-step metrics rows as dicts (the stored JSON plus ``id``, ``time``, ``job_id``);
+        ``limit``: at most that many (a reader reading a long log in batches)."""
         where, args = ["id > ?"], [since_id]
         if job_id is not None:
             where.append("job_id = ?"); args.append(job_id)
         rows = self._query("SELECT id, time, job_id, payload FROM metrics WHERE "
-                           + " AND ".join(where) + " ORDER BY id", args)
+                           + " AND ".join(where) + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""), args)
         return [{**json.loads(p), "id": i, "time": t, "job_id": j} for i, t, j, p in rows]
 
     def count(self, table: str = "events") -> int:

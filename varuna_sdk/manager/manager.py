@@ -231,6 +231,7 @@ class Manager:
         self._noticed: dict[str, float] = {}     # host -> deadline
         self._excluded: set[str] = set()          # stragglers taken out
         self._suspect: dict[str, float] = {}      # host -> when reported lost (until re-added)
+        self._micro_batch_size: int | None = None  # the first plan's; morphs keep it (see _replan)
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_morph_time = time.time()
@@ -264,6 +265,8 @@ class Manager:
         self.state = last
         if last.terminal:
             return True
+        if plans and isinstance(plans[0].payload.get("micro_batch_size"), int):
+            self._micro_batch_size = plans[0].payload["micro_batch_size"]   # the job's, kept by every morph
         if plans:
             self._pending = MorphRecord(time=time.time(), cause="manager_restart",
                                         old={k: plans[-1].payload.get(k) for k in ("P", "D", "gpus", "micro_batch_size", "hosts")},
@@ -356,6 +359,7 @@ class Manager:
         job = copy.deepcopy(self.job)
         p0 = job.parallel
         if first and not self.calibrate_first and self._profile is None and not p0.planned and p0.P * p0.D <= G:
+            self._micro_batch_size = self._micro_batch_size or p0.micro_batch_size
             return job, None, None, self._hosts_for(hosts, p0.P * p0.D)  # as configured, no calibration
         if not first:
             job.parallel.P = job.parallel.D = None
@@ -363,9 +367,25 @@ class Manager:
         local = all(_on_this_machine(h) for h in hosts)
         per_vm = G if local else max(worker_slots(h) for h in hosts)
         slots = (os.cpu_count() or 1) if local else 0
+        # a morph keeps the micro-batch size of the first plan: random ops (dropout) draw per (step,
+        # micro-batch, segment), so the same examples get the same masks only in micro-batches of the
+        # same size — the loss trajectory stays the uninterrupted one's
+        pinned = None if self._micro_batch_size is None else [self._micro_batch_size]
+        if first and pinned is None and not p0.planned:   # a configured P x D: its configured micro-batch size
+            pinned = [p0.micro_batch_size]
         try:
-            job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                     keep_fixed=first, exhaustive=not best_only)
+            try:
+                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                                         keep_fixed=first, exhaustive=not best_only, micro_batch_sizes=pinned)
+            except ConfigError:
+                if pinned is None:
+                    raise
+                msg = (f"no plan for {G} worker slot(s) keeps micro-batch size {pinned[0]}; choosing another, so random "
+                       "ops (dropout) draw other masks from here on")
+                _log.warning("job %s: %s", self.job_id, msg)
+                self.log.append("warning", job_id=self.job_id, payload={"message": msg})
+                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                                         keep_fixed=first, exhaustive=not best_only)
         except ConfigError as e:
             if not first:
                 raise
@@ -375,9 +395,15 @@ class Manager:
             self.log.append("warning", job_id=self.job_id, payload={"message": msg})
             job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
             job.parallel.boundaries = None
-            job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                     keep_fixed=False, exhaustive=not best_only)
+            try:   # ... P and D, with the configured micro-batch size when some plan has it
+                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                                         keep_fixed=False, exhaustive=not best_only, micro_batch_sizes=pinned)
+            except ConfigError:
+                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                                         keep_fixed=False, exhaustive=not best_only)
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
+        if first and not best_only and self._micro_batch_size is None:
+            self._micro_batch_size = job_g.parallel.micro_batch_size
         return job_g, pl, row, self._hosts_for(hosts, job_g.parallel.P * job_g.parallel.D)
 
     @staticmethod

@@ -686,6 +686,7 @@ def plan(
 
 def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, gpus_per_vm: int | None = None,
                  compute_slots_per_vm: int | None = None, keep_fixed: bool = True,
+                 micro_batch_sizes: Sequence[int] | None = None,
                  exhaustive: bool = True) -> tuple[JobConfig, Plan]:
     """Plan ``job`` for ``gpus`` workers (default ``job.launch.gpus``) and return a copy of it
     with ``parallel`` filled in from the best row (P, D, micro-batch size, stage boundaries),
@@ -735,7 +736,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     # boundaries fix P and the split; a fixed P caps the depths tried; a fixed D is the only replica count tried
     pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=p.recompute, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
-              boundaries=bnd, exhaustive=exhaustive or fixed_P is not None)
+              boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes)
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
