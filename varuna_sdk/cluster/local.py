@@ -33,8 +33,26 @@ class WorkerFailure(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on ``host`` now, below the kernel's ephemeral port range, so that no
+    outgoing connection (gloo's own pairs, SSH, HTTP) is handed it before the rendezvous store
+    binds it (a port from ``bind(0)`` is in that range and can be). Self-contained: its source is
+    also run on a remote rank-0 VM (``manager.generation``)."""
+    import random
+    import socket
+
+    try:
+        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    for _ in range(200):
+        p = random.randrange(max(1024, lo - 12000), max(1025, lo))
+        with socket.socket() as s:
+            try:
+                s.bind((host, p))
+                return p
+            except OSError:
+                pass
+    with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

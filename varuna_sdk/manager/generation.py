@@ -65,6 +65,7 @@ from typing import Callable, Mapping, Sequence
 
 from ..cluster.bootstrap import BootstrapError, VersionPolicy, bootstrap
 from ..cluster.hosts import Host, Secret
+from ..cluster.local import free_port
 from ..cluster.localproc import LOCAL_ADDRESS, is_local
 from ..cluster.remote import LineSink, RemoteJob, RemoteWorker, WorkerSpec, launch, print_sink
 from ..cluster.ssh import SSHConnection, SSHError, SSHOptions, SSHPool
@@ -121,29 +122,6 @@ def place(hosts: Sequence[Host], world_size: int, *, cpu_slots: int = 1) -> list
         raise ValueError(f"P x D = {world_size} workers need {world_size} slots but the hosts offer "
                          f"{len(out)} ({offer}); give more hosts, or plan for {len(out)} workers")
     return out
-
-
-def _pick_port(addr: str) -> int:
-    """A TCP port free on ``addr`` now, below the kernel's ephemeral port range (so no outgoing
-    connection is given it before the rendezvous store binds it). Self-contained: its source is
-    also run on a remote rank-0 VM."""
-    import random
-    import socket
-    try:
-        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        lo = 32768
-    for _ in range(200):
-        p = random.randrange(max(1024, lo - 12000), max(1025, lo))
-        with socket.socket() as s:
-            try:
-                s.bind((addr, p))
-                return p
-            except OSError:
-                pass
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def _route_source(address: str, port: int) -> str:
@@ -503,8 +481,8 @@ class Generation:
         if self.master_port:
             return self.master_port
         if is_local(h0) or h0.is_loopback:
-            return int(_pick_port(h0.address))
-        code = f"{inspect.getsource(_pick_port)}\nprint(_pick_port(''))"
+            return int(free_port(h0.address))
+        code = f"{inspect.getsource(free_port)}\nprint(free_port(''))"
         return int(self.pool.get(h0).run([h0.python, "-c", code], timeout_s=30, check=True).stdout.split()[-1])
 
     def _launch(self, cfg: Path, remote_cfg: dict, remote_run: dict, cwd: dict,
