@@ -219,7 +219,7 @@ EXHAUST = textwrap.dedent("""
     from varuna_sdk.cluster.hosts import Secret
     from varuna_sdk.manager.events import EventLog
     from varuna_sdk.manager.heartbeat import HeartbeatClient, HeartbeatServer
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))   # hard too: the server cannot raise it
     secret = Secret(secrets.token_urlsafe(24))
     log = EventLog(os.path.join(tempfile.mkdtemp(), "events.db"))
     srv = HeartbeatServer("j", secret, log, interval_s=0.5).start()

@@ -221,9 +221,18 @@ class RefusalBudget:
 
 def connection_limit(requested: int, reserve: int = 64) -> int:
     """Connections the server may hold: ``requested`` but at most half of this process's
-    descriptor limit (``RLIMIT_NOFILE``) after ``reserve``, so a flood of connections can never
-    take the descriptors that the event log, SSH sessions and worker pipes need."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    descriptor limit (``RLIMIT_NOFILE``, whose soft value is first raised towards the hard one when
+    it is lower than ``2 x requested + reserve``) after ``reserve``, so a flood of connections can
+    never take the descriptors that the event log, SSH sessions and worker pipes need."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * requested + reserve
+    if soft != resource.RLIM_INFINITY and 0 < soft < want:   # raise the soft limit as far as allowed
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
     if soft == resource.RLIM_INFINITY or soft <= 0:
         return requested
     return max(4, min(requested, (soft - reserve) // 2))
