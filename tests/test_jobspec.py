@@ -213,3 +213,19 @@ def test_a_job_whose_loss_is_never_finite_fails_instead_of_succeeding(tmp_path):
     job.train.steps = 8
     with pytest.raises(WorkerFailure, match=r"not finite .* 3 steps in a row in fp32, so no step was applied"):
         train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))
+
+
+def test_by_value_unpickles_only_checked_shipped_objects():
+    """Only a ``Shipped`` (packed here, or read from a version- and SHA-256-checked objects file)
+    reaches cloudpickle; raw bytes from anywhere else are refused before anything is unpickled."""
+    import pickle
+
+    import cloudpickle
+
+    from varuna_sdk.shipping import ByValue, Shipped
+
+    evil = cloudpickle.dumps(lambda: "ran")
+    with pytest.raises(TypeError, match="ByValue loads only checked shipped objects"):
+        ByValue(evil, "factory")
+    ok = ByValue(Shipped({"factory": evil}, {}), "factory")
+    assert ok() == "ran" and pickle.loads(pickle.dumps(ok))() == "ran"   # the spawn path keeps the Shipped

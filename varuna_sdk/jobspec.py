@@ -239,12 +239,12 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
         payloads = shipped.payloads
         if "factory" not in payloads:
             raise ShippingError("the objects shipped with the job hold no model factory")
-        factory: Callable = ByValue(payloads["factory"])
+        factory: Callable = ByValue(shipped, "factory")
         kwargs = dict(m.kwargs or {})
         if "loss" in payloads:
-            loss = ByValue(payloads["loss"])
+            loss = ByValue(shipped, "loss")
         if "init" in payloads:
-            init_fn = ByValue(payloads["init"])
+            init_fn = ByValue(shipped, "init")
         name = shipped.names.get("factory", "model defined in the notebook")
         identity = {"kind": "by_value", "sha256": hashlib.sha256(payloads["factory"]).hexdigest()[:24],
                     "kwargs": kwargs}
@@ -376,7 +376,7 @@ def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> Jo
             shipped = find_objects(digest, search)
             if "dataset" not in shipped.payloads:
                 raise ShippingError("the objects shipped with the job hold no dataset factory")
-            make = ByValue(shipped.payloads["dataset"])
+            make = ByValue(shipped, "dataset")
             where = f"dataset factory {shipped.names.get('dataset', '')} (shipped with the job)"
         else:
             make, where = Imported(d.dataset), f"data.dataset {d.dataset!r}"

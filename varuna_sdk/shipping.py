@@ -39,11 +39,18 @@ class ShippingError(RuntimeError):
 
 
 class ByValue:
-    """A callable shipped by value: cloudpickle ``payload`` bytes, loaded on first call (pickles as
-    the bytes, so processes spawned on this machine get it too)."""
+    """A callable shipped by value: the ``role`` payload of a ``Shipped`` (so only objects that
+    came from ``pack_objects`` in this process or from a version- and SHA-256-checked objects
+    file, ``read_objects``, can ever be unpickled), loaded with cloudpickle on first call. It
+    pickles as its ``Shipped`` and role, so processes spawned on this machine get it with their job
+    spec. Raises ``TypeError`` for anything but a ``Shipped``, ``KeyError`` for a role it lacks."""
 
-    def __init__(self, payload: bytes):
-        self.payload = payload
+    def __init__(self, shipped: "Shipped", role: str):
+        if not isinstance(shipped, Shipped):
+            raise TypeError("ByValue loads only checked shipped objects (a Shipped from find_objects), "
+                            f"not {type(shipped).__name__}")
+        self.shipped, self.role = shipped, role
+        self.payload = shipped.payloads[role]
         self._obj = None
 
     def __call__(self, *args, **kwargs):
@@ -61,7 +68,7 @@ class ByValue:
         return self._obj(*args, **kwargs)
 
     def __reduce__(self):
-        return (ByValue, (self.payload,))
+        return (ByValue, (self.shipped, self.role))
 
 
 def runtime_versions() -> dict[str, str]:
