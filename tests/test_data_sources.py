@@ -243,3 +243,47 @@ def test_a_dataset_factory_trains_through_the_pipeline_as_plain_pytorch_does(tmp
         opt.zero_grad()
         ref.append(total)
     assert got == pytest.approx(ref, rel=1e-5), (got, ref)
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_whose_data_fails_mid_mini_batch_is_named_at_once_and_not_retried(tmp_path):
+    """One example of the dataset cannot be read (``IndexError`` from ``__getitem__``): at P=1 x D=2
+    the replica whose share of a step holds it fails; its peer's all-reduce then fails with a
+    "connection closed" of gloo. The job fails within seconds of the last good step, naming the
+    failing rank, the example, the step, the replica and the cause (never the peer's gloo error),
+    and is not retried although the manager has retries left (the same step reads the same examples)."""
+    from varuna_sdk.cluster.local import WorkerFailure
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.launch import train_local
+    from varuna_sdk.manager.events import EventLog, Kind
+    from tests.thirdparty.user_data import make_dataset
+
+    n, gb, step_bad = 400, 16, 3
+    order = ExampleLoader(make_dataset(n), gb, seed=0, indices=range(n - 20))  # val_fraction 0.05
+    bad = int(order.example_indices(step_bad)[gb // 2 + 3])                    # replica 1's 4th example
+    assert bad not in {int(i) for s in range(step_bad) for i in order.example_indices(s)}
+    job = JobConfig(name="baddata", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:OneBadExample",
+                                    dataset_kwargs={"n": n, "bad": bad}, val_fraction=0.05),
+                    parallel=ParallelConfig(P=1, D=2, global_batch=gb, micro_batch_size=4),
+                    train=TrainConfig(steps=20, lr=1e-2, warmup_steps=1, eval_batches=1, grad_clip=None,
+                                      checkpoint_every=0, run_dir=str(tmp_path / "runs")))
+    with pytest.raises(WorkerFailure) as err:
+        train_local(job, run_dir=tmp_path / "run", max_failures=2)
+    text = str(err.value)
+    assert "rank 1]" in text and "DataError" in text and "IndexError: record" in text, text
+    assert f"example {bad} (step {step_bad}, replica 1 of 2" in text, text
+    assert "not retried" in text and "Connection closed" not in text, text
+    log = EventLog.reader(tmp_path / "run" / "events.db")
+    try:
+        steps = [e for e in log.metrics()]
+        failed = log.events(kind=Kind.WORKER_FAILED)
+        launches = log.events(kind=Kind.PLAN)
+        states = log.events(kind=Kind.JOB_STATE)
+    finally:
+        log.close()
+    assert sorted(r["step"] for r in steps) == list(range(step_bad)), steps   # every good step recorded
+    assert len(launches) == 1, launches                                       # one generation: not retried
+    assert any(e.rank == 1 and e.payload.get("cause") == "data" for e in failed), failed
+    failed_at = max(e.time for e in states if e.payload.get("state") == "FAILED")
+    assert failed_at - max(r["wall_time"] for r in steps) < 10.0

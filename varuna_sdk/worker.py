@@ -81,11 +81,36 @@ def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None
         status = _train(argv, hb)
     except BaseException as e:
         if hb is not None:
-            hb.close(status="failed", error="".join(traceback.format_exception_only(e)).strip())
+            hb.close(status="failed", error="".join(traceback.format_exception_only(e)).strip(),
+                     cause=failure_cause(e))
         raise
     if hb is not None:
         hb.close(status=STOPPED if status == STOPPED else "ok")
     return 0
+
+
+#: what a collective raises on a rank whose peer died first (gloo, NCCL, the TCP store)
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+              "remote process exited", "socket closed", "read error", "timed out")
+
+
+def failure_cause(e: BaseException) -> str:
+    """Why a worker failed, for the manager (``manager.heartbeat.FAILURE_CAUSES``): ``"data"`` for a
+    ``DataError`` (deterministic: retrying reads the same examples), ``"peer"`` for a collective
+    that failed because another rank died first (a consequence, not the cause), else ``"error"``."""
+    from .data.loader import DataError
+
+    seen = e
+    while seen is not None:
+        if isinstance(seen, DataError):
+            return "data"
+        seen = seen.__cause__
+    names = {c.__name__ for c in type(e).__mro__}
+    text = str(e).lower()
+    if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"} or (
+            isinstance(e, RuntimeError) and any(k in text for k in _PEER_GONE)):
+        return "peer"
+    return "error"
 
 
 def _train(argv: list[str], hb: HeartbeatClient | None) -> str:

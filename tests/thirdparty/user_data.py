@@ -33,3 +33,19 @@ class Classifier(nn.Module):
         for block in self.body:
             h = block(h)
         return self.out(h)
+
+
+class OneBadExample(torch.utils.data.Dataset):
+    """``make_dataset(n)`` whose example ``bad`` cannot be read (a record missing from the file its
+    ``__len__`` was counted from): ``__getitem__`` raises ``IndexError`` for it."""
+
+    def __init__(self, n: int = 400, bad: int = 0):
+        self.inner, self.bad = make_dataset(n), bad
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise IndexError(f"record {i} is missing from the file")
+        return self.inner[i]

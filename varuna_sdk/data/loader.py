@@ -34,6 +34,7 @@ from .tokenizer import get_tokenizer
 
 __all__ = [
     "BatchLoader",
+    "DataError",
     "ExampleLoader",
     "LM_FIELDS",
     "collate",
@@ -46,6 +47,13 @@ __all__ = [
 ]
 
 _CACHE_FORMAT = 1  # bump to invalidate every cached token file
+
+
+class DataError(ValueError):
+    """The data cannot be used as given: a source that cannot be opened, or a step's examples that
+    cannot be read or batched. The message names the file, column or example and the fix. Data
+    errors are deterministic (the same step reads the same examples on every try), so the manager
+    does not retry a generation that failed with one."""
 
 
 def default_cache_dir() -> Path:
@@ -397,20 +405,42 @@ class ExampleLoader:
             out[sel] = self.indices[self._epoch_order(int(epoch))[pos[sel] % n]]
         return out
 
-    def _gather(self, idx: np.ndarray) -> dict[str, Any]:
-        return collate([self.dataset[int(i)] for i in idx])
+    def _gather(self, idx: np.ndarray, where: str) -> dict[str, Any]:
+        """The examples ``idx`` batched; ``where`` (e.g. "step 12, replica 1 of 2") names them in the
+        ``DataError`` raised when the dataset cannot give one of them or they cannot be batched."""
+        examples = []
+        for pos, i in enumerate(idx):
+            try:
+                examples.append(self.dataset[int(i)])
+            except Exception as e:  # noqa: BLE001 - any failure of the user's __getitem__ is a data error
+                raise DataError(
+                    f"the dataset could not give example {int(i)} ({where}, example {pos + 1} of {len(idx)}): "
+                    f"{type(e).__name__}: {e}. Its __len__ says {len(self.dataset)} examples, so every index "
+                    "below that must be readable: fix __getitem__ (or the file it reads), or make __len__ "
+                    "count only the examples there are") from e
+        try:
+            return collate(examples)
+        except Exception as e:  # noqa: BLE001 - examples of different shapes or types
+            raise DataError(
+                f"examples {[int(i) for i in idx[:8]]}{'...' if len(idx) > 8 else ''} ({where}) cannot be "
+                f"batched: {type(e).__name__}: {e}. Every example must have the same fields and shapes (pad or "
+                "truncate them to one length in the dataset)") from e
 
     def batch(self, step: int) -> dict[str, Any]:
-        """The fields of step ``step``'s global batch (see ``collate``)."""
-        return self._gather(self.example_indices(step))
+        """The fields of step ``step``'s global batch (see ``collate``). Raises ``DataError`` naming the
+        example the dataset could not give."""
+        return self._gather(self.example_indices(step), f"step {step}")
 
     def replica_batch(self, step: int, replica: int, num_replicas: int) -> dict[str, Any]:
-        """Rows ``[replica*b : (replica+1)*b]`` of ``batch(step)``, ``b = global_batch // num_replicas``."""
+        """Rows ``[replica*b : (replica+1)*b]`` of ``batch(step)``, ``b = global_batch // num_replicas``.
+        Raises ``DataError`` naming the example, the step and the replica when the dataset cannot give
+        one of them (an index error, a missing file) or they cannot be batched."""
         if num_replicas < 1 or self.global_batch % num_replicas or not 0 <= replica < num_replicas:
             raise ValueError(f"replica {replica} of {num_replicas} does not fit global_batch={self.global_batch}; "
                              f"valid num_replicas: {_divisors(self.global_batch)}")
         per = self.global_batch // num_replicas
-        return self._gather(self.example_indices(step)[replica * per:(replica + 1) * per])
+        return self._gather(self.example_indices(step)[replica * per:(replica + 1) * per],
+                            f"step {step}, replica {replica} of {num_replicas}")
 
     @property
     def position(self) -> int:

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .loader import default_cache_dir, save_array
+from .loader import DataError, default_cache_dir, save_array
 from .tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -38,10 +38,6 @@ COLUMN_FORMATS = ("json", "jsonl", "parquet", "csv")
 FORMATS = ("auto", "text", "tokens", "hf", *COLUMN_FORMATS)
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _CACHE_FORMAT = 1
-
-
-class DataError(ValueError):
-    """The data cannot be used as given; the message names the file or column and the fix."""
 
 
 @dataclass

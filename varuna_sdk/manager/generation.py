@@ -88,7 +88,9 @@ class GenerationResult:
     ``lost_during_bootstrap``, ``never_joined``, ``preempted``...); ``failure``: the first failed
     worker's traceback, each line prefixed ``[vm rank r]`` (or the bootstrap error naming the VM);
     ``last_step``: the last step rank 0 reported finished (None: none); ``seconds``: from
-    ``start()`` to the end; ``stop_reason``: the ``request_stop`` reason, if any."""
+    ``start()`` to the end; ``stop_reason``: the ``request_stop`` reason, if any; ``cause``: why
+    the worker named in ``failure`` failed (``heartbeat.FAILURE_CAUSES``; None: not said) — a
+    ``"data"`` failure is deterministic, so retrying it would fail the same way."""
 
     status: str
     exit_codes: dict[int, int | None] = field(default_factory=dict)
@@ -97,6 +99,7 @@ class GenerationResult:
     last_step: int | None = None
     seconds: float = 0.0
     stop_reason: str | None = None
+    cause: str | None = None
 
 
 class _Abandoned(Exception):
@@ -610,18 +613,38 @@ class Generation:
         steps = [x for x in steps if isinstance(x, int)]
         return max(steps) if steps else None
 
+    def _failures_said(self) -> dict[int, dict]:
+        """rank → the payload of its WORKER_FAILED goodbye (error, cause), for the ranks that said one."""
+        return {e.rank: e.payload for e in list(self.server.emitted if self.server else [])
+                if e.kind == Kind.WORKER_FAILED and e.rank is not None}
+
+    def _root_failure(self) -> tuple[int, dict] | None:
+        """The failed rank that explains the failure, with its goodbye (``{}``: none said): the
+        first to fail whose cause is not a peer that died first (its peers' collectives then fail
+        with "connection closed" in whichever order the OS reports it), else the first to fail."""
+        if not self._failed_ranks:
+            return None
+        said = self._failures_said()
+        roots = [r for r in self._failed_ranks if said.get(r, {}).get("cause") != "peer"]
+        rank = (roots or self._failed_ranks)[0]
+        return rank, said.get(rank, {})
+
     def _failure_text(self) -> str | None:
         if self._start_failure is not None:
             return self._start_failure
-        if self.remote is None or not self._failed_ranks:
+        root = self._root_failure()
+        if self.remote is None or root is None:
             return None
-        w = self.remote.workers[self._failed_ranks[0]]
+        w = self.remote.workers[root[0]]
         lines = [x for x in list(w.stderr_tail) if x.strip()]
         if not lines:
-            errs = [e.payload.get("error") for e in list(self.server.emitted if self.server else [])
-                    if e.kind == Kind.WORKER_FAILED and e.rank == w.rank and e.payload.get("error")]
-            lines = errs[-1:] or [f"exited with {w.exit_code} and wrote nothing to stderr"]
+            lines = [root[1]["error"]] if root[1].get("error") else [
+                f"exited with {w.exit_code} and wrote nothing to stderr"]
         return "\n".join(f"{w.prefix} {x}" for x in lines)
+
+    def _failure_cause(self) -> str | None:
+        root = self._root_failure() if self._start_failure is None else None
+        return None if root is None else root[1].get("cause")
 
     def _evaluate(self) -> GenerationResult | None:
         """The result if the generation has ended, else None. Called without ``_cond`` held
@@ -646,7 +669,7 @@ class Generation:
             pending = any(s.status == "disconnected" for s in senders.values())
             if (time.monotonic() - (first_problem or 0.0) < self.interval_s or pending) and not stopping:
                 return None
-            return GenerationResult("failed", failure=self._failure_text(), **base)
+            return GenerationResult("failed", failure=self._failure_text(), cause=self._failure_cause(), **base)
         if self.remote is None:
             return GenerationResult("killed", **base) if stopping else None
         if not self.remote.done():

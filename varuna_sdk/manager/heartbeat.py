@@ -111,6 +111,9 @@ _TYPES = ("hello", "hb", "metrics", "bye")
 _SERVER_TYPES = ("ack", "stop")
 METRICS_BUDGET = 32 * 1024  # bytes of metrics rows per line (well under MAX_LINE)
 STOPPED = "stopped"  # bye status of a worker that stopped on request (not a failure)
+#: why a worker failed (its goodbye's ``cause``): its data ("data": deterministic, never retried), a
+#: peer that died first ("peer": a consequence, not the cause), anything else ("error")
+FAILURE_CAUSES = ("data", "peer", "error")
 
 
 # ------------------------------------------------------------------------------------ wire format
@@ -857,6 +860,8 @@ class HeartbeatServer:
                 if failed:
                     err = msg.get("error")
                     payload["error"] = err[-2000:] if isinstance(err, str) else None
+                    cause = msg.get("cause")
+                    payload["cause"] = cause if cause in FAILURE_CAUSES else "error"
                 self._emit(Kind.WORKER_FAILED if failed else Kind.WORKER_FINISHED, host=host,
                            rank=rank, payload=payload)
             if s.status == "running":
@@ -1135,10 +1140,12 @@ class HeartbeatClient:
         self._thread.start()
         return self
 
-    def close(self, status: str = "ok", error: str | None = None, timeout_s: float = 5.0) -> None:
+    def close(self, status: str = "ok", error: str | None = None, timeout_s: float = 5.0,
+              cause: str | None = None) -> None:
         """Stop the thread, deliver the metrics not yet acknowledged (within ``timeout_s``) and
         say goodbye (``status`` "ok", "stopped", or "failed" with ``error``, e.g. the traceback's
-        last line), so the manager does not take the exit for a lost VM."""
+        last line, and ``cause``, one of ``FAILURE_CAUSES``), so the manager does not take the
+        exit for a lost VM."""
         if self.closed:
             return
         self.closed = True
@@ -1156,6 +1163,8 @@ class HeartbeatClient:
                     bye = {"type": "bye", "status": status, "step": self._state.get("step")}
                     if error:
                         bye["error"] = str(error)[-2000:]
+                    if cause in FAILURE_CAUSES:
+                        bye["cause"] = cause
                     self._send(bye)
                     break
                 except Exception as e:  # noqa: BLE001

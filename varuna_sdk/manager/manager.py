@@ -709,6 +709,9 @@ class Manager:
             return None
         self.failures += 1
         failure = getattr(res, "failure", None) or f"generation ended with status {status}"
+        if getattr(res, "cause", None) == "data":
+            self._pending = None
+            return self._fail(f"the data failed (not retried: the same step reads the same examples):\n{failure}")
         if self.failures > self.max_failures:
             self._pending = None
             return self._fail(f"worker failure (budget of {self.max_failures} retries spent):\n{failure}")
