@@ -3,7 +3,7 @@ never loaded, loss trajectory preserved across stop/resume morphs and a sudden l
 stores, keep-last-K, weights_only loading, and the config fields.
 
 Multi-process cases run real spawned gloo workers (``cluster.local.spawn_workers``) on a tiny
-8-block GPT-2 (fp32, dropout 0); results come back as files loaded with ``weights_only=True``.
+8-block GPT-2 (fp32, dropout 0.1); results come back as files loaded with ``weights_only=True``.
 """
 
 from __future__ import annotations

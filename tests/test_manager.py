@@ -72,6 +72,31 @@ def final_losses(run_dir: Path) -> dict[int, float]:
         log.close()
 
 
+def steps_redone(run_dir: Path) -> list[int]:
+    """Steps each generation after the first trained again, counted from the metrics rows (every
+    row the job recorded, by its ``generation`` field) — not from the manager's morph records, which
+    they are compared with. Also checks that no step was skipped: each generation starts at most one
+    step after the furthest step before it and trains consecutive steps."""
+    log = EventLog.reader(run_dir / "events.db")
+    try:
+        rows = log.metrics()
+    finally:
+        log.close()
+    by_gen: dict[int, list[int]] = {}
+    for r in rows:
+        by_gen.setdefault(int(r["generation"]), []).append(int(r["step"]))
+    seen: set[int] = set()
+    redone = []
+    for g in sorted(by_gen):
+        steps = sorted(set(by_gen[g]))
+        assert steps == list(range(steps[0], steps[-1] + 1)), f"generation {g} skipped steps: {steps}"
+        assert not seen or steps[0] <= max(seen) + 1, f"generation {g} starts at {steps[0]}, after {max(seen)}"
+        if seen:
+            redone.append(len(set(steps) & seen))
+        seen |= set(steps)
+    return redone
+
+
 def wait_step(run_dir: Path, step: int, timeout_s: float, generation: int | None = None) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -147,6 +172,7 @@ def test_notice_shrink_sudden_loss_and_grow_keep_the_loss_trajectory(tmp_path, r
     assert 0 <= loss["steps_lost"] <= EVERY
     assert loss["new"]["gpus"] == 1 and grow["new"]["gpus"] == 2
     assert grow["steps_lost"] == 0
+    assert steps_redone(run) == [m["steps_lost"] for m in morphs]   # the manager's record, counted again
     for m in morphs:
         assert m["downtime_s"] is not None and 0 < m["downtime_s"] < 60
     assert_same_trajectory(final_losses(run), reference)
@@ -192,6 +218,7 @@ def test_worker_that_ignores_the_stop_is_killed_and_the_job_falls_back(tmp_path,
     morphs = mgr.summary()["morphs"]
     assert morphs[0]["cause"] == "stop_timeout", morphs
     assert morphs[0]["resume_step"] % EVERY == 0
+    assert steps_redone(run) == [m["steps_lost"] for m in morphs] and 0 <= morphs[0]["steps_lost"] <= EVERY
     assert_same_trajectory(final_losses(run), reference)
 
 
@@ -255,6 +282,7 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
     assert any("manager restarted" in r for r in reasons), reasons
     assert [m["cause"] for m in morphs] == ["manager_restart"], morphs
     assert morphs[0]["steps_lost"] == 0           # the orphans checkpointed where they stopped
+    assert steps_redone(run) == [0]               # ... counted from the metrics rows too
     assert_same_trajectory(final_losses(run), reference)
     assert _worker_pids(run) == []
 
@@ -332,7 +360,7 @@ def test_a_persistently_slow_worker_is_excluded(tmp_path, reference):
         mgr.wait(60)
         emu.close()
     assert morphs[0]["cause"] == "straggler" and morphs[0]["host"] == "local1", morphs
-    assert morphs[0]["new"]["hosts"] == ["local0"] and morphs[0]["steps_lost"] == 0
+    assert morphs[0]["new"]["hosts"] == ["local0"] and morphs[0]["steps_lost"] == 0 and steps_redone(run) == [0]
     log = EventLog.reader(run / "events.db")
     try:
         verdicts = [e.payload for e in log.events(kind=Kind.STRAGGLER)]
@@ -376,6 +404,7 @@ def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, referen
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     redone = len(rows) - len({r["step"] for r in rows})
     assert 0 <= redone <= EVERY, redone
+    assert steps_redone(run) == [redone] == [morphs[0]["steps_lost"]]
     assert_same_trajectory(final_losses(run), reference)
 
 

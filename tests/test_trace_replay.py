@@ -23,7 +23,7 @@ import time
 import pytest
 
 from ssh_hosts import procs_mentioning, skip_reason
-from test_manager import EVERY, assert_same_trajectory, final_losses, tiny_job, wait_step
+from test_manager import EVERY, assert_same_trajectory, final_losses, steps_redone, tiny_job, wait_step
 from varuna_sdk.demo import TraceSlice
 from varuna_sdk.manager.decisions import GrowRule
 from varuna_sdk.manager.events import EventLog, Kind
@@ -119,6 +119,7 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog):
     assert morphs[-1]["new"]["hosts"] == ["vm0", "vm1"]   # grown back onto the returned VM
     for m in morphs:
         assert m["downtime_s"] is not None and 0 < m["downtime_s"] < 120, m
+    assert steps_redone(run) == [m["steps_lost"] for m in morphs]   # counted from the metrics rows too
     # the losses are the uninterrupted run's, as far as the job got
     got = final_losses(run)
     assert len(got) < STEPS, "the job finished all its steps: the replay no longer tests a running job"

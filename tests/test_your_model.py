@@ -2,8 +2,9 @@
 (jupyter_client, as nbclient drives the tutorials): a model class defined in a cell (with its own
 RMSNorm that has no ``reset_parameters``) on the user's own text file is planned and launched with
 ``Job(model=..., data=...)``; on emulated spot VMs it survives a pre-emption with notice and a
-sudden loss, and every per-step loss equals an uninterrupted run of the same job (fp32, 1e-5);
-its calibration is cached under the model's identity; nothing is left running.
+sudden loss, and every per-step loss equals an uninterrupted run of the same job (fp32, dropout
+0.1, 1e-5); the steps redone, counted from the metrics rows, are the manager's record (0 with
+notice); its calibration is cached under the model's identity; nothing is left running.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class Layer(nn.Module):
     def __init__(self, d):
         super().__init__()
         self.norm, self.up, self.down = RMSNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
     def forward(self, x):
-        return x + self.down(F.silu(self.up(self.norm(x))))
+        return x + self.drop(self.down(F.silu(self.up(self.norm(x)))))
 
 class NotebookLM(nn.Module):
     """A model that exists only in this notebook."""
@@ -94,10 +96,11 @@ def test_notebook_model_survives_notice_and_sudden_loss_with_the_same_losses(ker
     res = k.ok("job = Job(config('nb-spot'), model=NotebookLM, data='my_notes.txt',\n"
                "          provider=SpotEmulator(capacity=3, backend='local', notice_s=None).start(),\n"
                "          manager_options={'heartbeat_interval_s': 1.0, 'straggler': None, 'grow': None})\n"
-               "t0 = time.monotonic(); prof = job.calibrate(); print(f'calibrated in {time.monotonic() - t0:.1f} s')\n"
-               "t0 = time.monotonic(); again = job.calibrate(); print(f'again in {time.monotonic() - t0:.2f} s')",
+               "prof = job.calibrate()\n"
+               "again = Job(config('nb-spot'), model=NotebookLM, data='my_notes.txt', provider=LocalProvider(2)).calibrate()",
                timeout_s=300)
-    assert float(res.stdout.split("again in ")[1].split(" s")[0]) < 5.0, res.stdout
+    # a second job of the same model reads the cached profile: the same measured seconds, not new ones
+    assert k.value("again.to_json() == prof.to_json() and prof.segments[0].fwd_s[0] > 0"), res.stdout
     assert k.value("prof.model['identity']['kind']") == "by_value"
     k.ok("job.launch(progress=False)\nwait_until(job, lambda: job.status.step >= 8)", timeout_s=200)
     used = k.value("[h.name for h in job.provider.hosts()][:2]")
@@ -112,6 +115,10 @@ def test_notebook_model_survives_notice_and_sudden_loss_with_the_same_losses(ker
     causes = k.value("list(job.morphs['cause'])")
     assert causes[0] == "notice" and causes[1] == "loss", causes
     assert k.value("int(job.morphs.iloc[0]['steps_lost'])") == 0
+    # the steps each later generation trained again, counted from the metrics rows
+    redone = k.value("[int(len(set(g['step']) & set(job.metrics[job.metrics['generation'] < gen]['step'])))\n"
+                     " for gen, g in job.metrics.groupby('generation') if gen > 0]")
+    assert redone == k.value("[int(x) for x in job.morphs['steps_lost']]"), redone
     got = k.value("{int(s): float(l) for s, l in job.metrics.groupby('step')['loss'].last().items()}")
     ref = k.value("{int(s): float(l) for s, l in ref.metrics.groupby('step')['loss'].last().items()}")
     assert sorted(int(s) for s in got) == list(range(STEPS)) == sorted(int(s) for s in ref)
