@@ -185,8 +185,9 @@ def test_frozen_worker_is_lost_within_two_intervals(job):
     p.kill()
     assert ev is not None, log.events()
     assert ev.payload["reason"] == "heartbeat_timeout" and ev.payload["ranks"] == [1]
-    assert latency <= 2 * I + 0.1, latency
-    assert 2 * I - 0.05 <= ev.payload["since_last_heartbeat_s"] <= 2 * I + 0.1
+    # never before 2 intervals; the slack above them only absorbs a loaded machine's scheduling
+    assert latency <= 2 * I + 1.0, latency
+    assert 2 * I - 0.05 <= ev.payload["since_last_heartbeat_s"] <= 2 * I + 1.0
     assert ev.payload["detection_latency_s"] == ev.payload["since_last_heartbeat_s"]
     assert log.events(kind=Kind.HOST_LOST)[0].payload == ev.payload
     assert set(server.lost_hosts()) == {"vm1"}  # vm0 keeps beating
@@ -230,7 +231,7 @@ def test_goodbyes_are_not_losses_reports_and_no_shows_are(job):
     server.report_exit("vm2", 2, -9, at=time.monotonic())
     ev = server.wait_for(Kind.HOST_LOST, timeout_s=1, host="vm2")
     assert ev.payload["reason"] == "worker_process_died" and ev.payload["exit_code"] == -9
-    assert ev.payload["detection_latency_s"] < 0.1
+    assert ev.payload["detection_latency_s"] < 1.0   # at once: no heartbeat timeout waited for
     # a worker that never joins (its VM died during bootstrap) is lost after its allowance
     server.expect("vm3", 3, within_s=2 * I)
     ev = server.wait_for(Kind.HOST_LOST, timeout_s=4 * I, host="vm3")
@@ -527,7 +528,7 @@ def test_a_worker_cut_off_from_its_manager_stops_by_itself(tmp_path):
             time.sleep(0.05)
         took = time.monotonic() - t0
         assert client.stop_requested and client.stop_reason == "manager unreachable"
-        assert 1.5 <= took < 3.0, took
+        assert 1.5 <= took < 6.0, took   # never before orphan_after_s
     finally:
         client.close(timeout_s=0.5)
         log.close()

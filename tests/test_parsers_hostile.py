@@ -88,7 +88,7 @@ def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=r"laughs.yaml: line 2: YAML alias \*a is not allowed"):
         JobConfig.from_yaml(f)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0   # refused, not expanded (expanding takes minutes)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB: nothing expanded
 
 
@@ -197,7 +197,7 @@ def test_a_count_row_cannot_demand_unbounded_memory(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(TraceError, match=r"t.csv:2: count 1000000000000 must be in 0..100000"):
         load_trace(f)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0   # refused before allocating (allocating takes minutes or fails)
     f.write_text("".join(f"{i},{100_000 if i % 2 else 0}\n" for i in range(40)))
     with pytest.raises(TraceError, match="more than 1000000 events"):
         load_trace(f)

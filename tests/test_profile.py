@@ -177,7 +177,7 @@ def test_real_calibration_of_tiny_gpt2():
     prof = calibrate(partial(gpt2, cfg), lm_loss, make_batch, sizes, network=False,
                      init_fn=partial(init_gpt2, n_layer=cfg.n_layer))
     wall = time.perf_counter() - t0
-    assert wall < 20.0 and 0 < prof.calibration_s <= wall
+    assert 0 < prof.calibration_s <= wall   # its own record of the time it took (speed: bench_calibration)
     n = cfg.n_layer + 2  # embeddings, each block, final LayerNorm + head
     assert prof.num_segments == n and prof.micro_batch_sizes == list(sizes) and prof.network is None
     for k, s in enumerate(prof.segments):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import pytest
 
@@ -417,18 +416,11 @@ def test_bad_types_raise_type_error():
         simulate(SimInput(P=2, m=2, fwd=1.0, bwd=1.0), pp=3)
 
 
-# --------------------------------------------------------------------------- speed (smoke)
+# --------------------------------------------------------------------------- extrapolation
 
 
-def test_speed_smoke():
-    """Loose bounds (shared CI machines); measured figures are in the module docs."""
-    kw = dict(P=8, m=64, fwd=1.0, bwd=2.0, p2p_alpha=1e-3)
-    simulate(**kw)
-    t = time.perf_counter()
-    for _ in range(50):
-        simulate(**kw)
-    assert (time.perf_counter() - t) / 50 < 5e-3
+def test_a_very_long_schedule_is_extrapolated():
+    """P=96 x m=1024 (1F1B, recompute) is simulated for a prefix and extrapolated (its speed is
+    shown by benchmarks/bench_plan_speed.py, not asserted here)."""
     big = SimInput(P=96, m=1024, fwd=1.0, bwd=2.0, policy="1f1b", recompute=True, extrapolate=True)
-    t = time.perf_counter()
-    out = simulate(big)
-    assert out.extrapolated and time.perf_counter() - t < 0.1
+    assert simulate(big).extrapolated

@@ -19,12 +19,10 @@ from varuna_sdk.cluster.localproc import local_processes, start_local
 from varuna_sdk.cluster.provider import HostEvent
 from varuna_sdk.cluster.spot import SpotEmulator, TraceError, load_trace
 from varuna_sdk.cluster.ssh import HostUnreachableError, SSHConnection
+from varuna_sdk.demo import TRACES_DIR
 from varuna_sdk.manager.events import EventLog, Kind
 
-TRACES = Path("/work/shared/data/spot-traces")
-if not TRACES.is_dir():
-    TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "spot-traces"
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"spot traces not found at {TRACES}")
+TRACES = TRACES_DIR  # the traces shipped inside the package (varuna_sdk/data/spot-traces)
 
 
 class Events:
@@ -52,7 +50,6 @@ def _raw(path: Path) -> list[tuple[int, str, str]]:
     return [(int(a), b, c) for a, b, c in (line.split(",") for line in path.read_text().split())]
 
 
-@needs_traces
 @pytest.mark.parametrize("name, adds, removes, peak", [("aws-p3-trace.csv", 177, 167, 32),
                                                        ("aws-g4dn-trace.csv", 79, 74, 24)])
 def test_real_traces_load(name, adds, removes, peak):
@@ -62,7 +59,6 @@ def test_real_traces_load(name, adds, removes, peak):
     assert t.duration_s == raw[-1][0] / 1000.0 and t.raw_events == len(raw)
 
 
-@needs_traces
 def test_window_and_compression_are_exact():
     path = TRACES / "aws-p3-trace.csv"
     t = load_trace(path, start_s=3600, end_s=7200, compress=120)
@@ -140,17 +136,18 @@ def test_emulator_replays_a_trace_on_local_slots(tmp_path):
         proc = start_local(em.hosts()[0], [sys.executable, "-c", "import time; time.sleep(60)"])
         child = proc.pids()
         t_n, notice = seen.wait(lambda e: e.kind == "notice")
-        assert notice.host.name == "local0" and 0.5 < t_n - t0 < 0.9
-        assert notice.lead_s == pytest.approx(0.4, abs=0.1)
+        # never early; late by at most a loaded machine's scheduling slack (order is checked by the events)
+        assert notice.host.name == "local0" and 0.5 < t_n - t0 < 1.9
+        assert 0 < notice.lead_s <= 0.4 + 1e-6
         assert [h.name for h in em.hosts()] == ["local1"] and em.acquire(2) == [em.hosts()[0]]
         assert proc.poll() is None  # a notice is only a warning
         t_r, removed = seen.wait(lambda e: e.kind == "removed")
-        assert removed.host.name == "local0" and 0.9 < t_r - t0 < 1.4
-        assert abs(time.time() - notice.deadline) < 0.6
+        assert removed.host.name == "local0" and 0.9 < t_r - t0 < 2.4
+        assert time.time() >= notice.deadline - 0.05   # removed at (not before) the notice's deadline
         assert proc.wait(2) == -9 and not local_processes("local0")  # really killed
         assert child and all(_is_zombie(c) for c in child)
         t_a, added = seen.wait(lambda e: e.kind == "added" and e.reason == "trace node4 added")
-        assert added.host.name == "local0" and 1.4 < t_a - t0 < 1.9
+        assert added.host.name == "local0" and 1.4 < t_a - t0 < 2.9
         time.sleep(0.8)  # node3 (overflow) leaves at 2.0 s: nothing happens
         assert em.overflow == set() and sorted(h.name for h in em.hosts()) == ["local0", "local1"]
     rows = [(e.kind, e.host) for e in log.events(job_id="j")]
@@ -158,7 +155,7 @@ def test_emulator_replays_a_trace_on_local_slots(tmp_path):
                     (Kind.PREEMPTION_NOTICE, "local0"), (Kind.HOST_REMOVED, "local0"),
                     (Kind.HOST_ADDED, "local0")]
     n = log.events(kind=Kind.PREEMPTION_NOTICE)[0].payload
-    assert n["deadline"] == notice.deadline and n["lead_s"] == pytest.approx(0.4, abs=0.1)
+    assert n["deadline"] == notice.deadline and 0 < n["lead_s"] <= 0.4 + 1e-6
 
 
 @pytest.mark.timeout(90)
@@ -176,11 +173,12 @@ def test_emulator_preempts_and_returns_real_ssh_hosts(tmp_path):
         assert sleeper.wait_started() is not None
         pids = em.test_hosts.pids(vm1)
         t0 = time.monotonic()
+        before = time.time()
         deadline = em.remove_now("vm1", notice_s=0.5)
-        assert [h.name for h in em.hosts()] == ["vm0"] and abs(deadline - time.time() - 0.5) < 0.1
+        assert [h.name for h in em.hosts()] == ["vm0"] and before + 0.5 <= deadline <= time.time() + 0.5
         assert c.run("echo still", timeout_s=10).ok  # until the deadline the VM works
         t_r, removed = seen.wait(lambda e: e.kind == "removed")
-        assert 0.4 < t_r - t0 < 1.5
+        assert 0.4 < t_r - t0 < 2.5
         assert sleeper.wait(5) is None and sleeper.connection_lost
         assert not [p for p in pids if not _is_zombie(p)]
         with pytest.raises(HostUnreachableError):

@@ -1,7 +1,7 @@
 """Spot VMs on one machine: pre-emption traces (``load_trace``) and a provider that replays one
 against real hosts (``SpotEmulator``) — for tests, benchmarks, tutorials and the demo.
 
-**Traces.** Public spot-availability traces (``shared/data/spot-traces/``: AWS p3 and g4dn,
+**Traces.** Public spot-availability traces (``varuna_sdk/data/spot-traces/``: AWS p3 and g4dn,
 recorded by Bamboo, NSDI'23) have one event a line, ``milliseconds_since_start,add|remove,nodeN``.
 ``load_trace(path, start_s=, end_s=, compress=)`` validates them (every error names the file and
 line: a malformed row, a time going backwards, a node added twice or removed before it was
@@ -132,7 +132,7 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
     ``FileNotFoundError`` or ``TraceError`` (naming the file and line, and what is wrong)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"trace file {p} does not exist (traces are in shared/data/spot-traces/)")
+        raise FileNotFoundError(f"trace file {p} does not exist (the shipped traces are in varuna_sdk/data/spot-traces/)")
     if not (isinstance(compress, (int, float)) and math.isfinite(compress) and compress > 0):
         raise TraceError(f"compress={compress!r} must be a finite number > 0 (60: an hour of trace in a minute)")
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (start_s, 0.0 if end_s is None else end_s)):
