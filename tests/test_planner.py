@@ -658,7 +658,25 @@ def _cli(*args, timeout=120):
                           timeout=timeout)
 
 
+def _cli_here(*args):
+    """``varuna ARGS`` through the CLI's ``main`` in this process (the entry point ``_cli`` runs, without
+    starting a Python with torch for each call): exit code, stdout and stderr as ``_cli`` gives them."""
+    import contextlib
+    import io
+
+    from varuna_sdk.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["varuna", *args], code, out.getvalue(), err.getvalue())
+
+
 def test_cli_plan_prints_table_and_reports_missing_profile(tmp_path):
+    """The first call runs the installed entry point as a process; the rest call its ``main`` here."""
     cfg = tmp_path / "job.yaml"
     _job(P=2, D=2).to_yaml(cfg)
     prof = tmp_path / "profile.json"
@@ -670,26 +688,26 @@ def test_cli_plan_prints_table_and_reports_missing_profile(tmp_path):
     assert lines[1].split()[:3] == ["rank", "P", "D"] and lines[2].split()[0] == "1"
     assert "prices are an EXAMPLE" in out.stdout and "to target" in out.stdout
     # user prices are not flagged as an example
-    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof), "--spot-price", "0.5", "--global-batch", "64")
+    out = _cli_here("plan", str(cfg), "--gpus", "4", "--profile", str(prof), "--spot-price", "0.5", "--global-batch", "64")
     assert out.returncode == 0 and "EXAMPLE" not in out.stdout and "global batch 64" in out.stdout
     # best only: the same best row, the pruned depths on one line
-    full = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof))
-    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof), "--best-only")
+    full = _cli_here("plan", str(cfg), "--gpus", "4", "--profile", str(prof))
+    out = _cli_here("plan", str(cfg), "--gpus", "4", "--profile", str(prof), "--best-only")
     assert out.returncode == 0 and "best-only search" in out.stdout, out.stderr[-3000:]
     assert out.stdout.splitlines()[2] == full.stdout.splitlines()[2]
     # the config's D=2 cannot be kept on 1 GPU: named as the config names it, after the table
-    out = _cli("plan", str(cfg), "--gpus", "1", "--profile", str(prof))
+    out = _cli_here("plan", str(cfg), "--gpus", "1", "--profile", str(prof))
     assert out.returncode == 1 and "plan for G=1" in out.stdout, out.stderr[-3000:]
     assert "parallel.D=2 from the config does not fit --gpus 1" in out.stderr and "Traceback" not in out.stderr
     # a missing profile: exit 2, one clear line, nothing calibrated
     missing = tmp_path / "nope.json"
-    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(missing))
+    out = _cli_here("plan", str(cfg), "--gpus", "4", "--profile", str(missing))
     assert out.returncode == 2
     assert "nope.json" in out.stderr and "does not exist" in out.stderr and "varuna calibrate" in out.stderr
     assert "Traceback" not in out.stderr
     # a profile without network figures for G > 1: exit 2 naming what is missing
     synthetic_profile(HEAVY, network=False).to_json(prof)
-    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(prof))
+    out = _cli_here("plan", str(cfg), "--gpus", "4", "--profile", str(prof))
     assert out.returncode == 2 and "no network measurements" in out.stderr and "Traceback" not in out.stderr
 
 
