@@ -1,4 +1,5 @@
-"""The ``varuna`` command: ``varuna train CONFIG.yaml``, ``varuna demo`` (the demo job on emulated
+"""The ``varuna`` command (``varuna --version``; ``varuna COMMAND --help`` describes each with examples):
+``varuna train CONFIG.yaml``, ``varuna demo`` (the demo job on emulated
 spot VMs replaying a real trace, morphing; ``--no-spot``: a fixed P=2 x D=2 local run — see
 ``varuna_sdk.demo``), ``varuna config``, ``varuna dashboard RUN_DIR`` (imports the top-level
 ``dashboard`` package only for that command).
@@ -214,46 +215,94 @@ def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
     return 0 if res.state == "SUCCEEDED" else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training (Varuna)")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("train", "train a job from a YAML config"), ("demo", "train the demo GPT-2 on Shakespeare")):
-        sp = sub.add_parser(name, help=help_)
-        if name == "train":
-            sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
-        sp.add_argument("--steps", type=int)
-        sp.add_argument("--P", type=int, help="pipeline depth (stages)")
-        sp.add_argument("--D", type=int, help="data-parallel width (replicas)")
-        sp.add_argument("--global-batch", dest="global_batch", type=int)
-        sp.add_argument("--micro-batch-size", dest="micro_batch_size", type=int)
-        sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"])
-        sp.add_argument("--run-dir", dest="run_dir")
-        if name == "demo":
-            sp.add_argument("--no-spot", dest="no_spot", action="store_true",
-                            help="train on a fixed set of local workers (no spot emulator, no morphs)")
-    sub.add_parser("config", help="print the demo job's YAML (a starting point for your own)")
-    sp = sub.add_parser("calibrate", help="measure the job's model once and save its profile (JSON)")
+_EXAMPLES = {
+    "train": "varuna train job.yaml\n  varuna train job.yaml --steps 200 --P 2 --D 2 --run-dir runs",
+    "demo": "varuna demo\n  varuna demo --no-spot --steps 60",
+    "config": "varuna config > job.yaml   # then edit model, data, parallel and train",
+    "calibrate": "varuna calibrate job.yaml -o profile.json\n  varuna calibrate job.yaml --refresh",
+    "plan": "varuna plan job.yaml --gpus 16 --profile profile.json\n"
+            "  varuna plan job.yaml --gpus 8 --spot-price 0.9 --on-demand-price 3.06 --target-examples 1000000\n"
+            "  varuna plan job.yaml --gpus 4 --local",
+    "dashboard": "varuna dashboard runs/my-job\n  varuna dashboard runs/my-job --address 0.0.0.0 --port 8080 "
+                 "--certfile cert.pem --keyfile key.pem",
+    "launch": "varuna launch job.yaml --local 4 --run-dir runs/my-job\n"
+              "  varuna launch job.yaml --hosts hosts.txt --run-dir runs/my-job\n"
+              "  varuna launch job.yaml --run-dir runs/my-job   # again after a crash: continues the job",
+}
+
+
+def _subcommand(sub, name: str, help_: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help, its description and its examples (``_EXAMPLES``)."""
+    return sub.add_parser(name, help=help_, description=description,
+                          epilog="examples:\n  " + _EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _parallel_overrides(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--steps", type=int, help="training steps (mini-batches) in all; overrides train.steps")
+    sp.add_argument("--P", type=int, help="pipeline depth (stages); overrides parallel.P")
+    sp.add_argument("--D", type=int, help="data-parallel width (replicas); overrides parallel.D")
+    sp.add_argument("--global-batch", dest="global_batch", type=int,
+                    help="examples per mini-batch, over all replicas; overrides parallel.global_batch")
+    sp.add_argument("--micro-batch-size", dest="micro_batch_size", type=int,
+                    help="examples per micro-batch; overrides parallel.micro_batch_size")
+    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"],
+                    help="pipeline schedule: varuna (opportunistic, recompute), gpipe or 1f1b")
+    sp.add_argument("--run-dir", dest="run_dir", help="the folder the run folder is made in (default: runs)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``varuna`` command line: every subcommand with a description, examples and help for
+    every flag."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training of your own "
+                                     "PyTorch model on spot VMs that come and go (after Varuna, arXiv 2111.04007).")
+    parser.add_argument("--version", action="version", version=f"varuna-sdk {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sp = _subcommand(sub, "train", "train a job from a YAML config on local workers",
+                     "Train the job of a YAML config on P x D local worker processes (gloo on CPU, NCCL with GPUs), "
+                     "under the manager; with P or D null the planner chooses them first.")
+    sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
+    _parallel_overrides(sp)
+    sp = _subcommand(sub, "demo", "train the demo GPT-2 on Shakespeare on emulated spot VMs",
+                     "The demo job: GPT-2 on Shakespeare on emulated spot VMs replaying a real pre-emption trace, "
+                     "morphing on each notice, loss and returning VM.")
+    _parallel_overrides(sp)
+    sp.add_argument("--no-spot", dest="no_spot", action="store_true",
+                    help="train on a fixed set of local workers (no spot emulator, no morphs)")
+    _subcommand(sub, "config", "print the demo job's YAML (a starting point for your own)",
+                "Print the demo job's YAML with every field: copy it and change the model, the data and the sizes.")
+    sp = _subcommand(sub, "calibrate", "measure the job's model once and save its profile (JSON)",
+                     "Measure each cut-point segment's forward, recompute and backward time and memory at a few "
+                     "micro-batch sizes, and this machine's network, once (paper section 4.3); cached.")
     sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
     sp.add_argument("-o", "--output", help="where to write the profile (default: the profile cache)")
     sp.add_argument("--refresh", action="store_true", help="re-measure even if a cached profile exists")
-    sp = sub.add_parser("plan", help="rank every (P, D, micro-batch) for G GPUs with the simulator")
+    sp = _subcommand(sub, "plan", "rank every (P, D, micro-batch) for G GPUs with the simulator",
+                     "Simulate every pipeline depth, replica count and micro-batch size for G GPUs from one "
+                     "calibration and rank them by time per mini-batch (paper section 4); cost from the prices.")
     sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
     sp.add_argument("--gpus", type=int, required=True, help="G, the GPUs (workers) available")
-    sp.add_argument("--global-batch", dest="global_batch", type=int)
+    sp.add_argument("--global-batch", dest="global_batch", type=int,
+                    help="examples per mini-batch (default: the config's parallel.global_batch)")
     sp.add_argument("--profile", help="a profile JSON from `varuna calibrate` (default: calibrate/cache)")
-    sp.add_argument("--gpus-per-vm", dest="gpus_per_vm", type=int, default=1)
+    sp.add_argument("--gpus-per-vm", dest="gpus_per_vm", type=int, default=1,
+                    help="GPUs on each VM (default 1): stages on one VM talk over its local links")
     sp.add_argument("--local", action="store_true",
                     help="plan local workers sharing this machine's cores (as `varuna train` runs them)")
-    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"])
+    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"],
+                    help="pipeline schedule to plan for (default: the config's parallel.policy)")
     sp.add_argument("--bandwidth-gbps", dest="bandwidth_gbps", type=float, help="what-if cross-VM bandwidth (Gbit/s)")
     sp.add_argument("--spot-price", dest="spot_price", type=float, help="$ per GPU-hour, spot")
     sp.add_argument("--on-demand-price", dest="on_demand_price", type=float, help="$ per GPU-hour, on-demand")
     sp.add_argument("--target-examples", dest="target_examples", type=int, help="show time and cost to this many examples")
-    sp.add_argument("--top", type=int, default=12)
+    sp.add_argument("--top", type=int, default=12, help="rows of the ranked table to print (default 12)")
     sp.add_argument("--best-only", dest="best_only", action="store_true",
                     help="stop once no candidate can beat the best found (about linear in --gpus; other depths are "
                          "not ranked exactly)")
-    sp = sub.add_parser("dashboard", help="serve a job's live dashboard to the team (read-only, login required)")
+    sp = _subcommand(sub, "dashboard", "serve a job's live dashboard to the team (read-only, login required)",
+                     "Serve the job's dashboard (jobs, partition map, simulator estimates, throughput, VM pool), "
+                     "live from its event log, behind a login.")
     sp.add_argument("run_dir", help="the job's run folder (holding events.db), or the events.db file")
     sp.add_argument("--port", type=int, default=5006, help="TCP port (default 5006; 0 picks a free one)")
     sp.add_argument("--address", default="127.0.0.1",
@@ -266,17 +315,26 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--refresh", type=float, default=1.0, help="seconds between reads of the event log")
     sp.add_argument("--certfile", help="serve HTTPS with this PEM certificate (with --keyfile); cookies become Secure")
     sp.add_argument("--keyfile", help="the PEM private key of --certfile")
-    sp = sub.add_parser("launch", help="run a job under the morph manager (local slots or an SSH host file); "
-                        "run it again on the same --run-dir to continue the job")
-    sp.add_argument("config", help="job YAML")
+    sp = _subcommand(sub, "launch", "run a job under the morph manager (local slots or an SSH host file); "
+                     "run it again on the same --run-dir to continue the job",
+                     "Run a job under the morph manager on local slots or the SSH VMs of a watched host file; "
+                     "it re-plans and morphs when VMs are pre-empted or return. Run it again on the same --run-dir "
+                     "to continue the job.")
+    sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
     sp.add_argument("--run-dir", dest="run_dir", help="the job's folder (an existing one is continued)")
     where = sp.add_mutually_exclusive_group()
     where.add_argument("--local", type=int, metavar="N", help="N local worker slots (default: launch.gpus)")
     where.add_argument("--hosts", metavar="FILE", help="SSH host file (watched; see cluster.provider)")
-    sp.add_argument("--job-id", dest="job_id")
+    sp.add_argument("--job-id", dest="job_id", help="the job's id in the event log (default: made from the name)")
     sp.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval, seconds (default 2)")
     sp.add_argument("--orphan-after", dest="orphan_after", type=float, default=60.0,
                     help="workers that lose the manager this long stop at a boundary with a checkpoint (s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``varuna ARGS``; returns the exit code: 0 done, 1 the job failed, 2 bad input, 130 interrupted."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.cmd == "launch":
