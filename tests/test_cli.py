@@ -34,3 +34,27 @@ def test_every_subcommand_has_a_description_examples_and_help_for_every_flag(nam
                     if not isinstance(a, argparse._HelpAction) and not (a.help and len(a.help) > 8)]
     assert not undocumented, f"varuna {name}: flags without help: {undocumented}"
     assert f"varuna {name}" in sp.format_help()
+
+
+@pytest.mark.parametrize("text,said", [
+    ("name: x\nparallel: {P: 2\ntrain:\n  steps: 5\n", "job.yaml: line 3, column 6: not valid YAML"),
+    ("name: x\ntrain:\n  lr: 1e-3\n  steps: five\n", "job.yaml: line 4: train.steps='five' must be an integer >= 1"),
+    ("name: x\ntrain:\n  stepz: 5\n", "job.yaml: line 3: unknown key(s) ['stepz'] in 'train'"),
+    ("name: x\ntrian:\n  steps: 5\n", "job.yaml: line 2: unknown config section 'trian'"),
+])
+def test_yaml_errors_name_the_file_and_line_without_a_traceback(tmp_path, capsys, text, said):
+    from varuna_sdk.cli import main
+
+    (tmp_path / "job.yaml").write_text(text)
+    assert main(["train", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_value_overridden_on_the_command_line_is_not_blamed_on_the_file(tmp_path, capsys):
+    from varuna_sdk.cli import main
+
+    (tmp_path / "job.yaml").write_text("name: x\ntrain:\n  steps: 5\n")
+    assert main(["train", str(tmp_path / "job.yaml"), "--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "train.steps=0 must be an integer >= 1" in err and "line" not in err, err

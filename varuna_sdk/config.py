@@ -392,10 +392,12 @@ class JobConfig:
         if not text.strip():
             raise ConfigError(f"config file {str(path)!r} is empty; start from `varuna config > job.yaml` and edit it")
         try:
-            return cls.from_yaml_text(text, source=str(path))
+            job = cls.from_yaml_text(text, source=str(path))
         except ConfigError as e:
             msg = str(e)
-            raise ConfigError(msg if str(path) in msg else f"{path}: {msg}") from None
+            raise ConfigError(msg if str(path) in msg else f"{path}: {_unknown_key_line(msg, text)}{msg}") from None
+        job._origin = (str(path), field_lines(text))
+        return job
 
     @classmethod
     def from_yaml_text(cls, text: str, *, source: str = "<config text>") -> "JobConfig":
@@ -405,7 +407,26 @@ class JobConfig:
     # ---- validation --------------------------------------------------------------------
     def validate(self) -> "JobConfig":
         """Check every field's type and range (``RULES``), then how fields fit together; raise
-        ``ConfigError`` for the first problem, naming the field and what would work."""
+        ``ConfigError`` for the first problem, naming the field and what would work — and, for a
+        config read by ``from_yaml`` whose field still holds the file's value, the file and line."""
+        try:
+            return self._validate()
+        except ConfigError as e:
+            raise ConfigError(self._located(str(e))) from None
+
+    def _located(self, msg: str) -> str:
+        """``msg`` prefixed by ``FILE: line N:`` when it starts with a ``section.field`` that still
+        holds the value read from that line (a value overridden since, e.g. by a CLI flag, is not
+        the file's fault)."""
+        path, lines = getattr(self, "_origin", (None, {}))
+        m = re.match(r"(\w+)\.(\w+)", msg)
+        if path is None or m is None or m.group(0) not in lines or msg.startswith(path):
+            return msg
+        line, value = lines[m.group(0)]
+        section = getattr(self, m.group(1), None)
+        return f"{path}: line {line}: {msg}" if getattr(section, m.group(2), object()) == value else msg
+
+    def _validate(self) -> "JobConfig":
         check_name(self.name)
         for name in ("model", "data", "parallel", "train", "launch"):
             section = getattr(self, name)
@@ -492,6 +513,40 @@ class _NoAliasLoader(yaml.SafeLoader):
             raise ConfigError(f"line {ev.start_mark.line + 1}: YAML alias *{ev.anchor} is not allowed in a job config "
                               "(aliases can expand a small file enormously); write the value out")
         return super().compose_node(parent, index)
+
+
+def _unknown_key_line(msg: str, text: str) -> str:
+    """``"line N: "`` for a message about an unknown section or key (``from_dict``'s), else ``""``."""
+    m = re.search(r"unknown key\(s\) \['([^']+)'.*? in '(\w+)'", msg) or re.search(r"unknown config section '([^']+)'", msg)
+    if m is None:
+        return ""
+    key = f"{m.group(2)}.{m.group(1)}" if m.lastindex == 2 else m.group(1)
+    hit = field_lines(text).get(key)
+    return f"line {hit[0]}: " if hit else ""
+
+
+def field_lines(text: str) -> dict[str, tuple[int, Any]]:
+    """``"section.field"`` → (its line in ``text``, 1-based; the value there) for every field of a
+    job config's sections, for messages that name the line. Empty when ``text`` does not parse
+    (``load_yaml`` has said why by then)."""
+    try:
+        root = yaml.compose(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except (yaml.YAMLError, ConfigError, RecursionError, ValueError):
+        return {}
+    out: dict[str, tuple[int, Any]] = {}
+    if not isinstance(root, yaml.MappingNode):
+        return out
+    for sec_key, sec in root.value:
+        out[str(sec_key.value)] = (sec_key.start_mark.line + 1, None)
+        if not isinstance(sec, yaml.MappingNode):
+            continue
+        for key, val in sec.value:
+            try:
+                value = yaml.load(yaml.serialize(val), Loader=_NoAliasLoader)  # noqa: S506
+            except (yaml.YAMLError, ConfigError, RecursionError, ValueError):
+                continue
+            out[f"{sec_key.value}.{key.value}"] = (key.start_mark.line + 1, value)
+    return out
 
 
 def load_yaml(text: str, *, source: str = "<config text>") -> Any:
