@@ -58,3 +58,86 @@ def test_a_value_overridden_on_the_command_line_is_not_blamed_on_the_file(tmp_pa
     assert main(["train", str(tmp_path / "job.yaml"), "--steps", "0"]) == 2
     err = capsys.readouterr().err
     assert "train.steps=0 must be an integer >= 1" in err and "line" not in err, err
+
+
+TINY = """name: tiny-cli
+model: {preset: tiny, n_layer: 2}
+data: {tokenizer: byte, seq_len: 16}
+parallel: {P: 2, D: 1, global_batch: 4, micro_batch_size: 2}
+train: {steps: 4000, lr: 0.001, warmup_steps: 2, eval_batches: 1, checkpoint_every: 1000}
+launch: {gpus: 2}
+"""
+
+
+def _launch(cfg, run):
+    import os
+
+    return subprocess.Popen([sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run),
+                             "--local", "2", "--heartbeat", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_steps(run, n, proc, timeout_s=120):
+    import time
+
+    from varuna_sdk.manager.runs import read_run
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if (run / "events.db").exists() and read_run(run).steps_done >= n:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"{n} steps not reached in {timeout_s} s")
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tmp_path, capsys):
+    """``varuna launch`` interrupted by Ctrl-C (SIGINT) stops at a mini-batch boundary with a
+    checkpoint (exit 130, not a traceback, no worker left); the same command continues the job with
+    no step redone; ``varuna stop RUN`` stops it again the same way; ``varuna status`` and ``varuna
+    logs`` show the run, its progress and its workers' output."""
+    import signal
+
+    from test_manager import steps_redone
+    from varuna_sdk.cli import main
+    from varuna_sdk.cluster.testhosts import procs_left
+    from varuna_sdk.manager.runs import read_run
+
+    cfg, run = tmp_path / "tiny.yaml", tmp_path / "runs" / "tiny"
+    cfg.write_text(TINY)
+    first = _launch(cfg, run)
+    try:
+        _wait_steps(run, 20, first)
+        first.send_signal(signal.SIGINT)
+        out = first.communicate(timeout=60)[0]
+    finally:
+        first.kill()
+    assert first.returncode == 130 and "SIGINT: stopping at the next mini-batch boundary" in out, out
+    assert "Traceback" not in out and "STOPPED" in out, out
+    stopped_at = read_run(run).steps_done
+    assert read_run(run).state == "STOPPED" and stopped_at >= 20
+    assert list((run / "checkpoints").glob(f"step-{stopped_at:08d}-*")), "no checkpoint at the stop"
+    assert not procs_left(str(run), timeout_s=10)
+    second = _launch(cfg, run)
+    try:
+        _wait_steps(run, stopped_at + 20, second)
+        assert main(["stop", str(run), "--wait", "60"]) == 0
+        out = second.communicate(timeout=60)[0]
+    finally:
+        second.kill()
+    assert second.returncode == 130, out
+    info = read_run(run)
+    assert info.state == "STOPPED" and info.steps_done >= stopped_at + 20 and info.steps_total == 4000
+    assert steps_redone(run) == [0]          # the continued generation redid nothing
+    capsys.readouterr()
+    assert main(["status", str(tmp_path / "runs")]) == 0
+    table = capsys.readouterr().out
+    assert "tiny" in table and "STOPPED" in table and f"{info.steps_done}/4000" in table, table
+    assert main(["logs", str(run)]) == 0
+    logs = capsys.readouterr().out
+    assert "===== gen0 =====" in logs and "===== gen1 =====" in logs and "[local0 rank 0] step" in logs, logs[-2000:]
+    assert main(["logs", str(run), "--events"]) == 0
+    events = capsys.readouterr().out
+    assert "asked to stop from outside (SIGINT)" in events and "asked to stop from outside (varuna stop)" in events
+    assert not procs_left(str(run), timeout_s=10)

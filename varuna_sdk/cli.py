@@ -187,7 +187,7 @@ def _launch(args: argparse.Namespace) -> int:
         provider = HostFileProvider(args.hosts)
     try:
         summary = launch_job(job, run_dir=args.run_dir, provider=provider, job_id=args.job_id,
-                             heartbeat_interval_s=args.heartbeat,
+                             heartbeat_interval_s=args.heartbeat, signals=True,
                              generation_options={"orphan_after_s": args.orphan_after})
     finally:
         if provider is not None:
@@ -201,7 +201,100 @@ def _launch(args: argparse.Namespace) -> int:
               f"steps lost {m['steps_lost']}", flush=True)
     if summary["error"]:
         print(f"varuna: {summary['error']}", file=sys.stderr)
+    if summary["state"] == "STOPPED":
+        print(f"[varuna] stopped with a checkpoint; `varuna launch {args.config} --run-dir {summary['run_dir']}` "
+              "continues the job", flush=True)
+        return 130
     return 0 if summary["state"] == "SUCCEEDED" else 1
+
+
+def _run_folder_command(args: argparse.Namespace) -> int:
+    """``varuna status [RUN]``, ``varuna stop RUN``, ``varuna logs RUN``."""
+    import time
+
+    from .manager import runs
+
+    try:
+        if args.cmd == "status":
+            infos = [runs.read_run(p) for p in runs.find_runs(args.run)]
+            if not infos:
+                print(f"no runs in {args.run} (a run folder holds events.db)")
+                return 0
+            print(runs.format_runs(infos))
+            if len(infos) == 1 and (Path(args.run) / "events.db").is_file():
+                r = infos[0]
+                print(f"\n{r.state}: {r.reason}")
+                for i, m in enumerate(r.morphs, 1):
+                    print(f"  morph {i} {runs.morph_sentence(m, r.started)}")
+            return 0
+        if args.cmd == "stop":
+            info = runs.read_run(args.run)
+            if not info.active:
+                print(f"varuna: job {info.name} is {info.state} already; nothing to stop", file=sys.stderr)
+                return 1
+            runs.request_stop(args.run)
+            print(f"[varuna] asked job {info.name} to stop at the next mini-batch boundary (with a checkpoint)")
+            deadline = time.time() + max(0.0, args.wait)
+            while args.wait and time.time() < deadline:
+                info = runs.read_run(args.run)
+                if not info.active:
+                    print(f"[varuna] job {info.name}: {info.state} at step {info.steps_done}")
+                    return 0 if info.state == "STOPPED" else 1
+                time.sleep(0.5)
+            if args.wait:
+                print(f"varuna: job {info.name} is still {info.state} after {args.wait:g} s", file=sys.stderr)
+                return 1
+            return 0
+        return _logs(args, runs)
+    except FileNotFoundError as e:
+        print(f"varuna: {e}", file=sys.stderr)
+        return 2
+
+
+def _logs(args: argparse.Namespace, runs) -> int:
+    """Print the run's worker output (or, with --events, its events in sentences); with --follow
+    keep printing until the job has ended and nothing new came for a second."""
+    import time
+
+    from .manager.events import EventLog
+
+    run = Path(args.run)
+    runs.read_run(run)  # a run folder, or FileNotFoundError
+    offsets: dict[Path, int] = {}
+    last_id, t0 = 0, None
+    quiet_since = None
+    while True:
+        new = 0
+        if args.events:
+            with EventLog.reader(run / "events.db") as log:
+                evs = log.events(since_id=last_id)
+            for e in evs:
+                t0 = e.time if t0 is None else t0
+                print(runs.event_sentence(e, t0), flush=True)
+                last_id, new = e.id, new + 1
+        else:
+            for f in runs.worker_logs(run):
+                if f not in offsets:
+                    print(f"===== {f.parent.name} =====", flush=True)
+                    offsets[f] = 0
+                with open(f, "rb") as fh:
+                    fh.seek(offsets[f])
+                    chunk = fh.read()
+                cut = chunk.rfind(b"\n") + 1   # whole lines only
+                if cut:
+                    sys.stdout.write(chunk[:cut].decode("utf-8", "replace"))
+                    sys.stdout.flush()
+                    offsets[f] += cut
+                    new += 1
+        if not args.follow:
+            return 0
+        if new or runs.read_run(run).active:
+            quiet_since = None
+        else:
+            quiet_since = quiet_since or time.time()
+            if time.time() - quiet_since > 1.0:
+                return 0
+        time.sleep(0.5)
 
 
 def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
@@ -225,6 +318,9 @@ _EXAMPLES = {
             "  varuna plan job.yaml --gpus 4 --local",
     "dashboard": "varuna dashboard runs/my-job\n  varuna dashboard runs/my-job --address 0.0.0.0 --port 8080 "
                  "--certfile cert.pem --keyfile key.pem",
+    "status": "varuna status            # every run in runs/\n  varuna status runs/my-job",
+    "stop": "varuna stop runs/my-job   # checkpoint at the next mini-batch boundary, then stop",
+    "logs": "varuna logs runs/my-job\n  varuna logs runs/my-job --follow\n  varuna logs runs/my-job --events",
     "launch": "varuna launch job.yaml --local 4 --run-dir runs/my-job\n"
               "  varuna launch job.yaml --hosts hosts.txt --run-dir runs/my-job\n"
               "  varuna launch job.yaml --run-dir runs/my-job   # again after a crash: continues the job",
@@ -329,6 +425,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval, seconds (default 2)")
     sp.add_argument("--orphan-after", dest="orphan_after", type=float, default=60.0,
                     help="workers that lose the manager this long stop at a boundary with a checkpoint (s)")
+    sp = _subcommand(sub, "status", "show every job of a folder of runs, or one run: state, plan, progress, ETA",
+                     "A table of the jobs in a folder of runs (default: runs/), or one run folder: state, plan, "
+                     "step of the total, elapsed, ETA, morphs, the last event; for one run also every morph in a "
+                     "sentence.")
+    sp.add_argument("run", nargs="?", default="runs", help="a run folder, or a folder of runs (default: runs)")
+    sp = _subcommand(sub, "stop", "stop a running job at the next mini-batch boundary, with a checkpoint",
+                     "Ask the manager of a run to stop the job at the next mini-batch boundary with a checkpoint "
+                     "(as job.stop() does); `varuna launch` on the same folder continues it.")
+    sp.add_argument("run", help="the job's run folder")
+    sp.add_argument("--wait", type=float, default=0.0,
+                    help="wait up to this many seconds for the job to reach STOPPED (default: do not wait)")
+    sp = _subcommand(sub, "logs", "print a run's worker output and events (--follow: as they come)",
+                     "Print the output of every worker of a run, generation by generation, each generation "
+                     "headed by its plan and followed by how it ended; --events prints the event log in "
+                     "sentences instead.")
+    sp.add_argument("run", help="the job's run folder")
+    sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    sp.add_argument("--events", action="store_true", help="the event log in sentences instead of worker output")
     return parser
 
 
@@ -339,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "launch":
             return _launch(args)
+        if args.cmd in ("status", "stop", "logs"):
+            return _run_folder_command(args)
         if args.cmd == "config":
             print(demo_config().to_yaml(), end="")
             return 0
@@ -364,10 +480,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo" and not args.no_spot:
             return _spot_demo(job, args)
         from .cluster.local import WorkerFailure
-        from .launch import train_local
+        from .launch import JobStopped, train_local
 
         try:
-            result = train_local(job)
+            result = train_local(job, signals=True)
+        except JobStopped as e:
+            print(f"[varuna] {e}", file=sys.stderr)
+            return 130
         except WorkerFailure as e:
             print(f"varuna: training failed: {e}", file=sys.stderr)
             for rank, (code, tb) in sorted(e.failures.items()):

@@ -15,12 +15,16 @@ Every worker is stopped on success, failure, timeout or Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .config import ConfigError, JobConfig
 from .shipping import objects_file_name, pack_objects
@@ -161,8 +165,37 @@ def plan_job(job: JobConfig, profile=None):
     return plan_for_job(job, profile or calibrate_job(job))
 
 
+@contextlib.contextmanager
+def stop_on_signals(mgr) -> Iterator[None]:
+    """While in this block (in the main thread), the first SIGINT (Ctrl-C) or SIGTERM stops the
+    job at the next mini-batch boundary with a checkpoint (``mgr.cancel()``, as ``varuna stop``);
+    a second one raises ``KeyboardInterrupt`` (the workers are killed, nothing is checkpointed).
+    Elsewhere than the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+
+    def handler(signum, frame) -> None:
+        seen.append(signum)
+        if len(seen) > 1:
+            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        print(f"[varuna] {name}: stopping at the next mini-batch boundary with a checkpoint (again to kill "
+              "the workers at once)", file=sys.stderr, flush=True)
+        mgr.log.append("stop_request_received", job_id=mgr.job_id, payload={"by": name})
+        mgr.cancel()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=None, job_id: str | None = None,
-               objects: JobObjects | None = None, **manager_options) -> dict:
+               objects: JobObjects | None = None, signals: bool = False, **manager_options) -> dict:
     """Run ``job`` under the morph manager in the foreground until it ends, on ``provider``'s
     VMs (default: ``job.launch.gpus`` local worker slots); returns ``Manager.summary()``.
 
@@ -172,7 +205,8 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     callables shipped by value. ``manager_options`` go to ``manager.Manager``
     (``heartbeat_interval_s``, ``generation_options``, ``calibrate_first``...). Raises
     (``prepare_run``) before anything starts when the job cannot run. The provider is closed at
-    the end (no worker left running) when this function made it.
+    the end (no worker left running) when this function made it. ``signals``: SIGINT/SIGTERM stop
+    the job at a boundary with a checkpoint (``stop_on_signals``; the CLI's way).
     """
     from .cluster.provider import LocalProvider
     from .manager.manager import Manager
@@ -183,11 +217,24 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     try:
         manager_options.setdefault("labels", job_labels(resolved))
         mgr = Manager(job, provider, run_dir=out, job_id=job_id, **manager_options)
-        mgr.run()
+        with stop_on_signals(mgr) if signals else contextlib.nullcontext():
+            mgr.run()
         return mgr.summary()
     finally:
         if own:
             provider.close()
+
+
+class JobStopped(Exception):
+    """The job was stopped on request (Ctrl-C, SIGTERM, ``varuna stop``) at a mini-batch boundary,
+    with a checkpoint in ``run_dir``: ``varuna launch RUN_DIR/config.yaml --run-dir RUN_DIR``
+    continues it. ``last_step``: the last step done (0-based; None: none)."""
+
+    def __init__(self, run_dir: Path, last_step: int | None):
+        self.run_dir, self.last_step = Path(run_dir), last_step
+        done = 0 if last_step is None else last_step + 1
+        super().__init__(f"stopped after {done} step(s) with a checkpoint in {run_dir}; continue with `varuna launch "
+                         f"{Path(run_dir) / 'config.yaml'} --run-dir {run_dir}`")
 
 
 def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
@@ -196,8 +243,9 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     under the manager like every other launch. With P and D fixed it starts at once (no
     calibration); with P or D null the planner chooses for ``launch.gpus`` workers first.
 
-    Raises ``ConfigError`` (and the other ``prepare_run`` errors) before starting anything, and
-    ``WorkerFailure`` (with the failing rank's traceback) if the job fails; in every case no
+    Raises ``ConfigError`` (and the other ``prepare_run`` errors) before starting anything,
+    ``JobStopped`` when it was stopped on request (``manager_options`` may hold ``signals=True``:
+    see ``launch_job``) and ``WorkerFailure`` (with the failing rank's traceback) if the job fails; in every case no
     worker process is left running.
     """
     from .cluster.local import WorkerFailure
@@ -213,6 +261,8 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     finally:
         provider.close()
     out = Path(summary["run_dir"])
+    if summary["state"] == "STOPPED":
+        raise JobStopped(out, summary.get("last_step"))
     if summary["state"] != "SUCCEEDED":
         raise WorkerFailure(f"job {summary['job_id']} {summary['state']}: {summary['error']}",
                             {0: (1, summary["error"] or "")})
@@ -220,5 +270,6 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     return RunResult(out, json.loads(summary_path.read_text()) if summary_path.exists() else {})
 
 
-__all__ = ["JobObjects", "RunResult", "launch_job", "new_run_dir", "plan_job", "prepare_run", "train_local",
+__all__ = ["JobObjects", "JobStopped", "RunResult", "launch_job", "new_run_dir", "plan_job", "prepare_run", "stop_on_signals",
+           "train_local",
            "ConfigError"]

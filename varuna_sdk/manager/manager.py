@@ -52,6 +52,7 @@ from ..cluster.localproc import is_local
 from ..config import ConfigError, JobConfig
 from .decisions import GrowRule, StragglerRule, find_stragglers, pool_slots, steps_lost, worker_slots
 from .events import Event, EventLog, Kind
+from .runs import clear_stop, watch_stop_requests
 
 _log = logging.getLogger(__name__)
 
@@ -489,6 +490,21 @@ class Manager:
 
     # ---------------------------------------------------------------------------- main loop
     def _run(self) -> JobState:
+        clear_stop(self.run_dir)   # a request left from before this launch: the launch answers it
+        done = threading.Event()
+        watch_stop_requests(self.run_dir, self._stop_requested, done)
+        try:
+            return self._run_generations()
+        finally:
+            done.set()
+
+    def _stop_requested(self, req: dict) -> None:
+        """``varuna stop`` (a stop request file in the run folder, ``manager.runs``): as ``cancel``."""
+        self.log.append("stop_request_received", job_id=self.job_id,
+                        payload={"by": str(req.get("by", "?"))[:100], "time": req.get("time")})
+        self.cancel()
+
+    def _run_generations(self) -> JobState:
         if self.state == JobState.PENDING:
             self._set(JobState.PROVISIONING, "starting")
         elif self.state == JobState.STOPPED:
@@ -648,7 +664,10 @@ class Manager:
                     break
                 elif ev.kind == "added" and run.stopping is None:
                     self._consider_grow(run)
-            elif kind == "lost" and ev.host in used and not self._stopping_for_notice(run, ev.host):
+            # (a loss of the previous generation may still be queued when it ended on its own:
+            # only one seen since this generation was launched counts)
+            elif kind == "lost" and ev.host in used and ev.time >= run.wall_started and \
+                    not self._stopping_for_notice(run, ev.host):
                 lost = (ev.host, ev.time - float(ev.payload.get("detection_latency_s") or 0.0))
                 break
             if run.stopping is None and self.grow is not None and time.time() >= next_grow_check:

@@ -1,0 +1,301 @@
+"""Run folders as a team sees them: which jobs there are, how far each got, and what happened, in
+sentences — for ``varuna status``, ``varuna logs``, ``varuna stop`` and the notebook's
+``Job.list()``.
+
+A **run folder** is where one job keeps its state: ``config.yaml`` (the job as it runs),
+``events.db`` (the event log, ``manager.events``), ``gen<g>/workers.log`` (every worker's output
+of generation g) and, once done, ``summary.json``. ``find_runs(path)`` is the run folder itself, or
+the run folders directly inside ``path`` (a ``runs/`` parent), newest first. ``read_run`` turns one
+into a ``RunInfo``: state and its reason, plan, steps done of the total, elapsed time, an ETA from
+the recent step times, morphs, the last event. ``event_sentence`` says an event in words
+(``morph_sentence`` a morph: which VM, what happened, the plan before and after, downtime, steps
+lost and why).
+
+**Stopping from outside.** ``request_stop(run_dir)`` writes ``RUN_DIR/stop-request.json``
+(atomically; who asked and when); the manager of that run polls ``stop_requested`` and stops the
+job at the next mini-batch boundary with a checkpoint, as ``Job.stop()`` does, then removes it
+(``clear_stop``). Anyone who can write the run folder can stop the job — the same people who could
+edit its checkpoints.
+
+Imports ``config``, ``manager.events`` and the standard library (never torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import JobConfig
+from .events import Event, EventLog, Kind
+
+__all__ = ["RunInfo", "STOP_FILE", "TERMINAL", "clear_stop", "event_sentence", "find_runs", "format_runs",
+           "morph_sentence", "read_run", "request_stop", "stop_requested", "watch_stop_requests", "worker_logs"]
+
+STOP_FILE = "stop-request.json"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+RECENT_STEPS = 20   # the ETA uses the median step time of this many latest steps
+
+
+@dataclass
+class RunInfo:
+    """One run folder, read at ``read_at`` (Unix s). ``state``: the manager's last state (PENDING
+    before any); ``steps_done`` of ``steps_total`` (None: not known); ``elapsed_s`` from the first
+    event to the last (ended) or to ``read_at``; ``eta_s``: steps left × the median time of the
+    latest steps (None when ended or unknown); ``plan``: e.g. "P=2 x D=2 on vm0, vm1"; ``started``:
+    the first event's time (Unix s)."""
+
+    path: Path
+    job_id: str | None
+    name: str
+    state: str
+    reason: str
+    steps_done: int
+    steps_total: int | None
+    elapsed_s: float
+    eta_s: float | None
+    plan: str
+    morphs: list[dict] = field(default_factory=list)
+    last_event: str = ""
+    error: str | None = None
+    started: float = 0.0
+    read_at: float = 0.0
+
+    @property
+    def percent(self) -> float | None:
+        """Steps done as a percentage of the total (None: total unknown)."""
+        return None if not self.steps_total else 100.0 * self.steps_done / self.steps_total
+
+    @property
+    def active(self) -> bool:
+        return self.state not in TERMINAL
+
+
+def find_runs(path: str | Path) -> list[Path]:
+    """``path`` when it is a run folder (holds ``events.db``), else the run folders directly inside
+    it, newest first. Raises ``FileNotFoundError`` naming ``path`` when it does not exist."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{str(p)!r} does not exist; give a run folder (holding events.db) or the folder "
+                                "of runs (by default runs/ where you launched)")
+    if (p / "events.db").is_file():
+        return [p]
+    runs = [d for d in p.iterdir() if d.is_dir() and (d / "events.db").is_file()]
+    return sorted(runs, key=lambda d: (d / "events.db").stat().st_mtime, reverse=True)
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = max(0.0, s)
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def _plan_text(p: dict | None) -> str:
+    if not p or p.get("P") is None:
+        return "-"
+    hosts = p.get("hosts") or []
+    return f"P={p['P']} x D={p['D']}" + (f" on {', '.join(dict.fromkeys(hosts))}" if hosts else "")
+
+
+def morph_sentence(m: dict, t0: float | None = None) -> str:
+    """One morph in words: when, which VM and what happened, the plan before and after, downtime,
+    steps lost and why (the checkpoint it resumed from)."""
+    what = {"notice": "got a pre-emption notice", "loss": "was lost without notice", "grow": "came back",
+            "straggler": "was a straggler", "failure": "had a worker fail", "stop_timeout": "did not stop when asked",
+            "manager_restart": "had its manager restarted"}.get(m.get("cause", ""), m.get("cause", "changed"))
+    who = f"VM {m['host']}" if m.get("host") else "the job"
+    if m.get("cause") == "grow" and not m.get("host"):
+        who, what = "VMs", "were free again"
+    if m.get("cause") == "manager_restart":
+        who = "the job"
+    when = f"at {m['time'] - t0:.0f} s: " if t0 is not None and m.get("time") else ""
+    new = m.get("new")
+    moved = f"re-planned {_plan_text(m.get('old'))} -> {_plan_text(new)}" if new else "re-planning"
+    down = f", {m['downtime_s']:.1f} s down" if m.get("downtime_s") is not None else ""
+    lost = m.get("steps_lost") or 0
+    resume = m.get("resume_step")
+    if lost:
+        why = f"{lost} step(s) redone: resumed from the checkpoint of step {resume}"
+    elif resume is not None and new:
+        why = f"nothing lost: resumed at step {resume}"
+    else:
+        why = ""
+    return f"{when}{who} {what}; {moved}{down}" + (f"; {why}" if why else "")
+
+
+def event_sentence(e: Event, t0: float | None = None) -> str:
+    """An event of the log in words (the kinds a user cares about; others as ``kind: payload``)."""
+    p, k = e.payload, e.kind
+    at = f"{e.time - t0:7.1f} s  " if t0 is not None else ""
+    vm = e.host or "?"
+    text = {
+        Kind.JOB_STATE: lambda: f"job {p.get('state')}: {p.get('reason', '')}".rstrip(": "),
+        Kind.PLAN: lambda: (f"plan for generation {p.get('generation')}: {_plan_text(p)}, micro-batch "
+                            f"{p.get('micro_batch_size')} x {p.get('num_micro_batches')}"
+                            + (f", predicted {p['predicted_step_s']:.3f} s per step" if isinstance(
+                                p.get("predicted_step_s"), (int, float)) else "")),
+        Kind.MORPH: lambda: "morph: " + morph_sentence(p),
+        Kind.HOST_ADDED: lambda: f"VM {vm} joined the pool",
+        Kind.HOST_REMOVED: lambda: f"VM {vm} left the pool",
+        Kind.PREEMPTION_NOTICE: lambda: f"VM {vm} will be pre-empted in {p.get('lead_s', '?')} s",
+        Kind.HOST_LOST: lambda: f"VM {vm} lost ({p.get('reason', '?')})",
+        Kind.WORKER_FAILED: lambda: f"rank {e.rank} on {vm} failed: {str(p.get('error') or '?').splitlines()[-1][:300]}",
+        Kind.CHECKPOINT: lambda: f"checkpoint of step {p.get('step')} published",
+        Kind.WORKER_JOINED: lambda: f"rank {e.rank} on {vm} joined (pid {p.get('pid', '?')})",
+        Kind.WORKER_FINISHED: lambda: f"rank {e.rank} on {vm} finished ({p.get('status')}, last step {p.get('last_step')})",
+        Kind.WORKER_EXITED: lambda: f"rank {e.rank} on {vm} exited with code {p.get('exit_code')}",
+        Kind.HEARTBEAT_SERVER_STARTED: lambda: f"heartbeat server listening on {p.get('address')}",
+        "generation_started": lambda: (f"generation {p.get('generation')} started: P={p.get('P')} x D={p.get('D')} on "
+                                       f"{', '.join(p.get('hosts') or [])}"),
+        "generation_ended": lambda: (f"generation {p.get('generation')} ended: {p.get('status')} after "
+                                     f"{p.get('seconds', 0):.0f} s, last step {p.get('last_step')}"),
+        "stop_request_received": lambda: f"asked to stop from outside ({p.get('by')})",
+        "stop_requested": lambda: f"workers asked to stop at the next mini-batch boundary ({p.get('reason')})",
+        Kind.STRAGGLER: lambda: (f"rank {p.get('rank')} runs {p.get('slowdown', 0):.1f}x slower than its peers: "
+                                 f"{p.get('action')}"),
+    }.get(k)
+    if text is None:
+        return f"{at}{k}" + (f" ({vm})" if e.host else "") + (f": {json.dumps(p)[:200]}" if p else "")
+    try:
+        return at + text()
+    except (KeyError, TypeError, ValueError, IndexError):
+        return f"{at}{k}: {json.dumps(p)[:200]}"
+
+
+def _steps_total(run: Path) -> int | None:
+    cfg = run / "config.yaml"
+    if not cfg.is_file():
+        return None
+    try:
+        return int(JobConfig.from_yaml(cfg).train.steps)
+    except (ValueError, TypeError):
+        return None
+
+
+def read_run(path: str | Path, now: float | None = None) -> RunInfo:
+    """The ``RunInfo`` of the run folder ``path`` (see the class). Raises ``FileNotFoundError``
+    when it holds no ``events.db``."""
+    run = Path(path)
+    db = run / "events.db"
+    if not db.is_file():
+        raise FileNotFoundError(f"{str(run)!r} holds no events.db: not a run folder (see `varuna status` on its parent)")
+    now = time.time() if now is None else now
+    with EventLog.reader(db) as log:
+        states = log.events(kind=Kind.JOB_STATE)
+        plans = log.events(kind=Kind.PLAN)
+        morphs = [e.payload for e in log.events(kind=Kind.MORPH)]
+        first = log.events(limit=1)
+        last = log.events(not_kind=(Kind.AUTH_FAILED, Kind.AUTH_FAILED_SUPPRESSED, "heartbeat_server_started"), last=1)
+        metrics = _latest_metrics(log)
+    state = states[-1].payload.get("state", "PENDING") if states else "PENDING"
+    reason = states[-1].payload.get("reason", "") if states else ""
+    job_id = next((e.job_id for e in states + first if e.job_id), None)
+    start = first[0].time if first else (db.stat().st_mtime)
+    end = states[-1].time if states and state in TERMINAL else now
+    total = _steps_total(run)
+    done = max((m["step"] for m in metrics), default=-1) + 1
+    times = [m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float))]
+    eta = None
+    if state not in TERMINAL and total is not None and times:
+        eta = max(0, total - done) * statistics.median(times)
+    return RunInfo(path=run, job_id=job_id, name=run.name, state=state, reason=reason, steps_done=done,
+                   steps_total=total, elapsed_s=max(0.0, end - start), eta_s=eta,
+                   plan=_plan_text(plans[-1].payload) if plans else "-", morphs=morphs,
+                   last_event=event_sentence(last[0]) if last else "",
+                   error=reason if state == "FAILED" else None, started=start, read_at=now)
+
+
+def _latest_metrics(log: EventLog) -> list[dict]:
+    """The latest ``RECENT_STEPS`` metrics rows (by id), oldest first."""
+    rows = log._query("SELECT payload FROM metrics ORDER BY id DESC LIMIT ?", (RECENT_STEPS,))
+    out = []
+    for (payload,) in reversed(rows):
+        try:
+            row = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            out.append(row)
+    return out
+
+
+def format_runs(runs: list[RunInfo]) -> str:
+    """The jobs table: name, state, plan, step/total (%), elapsed, ETA, morphs, last event."""
+    head = ("job", "state", "plan", "step", "elapsed", "ETA", "morphs", "last event")
+    rows = [head]
+    for r in runs:
+        step = f"{r.steps_done}/{r.steps_total if r.steps_total is not None else '?'}"
+        if r.percent is not None:
+            step += f" ({r.percent:.0f} %)"
+        rows.append((r.name, r.state, r.plan, step, _fmt_s(r.elapsed_s), _fmt_s(r.eta_s), str(len(r.morphs)),
+                     r.last_event[:70]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "-" * max(len(x) for x in lines))
+    return "\n".join(lines)
+
+
+def worker_logs(run: str | Path) -> list[Path]:
+    """The workers' output files of every generation, in generation order."""
+    gens = [d for d in Path(run).glob("gen*") if d.is_dir() and d.name[3:].isdigit()]
+    return [d / "workers.log" for d in sorted(gens, key=lambda d: int(d.name[3:])) if (d / "workers.log").is_file()]
+
+
+# ------------------------------------------------------------------------------ stop requests
+def request_stop(run_dir: str | Path, by: str = "varuna stop") -> Path:
+    """Ask the manager of ``run_dir`` to stop the job at the next mini-batch boundary with a
+    checkpoint; returns the request file. Raises ``FileNotFoundError`` for a folder that is not a
+    run folder."""
+    run = Path(run_dir)
+    if not (run / "events.db").is_file():
+        raise FileNotFoundError(f"{str(run)!r} holds no events.db: not a run folder")
+    fd, tmp = tempfile.mkstemp(prefix=".stop-", dir=run)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"by": by, "time": time.time(), "pid": os.getpid()}, f)
+    os.replace(tmp, run / STOP_FILE)
+    return run / STOP_FILE
+
+
+def stop_requested(run_dir: str | Path) -> dict | None:
+    """The pending stop request of ``run_dir`` (who and when), or None."""
+    p = Path(run_dir) / STOP_FILE
+    try:
+        data = json.loads(p.read_text()[:4096])
+    except (OSError, ValueError):
+        return {"by": "?", "time": p.stat().st_mtime} if p.exists() else None
+    return data if isinstance(data, dict) else {"by": "?"}
+
+
+def clear_stop(run_dir: str | Path) -> None:
+    """Remove the stop request (the manager, once it acted on it, or a new launch)."""
+    try:
+        (Path(run_dir) / STOP_FILE).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def watch_stop_requests(run_dir: str | Path, on_request, done, interval_s: float = 0.5):
+    """Start a daemon thread that calls ``on_request(request)`` once for each stop request of
+    ``run_dir`` (removing it first) until the ``threading.Event`` ``done`` is set; returns it."""
+    import threading
+
+    def loop() -> None:
+        while not done.wait(interval_s):
+            req = stop_requested(run_dir)
+            if req is not None:
+                clear_stop(run_dir)
+                on_request(req)
+
+    t = threading.Thread(target=loop, name="varuna-stop-requests", daemon=True)
+    t.start()
+    return t
