@@ -287,3 +287,7 @@ def test_a_replica_whose_data_fails_mid_mini_batch_is_named_at_once_and_not_retr
     assert any(e.rank == 1 and e.payload.get("cause") == "data" for e in failed), failed
     failed_at = max(e.time for e in states if e.payload.get("state") == "FAILED")
     assert failed_at - max(r["wall_time"] for r in steps) < 10.0
+    # launched again on the same folder: it is not run again, and says why it failed (not "None")
+    with pytest.raises(WorkerFailure) as again:
+        train_local(job, run_dir=tmp_path / "run", max_failures=2)
+    assert "failed before" in str(again.value) and f"example {bad} (step {step_bad}" in str(again.value), again.value

@@ -264,6 +264,9 @@ class Manager:
             self._metric_cursor = metrics[-1]["id"]
             self._last_step = max(int(m.get("step", -1)) for m in metrics)
         self.state = last
+        if last == JobState.FAILED:   # a relaunched failed run says why it failed, not "None"
+            self.error = (f"this run failed before and is not run again (start a new run folder): "
+                          f"{states[-1].payload.get('reason') or 'no reason was recorded'}")
         if last.terminal:
             return True
         if plans and isinstance(plans[0].payload.get("micro_batch_size"), int):
