@@ -48,10 +48,12 @@ def test_cli_train_runs_yaml_and_reports_errors(tmp_path):
     job.train.steps = 3
     cfg = tmp_path / "job.yaml"
     job.to_yaml(cfg)
-    out = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg)], capture_output=True,
-                         text=True, timeout=170)
+    out = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--run-dir", str(tmp_path / "mine")],
+                         capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step    3/3" in out.stdout and "held-out perplexity" in out.stdout
+    # --run-dir is the job's own folder (as for `varuna launch`), with the event log the dashboard reads
+    assert (tmp_path / "mine" / "events.db").is_file() and (tmp_path / "mine" / "summary.json").is_file()
     # a bad batch identity fails at once, with the valid choices, and starts nothing
     bad = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--global-batch", "100", "--D", "3"],
                          capture_output=True, text=True, timeout=60)

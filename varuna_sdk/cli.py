@@ -29,8 +29,6 @@ def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> JobConfig:
             setattr(job.parallel, field_name, v)
     if getattr(args, "steps", None) is not None:
         job.train.steps = args.steps
-    if getattr(args, "run_dir", None):
-        job.train.run_dir = args.run_dir
     return job
 
 
@@ -303,7 +301,7 @@ def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
     from .demo import print_spot_result, run_spot_demo
     from .launch import new_run_dir
 
-    res = run_spot_demo(job, run_dir=new_run_dir(job))
+    res = run_spot_demo(job, run_dir=Path(args.run_dir) if args.run_dir else new_run_dir(job))
     print_spot_result(res)
     return 0 if res.state == "SUCCEEDED" else 1
 
@@ -343,7 +341,8 @@ def _parallel_overrides(sp: argparse.ArgumentParser) -> None:
                     help="examples per micro-batch; overrides parallel.micro_batch_size")
     sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"],
                     help="pipeline schedule: varuna (opportunistic, recompute), gpipe or 1f1b")
-    sp.add_argument("--run-dir", dest="run_dir", help="the folder the run folder is made in (default: runs)")
+    sp.add_argument("--run-dir", dest="run_dir",
+                    help="the job's own folder, as for `varuna launch` (default: a new train.run_dir/NAME-TIME)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -483,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import JobStopped, train_local
 
         try:
-            result = train_local(job, signals=True)
+            result = train_local(job, run_dir=args.run_dir, signals=True)
         except JobStopped as e:
             print(f"[varuna] {e}", file=sys.stderr)
             return 130
