@@ -97,9 +97,10 @@ def test_notebook_model_survives_notice_and_sudden_loss_with_the_same_losses(ker
                "          provider=SpotEmulator(capacity=3, backend='local', notice_s=None).start(),\n"
                "          manager_options={'heartbeat_interval_s': 1.0, 'straggler': None, 'grow': None})\n"
                "prof = job.calibrate()\n"
-               "again = Job(config('nb-spot'), model=NotebookLM, data='my_notes.txt', provider=LocalProvider(2)).calibrate()",
+               "again = Job(config('nb-other-name'), model=NotebookLM, data='my_notes.txt', provider=LocalProvider(2)).calibrate()",
                timeout_s=300)
-    # a second job of the same model reads the cached profile: the same measured seconds, not new ones
+    # another job (another name) of the same model and data shapes reads the cached profile: the same
+    # measured seconds, not new ones
     assert k.value("again.to_json() == prof.to_json() and prof.segments[0].fwd_s[0] > 0"), res.stdout
     assert k.value("prof.model['identity']['kind']") == "by_value"
     k.ok("job.launch(progress=False)\nwait_until(job, lambda: job.status.step >= 8)", timeout_s=200)

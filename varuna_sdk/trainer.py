@@ -110,12 +110,16 @@ def model_structure(job: JobConfig, resolved: ResolvedJob | None = None):
 
 
 def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
-    """Cache key of a job's calibration: the model's identity (factory, arguments, code hash),
-    sequence length, precision, torch, threads per worker."""
+    """Cache key of a job's calibration: what the measurements depend on — the model's identity
+    (factory, arguments, code hash), the shape and type of each input field of an example, the
+    sequence length, precision, torch and threads per worker. Not the job's name: two jobs of the
+    same model and data shapes share one calibration."""
     import hashlib
 
     r = resolved or resolve(job)
-    text = json.dumps([r.spec.identity, job.data.seq_len, job.train.precision, torch.__version__,
+    example = {k: [list(v.shape[1:]), str(v.dtype)] if isinstance(v, torch.Tensor) else type(v).__name__
+               for k, v in r.data.sample(1, job.data.seq_len).items()}
+    text = json.dumps([r.spec.identity, example, job.data.seq_len, job.train.precision, torch.__version__,
                        job.launch.threads_per_worker], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -133,7 +137,7 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     r = resolved or resolve(job, run_dir)
     cache = Path(cache_dir) if cache_dir else default_cache_dir() / "profiles"
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{job.name}-{profile_key(job, r)}.json"
+    path = cache / f"{profile_key(job, r)}.json"
     if path.exists() and not refresh:
         return Profile.load(path)
     T = job.data.seq_len
