@@ -9,8 +9,15 @@ since the last one, and folds them into plain state the views draw:
   events (and, for providers that write no pool events, from the hosts named by plans and workers);
 - plans (``plan`` payloads, one per generation), morphs (``morph``), the job state
   (``job_state``), checkpoints and a ring of recent events;
-- the per-step metrics as growing numpy columns (``MetricColumns``; 100k rows are ~8 MB);
+- the per-step metrics as growing numpy columns (``MetricColumns``; 100k rows are ~6 MB);
 - the latest heartbeat of every rank.
+
+Opening a long log (the first refresh) does not fold every row: metrics come as numbers picked
+out of their JSON by SQLite (``EventLog.metric_values``), only the events that change state
+(``STATE_KINDS``) are folded in order, and the newest morphs, checkpoints and recent events are
+read by query. Later refreshes fold each new row as it comes. Either way the state is the same
+(``tests/test_dashboard_store.py``), except that the open keeps exactly the newest
+``MAX_KEPT_EVENTS`` morphs and checkpoints.
 
 Payload shapes are the contract written next to ``Kind`` in ``varuna_sdk/manager/events.py``;
 missing keys are tolerated (shown as unknown), extra keys are ignored.
@@ -28,21 +35,32 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from varuna_sdk.manager.events import Event, EventLog, HeartbeatRow, Kind
 
-#: Metric columns kept for the charts (``metrics`` rows; missing values become NaN).
-METRIC_COLUMNS = ("step", "time", "loss", "lr", "grad_norm", "tokens_per_s", "examples_per_s",
-                  "step_time_s", "generation", "P", "D")
+#: Payload fields of a ``metrics`` row the views use (missing or non-numeric values become NaN).
+METRIC_FIELDS = ("tokens_per_s", "examples_per_s", "step_time_s", "generation")
+
+#: Metric columns kept for the charts: as ``EventLog.metric_values`` returns them, less ``id``.
+METRIC_COLUMNS = ("time", "step", "loss") + METRIC_FIELDS
 
 #: VM states, in the order the header counts them.
 VM_STATES = ("up", "notice", "pre-empted", "lost", "released")
 
 #: Event kinds that are not worth a row in the "recent events" table (noise at scale).
 QUIET_KINDS = frozenset({"worker_after_loss"})
+
+#: Event kinds whose order matters to the state (the VM pool, plans, the job state): the only
+#: ones the open folds one by one (``TelemetryStore._fold`` acts on no other kind but these and
+#: ``KEPT_KINDS``).
+STATE_KINDS = (Kind.HOST_ADDED, Kind.PREEMPTION_NOTICE, Kind.HOST_REMOVED, Kind.HOST_LOST, Kind.STRAGGLER,
+               Kind.PLAN, Kind.JOB_STATE, Kind.WORKER_JOINED, Kind.WORKER_REJOINED)
+
+#: Event kinds kept as lists of their newest ``MAX_KEPT_EVENTS`` (the store's attribute of each).
+KEPT_KINDS = {Kind.MORPH: "morphs", Kind.CHECKPOINT: "checkpoints"}
 
 
 READ_BATCH = 5000          # rows read per query when catching up with a log
@@ -139,22 +157,37 @@ class MetricColumns:
     def __getitem__(self, col: str) -> np.ndarray:
         return self._data[col][: self._n]
 
-    def extend(self, rows: list[dict[str, Any]]) -> None:
-        """Append metrics rows (dicts as ``EventLog.metrics`` returns them)."""
+    def extend(self, rows: list[tuple]) -> None:
+        """Append rows as ``EventLog.metric_values(METRIC_FIELDS)`` returns them (``None`` and
+        non-finite values become NaN)."""
         if not rows:
             return
+        a = np.array(rows, dtype=np.float64)
+        a[~np.isfinite(a)] = np.nan
         need = self._n + len(rows)
         if need > self._cap:
             cap = max(need, 2 * self._cap)
             for c in METRIC_COLUMNS:
-                a = np.full(cap, np.nan)
-                a[: self._n] = self._data[c][: self._n]
-                self._data[c] = a
+                grown = np.full(cap, np.nan)
+                grown[: self._n] = self._data[c][: self._n]
+                self._data[c] = grown
             self._cap = cap
-        for c in METRIC_COLUMNS:
-            self._data[c][self._n: need] = [_f(r.get(c)) for r in rows]
+        for j, c in enumerate(METRIC_COLUMNS, start=1):   # column 0 is the row id
+            self._data[c][self._n: need] = a[:, j]
         self._n = need
-        self.last_id = int(rows[-1]["id"])
+        self.last_id = int(rows[-1][0])
+
+
+def _in_batches(fetch: Callable[[int], list], since_id: int, id_of: Callable[[Any], int]) -> Iterator[list]:
+    """Yield ``fetch(since_id)`` batches (of ``READ_BATCH`` rows, ``id_of`` a row's id), each
+    from the last id of the one before, until a short one: a long log in bounded memory."""
+    while True:
+        batch = fetch(since_id)
+        if batch:
+            yield batch
+        if len(batch) < READ_BATCH:
+            return
+        since_id = id_of(batch[-1])
 
 
 @dataclass
@@ -240,47 +273,79 @@ class TelemetryStore:
                 return False
             self._last_refresh = now
             t0 = time.perf_counter()
-            changed = False
-            while True:   # in batches: a long log is folded in bounded memory
-                events = self._log.events(job_id=self.job_id, since_id=self._ev_cursor, limit=READ_BATCH)
-                if not events:
-                    break
-                for e in events:
-                    self._apply(e)
-                self._ev_cursor = events[-1].id
-                self.version.events += 1
-                changed = True
-                if len(events) < READ_BATCH:
-                    break
-            while True:
-                rows = self._log.metrics(job_id=self.job_id, since_id=self.metrics.last_id, limit=READ_BATCH)
-                if not rows:
-                    break
-                self.metrics.extend(rows)
-                self.version.metrics = len(self.metrics)
-                changed = True
-                if len(rows) < READ_BATCH:
-                    break
-            if self._hb_cursor == 0:  # first read: only the latest per rank, not the whole table
-                latest = self._log.latest_heartbeats(self.job_id)
-                hbs = sorted(latest.values(), key=lambda h: h.id)
-            else:
-                hbs = self._log.heartbeats(job_id=self.job_id, since_id=self._hb_cursor)
-            if hbs:
-                for h in hbs:
-                    if h.rank is not None:
-                        self.heartbeats[h.rank] = h
-                    if h.host and h.host not in self.vms and not self._pool_events_seen():
-                        self.vms[h.host] = VM(h.host, since=h.time)
-                self._hb_cursor = hbs[-1].id
-                self.version.heartbeats += 1
-                changed = True
-            elif self._hb_cursor == 0:
-                self._hb_cursor = -1  # nothing yet: poll incrementally from now on (ids start at 1)
+            changed = self._read_events() | self._read_metrics() | self._read_heartbeats()
             if changed:
                 self.last_change = time.time()
                 self.read_s = time.perf_counter() - t0
             return changed
+
+    def _events(self, **query: Any) -> list[Event]:
+        return self._log.events(job_id=self.job_id, **query)
+
+    def _read_events(self) -> bool:
+        """Fold the events appended since the cursor, one by one (the first read: ``_open_events``)."""
+        if self._ev_cursor == 0:
+            return self._open_events()
+        changed = False
+        for events in _in_batches(lambda since: self._events(since_id=since, limit=READ_BATCH),
+                                  self._ev_cursor, lambda e: e.id):
+            for e in events:
+                self._apply(e)
+            self._ev_cursor = events[-1].id
+            self.version.events += 1
+            changed = True
+        return changed
+
+    def _open_events(self) -> bool:
+        """First read: fold only ``STATE_KINDS`` events in order, and read the newest
+        ``KEPT_KINDS`` events and the newest non-quiet ones (the recent table) by query; every
+        query stops at the newest event seen at the start, where the cursor then stands."""
+        newest = self._events(last=1)
+        if not newest:
+            self._ev_cursor = -1  # nothing yet: poll incrementally from now on (ids start at 1)
+            return False
+        upto = newest[0].id
+        self.first_event_time = self._events(limit=1)[0].time
+        for events in _in_batches(lambda since: self._events(kind=STATE_KINDS, since_id=since, until_id=upto,
+                                                             limit=READ_BATCH), 0, lambda e: e.id):
+            for e in events:
+                self._fold(e)
+        for kind, attr in KEPT_KINDS.items():
+            setattr(self, attr, self._events(kind=kind, until_id=upto, last=MAX_KEPT_EVENTS))
+        self.recent.extend(self._events(not_kind=QUIET_KINDS, until_id=upto, last=self.recent.maxlen))
+        self._ev_cursor = upto
+        self.version.events += 1
+        return True
+
+    def _read_metrics(self) -> bool:
+        """Append the metrics rows written since the cursor (as numbers, ``EventLog.metric_values``)."""
+        changed = False
+        for rows in _in_batches(lambda since: self._log.metric_values(
+                METRIC_FIELDS, job_id=self.job_id, since_id=since, limit=READ_BATCH),
+                self.metrics.last_id, lambda r: r[0]):
+            self.metrics.extend(rows)
+            self.version.metrics = len(self.metrics)
+            changed = True
+        return changed
+
+    def _read_heartbeats(self) -> bool:
+        """Keep the latest heartbeat per rank (the first read asks for just those, not the table)."""
+        if self._hb_cursor == 0:
+            hbs = sorted(self._log.latest_heartbeats(self.job_id).values(), key=lambda h: h.id)
+        else:
+            hbs = self._log.heartbeats(job_id=self.job_id, since_id=self._hb_cursor)
+        if not hbs:
+            if self._hb_cursor == 0:
+                self._hb_cursor = -1  # nothing yet: poll incrementally from now on (ids start at 1)
+            return False
+        for h in hbs:
+            if h.rank is not None:
+                self.heartbeats[h.rank] = h
+            if h.host and h.host not in self.vms and not self._pool_events_seen():
+                self.vms[h.host] = VM(h.host, since=h.time)
+        self._hb_cursor = hbs[-1].id
+        self.version.heartbeats += 1
+        return True
 
     def _pool_events_seen(self) -> bool:
         """Whether the provider writes pool events (then only they add VMs)."""
@@ -295,12 +360,17 @@ class TelemetryStore:
         return vm
 
     def _apply(self, e: Event) -> None:
-        """Fold one event into the state (the payload shapes of ``Kind``)."""
-        p = e.payload if isinstance(e.payload, dict) else {}
+        """Fold one new event into the state: the recent table, then ``_fold``."""
         if self.first_event_time is None:
             self.first_event_time = e.time
         if e.kind not in QUIET_KINDS:
             self.recent.append(e)
+        self._fold(e)
+
+    def _fold(self, e: Event) -> None:
+        """Fold one event of ``STATE_KINDS`` or ``KEPT_KINDS`` into the state (the payload shapes
+        of ``Kind``); other kinds change nothing here."""
+        p = e.payload if isinstance(e.payload, dict) else {}
         k = e.kind
         if k == Kind.HOST_ADDED and e.host:
             self._has_pool_events = True
@@ -343,12 +413,10 @@ class TelemetryStore:
             for h in p.get("hosts") or []:
                 if isinstance(h, str) and h not in self.vms and not self._has_pool_events:
                     self.vms[h] = VM(h, since=e.time)
-        elif k == Kind.MORPH:
-            _append_bounded(self.morphs, e)
+        elif k in KEPT_KINDS:
+            _append_bounded(getattr(self, KEPT_KINDS[k]), e)
         elif k == Kind.JOB_STATE:
             self.job_state = e
-        elif k == Kind.CHECKPOINT:
-            _append_bounded(self.checkpoints, e)
         elif k in (Kind.WORKER_JOINED, Kind.WORKER_REJOINED) and e.host and not self._has_pool_events:
             self._vm(e.host, e.time)
 

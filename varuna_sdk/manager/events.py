@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 SCHEMA_VERSION = 1
 
@@ -164,6 +164,14 @@ def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _job_term(by_index: bool) -> str:
+    """The SQL filter on ``job_id`` of a query ordered by id; off the index (``+job_id``, SQLite's
+    way to say so) unless ``by_index``. A reader's batch (``id > cursor ... LIMIT n``) through an
+    index that does not give id order makes SQLite look up every later row of the job and sort
+    them all, for every batch; a scan in id order stops after the batch."""
+    return "job_id = ?" if by_index else "+job_id = ?"
+
+
 class EventLog:
     """The job's event log at ``path`` (created with its folder if missing).
 
@@ -284,28 +292,38 @@ class EventLog:
     # ------------------------------------------------------------------------------- querying
     def events(self, *, job_id: str | None = None, kind: str | Iterable[str] | None = None,
                host: str | None = None, since_id: int = 0, since_time: float | None = None,
-               limit: int | None = None) -> list[Event]:
+               limit: int | None = None, until_id: int | None = None,
+               not_kind: Iterable[str] | None = None, last: int | None = None) -> list[Event]:
         """Events matching every given filter, oldest first. ``since_id``: only ids above it
-        (a reader's cursor)."""
+        (a reader's cursor); ``until_id``: only ids up to it; ``not_kind``: none of these kinds;
+        ``limit``: the oldest that many, ``last``: the newest that many (still oldest first)."""
         where, args = ["id > ?"], [since_id]
-        if job_id is not None:
-            where.append("job_id = ?"); args.append(job_id)
-        if kind is not None:
-            kinds = [kind] if isinstance(kind, str) else list(kind)
-            where.append(f"kind IN ({','.join('?' * len(kinds))})"); args += kinds
+        kinds = None if kind is None else [kind] if isinstance(kind, str) else list(kind)
+        if job_id is not None:  # the (job_id, kind, id) index: in id order for one kind; else sorted once
+            by_index = kinds is not None and (len(kinds) == 1 or not (limit or last))
+            where.append(_job_term(by_index)); args.append(job_id)
+        for op, vals in (("IN", kinds), ("NOT IN", None if not_kind is None else list(not_kind))):
+            if vals is not None:
+                where.append(f"kind {op} ({','.join('?' * len(vals))})"); args += vals
         if host is not None:
             where.append("host = ?"); args.append(host)
         if since_time is not None:
             where.append("time >= ?"); args.append(since_time)
-        sql = ("SELECT id, time, job_id, kind, host, rank, payload FROM events WHERE "
-               + " AND ".join(where) + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""))
+        if until_id is not None:
+            where.append("id <= ?"); args.append(until_id)
+        sql = "SELECT id, time, job_id, kind, host, rank, payload FROM events WHERE " + " AND ".join(where)
+        if last is not None:
+            sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT {int(last)})"
+        sql += " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else "")
         return [Event(*row[:6], json.loads(row[6])) for row in self._query(sql, args)]
 
     def heartbeats(self, *, job_id: str | None = None, host: str | None = None,
                    rank: int | None = None, since_id: int = 0,
                    limit: int | None = None) -> list[HeartbeatRow]:
         where, args = ["id > ?"], [since_id]
-        for col, v in (("job_id", job_id), ("host", host), ("rank", rank)):
+        if job_id is not None:
+            where.append(_job_term(by_index=rank is not None)); args.append(job_id)
+        for col, v in (("host", host), ("rank", rank)):
             if v is not None:
                 where.append(f"{col} = ?"); args.append(v)
         sql = ("SELECT id, time, job_id, host, rank, step, loss, fwd_s, recompute_s, bwd_s, "
@@ -329,10 +347,30 @@ class EventLog:
         ``limit``: at most that many (a reader reading a long log in batches)."""
         where, args = ["id > ?"], [since_id]
         if job_id is not None:
-            where.append("job_id = ?"); args.append(job_id)
+            where.append(_job_term(by_index=False)); args.append(job_id)
         rows = self._query("SELECT id, time, job_id, payload FROM metrics WHERE "
                            + " AND ".join(where) + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""), args)
         return [{**json.loads(p), "id": i, "time": t, "job_id": j} for i, t, j, p in rows]
+
+    def metric_values(self, fields: Sequence[str], *, job_id: str | None = None, since_id: int = 0,
+                      limit: int | None = None) -> list[tuple]:
+        """Per-step metrics rows as plain numbers, oldest first, without decoding a row in Python:
+        one tuple ``(id, time, step, loss, *fields)`` per row (``time`` in Unix seconds; ``step``
+        and ``loss`` the table's columns), each of ``fields`` picked out of the stored JSON by
+        SQLite: its number (int or float), or ``None`` when missing or not a number (a bool, a
+        string, null, an object). ``since_id`` / ``limit`` as in ``metrics``."""
+        bad = [f for f in fields if not isinstance(f, str) or '"' in f or "\\" in f]
+        if bad:
+            raise ValueError(f"metric field names must be strings without quotes or backslashes: {bad}")
+        pick = ("CASE WHEN json_type(payload, ?) IN ('integer', 'real') "
+                "THEN json_extract(payload, ?) END")
+        paths = [p for f in fields for p in (f'$."{f}"',) * 2]
+        where, args = ["id > ?"], [since_id]
+        if job_id is not None:
+            where.append(_job_term(by_index=False)); args.append(job_id)
+        sql = ("SELECT id, time, step, loss" + "".join(", " + pick for _ in fields) + " FROM metrics WHERE "
+               + " AND ".join(where) + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""))
+        return self._query(sql, paths + args)
 
     def count(self, table: str = "events") -> int:
         if table not in ("events", "heartbeats", "metrics"):
