@@ -342,15 +342,23 @@ class EventLog:
         return {row[4]: HeartbeatRow(*row[:12], json.loads(row[12])) for row in self._query(sql, args)}
 
     def metrics(self, *, job_id: str | None = None, since_id: int = 0,
-                limit: int | None = None) -> list[dict[str, Any]]:
-        """Per-step metrics rows as dicts (the stored JSON plus ``id``, ``time``, ``job_id``);
-        ``limit``: at most that many (a reader reading a long log in batches)."""
+                limit: int | None = None, last: int | None = None) -> list[dict[str, Any]]:
+        """Per-step metrics rows as dicts (the stored JSON plus ``id``, ``time``, ``job_id``), oldest
+        first; ``limit``: the oldest that many (a reader reading a long log in batches), ``last``:
+        the newest that many (still oldest first)."""
         where, args = ["id > ?"], [since_id]
         if job_id is not None:
             where.append(_job_term(by_index=False)); args.append(job_id)
-        rows = self._query("SELECT id, time, job_id, payload FROM metrics WHERE "
-                           + " AND ".join(where) + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""), args)
+        sql = "SELECT id, time, job_id, payload FROM metrics WHERE " + " AND ".join(where)
+        if last is not None:
+            sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT {int(last)})"
+        rows = self._query(sql + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""), args)
         return [{**json.loads(p), "id": i, "time": t, "job_id": j} for i, t, j, p in rows]
+
+    def max_step(self, *, job_id: str | None = None) -> int | None:
+        """The highest step of the metrics table (of ``job_id``), None when it has none."""
+        where, args = ("WHERE job_id = ?", [job_id]) if job_id is not None else ("", [])
+        return self._query(f"SELECT MAX(step) FROM metrics {where}", args)[0][0]
 
     def metric_values(self, fields: Sequence[str], *, job_id: str | None = None, since_id: int = 0,
                       limit: int | None = None) -> list[tuple]:

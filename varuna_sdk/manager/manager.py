@@ -259,10 +259,10 @@ class Manager:
                 self.failures += 1
             elif e.payload.get("cause") in ("notice", "loss", "stop_timeout"):
                 self.preemptions += 1
-        metrics = self.log.metrics(job_id=self.job_id)
-        if metrics:
-            self._metric_cursor = metrics[-1]["id"]
-            self._last_step = max(int(m.get("step", -1)) for m in metrics)
+        newest = self.log.metrics(job_id=self.job_id, last=1)   # (not every row: a long job has millions)
+        if newest:
+            self._metric_cursor = newest[-1]["id"]
+            self._last_step = self.log.max_step(job_id=self.job_id)
         self.state = last
         if last == JobState.FAILED:   # a relaunched failed run says why it failed, not "None"
             self.error = (f"this run failed before and is not run again (start a new run folder): "

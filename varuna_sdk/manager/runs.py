@@ -216,17 +216,8 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
 
 
 def _latest_metrics(log: EventLog) -> list[dict]:
-    """The latest ``RECENT_STEPS`` metrics rows (by id), oldest first."""
-    rows = log._query("SELECT payload FROM metrics ORDER BY id DESC LIMIT ?", (RECENT_STEPS,))
-    out = []
-    for (payload,) in reversed(rows):
-        try:
-            row = json.loads(payload)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            out.append(row)
-    return out
+    """The latest ``RECENT_STEPS`` metrics rows (by id) that name their step, oldest first."""
+    return [m for m in log.metrics(last=RECENT_STEPS) if isinstance(m.get("step"), int)]
 
 
 def format_runs(runs: list[RunInfo]) -> str:
