@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
+import html
 import ipaddress
 import json
 import logging
@@ -165,13 +166,13 @@ def load_credentials(source: str | Path, credentials_file: str | Path | None = N
                      env: Mapping[str, str] | None = None) -> tuple[Credentials, str]:
     """The credentials to serve ``source`` with, and where they came from (for the user; never
     the password): ``credentials_file``, else the environment, else ``dashboard-credentials.json``
-    next to the event log (created with a random password on first use)."""
+    next to the event log, or in the folder of runs (created with a random password on first use)."""
     if credentials_file is not None:
         return Credentials.from_file(credentials_file), f"users from {credentials_file}"
     c = Credentials.from_env(env)
     if c is not None:
         return c, f"user {next(iter(c.users))!r}, password from ${ENV_PASSWORD}"
-    path = resolve_event_log(source).parent / CREDENTIALS_FILE
+    path = (Path(source).expanduser() if is_folder_of_runs(source) else resolve_event_log(source).parent) / CREDENTIALS_FILE
     if path.is_file():
         c = Credentials.from_file(path)
         return c, f"users from {path}"
@@ -394,13 +395,46 @@ def default_origins(address: str, port: int) -> list[str]:
     return sorted(set(out))
 
 
+def is_folder_of_runs(source: str | Path) -> bool:
+    """``source`` is a folder that holds runs (or will), not one run folder or event-log file."""
+    p = Path(source).expanduser()
+    return p.is_dir() and not (p / "events.db").exists()
+
+
+def _job_routes(root: Path, *, job_id: str | None, refresh_s: float, max_points: int) -> dict:
+    """The routes of a folder of runs: ``/`` the jobs page, ``/job?run=NAME`` one job's dashboard
+    (only a run folder directly inside ``root``: ``jobs.run_folder``)."""
+    import panel as pn
+
+    from .app import CSS, build_app
+    from .jobs import build_jobs_app, run_folder
+
+    def jobs():
+        return build_jobs_app(root, refresh_s=max(refresh_s, 1.0))
+
+    def job():
+        raw = (pn.state.session_args.get("run") or [b""])[0]
+        name = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        back = pn.pane.HTML('<a href="./">← all jobs</a>', stylesheets=[CSS], margin=(6, 10, 0, 10))
+        try:
+            folder = run_folder(root, name)
+        except FileNotFoundError:
+            return pn.Column(back, pn.pane.HTML(f"<p>No run named {html.escape(name)!s} in this folder.</p>",
+                                                stylesheets=[CSS]))
+        return pn.Column(back, build_app(folder, job_id=job_id, refresh_s=refresh_s, max_points=max_points),
+                         sizing_mode="stretch_width", margin=0)
+
+    return {"/": jobs, "/job": job}
+
+
 def serve(source: str | Path, *, credentials: Credentials, port: int = 0, address: str = "127.0.0.1",
           allow_origins: list[str] | None = None, job_id: str | None = None, refresh_s: float = 1.0,
           max_points: int = 2000, threaded: bool = False, start: bool = True,
           certfile: str | Path | None = None, keyfile: str | Path | None = None,
           throttle: LoginThrottle | None = None, sessions: Sessions | None = None):
     """Serve the dashboard of ``source`` (run folder or ``events.db``) at ``http://address:port/``
-    behind a login with ``credentials``. ``port=0`` picks a free port. ``threaded=True``: returns a
+    behind a login with ``credentials``; for a folder of runs, the jobs page at ``/`` and each job's
+    dashboard at ``/job?run=NAME``. ``port=0`` picks a free port. ``threaded=True``: returns a
     running ``StoppableThread`` at once (``.stop()`` ends it). Otherwise returns the Bokeh
     ``Server`` (``.port``, ``.start()``, ``.io_loop``), after blocking in its loop until Ctrl-C
     when ``start``. The whole history is read before the port opens (a 100k-step log: ~1 s).
@@ -414,7 +448,9 @@ def serve(source: str | Path, *, credentials: Credentials, port: int = 0, addres
 
     from .app import build_app
 
-    resolve_event_log(source)  # fail before listening
+    many = is_folder_of_runs(source)
+    if not many:
+        resolve_event_log(source)  # fail before listening
     if not isinstance(credentials, Credentials):
         raise ValueError("credentials must be a dashboard.Credentials (a team dashboard always requires a login)")
     if not (isinstance(refresh_s, (int, float)) and 0 < refresh_s <= 3600):
@@ -438,14 +474,18 @@ def serve(source: str | Path, *, credentials: Credentials, port: int = 0, addres
 
     from .store import TelemetryStore
 
-    TelemetryStore.shared(source, job_id).refresh(force=True)  # read the history now, not in the first viewer's wait
+    if many:
+        routes = _job_routes(Path(source), job_id=job_id, refresh_s=refresh_s, max_points=max_points)
+    else:
+        TelemetryStore.shared(source, job_id).refresh(force=True)  # read the history now, not in the first viewer's wait
 
-    def app():
-        return build_app(source, job_id=job_id, refresh_s=refresh_s, max_points=max_points)
+        def app():
+            return build_app(source, job_id=job_id, refresh_s=refresh_s, max_points=max_points)
 
+        routes = {"/": app}
     provider = _login_classes(credentials, tls=bool(tls), sessions=sessions, throttle=throttle)()
     components = (r"/components/(.*)", _component_handler(provider.get_user), {})
-    return pn.serve({"/": app}, port=port, address=address, show=False, start=start, threaded=threaded,
+    return pn.serve(routes, port=port, address=address, show=False, start=start, threaded=threaded,
                     title="varuna dashboard", websocket_origin=origins, verbose=False,
                     auth_provider=provider, cookie_secret=secrets.token_urlsafe(32),
                     extra_patterns=[components], **tls)

@@ -615,3 +615,66 @@ def test_live_real_job_morph_in_browser(tmp_path, browser):
         mgr.cancel()
         mgr.wait(60)
         emu.close()
+
+
+def _write_run(root: Path, name: str, state: str, steps: int, total: int, morph: bool = False) -> Path:
+    """A run folder as the manager leaves it: config.yaml (the step total) and an event log with the
+    job's states, a plan, ``steps`` metrics rows and optionally a notice morph."""
+    from varuna_sdk.config import JobConfig, TrainConfig
+
+    run = root / name
+    run.mkdir(parents=True)
+    JobConfig(name=name, train=TrainConfig(steps=total)).to_yaml(run / "config.yaml")
+    t0 = time.time() - 120
+    with EventLog(run / "events.db") as log:
+        log.append(Kind.JOB_STATE, job_id=name, payload={"state": "RUNNING", "reason": "generation 0"}, time_s=t0)
+        log.append(Kind.PLAN, job_id=name, payload={"generation": 0, "P": 2, "D": 2, "hosts": ["vm0", "vm1"],
+                                                    "micro_batch_size": 2, "num_micro_batches": 4}, time_s=t0)
+        for s in range(steps):
+            log.append_metric(s, {"step": s, "loss": 5.0 - s / max(steps, 1), "step_time_s": 0.5, "generation": 0},
+                              job_id=name, time_s=t0 + s)
+        if morph:
+            log.append(Kind.MORPH, job_id=name, payload={"time": t0 + 10, "cause": "notice", "host": "vm1",
+                       "old": {"P": 2, "D": 2, "hosts": ["vm0", "vm1"]}, "new": {"P": 2, "D": 1, "hosts": ["vm0"]},
+                       "downtime_s": 6.5, "steps_lost": 0, "resume_step": 11}, time_s=t0 + 17)
+        if state != "RUNNING":
+            log.append(Kind.JOB_STATE, job_id=name, payload={"state": state, "reason": f"the job {state.lower()}"},
+                       time_s=t0 + steps)
+    return run
+
+
+def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
+    """``varuna dashboard RUNS`` over a folder of three runs: the jobs page lists each (state, step of
+    the total with its percentage, ETA for the running one, morphs), a job's name opens its own
+    dashboard, and a name that is not a run folder inside (``..``) shows nothing of the disk."""
+    from dashboard.server import Credentials, serve
+
+    root = tmp_path / "runs"
+    _write_run(root, "alpha", "SUCCEEDED", 40, 40)
+    _write_run(root, "beta", "RUNNING", 30, 120, morph=True)
+    _write_run(root, "gamma", "FAILED", 5, 50)
+    password = secrets.token_urlsafe(12)
+    port = _free_port()
+    srv = serve(root, credentials=Credentials({USER: password}), port=port, threaded=True)
+    ctx = browser.new_context(viewport={"width": 1400, "height": 900})
+    try:
+        _wait_http(port, 20)
+        page = ctx.new_page()
+        _login(page, f"http://127.0.0.1:{port}", password)
+        page.locator("tr[data-job]").nth(2).wait_for(timeout=30_000)
+        rows = {r.get_attribute("data-job"): r.inner_text() for r in page.locator("tr[data-job]").all()}
+        assert set(rows) == {"alpha", "beta", "gamma"}, rows
+        assert "SUCCEEDED" in rows["alpha"] and "40/40 (100 %)" in rows["alpha"]
+        assert "RUNNING" in rows["beta"] and "30/120 (25 %)" in rows["beta"] and "45 s" in rows["beta"], rows["beta"]
+        assert "FAILED" in rows["gamma"] and "5/50 (10 %)" in rows["gamma"]
+        page.screenshot(path=str(ARTIFACTS / "jobs_table.png"))
+        page.click("text=beta")
+        page.wait_for_url("**/job?run=beta", timeout=30_000)
+        page.locator(".tabulator-cell", has_text="notice").first.wait_for(timeout=30_000)   # its morph table
+        assert page.locator("text=all jobs").count() >= 1
+        page.screenshot(path=str(ARTIFACTS / "jobs_table_job_page.png"))
+        page.goto(f"http://127.0.0.1:{port}/job?run=..", timeout=30_000)
+        page.locator("text=No run named").wait_for(timeout=30_000)
+    finally:
+        ctx.close()
+        srv.stop()

@@ -148,14 +148,17 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     if not 0 < args.refresh <= 3600:   # (also false for NaN)
         raise ValueError(f"--refresh {args.refresh} must be between 0 and 3600 seconds")
-    db = resolve_event_log(args.run_dir)
+    from dashboard.server import is_folder_of_runs
+
+    what = f"the jobs in {Path(args.run_dir).resolve()}" if is_folder_of_runs(args.run_dir) else \
+        str(resolve_event_log(args.run_dir))
     creds, where = load_credentials(args.run_dir, args.credentials)
     server = serve(args.run_dir, credentials=creds, port=args.port, address=args.address,
                    allow_origins=args.allow_origin, job_id=args.job_id, refresh_s=args.refresh, start=False,
                    certfile=args.certfile, keyfile=args.keyfile)
     host = "localhost" if args.address in ("127.0.0.1", "::1", "localhost") else args.address
     scheme = "https" if args.certfile else "http"
-    print(f"[varuna] dashboard of {db} at {scheme}://{host}:{server.port}/ (read-only; sign in with {where}); "
+    print(f"[varuna] dashboard of {what} at {scheme}://{host}:{server.port}/ (read-only; sign in with {where}); "
           "Ctrl-C stops it", flush=True)
     server.start()
     try:
@@ -314,7 +317,7 @@ _EXAMPLES = {
     "plan": "varuna plan job.yaml --gpus 16 --profile profile.json\n"
             "  varuna plan job.yaml --gpus 8 --spot-price 0.9 --on-demand-price 3.06 --target-examples 1000000\n"
             "  varuna plan job.yaml --gpus 4 --local",
-    "dashboard": "varuna dashboard runs/my-job\n  varuna dashboard runs/my-job --address 0.0.0.0 --port 8080 "
+    "dashboard": "varuna dashboard runs          # every job: a jobs table, a page per job\n  varuna dashboard runs/my-job\n  varuna dashboard runs/my-job --address 0.0.0.0 --port 8080 "
                  "--certfile cert.pem --keyfile key.pem",
     "status": "varuna status            # every run in runs/\n  varuna status runs/my-job",
     "stop": "varuna stop runs/my-job   # checkpoint at the next mini-batch boundary, then stop",
@@ -398,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = _subcommand(sub, "dashboard", "serve a job's live dashboard to the team (read-only, login required)",
                      "Serve the job's dashboard (jobs, partition map, simulator estimates, throughput, VM pool), "
                      "live from its event log, behind a login.")
-    sp.add_argument("run_dir", help="the job's run folder (holding events.db), or the events.db file")
+    sp.add_argument("run_dir", help="a job's run folder (holding events.db), its events.db, or a folder of runs "
+                    "(a jobs table, a page per job)")
     sp.add_argument("--port", type=int, default=5006, help="TCP port (default 5006; 0 picks a free one)")
     sp.add_argument("--address", default="127.0.0.1",
                     help="address to listen on (default 127.0.0.1; 0.0.0.0 serves every interface)")

@@ -191,8 +191,8 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
         raise FileNotFoundError(f"{str(run)!r} holds no events.db: not a run folder (see `varuna status` on its parent)")
     now = time.time() if now is None else now
     with EventLog.reader(db) as log:
-        states = log.events(kind=Kind.JOB_STATE)
-        plans = log.events(kind=Kind.PLAN)
+        states = log.events(kind=Kind.JOB_STATE, last=1)
+        plans = log.events(kind=Kind.PLAN, last=1)   # (a plan's payload holds its ranked table and timeline)
         morphs = [e.payload for e in log.events(kind=Kind.MORPH)]
         first = log.events(limit=1)
         last = log.events(not_kind=(Kind.AUTH_FAILED, Kind.AUTH_FAILED_SUPPRESSED, "heartbeat_server_started"), last=1)
