@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 #: Colours (colour-blind safe Tableau 10) of the pipeline actions and the VM states.
 ACTION_COLORS = {"F": "#4C78A8", "R": "#F58518", "B": "#54A24B", "other": "#BAB0AC"}
 ACTION_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "other": "comm / sync / optimizer"}
+LOSS_SPAN = 20   # steps of the smoothed loss line (EMA span)
 STATUS_COLORS = {"up": "#2E7D32", "notice": "#E08E00", "pre-empted": "#C62828", "lost": "#7B1F1F",
                  "released": "#757575"}
 STATE_COLORS = {"PENDING": "#607D8B", "PROVISIONING": "#1565C0", "RUNNING": "#2E7D32", "MORPHING": "#E08E00",
@@ -164,7 +165,11 @@ class Dashboard:
         self.store = store
         self.refresh_s = refresh_s
         self.max_points = max_points
-        self.title = title or _job_name(store.path) or store.path.parent.name
+        config = _job_config(store.path)
+        self.title = title or (config.get("name") if isinstance(config.get("name"), str) else None) \
+            or store.path.parent.name
+        steps = (config.get("train") or {}).get("steps") if isinstance(config.get("train"), dict) else None
+        self.steps_total = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
         self._seen_events = -1
         self._seen_hb = -1
         self._streamed = 0  # metric rows already in the line sources
@@ -207,6 +212,8 @@ class Dashboard:
         # throughput and loss
         self.tput = ColumnDataSource(dict(step=[], value=[]), name="throughput")
         self.loss = ColumnDataSource(dict(step=[], value=[]), name="loss")
+        self.loss_smooth = ColumnDataSource(dict(step=[], value=[]), name="loss_smoothed")
+        self._ema: float | None = None   # the smoothed loss at the last streamed point
         self.pred = ColumnDataSource(dict(x0=[], x1=[], y=[], gen=[]), name="predicted")
         self.morph_marks = ColumnDataSource(dict(x=[], label=[]), name="morph_marks")
         self.tput_fig = _fig(height=260, title="examples/s: measured (line) vs simulator (dashed)",
@@ -217,7 +224,13 @@ class Dashboard:
                               color="#E45756", legend_label="predicted")
         self.loss_fig = _fig(height=260, title="training loss", x_axis_label="step", y_axis_label="loss",
                              x_range=self.tput_fig.x_range)
-        self.loss_fig.line("step", "value", source=self.loss, line_width=1.6, color="#54A24B")
+        self.loss_fig.line("step", "value", source=self.loss, line_width=1.2, color="#54A24B", alpha=0.45,
+                           legend_label="per step")
+        self.loss_fig.line("step", "value", source=self.loss_smooth, line_width=2.2, color="#1B5E20",
+                           legend_label=f"smoothed (EMA, span {LOSS_SPAN} steps)")
+        self.loss_fig.legend.location = "top_right"
+        self.loss_fig.legend.label_text_font_size = "11px"
+        self.loss_fig.legend.background_fill_alpha = 0.8
         for f in (self.tput_fig, self.loss_fig):
             f.vspan(x="x", source=self.morph_marks, line_color="#E08E00", line_width=2, line_dash="dotted")
         self.tput_fig.y_range.start = 0
@@ -351,19 +364,20 @@ class Dashboard:
         last = lambda c: st.metrics[c][-1] if n else math.nan  # noqa: E731
         counts = st.vm_counts()
         plan = st.plan
-        up_cost = [vm.price_per_hour for vm in st.vms.values()  # $ per VM-hour (Kind.HOST_ADDED payload)
-                   if vm.status in ("up", "notice") and vm.price_per_hour is not None]
         job_id = next((e.job_id for e in (st.plans or list(st.recent)) if e.job_id), None)
         since = f" since {_clock(st.job_state.time)} UTC" if st.job_state else ""
         reason = str(js.get("reason") or "")
-        tiles = [("step", _num(last("step"), "{:,.0f}")), ("loss", _num(last("loss"), "{:.4f}")),
+        done = int(last("step")) + 1 if n and _finite(last("step")) else 0
+        ended = state.upper() in ("SUCCEEDED", "FAILED", "STOPPED")
+        tiles = [("step", _progress(done, self.steps_total)), ("elapsed", _duration(self._elapsed(ended))),
+                 ("ETA", "–" if ended else _duration(self._eta(done))), ("loss", _num(last("loss"), "{:.4f}")),
                  ("examples/s", _num(last("examples_per_s"), "{:,.1f}")),
                  ("tokens/s", _num(last("tokens_per_s"), "{:,.0f}")),
                  ("model", str((plan or {}).get("labels", {}).get("model") or "–")),
                  ("plan", (f"P={plan.get('P')} × D={plan.get('D')} · gen {plan.get('generation', '?')}"
                            if plan else "–")),
                  ("VMs up", f"{counts['up'] + counts['notice']} / {len(st.vms)}"),
-                 ("cost", f"${sum(up_cost):,.2f}/h" if up_cost else "–"),
+                 ("cost", _cost_text(st.cost())),
                  ("last step", _clock(last("time") if n else None) + (" UTC" if n else ""))]
         html_ = (f'<div class="hdr"><div class="title">varuna · {_esc(self.title)}'
                  + (f'<span class="job">job {_esc(job_id)}</span>' if job_id else "") + "</div>"
@@ -374,6 +388,22 @@ class Dashboard:
                      for k, v in tiles) + "</div></div>")
         if html_ != self.header.object:
             self.header.object = html_
+
+    def _elapsed(self, ended: bool) -> float | None:
+        """Seconds from the job's first event to now, or to its end."""
+        st = self.store
+        if st.first_event_time is None:
+            return None
+        end = st.job_state.time if ended and st.job_state is not None else time.time()
+        return max(0.0, end - st.first_event_time)
+
+    def _eta(self, done: int) -> float | None:
+        """Steps left × the median time of the latest 20 steps (None: total or step times unknown)."""
+        if self.steps_total is None:
+            return None
+        times = self.store.metrics["step_time_s"][-20:]
+        times = times[np.isfinite(times)]
+        return max(0, self.steps_total - done) * float(np.median(times)) if len(times) else None
 
     def _update_pool(self) -> None:
         st = self.store
@@ -550,10 +580,17 @@ class Dashboard:
                 y = st.metrics[col]
                 idx = minmax_indices(y, self.max_points)
                 src.data = dict(step=step[idx], value=y[idx])
+            smooth = ema(st.metrics["loss"], LOSS_SPAN)
+            idx = np.linspace(0, n - 1, min(n, self.max_points)).astype(int) if n else np.zeros(0, int)
+            self.loss_smooth.data = dict(step=step[idx], value=smooth[idx])
+            self._ema = float(smooth[-1]) if n and np.isfinite(smooth[-1]) else None
         else:
             sl = slice(self._streamed, n)
             for src, col in ((self.tput, "examples_per_s"), (self.loss, "loss")):
                 src.stream(dict(step=step[sl], value=st.metrics[col][sl]))
+            smooth = ema(st.metrics["loss"][sl], LOSS_SPAN, start=self._ema)
+            self.loss_smooth.stream(dict(step=step[sl], value=smooth))
+            self._ema = float(smooth[-1]) if len(smooth) and np.isfinite(smooth[-1]) else self._ema
         self._streamed = n
 
     def _update_timeline(self) -> None:
@@ -655,19 +692,56 @@ def _served() -> bool:
     return bool(doc is not None and doc.session_context)
 
 
-def _job_name(db: Path) -> str | None:
-    """``name`` from the run folder's ``config.yaml`` (next to the event log), if there is one."""
+def ema(values: np.ndarray, span: int, start: float | None = None) -> np.ndarray:
+    """Exponential moving average of ``values`` (``alpha = 2 / (span + 1)``), continuing from
+    ``start`` (the average before the first value; None: begin at the first finite value). NaNs
+    (skipped steps) carry the average on."""
+    v = np.asarray(values, dtype=float)
+    v = np.where(np.isfinite(v), v, np.nan)
+    head = [] if start is None else [start]
+    out = pd.Series(np.concatenate([head, v])).ewm(span=span, adjust=False, ignore_na=True).mean().to_numpy()
+    return out[len(head):]
+
+
+def _job_config(db: Path) -> dict:
+    """The run folder's ``config.yaml`` (next to the event log) as plain data; ``{}`` when there is
+    none or it cannot be read (a broken config must not break the dashboard)."""
     cfg = db.parent / "config.yaml"
     if not cfg.is_file():
-        return None
+        return {}
     try:
         import yaml
 
-        doc = yaml.safe_load(cfg.read_text())
-    except Exception:  # noqa: BLE001 - a broken config must not break the dashboard
-        return None
-    name = doc.get("name") if isinstance(doc, dict) else None
-    return name if isinstance(name, str) else None
+        doc = yaml.safe_load(cfg.read_text()[:1_000_000])
+    except Exception:  # noqa: BLE001
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _duration(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "–"
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"
+
+
+def _progress(done: int, total: int | None) -> str:
+    """"159 / 300 (53 %)", or "159" when the total is not known."""
+    if not total:
+        return f"{done:,}" if done else "–"
+    return f"{done:,} / {total:,} ({100 * done / total:.0f} %)"
+
+
+def _cost_text(c: dict | None) -> str:
+    """The header's cost: free for local slots; else $ spent so far, $/h now and the saving against
+    the same VM-hours on demand (saying when the prices are an example)."""
+    if c is None:
+        return "no prices given"
+    if c.get("local"):
+        return "free (local)"
+    text = f"${c['spent']:,.2f} spent · ${c['per_hour']:,.2f}/h"
+    if c["on_demand"] > 0 and c["on_demand"] > c["spent"]:
+        text += f" · saves {1 - c['spent'] / c['on_demand']:.0%} vs on-demand"
+    return text + (" (example prices)" if c.get("example") else "")
 
 
 def build_app(source: str | Path, *, job_id: str | None = None, refresh_s: float = 1.0,

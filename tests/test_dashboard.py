@@ -588,6 +588,8 @@ def test_live_real_job_morph_in_browser(tmp_path, browser):
         page.wait_for_function(f"() => ({_ROWS})(['partition_cells', 'rank']) === {plan['P'] * plan['D']}",
                                timeout=30_000)
         page.wait_for_function(f"() => ({_MAX})(['throughput', 'step']) >= 3", timeout=90_000)
+        header = page.locator(".hdr").first.inner_text()
+        assert "free (local)" in header and "/ 100,000 (" in header and "ETA" in header, header
         first = page.evaluate(_MAX, ["throughput", "step"])
         page.wait_for_function(f"() => ({_MAX})(['throughput', 'step']) >= {first + 3}", timeout=60_000)
         page.screenshot(path=str(ARTIFACTS / "live_job_running.png"))
@@ -678,3 +680,38 @@ def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
     finally:
         ctx.close()
         srv.stop()
+
+
+def test_cost_so_far_from_the_providers_prices(tmp_path):
+    """Billing runs from a VM's host_added to its host_removed at its $/h; the saving is against the
+    same VM-hours at the on-demand price; local slots are free; example prices say so."""
+    from dashboard.store import TelemetryStore
+
+    t0 = 1_000_000.0
+    prices = {"price_per_hour": "0.9", "on_demand_per_hour": "3.0", "prices": "example", "instance_type": "p3"}
+    with EventLog(tmp_path / "events.db") as log:
+        log.append(Kind.HOST_ADDED, host="vm0", payload={"labels": prices}, time_s=t0)
+        log.append(Kind.HOST_ADDED, host="vm1", payload={"labels": prices}, time_s=t0)
+        log.append(Kind.HOST_REMOVED, host="vm1", payload={"reason": "preempted"}, time_s=t0 + 1800)
+        log.append(Kind.HOST_ADDED, host="vm1", payload={"labels": prices}, time_s=t0 + 3600)
+    st = TelemetryStore(tmp_path / "events.db")
+    st.refresh(force=True)
+    c = st.cost(now=t0 + 7200)          # vm0: 2 h, vm1: 0.5 h + 1 h = 3.5 VM-hours
+    assert c["spent"] == pytest.approx(3.5 * 0.9) and c["on_demand"] == pytest.approx(3.5 * 3.0)
+    assert c["per_hour"] == pytest.approx(1.8) and c["example"] is True and c["local"] is False
+    with EventLog(tmp_path / "local.db") as log:
+        log.append(Kind.HOST_ADDED, host="local0", payload={"labels": {"kind": "local"}}, time_s=t0)
+    local = TelemetryStore(tmp_path / "local.db")
+    local.refresh(force=True)
+    assert local.cost() == {"local": True}
+
+
+def test_the_smoothed_loss_continues_where_it_stopped():
+    from dashboard.app import ema
+
+    x = np.array([np.nan, 4.0, 3.0, np.nan, 2.0, 1.0, 1.5])
+    full = ema(x, 5)
+    assert np.isnan(full[0]) and full[1] == 4.0 and full[3] == full[2]     # a skipped step carries it on
+    assert np.allclose(ema(x[4:], 5, start=full[3]), full[4:])            # streamed = drawn from history
+    a = 2 / 6
+    assert full[2] == pytest.approx(4.0 + a * (3.0 - 4.0))

@@ -203,6 +203,17 @@ def _hosts(p: dict | None) -> str:
     return ",".join(p.get("hosts") or []) if p else "-"
 
 
+def example_vm_prices() -> dict[str, str]:
+    """Host labels that price an emulated VM as the trace's 1-GPU V100 spot VM (``planner.plan.Prices``'
+    example figures: spot and on-demand $ per hour), marked ``prices=example`` so that the dashboard's
+    cost says they are an example."""
+    from .planner.plan import Prices
+
+    p = Prices()
+    return {"price_per_hour": f"{p.spot_per_gpu_hour:g}", "on_demand_per_hour": f"{p.on_demand_per_gpu_hour:g}",
+            "prices": "example", "instance_type": "1-GPU V100 VM (emulated)"}
+
+
 def morph_table(morphs: list[dict], t0: float | None = None) -> str:
     """The morph history as an aligned text table: time (seconds after ``t0``; Unix time when
     ``t0`` is None), cause, VM that caused it, old plan → new plan (P × D, workers, VMs used),
@@ -289,7 +300,7 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     profile = calibrate_job(job, resolved=resolved)  # before the replay starts: a first calibration takes a while
     say(f"[demo] calibration ready in {time.monotonic() - t_cal:.1f} s; starting the replay")
 
-    emu = trace_slice.emulator(backend="local", hold=True)
+    emu = trace_slice.emulator(backend="local", hold=True, labels=example_vm_prices())
     events: list[tuple[float, str, str, str]] = []
     noticed: set[str] = set()
     t_start = time.time()

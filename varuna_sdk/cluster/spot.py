@@ -28,7 +28,8 @@ slots (``local0``...) — and replays the trace in real time on its own thread:
   (``localproc.kill_host``); then ``removed`` is emitted.
 
 ``remove_now(name, notice_s=None)`` and ``add_now(name=None)`` drive it by hand (tests,
-tutorials), with or without a trace. Host events go to the job's event log when one is given.
+tutorials), with or without a trace. ``labels`` go on every host it brings up (e.g. the prices
+an emulated VM stands for: ``price_per_hour``, ``on_demand_per_hour``, ``prices="example"``). Host events go to the job's event log when one is given.
 
 Owns ``TraceEvent``, ``Trace``, ``TraceError``, ``load_trace``, ``SpotEmulator``. Imports
 ``cluster.hosts``, ``cluster.localproc``, ``cluster.provider`` and ``cluster.testhosts`` only;
@@ -37,6 +38,7 @@ never torch or the manager.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -236,7 +238,8 @@ class SpotEmulator(PoolProvider):
     def __init__(self, trace: Trace | None = None, *, capacity: int, backend: str = "local",
                  notice_s: float | None = 30.0, initial: int | None = None,
                  test_hosts: Any = None, root: str | os.PathLike | None = None, netns: bool = False,
-                 gpus_per_host: int = 0, event_log: Any = None, job_id: str | None = None):
+                 gpus_per_host: int = 0, event_log: Any = None, job_id: str | None = None,
+                 labels: dict[str, str] | None = None):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity={capacity!r} must be an integer >= 1 (the most VMs held at once)")
         if backend not in ("ssh", "local"):
@@ -252,6 +255,7 @@ class SpotEmulator(PoolProvider):
         self.notice_s = float(notice_s or 0.0)
         self.initial = capacity if initial is None else initial
         self.netns, self.gpus_per_host = netns, gpus_per_host
+        self.labels = {str(k): str(v) for k, v in (labels or {}).items()}   # on every host (e.g. its prices)
         self._own_root: Path | None = None
         self.test_hosts = test_hosts
         if backend == "ssh" and test_hosts is None:
@@ -352,6 +356,8 @@ class SpotEmulator(PoolProvider):
                 host = self.test_hosts.add(name, gpus=self.gpus_per_host, netns=self.netns)
             else:
                 host = local_host(name, gpus=self.gpus_per_host)
+            if self.labels:
+                host = dataclasses.replace(host, labels={**self.labels, **host.labels})
             self.added_count += 1
             node = self._node_of.get(name)
             self._add_host(host, reason=f"trace {node} added" if node else "added")

@@ -200,6 +200,8 @@ class Manager:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if job.train.checkpoint_url is None:  # one store every generation and every VM sees
             job.train.checkpoint_url = str(self.run_dir / "checkpoints")
+        if not (self.run_dir / "config.yaml").exists():   # the run folder says what it runs (status, dashboard)
+            job.to_yaml(self.run_dir / "config.yaml")
         self.job = job
         self.job_id = job_id or self.run_dir.name
         self.heartbeat_interval_s = float(heartbeat_interval_s)
@@ -563,7 +565,8 @@ class Manager:
             for h in held:
                 if h.name not in known:
                     self.log.append(Kind.HOST_ADDED, job_id=self.job_id, host=h.name,
-                                    payload={"gpus": h.gpus, "reason": "held at start"})
+                                    payload={"address": h.address, "gpus": h.gpus, "labels": dict(h.labels),
+                                             "reason": "held at start"})
         if not getattr(self.provider, "started", True):
             self.provider.start()
 
