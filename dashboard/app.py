@@ -82,8 +82,9 @@ table.cmp th:first-child, table.cmp td:first-child { text-align: left; }
             border-radius: 2px; }
 """
 
+FLEX_HALF = {"flex": "1 1 460px", "min-width": "0"}   # half a wide screen, the whole of a narrow one
 SECTION_STYLE = {"background": "white", "border": "1px solid #dde1e6", "border-radius": "8px",
-                 "padding": "6px 10px"}
+                 "padding": "6px 10px", "overflow-x": "auto"}   # a wide table scrolls in its card, not the page
 
 
 def _esc(v: Any) -> str:
@@ -129,9 +130,17 @@ def _segments(segs: Any) -> str:
     return ",".join(str(x) for x in segs)
 
 
-def _section(title: str, *objs, **kw) -> pn.Column:
+def _section(title: str, *objs, half: bool = False, **kw) -> pn.Column:
+    """A titled white card; ``half``: one of two side by side on a wide screen (``_wrap``)."""
+    styles = {**SECTION_STYLE, **(FLEX_HALF if half else {})}
     return pn.Column(pn.pane.HTML(f"<h3>{_esc(title)}</h3>", stylesheets=[CSS], margin=(0, 0)), *objs,
-                     styles=SECTION_STYLE, sizing_mode="stretch_width", margin=(6, 6), **kw)
+                     styles=styles, sizing_mode="stretch_width", margin=(6, 6), **kw)
+
+
+def _wrap(*objs) -> pn.FlexBox:
+    """Side by side while each gets at least its flex basis (``FLEX_HALF``: 460 px), else one under
+    the other: two columns on a laptop, one below ~1000 px."""
+    return pn.FlexBox(*objs, flex_wrap="wrap", sizing_mode="stretch_width", margin=0)
 
 
 def _fig(**kw) -> figure:
@@ -200,12 +209,11 @@ class Dashboard:
         self.pmap.grid.visible = False
         self.pmap.xaxis.major_label_orientation = 0
         self.mem_src = ColumnDataSource(dict(y=[], gib=[], text=[]), name="stage_memory")
-        self.mem = _fig(height=300, width=190, sizing_mode="fixed", y_range=self.pmap.y_range, tools="hover",
-                        title="memory per GPU (GiB)")
+        self.mem = _fig(height=150, y_range=self.pmap.y_range, tools="hover", title="memory per GPU (GiB)")
         self.mem.hbar(y="y", right="gib", height=0.6, source=self.mem_src, color="#8DA0CB")
         self.mem.text(x=0, y="y", text="text", source=self.mem_src, text_baseline="middle", text_font_size="11px",
                       x_offset=4, text_color="#1d2330")
-        self.mem.yaxis.visible = False
+        self.mem.yaxis.major_label_text_font_size = "11px"
         self.mem.x_range.start = 0
         self.mem.select_one(HoverTool).tooltips = [("stage", "@y"), ("memory", "@text")]
 
@@ -275,28 +283,24 @@ class Dashboard:
                                                 sizing_mode="stretch_width", layout="fit_data_stretch",
                                                 selectable=False)
         legend = "".join(f'<span><i style="background:{c}"></i>{_esc(k)}</span>' for k, c in STATUS_COLORS.items())
+        actions = ('<div class="legend">' + "".join(f'<span><i style="background:{ACTION_COLORS[k]}"></i>{_esc(n)}</span>'
+                                                    for k, n in ACTION_NAMES.items()) + "</div>")
         self.layout = pn.Column(
             self.header,
-            pn.Row(_section("VM pool", pn.pane.HTML(f'<div class="legend">{legend}'
-                                                    '<span><i style="background:#6A3D9A"></i>straggler</span></div>',
-                                                    stylesheets=[CSS], margin=(0, 0, 4, 0)), self.pool),
-                   _section("Partition map (stages × replicas)",
-                            pn.Row(pn.pane.Bokeh(self.pmap, sizing_mode="stretch_width"), pn.pane.Bokeh(self.mem),
-                                   sizing_mode="stretch_width")),
-                   sizing_mode="stretch_width"),
-            pn.Row(_section("Throughput", pn.pane.Bokeh(self.tput_fig, sizing_mode="stretch_width")),
-                   _section("Loss", pn.pane.Bokeh(self.loss_fig, sizing_mode="stretch_width")),
-                   sizing_mode="stretch_width"),
-            pn.Row(_section("Simulator estimates", self.compare, self.ranked), sizing_mode="stretch_width"),
-            pn.Row(_section("Pipeline timeline", pn.pane.HTML(
-                '<div class="legend">' + "".join(f'<span><i style="background:{ACTION_COLORS[k]}"></i>{_esc(n)}</span>'
-                                                 for k, n in ACTION_NAMES.items()) + "</div>",
-                stylesheets=[CSS], margin=(0, 0, 4, 0)), pn.Row(pn.pane.Bokeh(self.gantt, sizing_mode="stretch_width"),
-                                                        pn.pane.Bokeh(self.stage_fig, sizing_mode="stretch_width"),
-                                                        sizing_mode="stretch_width")),
-                   sizing_mode="stretch_width"),
-            pn.Row(_section("Morph history", self.morph_table), sizing_mode="stretch_width"),
-            pn.Row(_section("Recent events", self.event_table), sizing_mode="stretch_width"),
+            _wrap(_section("VM pool", pn.pane.HTML(f'<div class="legend">{legend}'
+                                                   '<span><i style="background:#6A3D9A"></i>straggler</span></div>',
+                                                   stylesheets=[CSS], margin=(0, 0, 4, 0)), self.pool, half=True),
+                  _section("Partition map (stages × replicas)",
+                           pn.pane.Bokeh(self.pmap, sizing_mode="stretch_width"),
+                           pn.pane.Bokeh(self.mem, sizing_mode="stretch_width"), half=True)),
+            _wrap(_section("Throughput", pn.pane.Bokeh(self.tput_fig, sizing_mode="stretch_width"), half=True),
+                  _section("Loss", pn.pane.Bokeh(self.loss_fig, sizing_mode="stretch_width"), half=True)),
+            _section("Simulator estimates", self.compare, self.ranked),
+            _section("Pipeline timeline", pn.pane.HTML(actions, stylesheets=[CSS], margin=(0, 0, 4, 0)),
+                     _wrap(pn.pane.Bokeh(self.gantt, sizing_mode="stretch_width", styles=FLEX_HALF),
+                           pn.pane.Bokeh(self.stage_fig, sizing_mode="stretch_width", styles=FLEX_HALF))),
+            _section("Morph history", self.morph_table),
+            _section("Recent events", self.event_table),
             sizing_mode="stretch_width", styles={"background": "#f3f5f8"}, margin=0,
         )
         self._bokeh_panes = [o for o in self.layout.select(pn.pane.Bokeh)]
@@ -487,10 +491,13 @@ class Dashboard:
         self.pmap_text.glyph.text_font_size = "10px" if small or D > 6 else "12px"
         self.pmap.title.text = (f"generation {plan.get('generation', '?')}: P={P} × D={D} = {P * D} GPUs "
                                 "(cell: rank, host)")
-        gib = [float(mem[s]) / 2**30 if s < len(mem) and isinstance(mem[s], (int, float)) else 0.0
-               for s in range(P)]
-        self.mem_src.data = dict(y=ylab, gib=gib, text=[_bytes(mem[s]) if s < len(mem) else "–" for s in range(P)])
-        self.mem.x_range.end = max(gib + [1e-3]) * 1.6
+        raw = [float(mem[s]) if s < len(mem) and isinstance(mem[s], (int, float)) else 0.0 for s in range(P)]
+        unit, scale = ("GiB", 2**30) if max(raw + [0.0]) >= 2**30 else ("MiB", 2**20)   # the labels' unit
+        vals = [b / scale for b in raw]
+        self.mem_src.data = dict(y=ylab, gib=vals, text=[_bytes(mem[s]) if s < len(mem) else "–" for s in range(P)])
+        self.mem.x_range.end = max(vals + [1e-3]) * 1.6
+        self.mem.title.text = f"memory per GPU by stage ({unit})"
+        self.mem.height = 70 + 26 * max(P, 1)
 
     def _update_ranked(self) -> None:
         plan = self.store.plan or {}

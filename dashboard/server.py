@@ -395,6 +395,41 @@ def default_origins(address: str, port: int) -> list[str]:
     return sorted(set(out))
 
 
+def _quiet_closed_tabs() -> None:
+    """A closed browser tab is not an error: Bokeh's "Failed sending message as connection was
+    closed" warnings and Tornado's never-retrieved ``WebSocketClosedError``/``StreamClosedError``
+    tasks are silenced in the server's event loop (called from each session, on that loop); every
+    other exception still goes to the loop's default handler."""
+    from tornado.iostream import StreamClosedError
+    from tornado.websocket import WebSocketClosedError
+
+    logging.getLogger("bokeh.server.views.ws").setLevel(logging.ERROR)
+    loop = asyncio.get_event_loop()
+    if getattr(loop, "_varuna_quiet", False):
+        return
+
+    def handler(lp, context) -> None:
+        if isinstance(context.get("exception"), (WebSocketClosedError, StreamClosedError)):
+            return
+        lp.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    loop._varuna_quiet = True  # type: ignore[attr-defined]
+
+
+def _stop_with_the_session(view) -> None:
+    """Stop a view's periodic refresh when its browser session ends (tab closed)."""
+    import panel as pn
+
+    dash = getattr(view, "dashboard", None)
+    cb = getattr(view, "callback", None)
+    try:
+        pn.state.on_session_destroyed(lambda ctx: (dash.stop() if dash is not None else None,
+                                                   cb.stop() if cb is not None else None))
+    except Exception:  # noqa: BLE001 - outside a served session (a notebook): nothing to tie it to
+        pass
+
+
 def is_folder_of_runs(source: str | Path) -> bool:
     """``source`` is a folder that holds runs (or will), not one run folder or event-log file."""
     p = Path(source).expanduser()
@@ -410,9 +445,13 @@ def _job_routes(root: Path, *, job_id: str | None, refresh_s: float, max_points:
     from .jobs import build_jobs_app, run_folder
 
     def jobs():
-        return build_jobs_app(root, refresh_s=max(refresh_s, 1.0))
+        _quiet_closed_tabs()
+        view = build_jobs_app(root, refresh_s=max(refresh_s, 1.0))
+        _stop_with_the_session(view)
+        return view
 
     def job():
+        _quiet_closed_tabs()
         raw = (pn.state.session_args.get("run") or [b""])[0]
         name = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
         back = pn.pane.HTML('<a href="./">← all jobs</a>', stylesheets=[CSS], margin=(6, 10, 0, 10))
@@ -421,8 +460,9 @@ def _job_routes(root: Path, *, job_id: str | None, refresh_s: float, max_points:
         except FileNotFoundError:
             return pn.Column(back, pn.pane.HTML(f"<p>No run named {html.escape(name)!s} in this folder.</p>",
                                                 stylesheets=[CSS]))
-        return pn.Column(back, build_app(folder, job_id=job_id, refresh_s=refresh_s, max_points=max_points),
-                         sizing_mode="stretch_width", margin=0)
+        view = build_app(folder, job_id=job_id, refresh_s=refresh_s, max_points=max_points)
+        _stop_with_the_session(view)
+        return pn.Column(back, view, sizing_mode="stretch_width", margin=0)
 
     return {"/": jobs, "/job": job}
 
@@ -480,7 +520,10 @@ def serve(source: str | Path, *, credentials: Credentials, port: int = 0, addres
         TelemetryStore.shared(source, job_id).refresh(force=True)  # read the history now, not in the first viewer's wait
 
         def app():
-            return build_app(source, job_id=job_id, refresh_s=refresh_s, max_points=max_points)
+            _quiet_closed_tabs()
+            view = build_app(source, job_id=job_id, refresh_s=refresh_s, max_points=max_points)
+            _stop_with_the_session(view)
+            return view
 
         routes = {"/": app}
     provider = _login_classes(credentials, tls=bool(tls), sessions=sessions, throttle=throttle)()

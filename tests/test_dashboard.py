@@ -341,6 +341,52 @@ def real_run(tmp_path_factory):
     return run
 
 
+def test_dashboard_reads_at_every_width(job, server, browser):
+    """Two cards side by side on a laptop, one column below ~1000 px; at 1400, 1024, 800 and 400 px
+    nothing is wider than the window (no clipped chart or table needs a sideways scroll of the page)
+    and no card's title overlaps another card. Screenshots: test-artifacts/dashboard/width_<px>.png."""
+    url, password, _ = server
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        page = ctx.new_page()
+        _login(page, url, password)
+        page.locator(".vm").first.wait_for(timeout=60_000)
+        page.wait_for_function(f"() => ({_ROWS})(['partition_cells', 'rank']) > 0", timeout=30_000)
+        for width in (1400, 1024, 800, 400):
+            page.set_viewport_size({"width": width, "height": 1000})
+            time.sleep(1.5)   # the layout settles
+            _check_layout(page, width)
+    finally:
+        ctx.close()
+
+
+def _check_layout(page, width: int) -> None:
+    """Cards side by side iff the window is at least ~1000 px; titles apart; no sideways scroll."""
+    boxes = {t: page.locator("h3", has_text=t).first.bounding_box() for t in
+             ("VM pool", "Partition map", "Throughput", "Loss", "Simulator estimates", "Recent events")}
+    assert all(boxes.values()), boxes
+    side_by_side = abs(boxes["VM pool"]["y"] - boxes["Partition map"]["y"]) < 5
+    assert side_by_side is (width >= 1000), (width, boxes)
+    assert (abs(boxes["Throughput"]["y"] - boxes["Loss"]["y"]) < 5) is (width >= 1000), (width, boxes)
+    for a, b in (("VM pool", "Partition map"), ("Throughput", "Loss")):   # titles never overlap
+        A, B = boxes[a], boxes[b]
+        apart = A["x"] + A["width"] <= B["x"] or B["x"] + B["width"] <= A["x"] or \
+            A["y"] + A["height"] <= B["y"] or B["y"] + B["height"] <= A["y"]
+        assert apart, (width, a, A, b, B)
+    overflow = page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 2, f"the page is {overflow} px wider than a {width} px window"
+    page.screenshot(path=str(ARTIFACTS / f"width_{width}.png"), full_page=True)
+
+
+def test_closed_tabs_leave_no_traceback_in_the_server_output(server):
+    """After the browser tabs above were opened and closed, the server has printed no traceback
+    (Tornado's "stream closed" / websocket errors when a tab goes away)."""
+    _, _, srv = server
+    time.sleep(2.0)   # the last tab's websocket is torn down
+    out = "".join(srv.output)
+    assert "Traceback" not in out and "ERROR" not in out, out[-3000:]
+
+
 def test_real_job_event_log(real_run, browser):
     """The dashboard over the event log a real job wrote: the views match the log."""
     from dashboard.app import Dashboard
