@@ -20,8 +20,9 @@ min/max-downsampled to ``max_points`` (``store.minmax_indices``), new points are
 series is re-downsampled from the store when it reaches twice that.
 
 Read-only by construction: no widget here changes anything outside the browser, and the store
-opens the event log read-only. Imports panel, bokeh, pandas and ``dashboard.store``; must never
-import torch or any part of ``varuna_sdk`` that drives a job.
+opens the event log read-only. Imports panel, bokeh, pandas, ``dashboard.store`` and
+``varuna_sdk.manager.runs`` (sentences for morphs and events; read-only); must never import
+torch or any part of ``varuna_sdk`` that drives a job.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, NumeralTickFormatter
 from bokeh.plotting import figure
 
+from varuna_sdk.manager.runs import event_sentence, morph_sentence
+
 from .store import VM_STATES, TelemetryStore, minmax_indices
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,9 @@ log = logging.getLogger(__name__)
 ACTION_COLORS = {"F": "#4C78A8", "R": "#F58518", "B": "#54A24B", "other": "#BAB0AC"}
 ACTION_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "other": "comm / sync / optimizer"}
 LOSS_SPAN = 20   # steps of the smoothed loss line (EMA span)
+CAUSE_LABELS = {"notice": "pre-emption notice", "loss": "VM lost (no notice)", "grow": "VM back: grow",
+                "straggler": "straggler excluded", "failure": "worker failure", "stop_timeout": "stop timed out",
+                "manager_restart": "manager restarted"}
 STATUS_COLORS = {"up": "#2E7D32", "notice": "#E08E00", "pre-empted": "#C62828", "lost": "#7B1F1F",
                  "released": "#757575"}
 STATE_COLORS = {"PENDING": "#607D8B", "PROVISIONING": "#1565C0", "RUNNING": "#2E7D32", "MORPHING": "#E08E00",
@@ -657,25 +663,35 @@ class Dashboard:
         st = self.store
         rows = []
         for e in reversed(st.morphs):
-            p = e.payload
-            fs, rs = p.get("from_step"), p.get("resume_step")
-            rows.append({"time UTC": _clock(e.time), "cause": str(p.get("cause", "?")),
+            p = e.payload if isinstance(e.payload, dict) else {}
+            rs = p.get("resume_step")
+            rows.append({"time UTC": _clock(e.time), "cause": CAUSE_LABELS.get(str(p.get("cause")), str(p.get("cause", "?"))),
+                         "VM": str(p.get("host") or "–"),
                          "old → new plan": f"{_plan_label(p.get('old'))} → {_plan_label(p.get('new'))}",
                          "downtime s": _round(p.get("downtime_s"), 1), "steps lost": p.get("steps_lost"),
-                         "step": f"{fs} → {rs}" if fs is not None or rs is not None else ""})
+                         "resumed at step": rs, "what happened": _safe_sentence(morph_sentence, p)})
         self.morph_table.height = min(220, 40 + 31 * max(1, len(rows)))
-        self.morph_table.value = pd.DataFrame(rows or [{"time UTC": "", "cause": "no morph yet",
-                                                        "old → new plan": "", "downtime s": None,
-                                                        "steps lost": None, "step": ""}])
+        self.morph_table.value = pd.DataFrame(rows or [{"time UTC": "", "cause": "no morph yet", "VM": "",
+                                                        "old → new plan": "", "downtime s": None, "steps lost": None,
+                                                        "resumed at step": None, "what happened": ""}])
         ev = []
         for e in reversed(st.recent):
             p = {k: v for k, v in e.payload.items() if k not in ("rows", "timeline", "hosts", "boundaries",
                                                                   "fwd_s", "bwd_s", "mem_per_stage_bytes")}
             detail = ", ".join(f"{k}={_short(v)}" for k, v in p.items())
-            ev.append({"time UTC": _clock(e.time), "kind": e.kind, "host": e.host or "",
-                       "rank": "" if e.rank is None else str(e.rank), "details": detail[:160]})
-        self.event_table.value = pd.DataFrame(ev or [{"time UTC": "", "kind": "no events yet", "host": "",
-                                                      "rank": "", "details": ""}])
+            ev.append({"time UTC": _clock(e.time), "what happened": _safe_sentence(event_sentence, e)[:200],
+                       "kind": e.kind, "host": e.host or "", "rank": "" if e.rank is None else str(e.rank),
+                       "payload": detail[:160]})
+        self.event_table.value = pd.DataFrame(ev or [{"time UTC": "", "what happened": "no events yet", "kind": "",
+                                                      "host": "", "rank": "", "payload": ""}])
+
+
+def _safe_sentence(fn, arg) -> str:
+    """``fn(arg)`` (a sentence of ``manager.runs``), or "" when a malformed payload breaks it."""
+    try:
+        return str(fn(arg))
+    except Exception:  # noqa: BLE001 - the log is input: a view never fails on it
+        return ""
 
 
 def _short(v: Any) -> str:

@@ -719,6 +719,9 @@ def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
         page.click("text=beta")
         page.wait_for_url("**/job?run=beta", timeout=30_000)
         page.locator(".tabulator-cell", has_text="notice").first.wait_for(timeout=30_000)   # its morph table
+        # ... explained in a sentence: the VM, what happened, the plans, downtime, what was lost
+        said = page.locator(".tabulator-cell", has_text="VM vm1 got a pre-emption notice").first.inner_text()
+        assert "P=2 x D=1 on vm0" in said and "6.5 s down" in said and "nothing lost" in said, said
         assert page.locator("text=all jobs").count() >= 1
         page.screenshot(path=str(ARTIFACTS / "jobs_table_job_page.png"))
         page.goto(f"http://127.0.0.1:{port}/job?run=..", timeout=30_000)

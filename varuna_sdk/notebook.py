@@ -556,7 +556,8 @@ class Job:
     def morphs(self):
         """Morph history as a pandas DataFrame, one row per morph (paper §4.2): time (UTC, when
         its cause was seen), cause (notice, loss, grow, straggler, failure, stop_timeout), host,
-        old_plan → new_plan (``P=2 x D=1 on vm0,vm1``), downtime_s (cause seen → first step of the
+        what_happened (the morph in one sentence: which VM, what, the plans, downtime, steps lost and
+        why), old_plan → new_plan (``P=2 x D=1 on vm0,vm1``), downtime_s (cause seen → first step of the
         new plan done), from_step (last step trained before), resume_step (steps the resumed
         checkpoint holds), steps_lost, and the plans as dicts (old, new). A morph is recorded
         once the new plan finished its first step."""
@@ -564,8 +565,10 @@ class Job:
 
         from .manager.events import Kind
 
-        cols = ["time", "cause", "host", "old_plan", "new_plan", "downtime_s", "from_step", "resume_step",
-                "steps_lost", "old", "new"]
+        from .manager.runs import morph_sentence
+
+        cols = ["time", "cause", "host", "what_happened", "old_plan", "new_plan", "downtime_s", "from_step",
+                "resume_step", "steps_lost", "old", "new"]
         log = self._log()
         if log is None:
             return pd.DataFrame(columns=cols)
@@ -577,7 +580,7 @@ class Job:
         for e in evs:
             p = e.payload
             rows.append({"time": pd.Timestamp(p.get("time") or e.time, unit="s", tz="UTC"), "cause": p.get("cause"),
-                         "host": p.get("host"), "old_plan": _plan_label(p.get("old")),
+                         "host": p.get("host"), "what_happened": morph_sentence(p), "old_plan": _plan_label(p.get("old")),
                          "new_plan": _plan_label(p.get("new")), "downtime_s": p.get("downtime_s"),
                          "from_step": p.get("from_step"), "resume_step": p.get("resume_step"),
                          "steps_lost": p.get("steps_lost"), "old": p.get("old"), "new": p.get("new")})
