@@ -102,12 +102,15 @@ class TraceSlice:
                                   f"window [{self.start_s}, {self.end_s}) s; pick a time of a 'remove' row")
         return tr
 
-    def emulator(self, *, hold: bool = False, **kwargs) -> SpotEmulator:
+    def emulator(self, *, hold: bool = False, pace: Callable[[], bool] | None = None, **kwargs) -> SpotEmulator:
         """A ``SpotEmulator`` replaying this slice (``kwargs``: ``backend``, ``root``...). With
         ``hold=True`` only the VMs up at the window start come up on ``start()``; the rest of
-        the slice replays from ``begin_replay()`` on (its t=0)."""
+        the slice replays from ``begin_replay()`` on (its t=0). ``pace``: the replay clock stands
+        still while it returns False (the demo: until the job trains again after a morph), so every
+        event of the slice meets a running job however slow the machine."""
         return _SliceEmulator(self.load(), capacity=self.capacity, notice_s=self.notice_s,
-                              sudden_ms={round(t * 1000) for t in self.sudden_at_s}, hold=hold, **kwargs)
+                              sudden_ms={round(t * 1000) for t in self.sudden_at_s}, hold=hold, pace=pace,
+                              **kwargs)
 
     def wall_s(self, trace_s: float) -> float:
         """Wall seconds after the replay starts at which trace time ``trace_s`` comes."""
@@ -139,19 +142,34 @@ class _SliceEmulator(SpotEmulator):
     (A notice due less than ``notice_s`` after the replay start comes at once, held or not.)
     Both hook the emulator's private ``_trace_notice`` / ``_now`` (``cluster.spot`` owns them)."""
 
-    def __init__(self, trace: Trace, *, sudden_ms: set[int], hold: bool = False, **kwargs):
+    _recheck_s = 0.25
+
+    def __init__(self, trace: Trace, *, sudden_ms: set[int], hold: bool = False,
+                 pace: Callable[[], bool] | None = None, **kwargs):
         super().__init__(trace, **kwargs)
         self.sudden_ms = set(sudden_ms)
         self._go: float | None = None if hold else time.monotonic()
+        self.pace = pace
+        self._paused_at: float | None = None
+        self._paused_s = 0.0          # replay clock stood still this long (pace said not ready)
 
     def _trace_notice(self, e: TraceEvent) -> None:  # no notice for a sudden loss
         if e.trace_ms not in self.sudden_ms:
             super()._trace_notice(e)
 
-    def _now(self) -> float:  # replay seconds; 0 while held
+    def _now(self) -> float:  # replay seconds; 0 while held; standing still while ``pace()`` is False
         if self._go is None:
             return 0.0
-        return time.monotonic() - max(self._go, self._t0_mono or self._go)
+        mono = time.monotonic()
+        if self.pace is not None and self._go is not None:
+            ready = bool(self.pace())
+            if not ready and self._paused_at is None:
+                self._paused_at = mono
+            elif ready and self._paused_at is not None:
+                self._paused_s += mono - self._paused_at
+                self._paused_at = None
+        at = self._paused_at if self._paused_at is not None else mono
+        return at - max(self._go, self._t0_mono or self._go) - self._paused_s
 
     def begin_replay(self) -> float:
         """Start the replay clock now (no-op if running); returns the Unix time of replay t=0."""
@@ -201,6 +219,18 @@ def _plan(p: dict | None) -> str:
 
 def _hosts(p: dict | None) -> str:
     return ",".join(p.get("hosts") or []) if p else "-"
+
+
+PACE_STEPS = 5   # the demo's replay waits, after each morph, until the new plan trained this many steps
+
+
+def _trains_again(mgr, steps: int) -> bool:
+    """The job runs under its latest plan, which has trained ``steps`` steps (the demo's pace)."""
+    if not mgr.settled:
+        return False
+    s = mgr.summary()
+    base = s["morphs"][-1]["resume_step"] if s["morphs"] else 0
+    return s["last_step"] is not None and s["last_step"] + 1 - base >= steps
 
 
 def example_vm_prices() -> dict[str, str]:
@@ -300,7 +330,9 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     profile = calibrate_job(job, resolved=resolved)  # before the replay starts: a first calibration takes a while
     say(f"[demo] calibration ready in {time.monotonic() - t_cal:.1f} s; starting the replay")
 
-    emu = trace_slice.emulator(backend="local", hold=True, labels=example_vm_prices())
+    box: list = []   # the manager, once made (the emulator is made first: the manager needs it)
+    emu = trace_slice.emulator(backend="local", hold=True, labels=example_vm_prices(),
+                               pace=lambda: bool(box) and _trains_again(box[0], PACE_STEPS))
     events: list[tuple[float, str, str, str]] = []
     noticed: set[str] = set()
     t_start = time.time()
@@ -330,6 +362,7 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     mgr = Manager(job, emu, run_dir=run, profile=profile, heartbeat_interval_s=heartbeat_interval_s,
                   grow=GrowRule(min_gain=1.10, cooldown_s=10.0), straggler=None, stop_timeout_s=60.0,
                   generation_options={"sink": _DemoSink(say)}, on_state=on_state, labels=job_labels(resolved))
+    box.append(mgr)
     t_wall = time.monotonic()
     state = None
     try:

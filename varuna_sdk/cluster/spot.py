@@ -382,6 +382,8 @@ class SpotEmulator(PoolProvider):
         return self._node_of.get(name)
 
     # ----------------------------------------------------------------------------- internals
+    _recheck_s = math.inf   # a subclass whose clock can stand still looks again this often
+
     def _now(self) -> float:
         return time.monotonic() - (self._t0_mono or time.monotonic())
 
@@ -399,7 +401,7 @@ class SpotEmulator(PoolProvider):
                 at, _, action = self._heap[0]
                 wait = at - self._now()
                 if wait > 0:
-                    self._cv.wait(wait)
+                    self._cv.wait(min(wait, self._recheck_s))
                     continue
                 heapq.heappop(self._heap)
             if self._stop.is_set():

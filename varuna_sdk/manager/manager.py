@@ -288,6 +288,11 @@ class Manager:
         self._thread.start()
         return self
 
+    @property
+    def settled(self) -> bool:
+        """RUNNING with no morph under way (the last one's new plan has done its first step)."""
+        return self.state == JobState.RUNNING and self._pending is None
+
     def wait(self, timeout_s: float | None = None) -> JobState:
         """Block until the background run ends (or ``timeout_s``); returns the state."""
         if self._thread is not None:
