@@ -119,8 +119,10 @@ def test_status_metrics_and_events_while_it_trains(kernel):
     for s, loss in zip(steps, m["rows"]["loss"]):  # the event log's rows are rank 0's own lines
         assert loss == by_step[s]
     e = kernel.value("(lambda df: dict(type=type(df).__name__, cols=list(df.columns), kinds=sorted(set(df.kind)),"
-                     " tz=str(df.time.dt.tz), hosts=sorted(set(df.host.dropna()))))(job.events)")
-    assert e["type"] == "DataFrame" and e["cols"] == ["time", "kind", "host", "rank", "payload"] and e["tz"] == "UTC"
+                     " tz=str(df.time.dt.tz), hosts=sorted(set(df.host) - {''}), rank=str(df['rank'].dtype),"
+                     " what=[w for w in df.what if w.startswith('job RUNNING')][:1]))(job.events)")
+    assert e["type"] == "DataFrame" and e["cols"] == ["time", "what", "kind", "host", "rank", "payload"]
+    assert e["tz"] == "UTC" and e["rank"] == "Int64" and e["what"], e   # ranks are integers; events in words
     assert {"job_state", "plan", "host_added", "worker_joined"} <= set(e["kinds"]), e["kinds"]
     assert e["hosts"] == ["local0", "local1"]
     mo = kernel.value("(lambda df: [type(df).__name__, len(df), list(df.columns)])(job.morphs)")

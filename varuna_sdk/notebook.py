@@ -537,20 +537,26 @@ class Job:
     @property
     def events(self):
         """Every event of the job (state changes, plans, VMs added / noticed / removed, workers
-        joined and finished, morphs...) as a pandas DataFrame: time (UTC), kind, host, rank,
-        payload (a dict)."""
+        joined and finished, morphs...) as a pandas DataFrame: time (UTC, to the millisecond), what
+        (the event in a sentence), kind, host ("" when none), rank (an integer, or <NA>), payload
+        (a dict)."""
         import pandas as pd
 
-        cols = ["time", "kind", "host", "rank", "payload"]
+        from .manager.runs import event_sentence
+
+        cols = ["time", "what", "kind", "host", "rank", "payload"]
         log = self._log()
         if log is None:
             return pd.DataFrame(columns=cols)
         try:
-            rows = [{"time": pd.Timestamp(e.time, unit="s", tz="UTC"), "kind": e.kind, "host": e.host,
-                     "rank": e.rank, "payload": e.payload} for e in log.events()]
+            rows = [{"time": pd.Timestamp(round(e.time, 3), unit="s", tz="UTC").floor("ms"),
+                     "what": event_sentence(e), "kind": e.kind, "host": e.host or "", "rank": e.rank,
+                     "payload": e.payload} for e in log.events()]
         finally:
             log.close()
-        return pd.DataFrame(rows, columns=cols)
+        df = pd.DataFrame(rows, columns=cols)
+        df["rank"] = df["rank"].astype("Int64")   # not floats with NaN
+        return df
 
     @property
     def morphs(self):
@@ -564,7 +570,6 @@ class Job:
         import pandas as pd
 
         from .manager.events import Kind
-
         from .manager.runs import morph_sentence
 
         cols = ["time", "cause", "host", "what_happened", "old_plan", "new_plan", "downtime_s", "from_step",
