@@ -617,8 +617,9 @@ class Job:
         return "\n".join(lines[-tail:])
 
     def plot(self, height: int = 260):
-        """Training loss and tokens/s by step (Bokeh), one colour per generation, morphs marked
-        by dotted lines — a morph that loses nothing continues the curve where it stopped.
+        """Training loss (per step, and smoothed: an EMA over 20 steps) and tokens/s by step (Bokeh),
+        one colour per generation (and launch, when the job was launched more than once), morphs
+        marked by dotted lines — a morph that loses nothing continues the curve where it stopped.
         Show it with ``bokeh.io.show`` (after ``output_notebook()``) or ``panel``. Raises
         ``RuntimeError`` before the first step."""
         from bokeh.layouts import column
@@ -630,15 +631,22 @@ class Job:
         if df.empty:
             raise RuntimeError("no step finished yet: launch() the job and wait for its first step")
         key = df["job_id"].astype(str) + "/" + df["generation"].astype(str) if "job_id" in df else df["generation"]
+        launches = {j: k for k, j in enumerate(dict.fromkeys(df["job_id"].astype(str)))} if "job_id" in df else {}
         figs = []
-        for col, label in (("loss", "training loss"), ("tokens_per_s", "tokens / s")):
+        for col, label, unit in (("loss", "training loss", "loss"), ("tokens_per_s", "throughput", "tokens / s")):
             f = figure(height=height, sizing_mode="stretch_width", title=label, x_axis_label="step",
-                       tools="pan,box_zoom,wheel_zoom,reset,hover,save")
+                       y_axis_label=unit, tools="pan,box_zoom,wheel_zoom,reset,hover,save")
             for i, (_, g) in enumerate(df.groupby(key, sort=False)):
                 gen = int(g["generation"].iloc[0])
                 plan = f"P={int(g['P'].iloc[0])}×D={int(g['D'].iloc[0])}"
-                f.line(g["step"], g[col], color=Category10_10[i % 10], line_width=2,
-                       legend_label=f"generation {gen}: {plan}" if len(set(key)) > 1 else plan)
+                where = f"generation {gen}" if len(launches) < 2 else \
+                    f"launch {launches[str(g['job_id'].iloc[0])] + 1}, generation {gen}"
+                color = Category10_10[i % 10]
+                f.line(g["step"], g[col], color=color, line_width=2 if col != "loss" else 1,
+                       alpha=1.0 if col != "loss" else 0.45, legend_label=f"{where}: {plan}" if len(set(key)) > 1 else plan)
+                if col == "loss":   # the trend under the step-to-step noise
+                    f.line(g["step"], g[col].ewm(span=20, adjust=False, ignore_na=True).mean(), color=color,
+                           line_width=2.5, legend_label="smoothed (EMA, 20 steps)")
             for step in self.morphs["resume_step"].dropna():
                 f.add_layout(Span(location=float(step) - 0.5, dimension="height", line_dash="dotted",
                                   line_color="#E08E00", line_width=2))
