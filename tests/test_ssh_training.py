@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -112,11 +114,13 @@ def test_p2_d2_over_ssh_matches_local_losses(ssh_hosts, tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["removed", "frozen"])
+@pytest.mark.parametrize("how", ["removed", "frozen", "hung"])
 def test_vm_lost_mid_training_is_detected_and_job_stopped(ssh_hosts, tmp_path, how):
     """``removed``: the VM is pre-empted (its sshd and every process on it killed: sockets close).
     ``frozen``: the VM hangs (everything on it stops, sockets stay open, nothing is sent), so
-    only the heartbeat timeout can tell."""
+    only the heartbeat timeout can tell. ``hung``: only the worker hangs (SIGSTOP), the VM still
+    answers SSH: lost by its heartbeats too, and its worker is then killed (in the background, the
+    morph does not wait) — before, it was left there, to train on unrecorded once resumed."""
     interval = 1.0
     hosts = [ssh_hosts.add() for _ in range(4)]
     job = tiny_job(tmp_path, steps=5000)
@@ -133,8 +137,14 @@ def test_vm_lost_mid_training_is_detected_and_job_stopped(ssh_hosts, tmp_path, h
         t0 = time.monotonic()
         if how == "removed":
             killed = len(ssh_hosts.remove(victim))  # its sshd and every process it started
-        else:
+        elif how == "frozen":
             ssh_hosts.freeze(victim)
+            killed = 0
+        else:
+            hung = [p for p, comm in worker_processes(ssh_hosts, [victim]) if comm.startswith("python")]
+            assert hung, worker_processes(ssh_hosts, [victim])
+            for p in hung:
+                os.kill(p, signal.SIGSTOP)
             killed = 0
         res = gen.wait(timeout_s=10 * interval)  # stops the survivors before it returns
         t_done = time.monotonic() - t0
@@ -146,10 +156,19 @@ def test_vm_lost_mid_training_is_detected_and_job_stopped(ssh_hosts, tmp_path, h
         if how == "removed":
             assert ev.payload["reason"] in ("connection_closed", "vm_unreachable"), ev
             assert latency < 2 * interval, latency
-        else:
+        elif how == "frozen":
             assert ev.payload["reason"] == "heartbeat_timeout"
             assert latency <= 2 * interval + 1.0, latency  # (generous: a loaded machine; the benchmark measures it)
             ssh_hosts.remove(victim)  # the provider gives the hung VM back
+        else:
+            assert ev.payload["reason"] == "heartbeat_timeout"
+            deadline = time.monotonic() + 30
+            while worker_processes(ssh_hosts, [victim]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not worker_processes(ssh_hosts, [victim]), ("the hung worker was left on its VM",
+                                                               gen.events.events(kind="stale_worker_reaped"))
+            reaped = gen.events.events(kind="stale_worker_reaped")
+            assert [(e.host, e.rank, e.payload["stopped"]) for e in reaped] == [(victim.name, 3, True)], reaped
         lost = EventLog.reader(gen.events.path).events(kind=Kind.HOST_LOST)
         assert [e.host for e in lost] == ["vm3"]  # reported in the event log, once
         ended = gen.events.events(kind="generation_ended")

@@ -77,6 +77,7 @@ from .heartbeat import STOPPED, HeartbeatServer
 log = logging.getLogger(__name__)
 
 STATUSES = ("completed", "stopped", "lost", "failed", "killed")
+REAP_TIMEOUT_S = 10.0   # reaching a VM lost by its heartbeats to kill what is left of the generation there
 ENV_LABEL = "env."
 
 
@@ -308,7 +309,8 @@ class Generation:
             with self._cond:
                 self._cond.wait(0.2 if left is None else min(0.2, left))
         if res.status in ("lost", "failed") and stop_on_failure and not self._stopping:
-            self.stop(gone=list(res.lost_hosts))
+            # a VM lost by its heartbeats alone may still be there: not "gone" (``stop`` reaps it)
+            self.stop(gone=[h for h, why in res.lost_hosts.items() if why != "heartbeat_timeout"])
             res.exit_codes = self._exit_codes()
         res.seconds = time.monotonic() - (self._t_start or time.monotonic())
         with self._cond:
@@ -336,8 +338,16 @@ class Generation:
         if self.remote is not None and not (self._remote_clean and self.remote.done()):
             lost = set(gone) | set(self._lost) | (set(self.server.lost_hosts()) if self.server else set())
             skip = {h.name for h in self.hosts if h.name in lost and not is_local(h)}
-            clean = self.remote.stop(self.kill_grace_s if grace_s is None else grace_s, gone=skip)
+            grace = self.kill_grace_s if grace_s is None else grace_s
+            # a VM lost by its heartbeats (a hung worker, a cut link) may still be there: its workers
+            # are killed in the background, so the morph does not wait for an SSH timeout
+            maybe_there = [w for w in self.remote.workers
+                           if w.host.name in skip - set(gone) and w.process is not None and not w.process.done()]
+            clean = self.remote.stop(grace, gone=skip)
             self._remote_clean = clean
+            if maybe_there:
+                threading.Thread(target=self._reap, args=(maybe_there, min(grace, 1.0)), daemon=True,
+                                 name=f"varuna-reap-gen{self.generation}").start()
         if self.server is not None:
             self.server.close()
         if self._own_pool and self.pool is not None:
@@ -350,6 +360,28 @@ class Generation:
             except (OSError, ValueError):
                 pass
         return clean
+
+    def _reap(self, workers: list, grace_s: float) -> None:
+        """Kill the sessions of ``workers`` on VMs declared lost by their heartbeats (hung, or cut
+        off and perhaps back): a worker left running there would train on unrecorded beside the
+        next generation. Over a fresh SSH connection with a short timeout and a short grace (a hung
+        worker cannot checkpoint anyway); each outcome is a ``stale_worker_reaped`` event."""
+        from ..cluster.ssh import SSHConnection
+
+        options = self.pool.options if self.pool is not None else None
+        for w in workers:
+            sid = w.process.sid
+            if sid is None:
+                continue   # never started there: nothing to stop
+            conn = SSHConnection(w.host, options)   # (the generation's pool is closed by now)
+            try:
+                ok = bool(conn.kill_session(sid, grace_s=grace_s, timeout_s=REAP_TIMEOUT_S))
+            except Exception as e:  # noqa: BLE001 - unreachable still: nothing more to do from here
+                log.warning("could not reach %s to stop rank %s: %s", w.host.name, w.rank, type(e).__name__)
+                ok = False
+            finally:
+                conn.close()
+            self._emit("stale_worker_reaped", host=w.host.name, rank=w.rank, payload={"stopped": ok})
 
     def close(self) -> None:
         """``stop()``, record how the generation ended (``generation_ended``, if ``wait`` did
