@@ -19,6 +19,7 @@ points, and credentials handling. Every wait is bounded; the file takes ~30 s on
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -187,6 +188,26 @@ _ROWS = """([name, col]) => {
   }
   return -1; }"""
 _MAX = _ROWS.replace("return c ? c.length : -1;", "return c && c.length ? Math.max(...Array.from(c)) : -1;")
+
+
+@contextlib.contextmanager
+def _signed_in(browser, source, width: int = 1400, height: int = 900):
+    """A page signed in to ``dashboard.server.serve(source)`` (its own server on a free port),
+    closed with its server afterwards."""
+    from dashboard.server import Credentials, serve
+
+    password = secrets.token_urlsafe(12)
+    port = _free_port()
+    srv = serve(source, credentials=Credentials({USER: password}), port=port, threaded=True)
+    ctx = browser.new_context(viewport={"width": width, "height": height})
+    try:
+        _wait_http(port, 20)
+        page = ctx.new_page()
+        _login(page, f"http://127.0.0.1:{port}", password)
+        yield page
+    finally:
+        ctx.close()
+        srv.stop()
 
 
 def _rows(page, name: str, col: str) -> int:
@@ -390,7 +411,6 @@ def test_closed_tabs_leave_no_traceback_in_the_server_output(server):
 def test_real_job_event_log(real_run, browser):
     """The dashboard over the event log a real job wrote: the views match the log."""
     from dashboard.app import Dashboard
-    from dashboard.server import Credentials, serve
     from dashboard.store import TelemetryStore
 
     with EventLog.reader(real_run / "events.db") as log:
@@ -410,22 +430,12 @@ def test_real_job_event_log(real_run, browser):
     assert 'data-state="SUCCEEDED"' in dash.header.object
     dash.store.close()
     # and served, in the browser
-    password = secrets.token_urlsafe(12)
-    port = _free_port()
-    srv = serve(real_run, credentials=Credentials({USER: password}), port=port, threaded=True)
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1900})
-    try:
-        _wait_http(port, 20)
-        page = ctx.new_page()
-        _login(page, f"http://127.0.0.1:{port}", password)
+    with _signed_in(browser, real_run, height=1900) as page:
         page.wait_for_function(f"() => ({_ROWS})(['partition_cells', 'rank']) === {P * D}", timeout=30_000)
         page.wait_for_function(f"() => ({_ROWS})(['throughput', 'step']) === {len(metrics)}", timeout=10_000)
         assert page.locator('.vm[data-status="up"]').count() == len(plan["hosts"])
         page.wait_for_timeout(500)
         page.screenshot(path=str(ARTIFACTS / "real_job.png"))
-    finally:
-        ctx.close()
-        srv.stop()
 
 
 # ------------------------------------------------------------------------------ no browser
@@ -695,20 +705,11 @@ def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
     """``varuna dashboard RUNS`` over a folder of three runs: the jobs page lists each (state, step of
     the total with its percentage, ETA for the running one, morphs), a job's name opens its own
     dashboard, and a name that is not a run folder inside (``..``) shows nothing of the disk."""
-    from dashboard.server import Credentials, serve
-
     root = tmp_path / "runs"
     _write_run(root, "alpha", "SUCCEEDED", 40, 40)
     _write_run(root, "beta", "RUNNING", 30, 120, morph=True)
     _write_run(root, "gamma", "FAILED", 5, 50)
-    password = secrets.token_urlsafe(12)
-    port = _free_port()
-    srv = serve(root, credentials=Credentials({USER: password}), port=port, threaded=True)
-    ctx = browser.new_context(viewport={"width": 1400, "height": 900})
-    try:
-        _wait_http(port, 20)
-        page = ctx.new_page()
-        _login(page, f"http://127.0.0.1:{port}", password)
+    with _signed_in(browser, root) as page:
         page.locator("tr[data-job]").nth(2).wait_for(timeout=30_000)
         rows = {r.get_attribute("data-job"): r.inner_text() for r in page.locator("tr[data-job]").all()}
         assert set(rows) == {"alpha", "beta", "gamma"}, rows
@@ -724,11 +725,8 @@ def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
         assert "P=2 x D=1 on vm0" in said and "6.5 s down" in said and "nothing lost" in said, said
         assert page.locator("text=all jobs").count() >= 1
         page.screenshot(path=str(ARTIFACTS / "jobs_table_job_page.png"))
-        page.goto(f"http://127.0.0.1:{port}/job?run=..", timeout=30_000)
+        page.goto(page.url.split("/job?")[0] + "/job?run=..", timeout=30_000)
         page.locator("text=No run named").wait_for(timeout=30_000)
-    finally:
-        ctx.close()
-        srv.stop()
 
 
 def test_cost_so_far_from_the_providers_prices(tmp_path):
