@@ -42,9 +42,11 @@ def tiny_job(steps: int = STEPS, *, every: int = EVERY, P: int | None = 2, D: in
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
-    """Per-step losses of the job trained without interruption (P=2 x D=2, local processes)."""
+    """Per-step losses of the job trained without interruption, in one process (P=1 x D=1: the same
+    losses as P=2 x D=2 to 1e-5 — the engine's equivalence, dropout masks included — in ~60 % of
+    the time on 2 cores)."""
     out = tmp_path_factory.mktemp("ref")
-    res = train_local(tiny_job(), run_dir=out)
+    res = train_local(tiny_job(P=1, D=1), run_dir=out)
     return {m["step"]: m["loss"] for m in res.metrics()}
 
 
@@ -54,7 +56,7 @@ def reference_for_first_plan(run_dir: Path, reference: dict[int, float], tmp: Pa
     every morph keeps it)."""
     with EventLog.reader(run_dir / "events.db") as log:
         mbs = log.events(kind=Kind.PLAN)[0].payload["micro_batch_size"]
-    job = tiny_job()
+    job = tiny_job(P=1, D=1)
     if mbs == job.parallel.micro_batch_size:
         return reference
     job.parallel.micro_batch_size = mbs

@@ -6,7 +6,7 @@ on the 4 VMs: a removal with notice, a VM back, 3 VMs lost at once without notic
 Shown: every event came while the job trained and the job survived it (it trains on after the
 last one's morph, until the test stops it at a boundary: STOPPED with a checkpoint), the per-step
 losses equal an uninterrupted run's (fp32, dropout 0.1, 1e-5 relative; lr 1e-3; the reference
-trains the same 1000-step schedule as far as the job got), steps lost
+trains the same 1000-step schedule as far as the job got, in one process), steps lost
 are 0 with notice and at most the checkpoint interval without, and afterwards no VM (sshd) and no
 worker process of the run is left. Skipped with the reason when sshd cannot run here.
 
@@ -55,12 +55,13 @@ EXPECTED = [("notice", "vm2"), ("removed", "vm2"),               # node55, line 
 
 
 def reference(out, steps_done: int) -> dict[int, float]:
-    """Per-step losses of the job trained without interruption (P=2 x D=2, 4 spawned gloo
-    processes) on the same STEPS-step schedule, stopped at a boundary after ``steps_done`` steps."""
+    """Per-step losses of the job trained without interruption on the same STEPS-step schedule,
+    stopped at a boundary after ``steps_done`` steps, in one spawned process (P=1 x D=1: the losses
+    of any P x D to 1e-5, dropout masks included)."""
     from varuna_sdk.cluster.local import spawn_workers
     from varuna_sdk.trainer import StopAtStep, run_worker
 
-    spawn_workers(run_worker, 4, args=(tiny_job(STEPS).to_dict(), str(out), None, StopAtStep(steps_done)),
+    spawn_workers(run_worker, 1, args=(tiny_job(STEPS, P=1, D=1).to_dict(), str(out), None, StopAtStep(steps_done)),
                   timeout_s=300, work_dir=out, backend="gloo")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
