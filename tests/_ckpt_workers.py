@@ -127,6 +127,7 @@ def reshard_chain_worker(rank: int, world: int, chain: list, urls: list, out_roo
         job = tiny_job(P, D, global_batch=6).to_dict()
         reshard_worker(rank, P * D, job, urls[i - 1] if i else None, urls[i], str(out), train_steps)
         if P * D > 1:
+            dist.barrier()   # no rank tears its pairs down while a peer still uses them
             dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[-1]}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # for spawn_workers' own tear-down
