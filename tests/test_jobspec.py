@@ -222,10 +222,14 @@ def test_by_value_unpickles_only_checked_shipped_objects():
 
     import cloudpickle
 
-    from varuna_sdk.shipping import ByValue, Shipped
+    from varuna_sdk.shipping import ByValue, Shipped, find_objects, pack_objects
 
     evil = cloudpickle.dumps(lambda: "ran")
     with pytest.raises(TypeError, match="ByValue loads only checked shipped objects"):
         ByValue(evil, "factory")
-    ok = ByValue(Shipped({"factory": evil}, {}), "factory")
-    assert ok() == "ran" and pickle.loads(pickle.dumps(ok))() == "ran"   # the spawn path keeps the Shipped
+    with pytest.raises(TypeError, match="ByValue loads only checked shipped objects"):
+        ByValue(Shipped({"factory": evil}, {}), "factory")   # made by hand: never checked
+    digest, _ = pack_objects({"factory": lambda: "ran"})   # the job spec's own path
+    ok = ByValue(find_objects(digest), "factory")
+    assert ok() == "ran"
+    assert pickle.loads(pickle.dumps(ok))() == "ran"   # in the job spec of a spawned local worker

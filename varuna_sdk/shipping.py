@@ -46,9 +46,9 @@ class ByValue:
     spec. Raises ``TypeError`` for anything but a ``Shipped``, ``KeyError`` for a role it lacks."""
 
     def __init__(self, shipped: "Shipped", role: str):
-        if not isinstance(shipped, Shipped):
-            raise TypeError("ByValue loads only checked shipped objects (a Shipped from find_objects), "
-                            f"not {type(shipped).__name__}")
+        if not isinstance(shipped, Shipped) or not any(shipped is v for v in _PACKED.values()):
+            raise TypeError("ByValue loads only checked shipped objects (a Shipped from pack_objects or "
+                            f"find_objects in this process), not {type(shipped).__name__}")
         self.shipped, self.role = shipped, role
         self.payload = shipped.payloads[role]
         self._obj = None
@@ -68,7 +68,14 @@ class ByValue:
         return self._obj(*args, **kwargs)
 
     def __reduce__(self):
-        return (ByValue, (self.shipped, self.role))
+        return (_spawned_by_value, (self.shipped, self.role))
+
+
+def _spawned_by_value(shipped: "Shipped", role: str) -> ByValue:
+    """A ``ByValue`` arriving in the job spec of a worker this process spawned on this machine (the
+    same interpreter, so the same versions): its ``Shipped`` counts as checked there."""
+    _PACKED.setdefault(f"spawned-{id(shipped)}", shipped)
+    return ByValue(shipped, role)
 
 
 def runtime_versions() -> dict[str, str]:
