@@ -97,9 +97,6 @@ class System:
         return out
 
 
-_recv_wait: dict[str, float] = {}  # Receiver.get blocking time of the Varuna step running now
-
-
 class VarunaSystem(System):
     def __init__(self, cfg, P: int, m: int, recompute: bool):
         super().__init__()
@@ -108,11 +105,10 @@ class VarunaSystem(System):
         common.timed_optimizer(self.opt, self.phase)
 
     def step(self, batch) -> float | None:
-        _recv_wait.clear()
         r = self.eng.step(batch, self.opt)
-        for k, v in r.compute_s.items():  # action time less the time blocked on its input
-            self.phase[k] = self.phase.get(k, 0.0) + v - _recv_wait.get(k, 0.0)
-        self.phase["wait"] = sum(_recv_wait.values())
+        for k, v in r.compute_s.items():  # compute only: the engine times waiting apart (wait_s)
+            self.phase[k] = self.phase.get(k, 0.0) + v
+        self.phase["wait"] = sum(r.wait_s.values())
         return r.loss
 
 
@@ -189,8 +185,6 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     blocks = common.block_split(cfg.n_layer, P)
     gate = jitter.JitterGate(opts["ts_path"], world, rank, max_msgs=MAX_MSGS_PER_MB * m, seed=opts["seed"])
     comm.set_delivery_gate(gate)
-    # activations come from the stage before, gradients from the stage after (D = 1: stage = rank)
-    common.time_receive_waits(_recv_wait, lambda r: "F" if r.channel.peer < rank else "B")
     jitter.install_torch_gate(gate)
 
     tied_group = dist.new_group([0, P - 1])

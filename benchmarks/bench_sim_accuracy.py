@@ -26,7 +26,7 @@ cannot decide it); the figure shows the simulated and measured time of that medi
 the JSON keeps every round's pair. With ``--profile`` every round uses that one profile.
 
 Per configuration the JSON keeps, next to the pair and the relative error, a breakdown per stage:
-F/R/B compute (the engine's ``StepResult.compute_s`` less the time blocked on an input), waits,
+F/R/B compute (the engine's ``StepResult.compute_s``; time blocked on an input is ``wait_s``), waits,
 pipeline phase, synchronisation (all-reduces, consensus, norm, clipping) and optimizer, CPU time
 and page faults — and the simulator's counterparts from the same prediction's timeline (F/R/B,
 pipeline end, synchronisation, optimizer; printed under each measured stage), to trace a gap to
@@ -98,8 +98,6 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     sink: dict = {}
     common.timed_optimizer(opt, sink, "opt")
     common.timed_method(engine, "_sync_and_step", sink, "sync")
-    # time blocked on an input inside F (activation) and B (gradient): compute = compute_s - wait
-    common.time_receive_waits(sink, lambda rcv: "wait_F" if rcv.channel is engine.ch_act_in else "wait_B")
     vocab = model_config(job).vocab_size
     steps = []
     for i in range(opts["warmup"] + opts["steps"]):
@@ -111,7 +109,7 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
         t1 = time.perf_counter()
         u1, c1 = resource.getrusage(resource.RUSAGE_SELF), common._cpu_times()
         steps.append({"t0": t0, "t1": t1, "time_s": r.time_s, "compute_s": dict(r.compute_s),
-                      "wait_s": {"F": sink.get("wait_F", 0.0), "B": sink.get("wait_B", 0.0)},
+                      "wait_s": dict(r.wait_s),
                       "sync_s": sink.get("sync", 0.0), "opt_s": sink.get("opt", 0.0),
                       "cpu_user_s": u1.ru_utime - u0.ru_utime, "cpu_sys_s": u1.ru_stime - u0.ru_stime,
                       "page_faults": u1.ru_minflt - u0.ru_minflt,
@@ -179,7 +177,7 @@ def summarize(P: int, run_list: list[dict]) -> dict:
             return statistics.median(statistics.mean(f(st) for st, sg in zip(ranks, stage_of) if sg == s)
                                      for ranks in steps)
 
-        stages.append({k: med(lambda st, k=k: st["compute_s"][k] - st["wait_s"].get(k, 0.0)) for k in ("F", "R", "B")}
+        stages.append({k: med(lambda st, k=k: st["compute_s"][k]) for k in ("F", "R", "B")}
                       | {f"wait_{k}": med(lambda st, k=k: st["wait_s"][k]) for k in ("F", "B")}
                       | {"pipeline_s": med(lambda st: st["time_s"] - st["sync_s"]),
                          "sync_s": med(lambda st: st["sync_s"] - st["opt_s"]),

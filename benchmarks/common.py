@@ -118,26 +118,6 @@ def timed_method(obj: object, name: str, sink: dict, key: str) -> None:
     setattr(obj, name, wrapper)
 
 
-def time_receive_waits(sink: dict, key_of: Callable[[object], str]) -> None:
-    """Wrap ``varuna_sdk.pipeline.comm.Receiver.get`` (class-wide, in this process) so that the
-    time each call blocks for its message is added to ``sink[key_of(receiver)]``. The engine times
-    whole actions (``StepResult.compute_s``), and an action whose input has not arrived blocks in
-    ``get``: compute alone is the action time less this wait."""
-    from varuna_sdk.pipeline import comm
-
-    orig = comm.Receiver.get
-
-    def get(self, i):
-        t0 = time.perf_counter()
-        try:
-            return orig(self, i)
-        finally:
-            key = key_of(self)
-            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
-
-    comm.Receiver.get = get
-
-
 # ---- machine --------------------------------------------------------------------------------
 def machine_info(**extra) -> dict:
     """CPU count, torch/python versions, platform and thread settings (+ ``extra``)."""

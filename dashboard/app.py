@@ -40,7 +40,8 @@ import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, NumeralTickFormatter
 from bokeh.plotting import figure
 
-from varuna_sdk.manager.runs import event_sentence, morph_sentence
+from varuna_sdk.manager.decisions import DriftRule, step_time_drift
+from varuna_sdk.manager.runs import drift_sentence, event_sentence, morph_sentence
 
 from .store import VM_STATES, TelemetryStore, minmax_indices
 
@@ -48,7 +49,12 @@ log = logging.getLogger(__name__)
 
 #: Colours (colour-blind safe Tableau 10) of the pipeline actions and the VM states.
 ACTION_COLORS = {"F": "#4C78A8", "R": "#F58518", "B": "#54A24B", "other": "#BAB0AC"}
-ACTION_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "other": "comm / sync / optimizer"}
+# per-stage compute per step: measured waiting (blocked on a neighbour stage) is its own segment
+STEP_PARTS = ("F", "R", "B", "wait", "other")
+PART_COLORS = {**ACTION_COLORS, "wait": "#E8E0C8"}
+PART_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "wait": "waiting for a neighbour stage (measured)",
+              "other": "rest: comm, all-reduce, optimizer, idle"}
+DRIFT_RULE = DriftRule()   # the manager's default: 15 % off the prediction for 5 steps
 LOSS_SPAN = 20   # steps of the smoothed loss line (EMA span)
 CAUSE_LABELS = {"notice": "pre-emption notice", "loss": "VM lost (no notice)", "grow": "VM back: grow",
                 "straggler": "straggler excluded", "failure": "worker failure", "stop_timeout": "stop timed out",
@@ -80,6 +86,8 @@ h3 { margin: 2px 0 6px 0; font-size: 15px; font-weight: 600; color: #1d2330; }
 .vm.gone { background: #f7f7f7; color: #6b6b6b; }
 .flag { display: inline-block; margin-top: 2px; padding: 0 6px; border-radius: 8px; background: #6A3D9A;
         color: white; font-size: 11px; }
+.drift { background: #FFF4E0; border-left: 4px solid #E08E00; padding: 6px 10px; margin: 2px 0 6px 0;
+         font-size: 12.5px; line-height: 1.4; overflow-wrap: anywhere; }
 table.cmp { border-collapse: collapse; font-size: 12px; margin-top: 4px; }
 table.cmp th, table.cmp td { border-bottom: 1px solid #e3e6ea; padding: 2px 10px; text-align: right; }
 table.cmp th:first-child, table.cmp td:first-child { text-align: left; }
@@ -269,28 +277,30 @@ class Dashboard:
                             line_color="white", line_width=0.5)
         self.gantt.select_one(HoverTool).tooltips = [("", "@action micro-batch @mb"), ("stage", "@y"),
                                                      ("start", "@left{0.000} s"), ("end", "@right{0.000} s")]
-        self.stage_src = ColumnDataSource(dict(y=[], F=[], R=[], B=[], other=[]), name="stage_compute")
+        self.stage_src = ColumnDataSource({"y": [], **{k: [] for k in STEP_PARTS}}, name="stage_compute")
         self.stage_fig = _fig(height=240, y_range=FactorRange(), x_axis_label="seconds per step",
                               title="compute per step by stage: simulated vs measured (heartbeats)",
                               tools="hover,save")
-        self.stage_fig.hbar_stack(["F", "R", "B", "other"], y="y", height=0.7, source=self.stage_src,
-                                  color=[ACTION_COLORS[k] for k in ("F", "R", "B", "other")],
-                                  line_color="white")
+        self.stage_fig.hbar_stack(list(STEP_PARTS), y="y", height=0.7, source=self.stage_src,
+                                  color=[PART_COLORS[k] for k in STEP_PARTS], line_color="white")
         self.stage_fig.select_one(HoverTool).tooltips = [("", "@y"), ("forward", "@F{0.000} s"),
                                                          ("recompute", "@R{0.000} s"), ("backward", "@B{0.000} s"),
+                                                         ("waiting for a neighbour stage", "@wait{0.000} s"),
                                                          ("rest of step", "@other{0.000} s")]
         self.stage_fig.x_range.start = 0
 
         # morphs and events
+        # the sentence wraps in a column of its own width (a long one is never cut off at the edge)
+        said = {"formatters": {"what happened": {"type": "textarea"}}, "widths": {"what happened": 560}}
         self.morph_table = pn.widgets.Tabulator(pd.DataFrame(), disabled=True, show_index=False, height=150,
                                                 sizing_mode="stretch_width", layout="fit_data_stretch",
-                                                selectable=False)
-        self.event_table = pn.widgets.Tabulator(pd.DataFrame(), disabled=True, show_index=False, height=220,
+                                                selectable=False, **said)
+        self.event_table = pn.widgets.Tabulator(pd.DataFrame(), disabled=True, show_index=False, height=360,
                                                 sizing_mode="stretch_width", layout="fit_data_stretch",
-                                                selectable=False)
+                                                selectable=False, **said)
         legend = "".join(f'<span><i style="background:{c}"></i>{_esc(k)}</span>' for k, c in STATUS_COLORS.items())
-        actions = ('<div class="legend">' + "".join(f'<span><i style="background:{ACTION_COLORS[k]}"></i>{_esc(n)}</span>'
-                                                    for k, n in ACTION_NAMES.items()) + "</div>")
+        actions = ('<div class="legend">' + "".join(f'<span><i style="background:{PART_COLORS[k]}"></i>{_esc(n)}</span>'
+                                                    for k, n in PART_NAMES.items()) + "</div>")
         self.layout = pn.Column(
             self.header,
             _wrap(_section("VM pool", pn.pane.HTML(f'<div class="legend">{legend}'
@@ -556,11 +566,33 @@ class Dashboard:
                         f"<td>{_num(err, '{:+.1%}')}</td>"
                         f"<td>{_num(p.get('examples_per_s'), '{:,.1f}')}</td>"
                         f"<td>{_num(meas_eps, '{:,.1f}')}</td></tr>")
-        self.compare.object = (
+        self.compare.object = self._drift_banner(cur) + (
             '<table class="cmp"><tr><th>plan</th><th>predicted step</th><th>measured step (median, last 20)</th>'
             '<th>error</th><th>predicted ex/s</th><th>measured ex/s</th></tr>' + "".join(rows) + "</table>"
             '<div class="muted" style="margin-top:4px">Ranked configurations of the running plan '
             '(simulator; fastest first, excluded ones last):</div>')
+
+    def _drift_banner(self, plan: dict | None) -> str:
+        """A warning above the estimates when the running plan's step time has left its prediction:
+        the manager's ``estimate_drift`` event (why, and the estimate re-calibrated from heartbeats),
+        or, for a log without one, the same rule applied to the metrics here."""
+        st = self.store
+        gen = (plan or {}).get("generation")
+        ev = next((e for e in reversed(st.drifts) if isinstance(e.payload, dict)
+                   and e.payload.get("generation") == gen), None)
+        if ev is not None:
+            text = drift_sentence(ev.payload, time.time())
+        else:
+            sel = st.generation_rows(gen if isinstance(gen, int) else None)
+            times = [] if sel is None else [float(x) for x in st.metrics["step_time_s"][sel[-50:]]]
+            drift = step_time_drift(times, (plan or {}).get("predicted_step_s"), DRIFT_RULE)
+            if drift is None:
+                return ""
+            text = drift_sentence({"drift": drift, "steps": DRIFT_RULE.steps,
+                                   "predicted_step_s": plan.get("predicted_step_s"),
+                                   "measured_step_s": float(np.median(times[-DRIFT_RULE.steps:]))})
+            text += " (no re-calibration recorded for this plan)"
+        return f'<div class="drift" data-drift="1">⚠ {_esc(text)}</div>'
 
     def _update_predicted(self) -> None:
         st = self.store
@@ -644,16 +676,16 @@ class Dashboard:
                     d[k] += float(t["end_s"]) - float(t["start_s"])
         pred = plan.get("predicted_step_s")
         meas = st.stage_compute()
-        ys, cols = [], {k: [] for k in ("F", "R", "B", "other")}
+        ys, cols = [], {k: [] for k in STEP_PARTS}
         for s in range(P):
             for label, src, step in (("simulated", sim.get(s), pred), ("measured", meas.get(s), None)):
                 if not src:
                     continue
-                vals = {k: (src.get(k) if _finite(src.get(k)) else 0.0) for k in ("F", "R", "B")}
+                vals = {k: (src.get(k) if _finite(src.get(k)) else 0.0) for k in ("F", "R", "B", "wait")}
                 total = step if _finite(step) else src.get("step")
                 busy = sum(vals.values())
                 ys.append(f"stage {s} · {label}")
-                for k in ("F", "R", "B"):
+                for k in ("F", "R", "B", "wait"):
                     cols[k].append(vals[k])
                 cols["other"].append(max(0.0, total - busy) if _finite(total) else 0.0)
         self.stage_fig.y_range.factors = list(reversed(ys))
@@ -670,7 +702,7 @@ class Dashboard:
                          "old → new plan": f"{_plan_label(p.get('old'))} → {_plan_label(p.get('new'))}",
                          "downtime s": _round(p.get("downtime_s"), 1), "steps lost": p.get("steps_lost"),
                          "resumed at step": rs, "what happened": _safe_sentence(morph_sentence, p)})
-        self.morph_table.height = min(220, 40 + 31 * max(1, len(rows)))
+        self.morph_table.height = min(460, 40 + 110 * max(1, len(rows)))   # a wrapped sentence: ~5 lines
         self.morph_table.value = pd.DataFrame(rows or [{"time UTC": "", "cause": "no morph yet", "VM": "",
                                                         "old → new plan": "", "downtime s": None, "steps lost": None,
                                                         "resumed at step": None, "what happened": ""}])
@@ -679,7 +711,7 @@ class Dashboard:
             p = {k: v for k, v in e.payload.items() if k not in ("rows", "timeline", "hosts", "boundaries",
                                                                   "fwd_s", "bwd_s", "mem_per_stage_bytes")}
             detail = ", ".join(f"{k}={_short(v)}" for k, v in p.items())
-            ev.append({"time UTC": _clock(e.time), "what happened": _safe_sentence(event_sentence, e)[:200],
+            ev.append({"time UTC": _clock(e.time), "what happened": _safe_sentence(event_sentence, e)[:600],
                        "kind": e.kind, "host": e.host or "", "rank": "" if e.rank is None else str(e.rank),
                        "payload": detail[:160]})
         self.event_table.value = pd.DataFrame(ev or [{"time UTC": "", "what happened": "no events yet", "kind": "",

@@ -60,7 +60,7 @@ STATE_KINDS = (Kind.HOST_ADDED, Kind.PREEMPTION_NOTICE, Kind.HOST_REMOVED, Kind.
                Kind.PLAN, Kind.JOB_STATE, Kind.WORKER_JOINED, Kind.WORKER_REJOINED)
 
 #: Event kinds kept as lists of their newest ``MAX_KEPT_EVENTS`` (the store's attribute of each).
-KEPT_KINDS = {Kind.MORPH: "morphs", Kind.CHECKPOINT: "checkpoints"}
+KEPT_KINDS = {Kind.MORPH: "morphs", Kind.CHECKPOINT: "checkpoints", Kind.ESTIMATE_DRIFT: "drifts"}
 
 
 READ_BATCH = 5000          # rows read per query when catching up with a log
@@ -263,6 +263,7 @@ class TelemetryStore:
         self.vms: dict[str, VM] = {}
         self.plans: list[Event] = []
         self.morphs: list[Event] = []
+        self.drifts: list[Event] = []   # estimate_drift events: the step time left the prediction
         self.checkpoints: list[Event] = []
         self.job_state: Event | None = None
         self.first_event_time: float | None = None
@@ -515,7 +516,7 @@ class TelemetryStore:
             out[gen] = (min(lo, s[a]), max(hi, s[b]))
         return out
 
-    def _generation_rows(self, generation: int | None) -> np.ndarray | None:
+    def generation_rows(self, generation: int | None) -> np.ndarray | None:
         """Indices of the metric rows of ``generation`` (default: the running plan's; the rows
         after the latest plan event when metrics carry no generation), or ``None``."""
         if len(self.metrics) == 0:
@@ -534,9 +535,9 @@ class TelemetryStore:
     def metric_median(self, column: str, generation: int | None = None, last: int = 20,
                       skip: int = 2) -> float | None:
         """Median of metric ``column`` over the last ``last`` steps of ``generation`` (see
-        ``_generation_rows``), skipping its first ``skip`` steps (warm-up after a (re)start);
+        ``generation_rows``), skipping its first ``skip`` steps (warm-up after a (re)start);
         ``None`` without such steps."""
-        sel = self._generation_rows(generation)
+        sel = self.generation_rows(generation)
         if sel is None or len(sel) == 0:
             return None
         sel = sel[skip:] if len(sel) > skip else sel
@@ -551,7 +552,9 @@ class TelemetryStore:
     def stage_compute(self) -> dict[int, dict[str, float]]:
         """Measured per-stage compute of the running plan from the latest heartbeats (sent after
         the plan event): stage -> {"F", "R", "B": seconds per step (per-micro-batch time x
-        micro-batches, median over the stage's replicas), "step": step seconds, "ranks": n}."""
+        micro-batches, median over the stage's replicas), "wait": seconds per step blocked on an
+        input from a neighbour stage (NaN from workers that do not report it), "step": step
+        seconds, "ranks": n}."""
         plan = self.plan or {}
         P = plan.get("P")
         if not isinstance(P, int) or P < 1:
@@ -567,11 +570,11 @@ class TelemetryStore:
             m = m if isinstance(m, int) and m > 0 else (m_plan if isinstance(m_plan, int) else 1)
             per.setdefault(stage, []).append({
                 "F": _f(h.fwd_s) * m, "R": _f(h.recompute_s) * m, "B": _f(h.bwd_s) * m,
-                "step": _f(h.step_time_s)})
+                "wait": _f(h.payload.get("wait_s")), "step": _f(h.step_time_s)})
         out = {}
         for stage, rows in per.items():
             out[stage] = {k: float(np.nanmedian([r[k] for r in rows])) if any(
-                not math.isnan(r[k]) for r in rows) else math.nan for k in ("F", "R", "B", "step")}
+                not math.isnan(r[k]) for r in rows) else math.nan for k in ("F", "R", "B", "wait", "step")}
             out[stage]["ranks"] = len(rows)
         return out
 

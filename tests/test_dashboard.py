@@ -687,14 +687,25 @@ def _write_run(root: Path, name: str, state: str, steps: int, total: int, morph:
     with EventLog(run / "events.db") as log:
         log.append(Kind.JOB_STATE, job_id=name, payload={"state": "RUNNING", "reason": "generation 0"}, time_s=t0)
         log.append(Kind.PLAN, job_id=name, payload={"generation": 0, "P": 2, "D": 2, "hosts": ["vm0", "vm1"],
-                                                    "micro_batch_size": 2, "num_micro_batches": 4}, time_s=t0)
+                                                    "micro_batch_size": 2, "num_micro_batches": 4,
+                                                    "predicted_step_s": 0.4}, time_s=t0)
         for s in range(steps):
             log.append_metric(s, {"step": s, "loss": 5.0 - s / max(steps, 1), "step_time_s": 0.5, "generation": 0},
                               job_id=name, time_s=t0 + s)
+        if morph:   # 0.5 s measured against 0.4 s predicted: the manager re-calibrated
+            log.append(Kind.ESTIMATE_DRIFT, job_id=name, payload={
+                "generation": 0, "drift": 0.25, "steps": 5, "predicted_step_s": 0.4, "measured_step_s": 0.5,
+                "recalibrated_step_s": 0.49, "recalibrated_examples_per_s": 16.3, "calibrated_at": t0 - 3600,
+                "load_1min": 3.2, "cpu_count": 2, "workers_here": 4}, time_s=t0 + 9)
         if morph:
             log.append(Kind.MORPH, job_id=name, payload={"time": t0 + 10, "cause": "notice", "host": "vm1",
                        "old": {"P": 2, "D": 2, "hosts": ["vm0", "vm1"]}, "new": {"P": 2, "D": 1, "hosts": ["vm0"]},
-                       "downtime_s": 6.5, "steps_lost": 0, "resume_step": 11}, time_s=t0 + 17)
+                       "downtime_s": 6.5, "steps_lost": 0, "resume_step": 11,
+                       "phases_s": {"stop": 1.5, "wait_for_vms": 0.0, "replan": 0.5, "start_workers": 2.0,
+                                    "first_step": 2.5},
+                       "candidates": [{"P": 2, "D": 1, "examples_per_s": 12.25, "chosen": True},
+                                      {"P": 1, "D": 2, "examples_per_s": 9.5, "chosen": False}],
+                       "feasible_plans": 4}, time_s=t0 + 17)
         if state != "RUNNING":
             log.append(Kind.JOB_STATE, job_id=name, payload={"state": state, "reason": f"the job {state.lower()}"},
                        time_s=t0 + steps)
@@ -723,8 +734,14 @@ def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
         # ... explained in a sentence: the VM, what happened, the plans, downtime, what was lost
         said = page.locator(".tabulator-cell", has_text="VM vm1 got a pre-emption notice").first.inner_text()
         assert "P=2 x D=1 on vm0" in said and "6.5 s down" in said and "nothing lost" in said, said
+        assert "fastest predicted of 4" in said and "P=1 x D=2 9.5 ex/s" in said, said   # why this plan
+        assert "stop 1.5 s" in said and "first step 2.5 s" in said and "wait for VMs" not in said, said
         assert page.locator("text=all jobs").count() >= 1
-        page.screenshot(path=str(ARTIFACTS / "jobs_table_job_page.png"))
+        # the estimate that no longer holds, why it may be, and the re-calibrated one
+        warn = page.locator("[data-drift]").first.inner_text()
+        assert "25% slower than predicted 0.400 s" in warn and "load now 3.2 on 2 cores" in warn, warn
+        assert "re-calibrated from the job's heartbeats: 0.490 s per step" in warn, warn
+        page.screenshot(path=str(ARTIFACTS / "jobs_table_job_page.png"), full_page=True)
         page.goto(page.url.split("/job?")[0] + "/job?run=..", timeout=30_000)
         page.locator("text=No run named").wait_for(timeout=30_000)
 
@@ -751,6 +768,39 @@ def test_cost_so_far_from_the_providers_prices(tmp_path):
     local = TelemetryStore(tmp_path / "local.db")
     local.refresh(force=True)
     assert local.cost() == {"local": True}
+
+
+def test_a_drifted_estimate_is_flagged_from_the_metrics_when_no_manager_recalibrated(tmp_path):
+    """A log with no estimate_drift event (a run without the manager's drift rule) still gets the
+    warning from its own metrics; within 15 % it gets none. Measured waiting is its own part of
+    the per-stage chart, not backward."""
+    from dashboard.app import Dashboard
+    from dashboard.store import TelemetryStore
+
+    with EventLog(tmp_path / "events.db") as log:
+        log.append(Kind.PLAN, payload={"generation": 0, "P": 2, "D": 1, "hosts": ["a", "b"], "predicted_step_s": 0.2,
+                                       "num_micro_batches": 4})
+        for s in range(10):
+            log.append_metric(s, {"step": s, "loss": 3.0, "step_time_s": 0.3, "generation": 0})
+            for r in (0, 1):
+                log.append_heartbeat({"step": s, "fwd_s": 0.01, "bwd_s": 0.02, "recompute_s": 0.0, "wait_s": 0.05,
+                                      "micro_batches": 4, "step_time_s": 0.3, "stage": r}, host="ab"[r], rank=r)
+    dash = Dashboard(TelemetryStore(tmp_path))
+    html_ = dash.compare.object
+    assert "data-drift" in html_ and "50% slower than predicted 0.200 s for 5 steps" in html_, html_
+    assert "no re-calibration recorded" in html_
+    src = dash.stage_src.data
+    i = src["y"].index("stage 1 · measured")
+    assert src["wait"][i] == pytest.approx(0.05) and src["B"][i] == pytest.approx(0.08), src
+    assert src["other"][i] == pytest.approx(0.3 - 0.04 - 0.08 - 0.05), src
+    dash.store.close()
+    with EventLog(tmp_path / "ok.db") as log:
+        log.append(Kind.PLAN, payload={"generation": 0, "P": 1, "D": 1, "hosts": ["a"], "predicted_step_s": 0.28})
+        for s in range(10):
+            log.append_metric(s, {"step": s, "loss": 3.0, "step_time_s": 0.3, "generation": 0})
+    dash = Dashboard(TelemetryStore(tmp_path / "ok.db"))
+    assert "data-drift" not in dash.compare.object
+    dash.store.close()
 
 
 def test_the_smoothed_loss_continues_where_it_stopped():

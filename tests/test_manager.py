@@ -23,7 +23,7 @@ from varuna_sdk.config import ConfigError, DataConfig, JobConfig, LaunchConfig, 
 from varuna_sdk.launch import train_local
 from varuna_sdk.manager.decisions import GrowRule
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.manager import JobState, Manager
+from varuna_sdk.manager.manager import MORPH_PHASES, JobState, Manager
 
 
 EVERY = 5       # checkpoint interval (steps)
@@ -177,6 +177,17 @@ def test_notice_shrink_sudden_loss_and_grow_keep_the_loss_trajectory(tmp_path, r
     assert steps_redone(run) == [m["steps_lost"] for m in morphs]   # the manager's record, counted again
     for m in morphs:
         assert m["downtime_s"] is not None and 0 < m["downtime_s"] < 60
+        # the downtime's phases, measured at each one's end, add up to it; a worker start and a
+        # first step (checkpoint load + step) take time in every morph
+        assert list(m["phases_s"]) == list(MORPH_PHASES), m
+        assert abs(sum(m["phases_s"].values()) - m["downtime_s"]) < 0.05, m
+        assert m["phases_s"]["start_workers"] > 0 and m["phases_s"]["first_step"] > 0, m
+        # what the planner compared, fastest first, the chosen plan being the new one
+        chosen = [c for c in m["candidates"] if c["chosen"]]
+        assert len(chosen) == 1 and (chosen[0]["P"], chosen[0]["D"]) == (m["new"]["P"], m["new"]["D"]), m
+        rates = [c["examples_per_s"] for c in m["candidates"]]
+        assert rates == sorted(rates, reverse=True) and m["feasible_plans"] >= len(m["candidates"]), m
+    assert notice["phases_s"]["stop"] > 0, notice   # the stop checkpoint at the boundary
     assert_same_trajectory(final_losses(run), reference)
     log = EventLog.reader(run / "events.db")
     try:
@@ -378,19 +389,35 @@ def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, referen
     died, so the morph may plan on that slot at once — before, the slot was distrusted for 120 s
     (a plan needing it waited 121 s). Losses stay the uninterrupted run's,
     and the steps redone (counted from the metrics rows, not the manager's record) are at most
-    the checkpoint interval."""
+    the checkpoint interval.
+
+    Honest estimates, on the same run: the manager is handed the job's calibration made 4x too
+    fast, so the measured step time leaves the prediction at once. It records an estimate_drift
+    event whose estimate, re-simulated from the heartbeats' per-stage compute, is near the
+    measured step time, and the morph's plan is predicted from the re-scaled profile."""
     import os
     import signal
 
     from varuna_sdk.cluster.provider import LocalProvider
+    from varuna_sdk.trainer import calibrate_job
 
+    real = calibrate_job(tiny_job())
+    optimistic = real.scaled([0.25] * len(real.segments))
     run = tmp_path / "run"
     provider = LocalProvider(4)
     mgr = Manager(tiny_job(), provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None,
-                  generation_options={"sink": None})
+                  profile=optimistic, generation_options={"sink": None})
     try:
         mgr.start()
         wait_step(run, 8, 120, generation=0)
+        deadline = time.time() + 60
+        while time.time() < deadline:      # the drift is seen (5 steps after warm-up) and re-calibrated
+            with EventLog.reader(run / "events.db") as log:
+                drifts = log.events(kind=Kind.ESTIMATE_DRIFT)
+            if drifts:
+                break
+            time.sleep(0.3)
+        assert drifts, "no estimate_drift event although the profile was 4x too fast"
         with EventLog.reader(run / "events.db") as log:
             pid = next(e.payload["pid"] for e in log.events(kind=Kind.WORKER_JOINED) if e.rank == 1)
         os.kill(pid, signal.SIGKILL)
@@ -408,6 +435,18 @@ def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, referen
     assert 0 <= redone <= EVERY, redone
     assert steps_redone(run) == [redone] == [morphs[0]["steps_lost"]]
     assert_same_trajectory(final_losses(run), reference)
+    d = drifts[0].payload
+    assert d["generation"] == 0 and d["drift"] > 1.0, d           # measured > 2x the 4x-optimistic prediction
+    assert abs(d["recalibrated_step_s"] / d["measured_step_s"] - 1) < abs(d["drift"]) / 2, d   # much nearer
+    assert len(d["segment_factors"]) == len(real.segments) and min(d["segment_factors"]) > 1.5, d
+    with EventLog.reader(run / "events.db") as log:
+        plans = [e.payload for e in log.events(kind=Kind.PLAN)]
+        gen1 = [m["step_time_s"] for m in log.metrics() if m.get("generation") == 1][2:]
+    measured1 = sorted(gen1)[len(gen1) // 2]
+    # the morph's plan, made from the profile re-scaled by what generation 0 measured, predicts
+    # generation 1's step time far better than the handed-in calibration predicted generation 0's
+    assert plans[1]["predicted_step_s"] > 1.5 * plans[0]["predicted_step_s"], plans
+    assert abs(measured1 / plans[1]["predicted_step_s"] - 1) < d["drift"] / 2, (measured1, plans[1]["predicted_step_s"], d)
 
 
 @pytest.mark.timeout(180)

@@ -195,11 +195,10 @@ def _launch(args: argparse.Namespace) -> int:
             provider.close()
     print(f"[varuna] job {summary['job_id']}: {summary['state']} after {summary['generation'] + 1} generation(s), "
           f"{len(summary['morphs'])} morph(s); run folder {summary['run_dir']}", flush=True)
-    for m in summary["morphs"]:
-        print(f"  morph: {m['cause']:<15} {m['old'].get('P')}x{m['old'].get('D')} -> "
-              f"{(m['new'] or {}).get('P')}x{(m['new'] or {}).get('D')}  downtime "
-              f"{m['downtime_s'] if m['downtime_s'] is None else round(m['downtime_s'], 1)} s, "
-              f"steps lost {m['steps_lost']}", flush=True)
+    from .manager.runs import morph_sentence
+
+    for i, m in enumerate(summary["morphs"], 1):
+        print(f"  morph {i}: {morph_sentence(m)}", flush=True)
     if summary["error"]:
         print(f"varuna: {summary['error']}", file=sys.stderr)
     if summary["state"] == "STOPPED":

@@ -407,6 +407,10 @@ def print_spot_result(res: SpotDemoResult, out: Callable[[str], None] | None = N
     say(f"\n[demo] job {res.state} in {res.wall_s:.0f} s; {len(res.morphs)} morph(s) "
         "(time: seconds after the replay started; downtime: cause seen -> first step of the new plan done):")
     say(morph_table(res.morphs, res.t0))
+    from .manager.runs import morph_sentence
+
+    for i, m in enumerate(res.morphs, 1):   # why each plan, and where the downtime went
+        say(f"  {i}. {morph_sentence(m, res.t0)}")
     if res.error:
         say(f"[demo] error: {res.error}")
     if res.ppl_start is not None:

@@ -139,7 +139,10 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{profile_key(job, r)}.json"
     if path.exists() and not refresh:
-        return Profile.load(path)
+        prof = Profile.load(path)
+        if not prof.calibrated_at:   # a cache file from before the time was recorded: its own time
+            prof.calibrated_at = path.stat().st_mtime
+        return prof
     T = job.data.seq_len
     prof = calibrate(r.spec.factory, r.spec.loss_fn, lambda b: r.sample_inputs(b, T), micro_batch_sizes,
                      seed=job.train.seed, init_fn=r.spec.init_fn, precision=job.train.precision,

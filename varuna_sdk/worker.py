@@ -140,7 +140,7 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
     if hb is not None:
         def on_step(step, r, metrics) -> None:
             hb.record_step(step, loss=r.loss, compute_s=r.compute_s, micro_batches=m,
-                           step_time_s=r.time_s)
+                           step_time_s=r.time_s, wait_s=r.wait_s)
             if rank == 0:
                 hb.record_metrics(metrics)
 

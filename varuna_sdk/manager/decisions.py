@@ -4,7 +4,8 @@ stragglers, how many steps a morph lost. No processes, sockets or clocks here �
 machine in ``manager.manager`` feeds these with what it observed, so every rule is testable
 with plain numbers.
 
-Owns ``worker_slots``, ``GrowRule``, ``StragglerRule``, ``find_stragglers``, ``steps_lost``.
+Owns ``worker_slots``, ``GrowRule``, ``StragglerRule``, ``find_stragglers``, ``steps_lost``,
+``DriftRule``, ``step_time_drift``, ``compute_ratios``, ``segment_factors``.
 Imports ``cluster.hosts`` only; never torch.
 """
 
@@ -100,6 +101,72 @@ def find_stragglers(history: Mapping[int, Sequence[float]], predicted: Mapping[i
     return {r: statistics.median(v) for r, v in out.items() if len(v) == rule.beats}
 
 
+@dataclass(frozen=True)
+class DriftRule:
+    """The plan's estimate no longer holds (issue "honest estimates"): the measured step time
+    differs from the predicted one by more than ``threshold`` (0.15 = 15 %), in the same
+    direction, in each of the last ``steps`` steps, after the generation's first ``warmup``
+    steps (a restart's first steps load a checkpoint and warm caches)."""
+
+    threshold: float = 0.15
+    steps: int = 5
+    warmup: int = 2
+
+    def __post_init__(self):
+        if not self.threshold > 0.0:
+            raise ValueError(f"DriftRule.threshold={self.threshold} must be > 0 (0.15 = 15 %)")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"DriftRule.steps={self.steps} must be >= 1 and warmup={self.warmup} >= 0")
+
+
+def step_time_drift(step_times_s: Sequence[float], predicted_step_s: float | None,
+                    rule: DriftRule) -> float | None:
+    """Relative drift of the measured step time from the prediction (+0.38 = 38 % slower), the
+    median over the last ``rule.steps`` steps, when every one of them is beyond the rule's
+    threshold on the same side; None otherwise (too few steps, no prediction, or within it).
+    ``step_times_s``: one generation's step times in seconds, oldest first."""
+    if not predicted_step_s or predicted_step_s <= 0.0:
+        return None
+    xs = [float(x) for x in step_times_s[rule.warmup:] if x is not None and x > 0.0]
+    if len(xs) < rule.steps:
+        return None
+    rel = [x / predicted_step_s - 1.0 for x in xs[-rule.steps:]]
+    if all(r > rule.threshold for r in rel) or all(r < -rule.threshold for r in rel):
+        return statistics.median(rel)
+    return None
+
+
+def compute_ratios(history: Mapping[int, Sequence[float]], predicted: Mapping[int, float],
+                   last: int = 5) -> dict[int, float]:
+    """Per rank, measured / predicted compute per micro-batch (median of its last ``last``
+    heartbeats); ranks without samples or a prediction are left out. ``history`` and
+    ``predicted`` as in ``find_stragglers``."""
+    out = {}
+    for rank, xs in history.items():
+        p = predicted.get(rank)
+        vals = [x for x in xs[-last:] if x is not None and x > 0.0]
+        if p and p > 0.0 and vals:
+            out[rank] = statistics.median(vals) / p
+    return out
+
+
+def segment_factors(ratios: Mapping[int, float], stages: Sequence[Sequence[int]], P: int,
+                    n_segments: int) -> list[float]:
+    """Per cut-point segment, the factor by which the live job's compute differs from the
+    calibration: the median ratio over the replicas of the stage that ran it (a single slow
+    replica — a straggler — does not move it); 1.0 for a stage with no sample. ``ratios``: rank
+    -> ratio (``compute_ratios``), rank = replica * P + stage; ``stages``: segment indices per
+    stage."""
+    f = [1.0] * n_segments
+    for s, segs in enumerate(stages):
+        xs = [r for rank, r in ratios.items() if rank % P == s]
+        k = statistics.median(xs) if xs else 1.0
+        for i in segs:
+            if 0 <= i < n_segments:
+                f[i] = k
+    return f
+
+
 def steps_lost(last_step_done: int | None, resume_step: int) -> int:
     """Optimizer steps trained but not in the checkpoint the job resumes from: with a notice 0
     (the checkpoint is taken at the boundary), after a sudden loss at most the checkpoint
@@ -110,4 +177,5 @@ def steps_lost(last_step_done: int | None, resume_step: int) -> int:
     return max(0, int(last_step_done) + 1 - int(resume_step))
 
 
-__all__ = ["worker_slots", "pool_slots", "GrowRule", "StragglerRule", "find_stragglers", "steps_lost"]
+__all__ = ["worker_slots", "pool_slots", "GrowRule", "StragglerRule", "find_stragglers", "steps_lost", "DriftRule",
+           "step_time_drift", "compute_ratios", "segment_factors"]

@@ -108,7 +108,11 @@ class Kind:
                                              #  "start_s", "end_s"}] (simulated one mini-batch)}
     MORPH = "morph"                          # {"cause": "notice"|"loss"|"grow"|"straggler"|"failure",
                                              #  "old": {"P","D",...}, "new": {"P","D",...}, "downtime_s",
-                                             #  "steps_lost", "from_step", "resume_step"}
+                                             #  "steps_lost", "from_step", "resume_step", "phases_s": {phase: s},
+                                             #  "candidates": [{"P","D","examples_per_s","chosen"}], "feasible_plans"}
+    ESTIMATE_DRIFT = "estimate_drift"        # {"generation", "drift": +0.38 = 38 % slower, "predicted_step_s",
+                                             #  "measured_step_s", "recalibrated_step_s", "compute_ratio_by_stage",
+                                             #  "calibrated_at", "load_1min", "cpu_count", "workers_here"}
     CHECKPOINT = "checkpoint"                # {"step", "path", "bytes", "seconds", "remote": url|None}
     STRAGGLER = "straggler"                  # {"rank", "slowdown": x vs peers' median, "action": "excluded"|"kept"}
 

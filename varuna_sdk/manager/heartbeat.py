@@ -1071,10 +1071,13 @@ class HeartbeatClient:
     # ------------------------------------------------------------------------------ feeding
     def record_step(self, step: int, *, loss: float | None = None,
                     compute_s: Mapping[str, float] | None = None, micro_batches: int = 1,
-                    step_time_s: float | None = None, mem_bytes: int | None = None) -> None:
+                    step_time_s: float | None = None, mem_bytes: int | None = None,
+                    wait_s: Mapping[str, float] | None = None) -> None:
         """Store the latest step's numbers (sent with the next heartbeat). ``compute_s``: this
         stage's total seconds per action kind over the step (``{"F", "R", "B"}``, as in
-        ``StepResult.compute_s``); divided by ``micro_batches`` for per-micro-batch times."""
+        ``StepResult.compute_s``); divided by ``micro_batches`` for per-micro-batch times.
+        ``wait_s``: seconds the stage was blocked on an input over the step (``StepResult.wait_s``),
+        sent as one total per step (``wait_s``), never counted as compute."""
         m = max(1, int(micro_batches))
         c = dict(compute_s or {})
         state = {"step": int(step), "loss": None if loss is None else float(loss),
@@ -1082,6 +1085,8 @@ class HeartbeatClient:
                  "recompute_s": c["R"] / m if "R" in c else None,
                  "bwd_s": c["B"] / m if "B" in c else None,
                  "micro_batches": m, "step_time_s": step_time_s}
+        if wait_s is not None:
+            state["wait_s"] = float(sum(float(v) for v in wait_s.values()))
         if mem_bytes is not None:
             state["mem_bytes"] = int(mem_bytes)
         first = self._state.get("step") is None

@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import queue
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,7 +51,8 @@ from typing import Any, Callable
 from ..cluster.hosts import Host, Secret
 from ..cluster.localproc import is_local
 from ..config import ConfigError, JobConfig
-from .decisions import GrowRule, StragglerRule, find_stragglers, pool_slots, steps_lost, worker_slots
+from .decisions import (DriftRule, GrowRule, StragglerRule, compute_ratios, find_stragglers, pool_slots,
+                        segment_factors, step_time_drift, steps_lost, worker_slots)
 from .events import Event, EventLog, Kind
 from .runs import clear_stop, watch_stop_requests
 
@@ -111,7 +113,11 @@ class MorphRecord:
     (``{"P", "D", "gpus", "micro_batch_size", "hosts"}``), ``downtime_s`` (cause seen → first
     step of the new generation finished; None until then), ``steps_lost`` (trained steps the
     resumed checkpoint does not hold), ``from_step`` (last step finished before), and
-    ``resume_step`` (steps the checkpoint holds)."""
+    ``resume_step`` (steps the checkpoint holds). ``phases_s``: the downtime split into its
+    phases (``MORPH_PHASES``, seconds each; they sum to ``downtime_s``); ``candidates``: the
+    planner's best predictions for the new pool (``{"P", "D", "micro_batch_size",
+    "examples_per_s", "time_s"}``, fastest first, the chosen one marked ``"chosen": True``) and
+    ``feasible_plans`` how many it compared (paper §4.2: the planner simulates each)."""
 
     time: float
     cause: str
@@ -122,9 +128,70 @@ class MorphRecord:
     from_step: int | None = None
     resume_step: int = 0
     host: str | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    feasible_plans: int | None = None
+    marks: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def mark(self, phase_end: str, at: float | None = None, *, first_only: bool = False) -> None:
+        """Note when the phase ``phase_end`` (one of ``MORPH_PHASES``) ended (Unix s)."""
+        if first_only and phase_end in self.marks:
+            return
+        self.marks[phase_end] = time.time() if at is None else at
+
+    def close(self, first_step_time: float) -> None:
+        """The new generation finished its first step at ``first_step_time``: set the downtime and
+        its phases (each from the previous phase's end; a phase not seen counts 0 s)."""
+        self.downtime_s = max(0.0, first_step_time - self.time)
+        self.mark("first_step", first_step_time)
+        self.phases_s = morph_phases(self.time, self.marks)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("marks")
+        return d
+
+
+HISTORY = 5   # heartbeats per rank kept for the drift estimate (one per step)
+
+MORPH_PHASES = ("stop", "wait_for_vms", "replan", "start_workers", "first_step")
+"""A morph's downtime in order: the old generation stopping (checkpoint at the boundary, or
+killed after a loss), waiting for usable VMs, planning, starting the workers (spawn or SSH,
+rendezvous), and the first step (checkpoint load plus one step)."""
+
+
+def morph_phases(start: float, marks: dict[str, float]) -> dict[str, float]:
+    """Seconds per phase of ``MORPH_PHASES`` from the times each one ended (``marks``, Unix s);
+    a phase whose end was not marked lasts 0 s. The values sum to the last mark minus ``start``."""
+    out, t = {}, start
+    for ph in MORPH_PHASES:
+        end = marks.get(ph)
+        if end is None:
+            out[ph] = 0.0
+            continue
+        out[ph] = round(max(0.0, end - t), 3)
+        t = max(t, end)
+    return out
+
+
+def plan_candidates(pl, row, top: int = 3) -> tuple[list[dict[str, Any]], int]:
+    """The planner's fastest predictions for a pool (one row per P x D, the best micro-batch
+    each), at most ``top`` plus the chosen ``row`` when it is not among them; and how many
+    feasible rows were compared. ``pl``: a ``planner.Plan`` (None: started as configured)."""
+    if pl is None:
+        return [], 0
+    best: dict[tuple[int, int], Any] = {}
+    for r in pl.feasible:
+        k = (r.P, r.D)
+        if k not in best or r.examples_per_s > best[k].examples_per_s:
+            best[k] = r
+    if row is not None:
+        best[(row.P, row.D)] = row
+    ranked = sorted(best.values(), key=lambda r: -r.examples_per_s)
+    keep = ranked[:top] + [r for r in ranked[top:] if row is not None and r is row]
+    return [{"P": r.P, "D": r.D, "micro_batch_size": r.micro_batch_size, "examples_per_s": round(r.examples_per_s, 3),
+             "time_s": round(r.time_s, 4), "chosen": row is not None and (r.P, r.D) == (row.P, row.D)}
+            for r in keep], len(pl.feasible)
 
 
 @dataclass
@@ -142,6 +209,9 @@ class _Running:
     first_step_time: float | None = None
     stopping: tuple[str, str | None, float] | None = None  # (cause, host, when asked)
     stop_deadline: float = math.inf
+    profile: Any = None                      # the calibration this generation was planned from
+    drift_reported: float | None = None      # the drift last recorded in an estimate_drift event
+    recalibrated_examples_per_s: float | None = None   # the running plan re-simulated from heartbeats
 
 
 def _plan_summary(job: JobConfig, hosts: list[Host]) -> dict[str, Any]:
@@ -164,6 +234,10 @@ class Manager:
         profile: calibration for the planner (default: the job's cached ``calibrate_job``).
         heartbeat_interval_s: workers' heartbeat period (loss declared after 2 missed).
         grow, straggler: rules (``None`` straggler: never exclude a slow worker).
+        drift: when the measured step time has left the prediction (``DriftRule``: 15 % for 5
+            steps), record an ``estimate_drift`` event with the estimate re-simulated from the
+            job's own heartbeats (per-stage F+R+B measured vs calibrated) and plan every later
+            morph from the calibration scaled by them (``Profile.scaled``); ``None``: never.
         stop_timeout_s: how long workers may take to stop at a boundary and checkpoint before
             they are killed (then the last complete checkpoint is used).
         max_preemptions, max_failures: budgets, counted separately.
@@ -182,7 +256,8 @@ class Manager:
 
     def __init__(self, job: JobConfig, provider, *, run_dir: str | Path, job_id: str | None = None,
                  profile=None, heartbeat_interval_s: float = 1.0, grow: GrowRule | None = GrowRule(),
-                 straggler: StragglerRule | None = StragglerRule(), stop_timeout_s: float = 60.0,
+                 straggler: StragglerRule | None = StragglerRule(), drift: DriftRule | None = DriftRule(),
+                 stop_timeout_s: float = 60.0,
                  max_preemptions: int = 1000, max_failures: int = 2, wait_for_hosts_s: float = 300.0,
                  generation_options: dict[str, Any] | None = None,
                  on_state: Callable[[JobState, str], None] | None = None, calibrate_first: bool = True,
@@ -207,6 +282,7 @@ class Manager:
         self.heartbeat_interval_s = float(heartbeat_interval_s)
         self.grow = grow
         self.straggler = straggler
+        self.drift = drift
         self.stop_timeout_s = float(stop_timeout_s)
         self.max_preemptions = int(max_preemptions)
         self.max_failures = int(max_failures)
@@ -241,6 +317,7 @@ class Manager:
         self._metric_cursor = 0
         self._hb_cursor = 0
         self._history: dict[int, list[float]] = {}   # rank -> recent compute s per micro-batch
+        self._step_times: list[float] = []           # the running generation's measured step times (s)
         self._hb_last_step: dict[int, int] = {}
         self._last_step: int | None = None
         self._pending: MorphRecord | None = None
@@ -484,10 +561,14 @@ class Manager:
             step = m.get("step")
             if step is not None:
                 self._last_step = int(step) if self._last_step is None else max(self._last_step, int(step))
+            if run is not None and int(m.get("generation", -1)) == self.generation and \
+                    isinstance(m.get("step_time_s"), (int, float)):
+                self._step_times.append(float(m["step_time_s"]))
+                del self._step_times[:-50]
             if run is not None and run.first_step_time is None and int(m.get("generation", -1)) == self.generation:
                 run.first_step_time = float(m.get("wall_time") or m["time"])
                 if self._pending is not None and self._pending.new is not None:
-                    self._pending.downtime_s = max(0.0, run.first_step_time - self._pending.time)
+                    self._pending.close(run.first_step_time)
                     self._finish_morph()
 
     def _finish_morph(self) -> None:
@@ -529,15 +610,21 @@ class Manager:
             if self._cancel.is_set():
                 self._set(JobState.STOPPED, "stopped by the user")
                 return self.state
+            if self._pending is not None:
+                self._pending.mark("stop", first_only=True)   # the old generation has ended
             hosts = self._await_hosts()
             if hosts is None:
                 return self._fail(f"no VM available for {self.wait_for_hosts_s:.0f} s")
+            if self._pending is not None:
+                self._pending.mark("wait_for_vms")
             try:
                 job_g, pl, row, used = self._replan(hosts, first=first)
             except (ConfigError, ValueError) as e:
                 return self._fail(f"no plan fits the {pool_slots(hosts)} worker slots available: {e}")
             resume = self._resume_step()
             if self._pending is not None:
+                self._pending.mark("replan")
+                self._pending.candidates, self._pending.feasible_plans = plan_candidates(pl, row)
                 self._poll_metrics(None)
                 self._backfill_metrics()   # steps whose heartbeat never left a lost VM
                 self._poll_metrics(None)
@@ -606,10 +693,13 @@ class Manager:
         gen.subscribe(lambda ev, g=self.generation: self._on_gen_event(ev, g))
         self._history.clear()
         self._hb_last_step.clear()
+        self._step_times.clear()
         run = _Running(gen=gen, job=job_g, plan=pl, row=row, hosts=used, started=time.time(),
-                       predicted_stage_s=per_stage)
+                       predicted_stage_s=per_stage, profile=self._profile if pl is not None else None)
         try:
             gen.start()
+            if self._pending is not None:
+                self._pending.mark("start_workers")
         except Exception as e:  # a VM lost during bootstrap, an unreachable VM...
             gen.stop(grace_s=2.0)
             self.log.append("generation_failed", job_id=self.job_id,
@@ -684,9 +774,13 @@ class Manager:
             if run.stopping is None and self.grow is not None and time.time() >= next_grow_check:
                 next_grow_check = time.time() + 5.0  # VMs that came back during a cooldown
                 self._consider_grow(run, quiet=True)
-            if run.stopping is None and self.straggler is not None and time.time() >= next_straggler_check:
+            if run.stopping is None and time.time() >= next_straggler_check:
                 next_straggler_check = time.time() + 2 * self.heartbeat_interval_s
-                self._check_stragglers(run)
+                self._collect_heartbeats(run)
+                if self.straggler is not None:
+                    self._check_stragglers(run)
+                if self.drift is not None:
+                    self._check_drift(run)
             if run.stopping is not None and time.time() > run.stop_deadline:
                 self.log.append("stop_timeout", job_id=self.job_id,
                                 payload={"generation": self.generation, "timeout_s": self.stop_timeout_s})
@@ -773,20 +867,23 @@ class Manager:
                 _, run.plan, run.row, _ = self._replan(run.hosts, first=True, best_only=True)
             except (ConfigError, ValueError):
                 return
-        grow = self.grow.worth_it(run.row.examples_per_s, row.examples_per_s, since)
+        # the running plan as the profile the new one was planned from predicts it (re-simulated
+        # from heartbeats once the estimate drifted): the same yardstick for both
+        current = run.recalibrated_examples_per_s or run.row.examples_per_s
+        grow = self.grow.worth_it(current, row.examples_per_s, since)
         if quiet and not grow:
             return
         self.log.append("grow_decision", job_id=self.job_id, payload={
-            "current_examples_per_s": run.row.examples_per_s, "new_examples_per_s": row.examples_per_s,
+            "current_examples_per_s": current, "new_examples_per_s": row.examples_per_s,
             "new": {"P": row.P, "D": row.D}, "min_gain": self.grow.min_gain, "seconds_since_last_morph": since,
             "decision": "grow" if grow else "stay"})
         if grow:
             self._request_stop(run, "grow", None)
 
-    def _check_stragglers(self, run: _Running) -> None:
-        if not run.predicted_stage_s:
-            return
-        P = run.job.parallel.P
+    def _collect_heartbeats(self, run: _Running) -> None:
+        """New heartbeats of this generation into ``_history``: per rank, its compute (F+R+B)
+        per micro-batch, one sample per step, the last ``HISTORY`` kept."""
+        keep = max(HISTORY, self.straggler.beats if self.straggler else 0)
         for hb in self.log.heartbeats(job_id=self.job_id, since_id=self._hb_cursor):
             self._hb_cursor = hb.id
             if hb.time < run.started or hb.rank is None:
@@ -797,8 +894,58 @@ class Manager:
             if c > 0 and hb.step is not None and self._hb_last_step.get(hb.rank) != hb.step:
                 self._hb_last_step[hb.rank] = hb.step  # one sample per step, not per beat
                 self._history.setdefault(hb.rank, []).append(c)
-                del self._history[hb.rank][:-self.straggler.beats]
-        history = self._history
+                del self._history[hb.rank][:-keep]
+
+    def _check_drift(self, run: _Running) -> None:
+        """Honest estimates: when the step time has drifted from the prediction (``self.drift``),
+        re-simulate the running plan with each rank's measured/calibrated compute ratio, say so
+        in an ``estimate_drift`` event (again only when the drift moved by 10 points), and plan
+        later morphs from the calibration scaled by the measured stages."""
+        if run.row is None or run.plan is None or not run.predicted_stage_s:
+            return
+        drift = step_time_drift(self._step_times, run.row.time_s, self.drift)
+        if drift is None or (run.drift_reported is not None and abs(drift - run.drift_reported) < 0.10):
+            return
+        P, D = run.job.parallel.P, run.job.parallel.D
+        predicted = {r: run.predicted_stage_s[r % P] for r in range(P * D)}
+        ratios = compute_ratios(self._history, predicted, last=HISTORY)
+        recal_s = recal_eps = None
+        factors: list[float] = []
+        if ratios:
+            typical = statistics.median(ratios.values())
+            try:
+                sim = run.plan.simulate(run.row, rank_scale=[ratios.get(r, typical) for r in range(P * D)],
+                                        record_timeline=False)
+                recal_s = float(sim.minibatch_time)
+                recal_eps = run.job.parallel.global_batch / recal_s if recal_s > 0 else None
+            except (ValueError, RuntimeError) as e:
+                self.log.append("warning", job_id=self.job_id, payload={"message": f"no re-simulation: {e}"})
+            base = run.profile
+            if base is not None:
+                factors = segment_factors(ratios, run.row.stages, P, len(base.segments))
+                self._profile = base.scaled(factors)   # later morphs plan from what this job measured
+        run.drift_reported = drift
+        run.recalibrated_examples_per_s = recal_eps
+        local = all(_on_this_machine(h) for h in run.hosts)
+        prof = run.profile
+        self.log.append(Kind.ESTIMATE_DRIFT, job_id=self.job_id, payload={
+            "generation": self.generation, "drift": round(drift, 4), "steps": self.drift.steps,
+            "threshold": self.drift.threshold, "predicted_step_s": run.row.time_s,
+            "measured_step_s": statistics.median(self._step_times[-self.drift.steps:]),
+            "recalibrated_step_s": recal_s, "recalibrated_examples_per_s": recal_eps,
+            "compute_ratio_by_stage": [round(statistics.median([v for r, v in ratios.items() if r % P == s]), 3)
+                                       if any(r % P == s for r in ratios) else None for s in range(P)],
+            "segment_factors": [round(f, 3) for f in factors],
+            "calibrated_at": getattr(prof, "calibrated_at", None) or None,
+            "calibrated_on": (getattr(prof, "hardware", None) or {}).get("device"),
+            "load_1min": round(os.getloadavg()[0], 2) if local and hasattr(os, "getloadavg") else None,
+            "cpu_count": os.cpu_count() if local else None, "workers_here": P * D if local else None})
+
+    def _check_stragglers(self, run: _Running) -> None:
+        if not run.predicted_stage_s:
+            return
+        P = run.job.parallel.P
+        history = {r: xs[-self.straggler.beats:] for r, xs in self._history.items()}
         predicted = {r: run.predicted_stage_s[r % P] for r in range(P * run.job.parallel.D)}
         found = find_stragglers(history, predicted, self.straggler)
         rank_host = []
@@ -882,4 +1029,5 @@ def _on_this_machine(h: Host) -> bool:
     return is_local(h) or h.is_loopback
 
 
-__all__ = ["Manager", "JobState", "MorphRecord", "ManagerError", "judge_straggler"]
+__all__ = ["Manager", "JobState", "MorphRecord", "MORPH_PHASES", "morph_phases", "plan_candidates", "ManagerError",
+           "judge_straggler"]

@@ -8,8 +8,8 @@ of generation g) and, once done, ``summary.json``. ``find_runs(path)`` is the ru
 the run folders directly inside ``path`` (a ``runs/`` parent), newest first. ``read_run`` turns one
 into a ``RunInfo``: state and its reason, plan, steps done of the total, elapsed time, an ETA from
 the recent step times, morphs, the last event. ``event_sentence`` says an event in words
-(``morph_sentence`` a morph: which VM, what happened, the plan before and after, downtime, steps
-lost and why).
+(``morph_sentence`` a morph: which VM, what happened, the plan before and after and why, downtime
+in its phases, steps lost and why; ``drift_sentence`` an estimate that no longer holds).
 
 **Stopping from outside.** ``request_stop(run_dir)`` writes ``RUN_DIR/stop-request.json``
 (atomically; who asked and when); the manager of that run polls ``stop_requested`` and stops the
@@ -23,6 +23,7 @@ Imports ``config``, ``manager.events`` and the standard library (never torch).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -34,8 +35,9 @@ from typing import Any
 from ..config import JobConfig
 from .events import Event, EventLog, Kind
 
-__all__ = ["RunInfo", "STOP_FILE", "TERMINAL", "clear_stop", "event_sentence", "find_runs", "format_runs",
-           "morph_sentence", "read_run", "request_stop", "stop_requested", "watch_stop_requests", "worker_logs"]
+__all__ = ["RunInfo", "STOP_FILE", "TERMINAL", "clear_stop", "drift_sentence", "event_sentence", "find_runs",
+           "format_runs", "morph_sentence", "read_run", "request_stop", "stop_requested", "watch_stop_requests",
+           "worker_logs"]
 
 STOP_FILE = "stop-request.json"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -107,9 +109,41 @@ def _plan_text(p: dict | None) -> str:
     return f"P={p['P']} x D={p['D']}" + (f" on {', '.join(dict.fromkeys(hosts))}" if hosts else "")
 
 
+_PHASE_WORDS = {"stop": "stop", "wait_for_vms": "wait for VMs", "replan": "re-plan", "start_workers": "start workers",
+                "first_step": "first step"}
+
+
+def _choice_text(m: dict) -> str:
+    """Why the new plan: what the planner predicted for the best candidates it compared."""
+    cands = [c for c in (m.get("candidates") or []) if isinstance(c, dict)]
+    if not cands:
+        return ""
+    try:
+        listed = "; ".join(f"P={c['P']} x D={c['D']} {float(c['examples_per_s']):.1f} ex/s"
+                           + (" (chosen)" if c.get("chosen") else "") for c in cands)
+    except (KeyError, TypeError, ValueError):
+        return ""
+    n = m.get("feasible_plans") or len(cands)
+    chosen_first = bool(cands[0].get("chosen"))
+    why = f"the fastest predicted of {n} feasible plan(s)" if chosen_first else f"kept as configured, of {n} feasible"
+    return f" ({why}: {listed})"
+
+
+def _downtime_text(m: dict) -> str:
+    if m.get("downtime_s") is None:
+        return ""
+    phases = m.get("phases_s") or {}
+    parts = [f"{_PHASE_WORDS.get(k, k)} {float(v):.1f} s" for k, v in phases.items()
+             if isinstance(v, (int, float)) and v >= 0.05]
+    return f", {m['downtime_s']:.1f} s down" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def morph_sentence(m: dict, t0: float | None = None) -> str:
-    """One morph in words: when, which VM and what happened, the plan before and after, downtime,
-    steps lost and why (the checkpoint it resumed from)."""
+    """One morph in words: when, which VM and what happened, the plan before and after with what
+    the planner predicted for the best candidates and why this one, the downtime split into its
+    phases (``manager.MORPH_PHASES``), steps lost and why (the checkpoint it resumed from).
+    ``m``: a ``MorphRecord.to_dict()`` (the MORPH event's payload); ``t0``: the job's start (Unix
+    s) to say when, relative. Missing or malformed fields are left out, never raised."""
     what = {"notice": "got a pre-emption notice", "loss": "was lost without notice", "grow": "came back",
             "straggler": "was a straggler", "failure": "had a worker fail", "stop_timeout": "did not stop when asked",
             "manager_restart": "had its manager restarted"}.get(m.get("cause", ""), m.get("cause", "changed"))
@@ -120,8 +154,8 @@ def morph_sentence(m: dict, t0: float | None = None) -> str:
         who = "the job"
     when = f"at {m['time'] - t0:.0f} s: " if t0 is not None and m.get("time") else ""
     new = m.get("new")
-    moved = f"re-planned {_plan_text(m.get('old'))} -> {_plan_text(new)}" if new else "re-planning"
-    down = f", {m['downtime_s']:.1f} s down" if m.get("downtime_s") is not None else ""
+    moved = (f"re-planned {_plan_text(m.get('old'))} -> {_plan_text(new)}{_choice_text(m)}" if new
+             else "re-planning")
     lost = m.get("steps_lost") or 0
     resume = m.get("resume_step")
     if lost:
@@ -130,7 +164,45 @@ def morph_sentence(m: dict, t0: float | None = None) -> str:
         why = f"nothing lost: resumed at step {resume}"
     else:
         why = ""
-    return f"{when}{who} {what}; {moved}{down}" + (f"; {why}" if why else "")
+    return f"{when}{who} {what}; {moved}{_downtime_text(m)}" + (f"; {why}" if why else "")
+
+
+def _ago(s: float) -> str:
+    return _fmt_s(s).replace(" s", " seconds") + " ago" if s < 90 else f"{_fmt_s(s)} ago"
+
+
+def drift_sentence(p: dict, now: float | None = None) -> str:
+    """An ``estimate_drift`` payload in words: how far the step time left the prediction, why it
+    may have (when the calibration was made, the machine's load now against its cores), and the
+    estimate re-simulated from the job's heartbeats. Malformed fields are left out."""
+    now = time.time() if now is None else now
+
+    def num(k):
+        v = p.get(k)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+    drift, pred, meas = num("drift"), num("predicted_step_s"), num("measured_step_s")
+    if drift is None:
+        return "the step time left the prediction"
+    side = "slower" if drift > 0 else "faster"
+    head = (f"measured step {meas:.3f} s is {abs(drift):.0%} {side} than predicted {pred:.3f} s"
+            if meas is not None and pred is not None else f"steps run {abs(drift):.0%} {side} than predicted")
+    head += f" for {int(p['steps'])} steps" if isinstance(p.get("steps"), int) else ""
+    why = []
+    at = num("calibrated_at")
+    if at:
+        why.append(f"calibrated {_ago(now - at)}" + (f" on {p['calibrated_on']}" if p.get("calibrated_on") else ""))
+    load, cores, here = num("load_1min"), num("cpu_count"), num("workers_here")
+    if load is not None and cores:
+        busy = "busier than its cores" if load > cores else "within its cores"
+        why.append(f"this machine's load now {load:.1f} on {cores:.0f} cores with {here:.0f} workers ({busy}: "
+                   "other processes contend for them)" if here else f"load now {load:.1f} on {cores:.0f} cores ({busy})")
+    elif drift > 0:
+        why.append("contention on the VMs, a slower network or other hardware than calibrated")
+    recal, eps = num("recalibrated_step_s"), num("recalibrated_examples_per_s")
+    tail = (f"; re-calibrated from the job's heartbeats: {recal:.3f} s per step"
+            + (f" ({eps:.1f} examples/s)" if eps else "") + ", which later morphs plan from") if recal else ""
+    return head + (f" — {'; '.join(why)}" if why else "") + tail
 
 
 def event_sentence(e: Event, t0: float | None = None) -> str:
@@ -145,6 +217,7 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
                             + (f", predicted {p['predicted_step_s']:.3f} s per step" if isinstance(
                                 p.get("predicted_step_s"), (int, float)) else "")),
         Kind.MORPH: lambda: "morph: " + morph_sentence(p),
+        Kind.ESTIMATE_DRIFT: lambda: "estimate: " + drift_sentence(p, e.time),
         Kind.HOST_ADDED: lambda: f"VM {vm} joined the pool",
         Kind.HOST_REMOVED: lambda: f"VM {vm} left the pool",
         Kind.PREEMPTION_NOTICE: lambda: f"VM {vm} will be pre-empted in {p.get('lead_s', '?')} s",

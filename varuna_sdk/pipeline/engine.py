@@ -54,7 +54,11 @@ LossFn = Callable[[object, object], torch.Tensor]  # (model output, targets) -> 
 class StepResult:
     """What one optimizer step did. ``loss`` is the mean over the whole mini-batch (all
     micro-batches of all replicas); ``grad_norm`` the global L2 norm before clipping (tied
-    weights counted once); ``skipped`` is True when any stage overflowed (fp16)."""
+    weights counted once); ``skipped`` is True when any stage overflowed (fp16). ``time_s``: the
+    whole step (seconds); ``compute_s``: this stage's seconds per action kind over the step
+    (``{"F", "R", "B"}``, computing only); ``wait_s``: seconds blocked waiting for an input
+    that had not arrived (``"F"``: an activation from the stage before, ``"B"``: a gradient from
+    the stage after) — the pipeline bubble as this stage saw it, never counted as compute."""
 
     step: int
     loss: float
@@ -63,6 +67,7 @@ class StepResult:
     loss_scale: float
     time_s: float
     compute_s: dict[str, float] = field(default_factory=dict)
+    wait_s: dict[str, float] = field(default_factory=dict)
 
 
 class _StageExit(BaseException):
@@ -434,6 +439,7 @@ class Varuna:
         live: dict[int, tuple] = {}  # mb -> (leaves, outputs) with a graph
         loss_sum = torch.zeros((), device=self.device)
         timing = {"F": 0.0, "R": 0.0, "B": 0.0}
+        waited = {"F": 0.0, "B": 0.0}   # blocked on an input, taken out of the action's time
         recv_flags = [c["requires_grad"] for c in self.structure.crossings[self.start_cut]] if not self.is_first else []
         while True:
             action = sched.next(acts.arrived if acts else 0, grads.arrived if grads else 0)
@@ -441,10 +447,12 @@ class Varuna:
                 break
             i, kind = action.mb, action.kind
             ta = time.perf_counter()
+            w = 0.0
             if kind == "F":
                 received = None
                 if acts is not None:
                     tensors, _ = acts.get(i)
+                    w = time.perf_counter() - ta
                     acts.release(i)
                     received = tuple(tensors)
                 with_grad = self.is_last or not self.recompute
@@ -470,7 +478,9 @@ class Varuna:
                 if self.is_last:
                     (outs[0] * (scale / self.m)).backward()
                 else:
+                    tw = time.perf_counter()
                     g_tensors, _ = grads.get(i)
+                    w = time.perf_counter() - tw
                     grads.release(i)
                     # g_tensors holds one gradient per *flagged* output, in order (see _input_grads),
                     # so pair them with the flagged outputs, not positionally with all outputs.
@@ -480,7 +490,9 @@ class Varuna:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 if not self.is_first:
                     self.ch_grad_out.send(self._input_grads(leaves, recv_flags))
-            timing[kind] += time.perf_counter() - ta
+            timing[kind] += time.perf_counter() - ta - w
+            if w:
+                waited[kind] += w
         for r in (acts, grads):
             if r is not None:
                 r.join()
@@ -491,6 +503,7 @@ class Varuna:
         result = self._sync_and_step(optimizer, loss_local)
         result.time_s = time.perf_counter() - t0
         result.compute_s = timing
+        result.wait_s = waited
         self.step_count += 1
         return result
 

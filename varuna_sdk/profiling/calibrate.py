@@ -262,6 +262,7 @@ def calibrate(
         micro_batch_sizes=sizes, segments=segments, network=net, per_action_s=costs["per_action_s"],
         per_step_s=costs["per_step_s"], opt_s_per_param_byte=costs["opt_s_per_param_byte"],
         opt_parallelism=opt_par, compute_interference=interference, calibration_s=time.perf_counter() - t_start,
+        calibrated_at=time.time(),
     )
 
 

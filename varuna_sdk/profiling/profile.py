@@ -11,9 +11,10 @@ Units: seconds, bytes, bytes/second. Imports nothing from ``pipeline`` or above.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 PROFILE_VERSION = 1
 
@@ -98,6 +99,26 @@ class Profile:
     # and caches): t(every core runs the model; mean over those processes) / t(alone) - 1, per
     # extra core; 0 = not measured.
     compute_interference: float = 0.0
+    calibrated_at: float = 0.0   # Unix s when calibrate() measured it (0: not recorded)
+    # per-segment factors applied to the measured compute by ``scaled`` (a live re-calibration
+    # from a job's heartbeats); empty: the calibration as measured
+    live_scale: list[float] = field(default_factory=list)
+
+    def scaled(self, segment_factors: Sequence[float]) -> "Profile":
+        """A copy whose per-segment compute (``fwd_s``, ``rec_s``, ``bwd_s``, at every micro-batch
+        size) is multiplied by ``segment_factors[i]`` (one positive factor per segment; 1.25 = 25 %
+        slower than calibrated). Memory, network and per-action costs are kept. Used to plan from
+        what a running job measured (``manager``, issue "honest estimates"). Raises ``ValueError``
+        for a wrong length or a factor that is not a positive finite number."""
+        f = [float(x) for x in segment_factors]
+        if len(f) != len(self.segments):
+            raise ValueError(f"{len(f)} factors for {len(self.segments)} segments; give one per segment")
+        if not all(math.isfinite(x) and x > 0.0 for x in f):
+            raise ValueError(f"segment factors must be positive finite numbers, got {f}")
+        segs = [replace(sg, fwd_s=[x * k for x in sg.fwd_s], rec_s=[x * k for x in sg.rec_s],
+                        bwd_s=[x * k for x in sg.bwd_s]) for sg, k in zip(self.segments, f)]
+        base = self.live_scale or [1.0] * len(f)
+        return replace(self, segments=segs, live_scale=[round(a * b, 6) for a, b in zip(base, f)])
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_json(self, path: str | Path | None = None) -> str:
@@ -121,7 +142,7 @@ class Profile:
         except TypeError as e:
             raise ProfileError(f"profile has a malformed entry: {e}") from e
         opt = {k: d[k] for k in ("optimizer_state_factor", "calibration_s", "opt_parallelism",
-                                            "compute_interference") if k in d}
+                                            "compute_interference", "calibrated_at", "live_scale") if k in d}
         return cls(segments=segs, network=net, **rest, **opt)
 
     @classmethod

@@ -1,0 +1,119 @@
+"""The morph record's pure parts and its sentence: downtime phases from the times each phase
+ended, the planner's candidates from a real plan, and the sentence built from them (tolerant of
+old or malformed payloads). No processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from varuna_sdk.manager.events import Event, Kind
+from varuna_sdk.manager.manager import MORPH_PHASES, MorphRecord, morph_phases, plan_candidates
+from varuna_sdk.manager.runs import event_sentence, morph_sentence
+
+
+def test_phases_are_measured_from_each_previous_end_and_sum_to_the_downtime():
+    rec = MorphRecord(time=100.0, cause="notice", old={"P": 2, "D": 2}, host="vm3")
+    rec.mark("stop", 102.5)
+    rec.mark("stop", 109.0, first_only=True)      # a retried launch does not move the stop's end
+    rec.mark("replan", 103.0)                      # no wait for VMs: that phase is 0 s
+    rec.mark("start_workers", 104.25)
+    rec.close(first_step_time=107.0)
+    assert rec.downtime_s == pytest.approx(7.0)
+    assert rec.phases_s == {"stop": 2.5, "wait_for_vms": 0.0, "replan": 0.5, "start_workers": 1.25, "first_step": 2.75}
+    assert sum(rec.phases_s.values()) == pytest.approx(rec.downtime_s)
+    assert "marks" not in rec.to_dict() and list(rec.to_dict()["phases_s"]) == list(MORPH_PHASES)
+    # a clock that steps back never gives a negative phase
+    assert min(morph_phases(10.0, {"stop": 9.0, "replan": 12.0}).values()) >= 0.0
+
+
+def test_candidates_come_from_the_plan_fastest_first_with_the_chosen_one_marked():
+    from dashboard_writer import GLOBAL_BATCH, profile
+    from varuna_sdk.planner.plan import plan
+
+    pl = plan(profile(), 4, GLOBAL_BATCH)
+    cands, n = plan_candidates(pl, pl.best)
+    assert n == len(pl.feasible) and 1 <= len(cands) <= 3
+    rates = [c["examples_per_s"] for c in cands]
+    assert rates == sorted(rates, reverse=True)
+    assert cands[0]["chosen"] and (cands[0]["P"], cands[0]["D"]) == (pl.best.P, pl.best.D)
+    assert len({(c["P"], c["D"]) for c in cands}) == len(cands)        # one row per P x D
+    slowest = min(pl.feasible, key=lambda r: r.examples_per_s)           # a kept configured plan is listed
+    cands2, _ = plan_candidates(pl, slowest)
+    assert [c for c in cands2 if c["chosen"]][0]["P"] == slowest.P and not cands2[0]["chosen"]
+    assert plan_candidates(None, None) == ([], 0)
+
+
+def test_the_sentence_says_vm_cause_choice_phases_and_what_was_lost():
+    m = {"time": 1030.0, "cause": "loss", "host": "vm2", "old": {"P": 2, "D": 2, "hosts": ["vm0", "vm1", "vm2"]},
+         "new": {"P": 1, "D": 2, "hosts": ["vm0", "vm1"]}, "downtime_s": 9.0, "steps_lost": 3, "resume_step": 40,
+         "phases_s": {"stop": 4.0, "wait_for_vms": 0.0, "replan": 0.5, "start_workers": 1.5, "first_step": 3.0},
+         "candidates": [{"P": 1, "D": 2, "examples_per_s": 8.0, "chosen": True},
+                        {"P": 2, "D": 1, "examples_per_s": 6.5, "chosen": False}], "feasible_plans": 5}
+    s = morph_sentence(m, t0=1000.0)
+    assert s.startswith("at 30 s: VM vm2 was lost without notice; re-planned P=2 x D=2 on vm0, vm1, vm2 -> "
+                        "P=1 x D=2 on vm0, vm1"), s
+    assert "(the fastest predicted of 5 feasible plan(s): P=1 x D=2 8.0 ex/s (chosen); P=2 x D=1 6.5 ex/s)" in s
+    assert ", 9.0 s down (stop 4.0 s, re-plan 0.5 s, start workers 1.5 s, first step 3.0 s)" in s
+    assert s.endswith("3 step(s) redone: resumed from the checkpoint of step 40"), s
+    # a payload from before phases and candidates were recorded, or a mangled one, still reads
+    old = morph_sentence({"cause": "notice", "host": "vm1", "old": {"P": 2, "D": 1}, "new": {"P": 1, "D": 1},
+                          "downtime_s": 5.0, "resume_step": 7, "candidates": [{"P": "x"}], "phases_s": {"stop": "?"}})
+    assert old == "VM vm1 got a pre-emption notice; re-planned P=2 x D=1 -> P=1 x D=1, 5.0 s down; nothing lost: resumed at step 7"
+    e = Event(id=1, time=0.0, job_id="j", kind=Kind.MORPH, host="vm2", rank=None, payload=m)
+    assert event_sentence(e).startswith("morph: VM vm2 was lost without notice")
+
+
+def test_drift_needs_every_recent_step_beyond_the_threshold_on_one_side():
+    from varuna_sdk.manager.decisions import DriftRule, step_time_drift
+
+    rule = DriftRule(threshold=0.15, steps=5, warmup=2)
+    warm = [9.0, 9.0]                                   # a restart's first steps do not count
+    assert step_time_drift(warm + [1.2, 1.3, 1.25, 1.4, 1.2], 1.0, rule) == pytest.approx(0.25)
+    assert step_time_drift(warm + [0.8, 0.7, 0.75, 0.8, 0.6], 1.0, rule) == pytest.approx(-0.25)
+    assert step_time_drift(warm + [1.2, 1.3, 1.1, 1.4, 1.2], 1.0, rule) is None     # one step within 15 %
+    assert step_time_drift(warm + [1.3, 0.7, 1.3, 0.7, 1.3], 1.0, rule) is None     # both sides: noise
+    assert step_time_drift(warm + [1.3] * 4, 1.0, rule) is None                      # too few steps yet
+    assert step_time_drift(warm + [1.3] * 5, None, rule) is None                     # nothing predicted
+    with pytest.raises(ValueError, match="threshold"):
+        DriftRule(threshold=0.0)
+
+
+def test_measured_ratios_rescale_each_stages_segments_by_the_median_of_its_replicas():
+    from dashboard_writer import profile
+    from varuna_sdk.manager.decisions import compute_ratios, segment_factors
+
+    hist = {0: [0.2, 0.3, 0.3], 1: [0.9, 0.9], 2: [0.3], 3: [0.2, 0.2, 0.6, 0.6]}   # P=2 x D=2
+    ratios = compute_ratios(hist, {0: 0.1, 1: 0.3, 2: 0.1, 3: 0.3}, last=2)
+    assert ratios == pytest.approx({0: 3.0, 1: 3.0, 2: 3.0, 3: 2.0})
+    # stage 0 = segments 0-2 (ranks 0, 2), stage 1 = segments 3-5 (ranks 1, 3): median of replicas
+    f = segment_factors(ratios, [[0, 1, 2], [3, 4, 5]], 2, 6)
+    assert f == pytest.approx([3.0, 3.0, 3.0, 2.5, 2.5, 2.5])
+    assert segment_factors({0: 3.0}, [[0], [1]], 2, 2) == [3.0, 1.0]            # no sample: as calibrated
+    base = profile()
+    fast = base.scaled([0.5] * len(base.segments))
+    again = fast.scaled(f)
+    assert again.segments[4].bwd_s == pytest.approx([x * 0.5 * 2.5 for x in base.segments[4].bwd_s])
+    assert again.segments[0].act_bytes == base.segments[0].act_bytes and again.network == base.network
+    assert again.live_scale == pytest.approx([1.5, 1.5, 1.5, 1.25, 1.25, 1.25])
+    assert type(base).from_dict(json.loads(again.to_json())).live_scale == again.live_scale
+    with pytest.raises(ValueError, match="one per segment"):
+        base.scaled([1.0])
+    with pytest.raises(ValueError, match="positive"):
+        base.scaled([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+
+
+def test_the_drift_sentence_says_how_far_why_and_the_recalibrated_estimate():
+    from varuna_sdk.manager.runs import drift_sentence
+
+    p = {"generation": 0, "drift": 0.42, "steps": 5, "predicted_step_s": 0.2, "measured_step_s": 0.284,
+         "recalibrated_step_s": 0.27, "recalibrated_examples_per_s": 29.6, "calibrated_at": 1000.0,
+         "calibrated_on": "cpu", "load_1min": 3.4, "cpu_count": 2, "workers_here": 4}
+    s = drift_sentence(p, now=1000.0 + 7200)
+    assert s.startswith("measured step 0.284 s is 42% slower than predicted 0.200 s for 5 steps — "), s
+    assert "calibrated 2.0 h ago on cpu" in s and "load now 3.4 on 2 cores with 4 workers (busier than its cores" in s
+    assert s.endswith("re-calibrated from the job's heartbeats: 0.270 s per step (29.6 examples/s), which later "
+                      "morphs plan from"), s
+    assert drift_sentence({"drift": -0.3}).startswith("steps run 30% faster than predicted")
+    assert drift_sentence({"drift": "x"}) == "the step time left the prediction"
