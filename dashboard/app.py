@@ -41,7 +41,7 @@ from bokeh.models import ColumnDataSource, FactorRange, HoverTool, NumeralTickFo
 from bokeh.plotting import figure
 
 from varuna_sdk.manager.decisions import DriftRule, step_time_drift
-from varuna_sdk.manager.runs import drift_sentence, event_sentence, morph_sentence
+from varuna_sdk.manager.runs import drift_sentence, event_sentence, log_tail, morph_sentence, worker_logs
 
 from .store import VM_STATES, TelemetryStore, minmax_indices
 
@@ -54,6 +54,7 @@ STEP_PARTS = ("F", "R", "B", "wait", "other")
 PART_COLORS = {**ACTION_COLORS, "wait": "#E8E0C8"}
 PART_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "wait": "waiting for a neighbour stage (measured)",
               "other": "rest: comm, all-reduce, optimizer, idle"}
+LOG_TAIL_BYTES = 32 * 1024   # of a worker log shown on the page
 DRIFT_RULE = DriftRule()   # the manager's default: 15 % off the prediction for 5 steps
 LOSS_SPAN = 20   # steps of the smoothed loss line (EMA span)
 CAUSE_LABELS = {"notice": "pre-emption notice", "loss": "VM lost (no notice)", "grow": "VM back: grow",
@@ -86,6 +87,8 @@ h3 { margin: 2px 0 6px 0; font-size: 15px; font-weight: 600; color: #1d2330; }
 .vm.gone { background: #f7f7f7; color: #6b6b6b; }
 .flag { display: inline-block; margin-top: 2px; padding: 0 6px; border-radius: 8px; background: #6A3D9A;
         color: white; font-size: 11px; }
+pre.logs { max-height: 320px; overflow: auto; background: #1e1e1e; color: #ddd; padding: 8px; font-size: 11.5px;
+           white-space: pre-wrap; overflow-wrap: anywhere; margin: 4px 0; }
 .drift { background: #FFF4E0; border-left: 4px solid #E08E00; padding: 6px 10px; margin: 2px 0 6px 0;
          font-size: 12.5px; line-height: 1.4; overflow-wrap: anywhere; }
 table.cmp { border-collapse: collapse; font-size: 12px; margin-top: 4px; }
@@ -298,6 +301,12 @@ class Dashboard:
         self.event_table = pn.widgets.Tabulator(pd.DataFrame(), disabled=True, show_index=False, height=360,
                                                 sizing_mode="stretch_width", layout="fit_data_stretch",
                                                 selectable=False, **said)
+        # the workers' output of a generation (the run folder's gen<N>/workers.log), newest first
+        self.log_pick = pn.widgets.Select(name="generation", options=[], width=220)
+        self.log_view = pn.pane.HTML('<pre class="logs">no worker output yet</pre>', stylesheets=[CSS],
+                                     sizing_mode="stretch_width")
+        self.log_pick.param.watch(lambda _e: self._safe(self._update_logs), "value")
+        self._log_seen: tuple | None = None
         legend = "".join(f'<span><i style="background:{c}"></i>{_esc(k)}</span>' for k, c in STATUS_COLORS.items())
         actions = ('<div class="legend">' + "".join(f'<span><i style="background:{PART_COLORS[k]}"></i>{_esc(n)}</span>'
                                                     for k, n in PART_NAMES.items()) + "</div>")
@@ -317,6 +326,7 @@ class Dashboard:
                            pn.pane.Bokeh(self.stage_fig, sizing_mode="stretch_width", styles=FLEX_HALF))),
             _section("Morph history", self.morph_table),
             _section("Recent events", self.event_table),
+            _section("Worker logs", self.log_pick, self.log_view),
             sizing_mode="stretch_width", styles={"background": "#f3f5f8"}, margin=0,
         )
         self._bokeh_panes = [o for o in self.layout.select(pn.pane.Bokeh)]
@@ -366,9 +376,35 @@ class Dashboard:
             self._safe(self._update_compare)
             self._safe(self._update_predicted)
         self._safe(self._update_header)
+        self._safe(self._update_logs)
         self.updates += 1
         if (events_changed or hb_changed or metrics_changed) and not _served():
             pn.io.push_notebook(*self._bokeh_panes)  # notebooks need Bokeh changes pushed
+
+    def _update_logs(self) -> None:
+        """The chosen generation's worker output, its last ``LOG_TAIL_BYTES`` (re-read only when the
+        file changed); the newest generation is chosen until the user picks another."""
+        files = {f.parent.name: f for f in worker_logs(Path(self.store.path).parent)}
+        names = sorted(files, key=lambda n: -int(n[3:]))
+        if names != self.log_pick.options:
+            follow = self.log_pick.value in (None, (self.log_pick.options or [None])[0])
+            self.log_pick.options = names
+            if follow and names:
+                self.log_pick.value = names[0]
+        f = files.get(self.log_pick.value)
+        if f is None:
+            return
+        try:
+            st = f.stat()
+        except OSError:
+            return
+        seen = (str(f), st.st_size, st.st_mtime_ns)
+        if seen == self._log_seen:
+            return
+        self._log_seen = seen
+        text = log_tail(f, LOG_TAIL_BYTES)
+        self.log_view.object = (f'<div class="muted">{_esc(f.parent.name)}/workers.log, last {len(text.splitlines())} '
+                                f'lines (varuna logs RUN prints all)</div><pre class="logs">{_esc(text) or "(empty)"}</pre>')
 
     def _update_morph_marks(self) -> None:
         marks = [e.payload for e in self.store.morphs if _finite(e.payload.get("from_step"))]

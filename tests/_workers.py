@@ -213,6 +213,7 @@ def run_job(rank: int, job: dict) -> dict:
 
     history = [snapshot()] if keep_history else []
     losses, norms, skipped, scales = [], [], [], []
+    spent = {"time_s": 0.0, "compute_s": 0.0, "wait_F": 0.0, "wait_B": 0.0}   # summed over the steps
     for step in range(job["steps"]):
         handle = None
         if inject and inject[0] == step and inject[1] == eng.stage:
@@ -221,6 +222,10 @@ def run_job(rank: int, job: dict) -> dict:
         r = eng.step(job_batch(job, step), opt)
         if handle is not None:
             handle.remove()
+        spent["time_s"] += r.time_s
+        spent["compute_s"] += sum(r.compute_s.values())
+        spent["wait_F"] += r.wait_s.get("F", 0.0)
+        spent["wait_B"] += r.wait_s.get("B", 0.0)
         losses.append(r.loss)
         norms.append(r.grad_norm)
         skipped.append(r.skipped)
@@ -229,7 +234,7 @@ def run_job(rank: int, job: dict) -> dict:
             history.append(snapshot())
     out = {"losses": torch.tensor(losses, dtype=torch.float64), "norms": torch.tensor(norms, dtype=torch.float64),
            "skipped": torch.tensor(skipped), "scales": torch.tensor(scales, dtype=torch.float64),
-           "stage": eng.stage, "replica": eng.replica, "params": snapshot()}
+           "stage": eng.stage, "replica": eng.replica, "params": snapshot(), "spent": spent}
     if keep_history:
         out["history"] = history
     if opts.get("eval"):

@@ -220,3 +220,44 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_run(root: Path, name: str, state: str, steps: int, total: int, morph: bool = False) -> Path:
+    """A run folder as the manager leaves it: config.yaml (the step total) and an event log with the
+    job's states, a plan, ``steps`` metrics rows and optionally a notice morph."""
+    from varuna_sdk.config import JobConfig, TrainConfig
+
+    run = root / name
+    run.mkdir(parents=True)
+    JobConfig(name=name, train=TrainConfig(steps=total)).to_yaml(run / "config.yaml")
+    t0 = time.time() - 120
+    with EventLog(run / "events.db") as log:
+        log.append(Kind.JOB_STATE, job_id=name, payload={"state": "RUNNING", "reason": "generation 0"}, time_s=t0)
+        log.append(Kind.PLAN, job_id=name, payload={"generation": 0, "P": 2, "D": 2, "hosts": ["vm0", "vm1"],
+                                                    "micro_batch_size": 2, "num_micro_batches": 4,
+                                                    "predicted_step_s": 0.4}, time_s=t0)
+        for s in range(steps):
+            log.append_metric(s, {"step": s, "loss": 5.0 - s / max(steps, 1), "step_time_s": 0.5, "generation": 0},
+                              job_id=name, time_s=t0 + s)
+        if morph:   # 0.5 s measured against 0.4 s predicted: the manager re-calibrated
+            log.append(Kind.ESTIMATE_DRIFT, job_id=name, payload={
+                "generation": 0, "drift": 0.25, "steps": 5, "predicted_step_s": 0.4, "measured_step_s": 0.5,
+                "recalibrated_step_s": 0.49, "recalibrated_examples_per_s": 16.3, "calibrated_at": t0 - 3600,
+                "load_1min": 3.2, "cpu_count": 2, "workers_here": 4}, time_s=t0 + 9)
+        if morph:
+            log.append(Kind.MORPH, job_id=name, payload={"time": t0 + 10, "cause": "notice", "host": "vm1",
+                       "old": {"P": 2, "D": 2, "hosts": ["vm0", "vm1"]}, "new": {"P": 2, "D": 1, "hosts": ["vm0"]},
+                       "downtime_s": 6.5, "steps_lost": 0, "resume_step": 11,
+                       "phases_s": {"stop": 1.5, "wait_for_vms": 0.0, "replan": 0.5, "start_workers": 2.0,
+                                    "first_step": 2.5},
+                       "candidates": [{"P": 2, "D": 1, "examples_per_s": 12.25, "chosen": True},
+                                      {"P": 1, "D": 2, "examples_per_s": 9.5, "chosen": False}],
+                       "feasible_plans": 4}, time_s=t0 + 17)
+        if state != "RUNNING":
+            log.append(Kind.JOB_STATE, job_id=name, payload={"state": state, "reason": f"the job {state.lower()}"},
+                       time_s=t0 + steps)
+    for g in range(2 if morph else 1):   # what the workers printed, per generation
+        (run / f"gen{g}").mkdir()
+        (run / f"gen{g}" / "workers.log").write_text(
+            "".join(f"[vm0 rank 0] generation {g} step {s} <ok>\n" for s in range(steps)))
+    return run

@@ -485,7 +485,7 @@ def test_store_folds_the_event_contract(tmp_path):
     for s in range(10):
         log.append_metric(s, {"step": s, "loss": 5.0 - s * 0.1, "step_time_s": 0.5 + 0.01 * s, "generation": 0})
         log.append_heartbeat({"step": s, "fwd_s": 0.01, "bwd_s": 0.02, "recompute_s": 0.011, "micro_batches": 4,
-                              "step_time_s": 0.5}, host="a", rank=0)
+                              "step_time_s": 0.5, "wait_s": 0.03}, host="a", rank=0)
     assert store.refresh(force=True)
     assert store.vms["b"].status == "notice" and store.vms["b"].notice_deadline == 123.0
     assert store.vms["c"].straggler["slowdown"] == 1.9  # rank 2 -> host c through the plan
@@ -493,7 +493,7 @@ def test_store_folds_the_event_contract(tmp_path):
     # measured step time: median of the generation's steps after the 2 warm-up steps
     assert store.measured_step_s() == pytest.approx(float(np.median([0.5 + 0.01 * s for s in range(2, 10)])))
     assert store.stage_compute()[0] == {"F": pytest.approx(0.04), "R": pytest.approx(0.044),
-                                        "B": pytest.approx(0.08), "step": 0.5, "ranks": 1}
+                                        "B": pytest.approx(0.08), "wait": 0.03, "step": 0.5, "ranks": 1}
     log.append(Kind.HOST_REMOVED, host="b", payload={"reason": "preempted"})
     log.append(Kind.HOST_LOST, host="c", payload={"reason": "heartbeats stopped"})
     log.append(Kind.PLAN, payload={"generation": 1, "P": 1, "D": 1, "hosts": ["a"]})
@@ -675,51 +675,16 @@ def test_live_real_job_morph_in_browser(tmp_path, browser):
         emu.close()
 
 
-def _write_run(root: Path, name: str, state: str, steps: int, total: int, morph: bool = False) -> Path:
-    """A run folder as the manager leaves it: config.yaml (the step total) and an event log with the
-    job's states, a plan, ``steps`` metrics rows and optionally a notice morph."""
-    from varuna_sdk.config import JobConfig, TrainConfig
-
-    run = root / name
-    run.mkdir(parents=True)
-    JobConfig(name=name, train=TrainConfig(steps=total)).to_yaml(run / "config.yaml")
-    t0 = time.time() - 120
-    with EventLog(run / "events.db") as log:
-        log.append(Kind.JOB_STATE, job_id=name, payload={"state": "RUNNING", "reason": "generation 0"}, time_s=t0)
-        log.append(Kind.PLAN, job_id=name, payload={"generation": 0, "P": 2, "D": 2, "hosts": ["vm0", "vm1"],
-                                                    "micro_batch_size": 2, "num_micro_batches": 4,
-                                                    "predicted_step_s": 0.4}, time_s=t0)
-        for s in range(steps):
-            log.append_metric(s, {"step": s, "loss": 5.0 - s / max(steps, 1), "step_time_s": 0.5, "generation": 0},
-                              job_id=name, time_s=t0 + s)
-        if morph:   # 0.5 s measured against 0.4 s predicted: the manager re-calibrated
-            log.append(Kind.ESTIMATE_DRIFT, job_id=name, payload={
-                "generation": 0, "drift": 0.25, "steps": 5, "predicted_step_s": 0.4, "measured_step_s": 0.5,
-                "recalibrated_step_s": 0.49, "recalibrated_examples_per_s": 16.3, "calibrated_at": t0 - 3600,
-                "load_1min": 3.2, "cpu_count": 2, "workers_here": 4}, time_s=t0 + 9)
-        if morph:
-            log.append(Kind.MORPH, job_id=name, payload={"time": t0 + 10, "cause": "notice", "host": "vm1",
-                       "old": {"P": 2, "D": 2, "hosts": ["vm0", "vm1"]}, "new": {"P": 2, "D": 1, "hosts": ["vm0"]},
-                       "downtime_s": 6.5, "steps_lost": 0, "resume_step": 11,
-                       "phases_s": {"stop": 1.5, "wait_for_vms": 0.0, "replan": 0.5, "start_workers": 2.0,
-                                    "first_step": 2.5},
-                       "candidates": [{"P": 2, "D": 1, "examples_per_s": 12.25, "chosen": True},
-                                      {"P": 1, "D": 2, "examples_per_s": 9.5, "chosen": False}],
-                       "feasible_plans": 4}, time_s=t0 + 17)
-        if state != "RUNNING":
-            log.append(Kind.JOB_STATE, job_id=name, payload={"state": state, "reason": f"the job {state.lower()}"},
-                       time_s=t0 + steps)
-    return run
-
-
 def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
     """``varuna dashboard RUNS`` over a folder of three runs: the jobs page lists each (state, step of
     the total with its percentage, ETA for the running one, morphs), a job's name opens its own
     dashboard, and a name that is not a run folder inside (``..``) shows nothing of the disk."""
+    from dashboard_writer import write_run
+
     root = tmp_path / "runs"
-    _write_run(root, "alpha", "SUCCEEDED", 40, 40)
-    _write_run(root, "beta", "RUNNING", 30, 120, morph=True)
-    _write_run(root, "gamma", "FAILED", 5, 50)
+    write_run(root, "alpha", "SUCCEEDED", 40, 40)
+    write_run(root, "beta", "RUNNING", 30, 120, morph=True)
+    write_run(root, "gamma", "FAILED", 5, 50)
     with _signed_in(browser, root) as page:
         page.locator("tr[data-job]").nth(2).wait_for(timeout=30_000)
         rows = {r.get_attribute("data-job"): r.inner_text() for r in page.locator("tr[data-job]").all()}
@@ -741,6 +706,10 @@ def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
         warn = page.locator("[data-drift]").first.inner_text()
         assert "25% slower than predicted 0.400 s" in warn and "load now 3.2 on 2 cores" in warn, warn
         assert "re-calibrated from the job's heartbeats: 0.490 s per step" in warn, warn
+        # the workers' output, the newest generation first, escaped (the page shows "<ok>" as text)
+        logs = page.locator("pre.logs").first
+        logs.wait_for(timeout=30_000)
+        assert "generation 1 step 29 <ok>" in logs.inner_text(), logs.inner_text()[-300:]
         page.screenshot(path=str(ARTIFACTS / "jobs_table_job_page.png"), full_page=True)
         page.goto(page.url.split("/job?")[0] + "/job?run=..", timeout=30_000)
         page.locator("text=No run named").wait_for(timeout=30_000)

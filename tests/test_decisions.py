@@ -1,7 +1,10 @@
 """The morph manager's rules as plain numbers (``varuna_sdk.manager.decisions``): grow
-hysteresis, straggler detection against the plan's prediction, steps lost, worker slots."""
+hysteresis, straggler detection against the plan's prediction, steps lost, worker slots, when
+an estimate has drifted and how measured compute rescales a profile."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -54,3 +57,42 @@ def test_steps_lost():
     assert steps_lost(9, 10) == 0          # notice: checkpoint at the boundary after step 9
     assert steps_lost(14, 10) == 5         # sudden loss: steps 10..14 redone
     assert steps_lost(3, 10) == 0
+
+
+def test_drift_needs_every_recent_step_beyond_the_threshold_on_one_side():
+    from varuna_sdk.manager.decisions import DriftRule, step_time_drift
+
+    rule = DriftRule(threshold=0.15, steps=5, warmup=2)
+    warm = [9.0, 9.0]                                   # a restart's first steps do not count
+    assert step_time_drift(warm + [1.2, 1.3, 1.25, 1.4, 1.2], 1.0, rule) == pytest.approx(0.25)
+    assert step_time_drift(warm + [0.8, 0.7, 0.75, 0.8, 0.6], 1.0, rule) == pytest.approx(-0.25)
+    assert step_time_drift(warm + [1.2, 1.3, 1.1, 1.4, 1.2], 1.0, rule) is None     # one step within 15 %
+    assert step_time_drift(warm + [1.3, 0.7, 1.3, 0.7, 1.3], 1.0, rule) is None     # both sides: noise
+    assert step_time_drift(warm + [1.3] * 4, 1.0, rule) is None                      # too few steps yet
+    assert step_time_drift(warm + [1.3] * 5, None, rule) is None                     # nothing predicted
+    with pytest.raises(ValueError, match="threshold"):
+        DriftRule(threshold=0.0)
+
+
+def test_measured_ratios_rescale_each_stages_segments_by_the_median_of_its_replicas():
+    from dashboard_writer import profile
+    from varuna_sdk.manager.decisions import compute_ratios, segment_factors
+
+    hist = {0: [0.2, 0.3, 0.3], 1: [0.9, 0.9], 2: [0.3], 3: [0.2, 0.2, 0.6, 0.6]}   # P=2 x D=2
+    ratios = compute_ratios(hist, {0: 0.1, 1: 0.3, 2: 0.1, 3: 0.3}, last=2)
+    assert ratios == pytest.approx({0: 3.0, 1: 3.0, 2: 3.0, 3: 2.0})
+    # stage 0 = segments 0-2 (ranks 0, 2), stage 1 = segments 3-5 (ranks 1, 3): median of replicas
+    f = segment_factors(ratios, [[0, 1, 2], [3, 4, 5]], 2, 6)
+    assert f == pytest.approx([3.0, 3.0, 3.0, 2.5, 2.5, 2.5])
+    assert segment_factors({0: 3.0}, [[0], [1]], 2, 2) == [3.0, 1.0]            # no sample: as calibrated
+    base = profile()
+    fast = base.scaled([0.5] * len(base.segments))
+    again = fast.scaled(f)
+    assert again.segments[4].bwd_s == pytest.approx([x * 0.5 * 2.5 for x in base.segments[4].bwd_s])
+    assert again.segments[0].act_bytes == base.segments[0].act_bytes and again.network == base.network
+    assert again.live_scale == pytest.approx([1.5, 1.5, 1.5, 1.25, 1.25, 1.25])
+    assert type(base).from_dict(json.loads(again.to_json())).live_scale == again.live_scale
+    with pytest.raises(ValueError, match="one per segment"):
+        base.scaled([1.0])
+    with pytest.raises(ValueError, match="positive"):
+        base.scaled([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])

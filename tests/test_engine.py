@@ -151,6 +151,26 @@ def test_matches_single_process(name, results, reference):
 
 
 @pytest.mark.timeout(240)
+def test_waiting_for_a_neighbour_is_timed_apart_from_compute(results):
+    """``StepResult.wait_s``: the time a stage is blocked on an input. Stage 0 never waits for an
+    activation and the last stage never for a gradient; every later stage waits for its first
+    activation each step (it comes through the whole pipeline before it); compute and waiting
+    together fit in the step."""
+    ranks = results("eq_p4_m2")
+    for r in ranks:
+        sp, s = r["spent"], r["stage"]
+        assert sp["compute_s"] > 0 and sp["compute_s"] + sp["wait_F"] + sp["wait_B"] <= sp["time_s"], (s, sp)
+        if s == 0:
+            assert sp["wait_F"] == 0.0, sp
+        else:
+            assert sp["wait_F"] > 0.0, (s, sp)
+        if s == 3:
+            assert sp["wait_B"] == 0.0, sp
+        else:
+            assert sp["wait_B"] > 0.0, (s, sp)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", [j["name"] for j in CLIP_JOBS])
 def test_clipped_grad_norm_is_clip_grad_norm_total(name, results, reference):
     """With clipping active, the reported norm is ``clip_grad_norm_``'s pre-clip total norm."""

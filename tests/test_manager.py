@@ -484,3 +484,40 @@ def test_a_rank_that_exits_cleanly_before_training_is_named_within_seconds(tmp_p
     assert exited and said in exited[0].payload["error"], exited
     assert "rank 1" in (mgr.error or ""), mgr.error
     assert ended - started < 60, ended - started   # seconds, not launch.timeout_s (600 s)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("error,generations,said", [
+    ("TypeError", 1, "programming error (not retried"),
+    ("RuntimeError", 2, "the same worker error twice in a row")])
+def test_a_deterministic_worker_error_is_not_retried(tmp_path, error, generations, said):
+    """A bug in the model's code: a programming error (TypeError...) fails the job at once; an
+    error of another kind is retried once, and failing the same way again ends the job too — not
+    ``max_failures`` retries of the same traceback."""
+    from varuna_sdk.cluster.provider import LocalProvider
+
+    text = tmp_path / "tale.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 200)
+    job = JobConfig(name="bug", model=ModelConfig(factory="tests.thirdparty.misbehaving:raises_on_rank",
+                                                  kwargs={"rank": -1, "at_call": 3, "error": error, "n_layer": 2,
+                                                          "block_size": 32}),
+                    data=DataConfig(path=str(text), tokenizer="byte", seq_len=16),
+                    parallel=ParallelConfig(P=1, D=2, global_batch=4, micro_batch_size=2),
+                    train=TrainConfig(steps=20, eval_batches=1), launch=LaunchConfig(gpus=2, timeout_s=600))
+    run = tmp_path / "run"
+    provider = LocalProvider(2)
+    mgr = Manager(job, provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None, max_failures=5,
+                  calibrate_first=False, generation_options={"sink": None, "code_dir": str(Path(__file__).parent.parent)})
+    try:
+        mgr.start()
+        assert mgr.wait(180) == JobState.FAILED, (mgr.state, mgr.error)
+    finally:
+        mgr.cancel()
+        mgr.wait(30)
+        provider.close()
+    with EventLog.reader(run / "events.db") as log:
+        plans = log.events(kind=Kind.PLAN)
+        failed = [e for e in log.events(kind=Kind.WORKER_FAILED) if "user code broke" in e.payload["error"]]
+    assert said in (mgr.error or "") and f"{error}: user code broke" in mgr.error, mgr.error
+    assert len(plans) == generations, [p.payload.get("generation") for p in plans]
+    assert failed and failed[0].payload["cause"] == ("code" if error == "TypeError" else "error"), failed

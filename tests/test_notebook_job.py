@@ -192,3 +192,18 @@ def test_shutting_the_kernel_down_leaves_no_vm_or_worker(tmp_path):
         shutdown_s = time.monotonic() - t0
     assert not _leftover(str(tmp), 20.0), "a test host or worker outlived the kernel"
     assert shutdown_s < 5.0, f"the kernel took {shutdown_s:.1f} s to exit (jupyter kills it after 5 s)"
+
+
+def test_a_bar_of_a_job_stopped_on_request_is_amber_not_red():
+    """tqdm's notebook bar turns red when closed short of its total; a requested stop is not an
+    error (the job is checkpointed and continues), a failure is."""
+    from tqdm.notebook import tqdm
+
+    from varuna_sdk.notebook import _colour_finished_bar
+
+    for state, style in (("STOPPED", "warning"), ("SUCCEEDED", "success"), ("FAILED", "danger")):
+        bar = tqdm(total=10, disable=False)
+        bar.update(4)
+        bar.close()
+        _colour_finished_bar(bar, state)
+        assert bar.container.children[1].bar_style == style, state

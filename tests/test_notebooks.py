@@ -130,6 +130,12 @@ def test_02_planning(tmp_path):
     assert "100 Mb/s" in text(cell(nb, "rows = []\nfor label, bw"))
     policies = text(cell(nb, "rows = []\nfor policy"))
     assert all(p in policies for p in ("varuna", "gpipe", "1f1b"))
+    # the sentence under the table says what the table shows (it once said the opposite)
+    said = policies.split("bubble: Varuna ")[1]
+    v, o = (float(x) for x in (said.split("%")[0], said.split("1F1B ")[1].split("%")[0]))
+    assert f"({'1F1B' if o > v else 'Varuna'}'s is larger here)" in said, said
+    gpipe = next(line for line in policies.splitlines() if " gpipe " in line)
+    assert "..." not in gpipe, gpipe    # GPipe's reason in full
     assert "$ / 1k examples (spot)" in text(cell(nb, "prices = Prices("))
     assert "the job will run P=" in text(cell(nb, "job.plan(gpus=2)"))
 

@@ -547,16 +547,19 @@ def test_table_lists_ranked_rows_and_excluded_lines():
         [f"  excluded P={r.P}: {r.reason}" for r in pl.excluded]
     short = pl.table(top=2)
     assert f"... {len(pl.feasible) - 2} more feasible configurations" in short
-    assert str(pl) == pl.table() and "<pre>" in pl._repr_html_()
+    assert str(pl) == pl.table()
+    html_ = pl._repr_html_()   # a real table (a notebook wraps long <pre> lines, breaking the columns)
+    assert "<pre>" not in html_ and html_.count("<tr>") == 1 + min(12, len(pl.feasible)), html_
+    assert f"<td style='padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums'>{pl.best.P}</td>" in html_
     assert pl.to_dict()["rows"][0]["P"] == pl.rows[0].P
     # every top: min(top, feasible) ranked lines, and the "... N more" line counts exactly the rest
     for top in range(1, len(pl.feasible) + 3):
         lines = pl.table(top=top).splitlines()
         shown = [line for line in lines if line[:4].strip().isdigit()]
-        more = [line for line in lines if line.startswith("     ... ")]
+        more = [line for line in lines if line.startswith("  ... ")]
         hidden = len(pl.feasible) - len(shown)
         assert len(shown) == min(top, len(pl.feasible))
-        assert more == ([f"     ... {hidden} more feasible configuration{'s' if hidden > 1 else ''} "
+        assert more == ([f"  ... {hidden} more feasible configuration{'s' if hidden > 1 else ''} "
                          f"(table(top={len(pl.feasible)}) shows all)"] if hidden else [])
     for bad in (0, -1, 2.0, True, "3"):  # top=0 used to claim every row was hidden, top=-1 one more than there are
         with pytest.raises(ValueError, match=f"top={bad!r} must be an integer >= 1"):

@@ -4,8 +4,6 @@ old or malformed payloads). No processes."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from varuna_sdk.manager.events import Event, Kind
@@ -65,45 +63,6 @@ def test_the_sentence_says_vm_cause_choice_phases_and_what_was_lost():
     assert event_sentence(e).startswith("morph: VM vm2 was lost without notice")
 
 
-def test_drift_needs_every_recent_step_beyond_the_threshold_on_one_side():
-    from varuna_sdk.manager.decisions import DriftRule, step_time_drift
-
-    rule = DriftRule(threshold=0.15, steps=5, warmup=2)
-    warm = [9.0, 9.0]                                   # a restart's first steps do not count
-    assert step_time_drift(warm + [1.2, 1.3, 1.25, 1.4, 1.2], 1.0, rule) == pytest.approx(0.25)
-    assert step_time_drift(warm + [0.8, 0.7, 0.75, 0.8, 0.6], 1.0, rule) == pytest.approx(-0.25)
-    assert step_time_drift(warm + [1.2, 1.3, 1.1, 1.4, 1.2], 1.0, rule) is None     # one step within 15 %
-    assert step_time_drift(warm + [1.3, 0.7, 1.3, 0.7, 1.3], 1.0, rule) is None     # both sides: noise
-    assert step_time_drift(warm + [1.3] * 4, 1.0, rule) is None                      # too few steps yet
-    assert step_time_drift(warm + [1.3] * 5, None, rule) is None                     # nothing predicted
-    with pytest.raises(ValueError, match="threshold"):
-        DriftRule(threshold=0.0)
-
-
-def test_measured_ratios_rescale_each_stages_segments_by_the_median_of_its_replicas():
-    from dashboard_writer import profile
-    from varuna_sdk.manager.decisions import compute_ratios, segment_factors
-
-    hist = {0: [0.2, 0.3, 0.3], 1: [0.9, 0.9], 2: [0.3], 3: [0.2, 0.2, 0.6, 0.6]}   # P=2 x D=2
-    ratios = compute_ratios(hist, {0: 0.1, 1: 0.3, 2: 0.1, 3: 0.3}, last=2)
-    assert ratios == pytest.approx({0: 3.0, 1: 3.0, 2: 3.0, 3: 2.0})
-    # stage 0 = segments 0-2 (ranks 0, 2), stage 1 = segments 3-5 (ranks 1, 3): median of replicas
-    f = segment_factors(ratios, [[0, 1, 2], [3, 4, 5]], 2, 6)
-    assert f == pytest.approx([3.0, 3.0, 3.0, 2.5, 2.5, 2.5])
-    assert segment_factors({0: 3.0}, [[0], [1]], 2, 2) == [3.0, 1.0]            # no sample: as calibrated
-    base = profile()
-    fast = base.scaled([0.5] * len(base.segments))
-    again = fast.scaled(f)
-    assert again.segments[4].bwd_s == pytest.approx([x * 0.5 * 2.5 for x in base.segments[4].bwd_s])
-    assert again.segments[0].act_bytes == base.segments[0].act_bytes and again.network == base.network
-    assert again.live_scale == pytest.approx([1.5, 1.5, 1.5, 1.25, 1.25, 1.25])
-    assert type(base).from_dict(json.loads(again.to_json())).live_scale == again.live_scale
-    with pytest.raises(ValueError, match="one per segment"):
-        base.scaled([1.0])
-    with pytest.raises(ValueError, match="positive"):
-        base.scaled([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-
-
 def test_the_drift_sentence_says_how_far_why_and_the_recalibrated_estimate():
     from varuna_sdk.manager.runs import drift_sentence
 
@@ -117,3 +76,15 @@ def test_the_drift_sentence_says_how_far_why_and_the_recalibrated_estimate():
                       "morphs plan from"), s
     assert drift_sentence({"drift": -0.3}).startswith("steps run 30% faster than predicted")
     assert drift_sentence({"drift": "x"}) == "the step time left the prediction"
+
+
+def test_a_log_tail_is_whole_lines_within_the_budget(tmp_path):
+    from varuna_sdk.manager.runs import log_tail
+
+    f = tmp_path / "workers.log"
+    f.write_bytes(b"".join(b"line %05d \xff\n" % i for i in range(10_000)))   # 12 bytes a line, one not UTF-8
+    tail = log_tail(f, max_bytes=1000)
+    lines = tail.splitlines()
+    assert lines[-1] == "line 09999 \ufffd" and len(tail.encode()) <= 1000 + 2 * len(lines)
+    assert all(x.startswith("line ") and len(x) == 12 for x in lines), lines[:2]   # no cut first line
+    assert log_tail(tmp_path / "missing.log") == "" and log_tail(f, 10**9).count("\n") == 10_000

@@ -683,6 +683,7 @@ class Job:
         self._monitor.start()
 
     def _progress(self, bar, done: int) -> None:
+        state = None
         try:
             while True:
                 ended = self.manager is None or not self.running
@@ -700,6 +701,7 @@ class Job:
                 if st.morphs:
                     post["morphs"] = st.morphs
                 bar.set_postfix(post, refresh=True)
+                state = st.state
                 if ended:
                     break
                 time.sleep(0.5)
@@ -707,9 +709,23 @@ class Job:
             pass
         finally:
             bar.close()
+            _colour_finished_bar(bar, state)
 
     def __repr__(self) -> str:
         return f"<Job {self.config.name} {self.status.state}{' at ' + str(self.run_dir) if self.run_dir else ''}>"
+
+
+def _colour_finished_bar(bar, state: str | None) -> None:
+    """A notebook bar closed short of its total turns red (tqdm reads it as an error): a job
+    stopped on request (checkpointed, continuable) is shown amber, a finished one green; only a
+    FAILED job stays red. Text bars have no colour: nothing to do."""
+    style = {"STOPPED": "warning", "SUCCEEDED": "success"}.get(state or "")
+    if style is None or not hasattr(bar, "container"):
+        return
+    try:   # (tqdm's own disp() never turns a red bar green: set the widget's style)
+        bar.container.children[1].bar_style = style
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
 
 
 def _plan_label(p: dict | None) -> str | None:
@@ -862,7 +878,7 @@ class PlanView:
                 row="".join(f"<td style='border:1px solid #888;padding:4px 10px;background:hsl({(s * 67) % 360},60%,85%)'>"
                             f"replica {d}<br><small>rank {d * r.P + s}</small></td>" for d in range(r.D)))
             for s, segs in enumerate(r.stages))
-        return (f"<pre>{html.escape(self.plan.table())}</pre><b>Partition map</b> (P={r.P} x D={r.D}, "
+        return (f"{self.plan._repr_html_()}<b>Partition map</b> (P={r.P} x D={r.D}, "
                 f"{r.time_s:.3f} s/step predicted)<table style='border-collapse:collapse'>{cells}</table>")
 
     def __repr__(self) -> str:

@@ -94,10 +94,17 @@ _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken p
               "remote process exited", "socket closed", "read error", "timed out")
 
 
+#: exception types that are programming errors: the same code fails the same way on a retry
+CODE_ERRORS = frozenset({"TypeError", "AttributeError", "NameError", "ImportError", "SyntaxError",
+                         "NotImplementedError", "ConfigError", "ShippingError", "UnboundLocalError"})
+
+
 def failure_cause(e: BaseException) -> str:
     """Why a worker failed, for the manager (``manager.heartbeat.FAILURE_CAUSES``): ``"data"`` for a
-    ``DataError`` (deterministic: retrying reads the same examples), ``"peer"`` for a collective
-    that failed because another rank died first (a consequence, not the cause), else ``"error"``."""
+    ``DataError`` (deterministic: retrying reads the same examples), ``"code"`` for a programming
+    error in the code the job runs (``CODE_ERRORS``: a retry runs the same code into the same
+    error), ``"peer"`` for a collective that failed because another rank died first (a
+    consequence, not the cause), else ``"error"`` (may be transient: retried)."""
     from .data.loader import DataError
 
     seen = e
@@ -106,6 +113,8 @@ def failure_cause(e: BaseException) -> str:
             return "data"
         seen = seen.__cause__
     names = {c.__name__ for c in type(e).__mro__}
+    if names & CODE_ERRORS:
+        return "code"
     text = str(e).lower()
     if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"} or (
             isinstance(e, RuntimeError) and any(k in text for k in _PEER_GONE)):

@@ -113,7 +113,7 @@ METRICS_BUDGET = 32 * 1024  # bytes of metrics rows per line (well under MAX_LIN
 STOPPED = "stopped"  # bye status of a worker that stopped on request (not a failure)
 #: why a worker failed (its goodbye's ``cause``): its data ("data": deterministic, never retried), a
 #: peer that died first ("peer": a consequence, not the cause), anything else ("error")
-FAILURE_CAUSES = ("data", "peer", "error")
+FAILURE_CAUSES = ("data", "code", "peer", "error")
 
 
 # ------------------------------------------------------------------------------------ wire format

@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import queue
+import re
 import statistics
 import threading
 import time
@@ -318,6 +319,8 @@ class Manager:
         self._hb_cursor = 0
         self._history: dict[int, list[float]] = {}   # rank -> recent compute s per micro-batch
         self._step_times: list[float] = []           # the running generation's measured step times (s)
+        self._last_failure: str | None = None         # the last line of the last worker failure
+        self._last_plan: tuple | None = None          # (pool's VM names, what _replan returned) of the last launch
         self._hb_last_step: dict[int, int] = {}
         self._last_step: int | None = None
         self._pending: MorphRecord | None = None
@@ -394,6 +397,9 @@ class Manager:
             self.run()
         except Exception as e:  # recorded as FAILED with the message; the thread must not die loudly
             self.error = self.error or f"{type(e).__name__}: {e}"
+            if not self.state.terminal:   # never left RECOVERING (or RUNNING) with no one driving the job
+                _log.exception("job %s: the manager stopped on an error", self.job_id)
+                self._set(JobState.FAILED, f"the manager stopped on an error: {self.error}")
 
     # ------------------------------------------------------------------------------- helpers
     def _set(self, state: JobState, reason: str = "") -> None:
@@ -617,10 +623,16 @@ class Manager:
                 return self._fail(f"no VM available for {self.wait_for_hosts_s:.0f} s")
             if self._pending is not None:
                 self._pending.mark("wait_for_vms")
+            pool = sorted(h.name for h in hosts)
             try:
-                job_g, pl, row, used = self._replan(hosts, first=first)
+                if self._pending is not None and self._pending.cause == "failure" and self._last_plan is not None \
+                        and self._last_plan[0] == pool:
+                    job_g, pl, row, used = self._last_plan[1]   # a retry on the same VMs: the same plan
+                else:
+                    job_g, pl, row, used = self._replan(hosts, first=first)
             except (ConfigError, ValueError) as e:
                 return self._fail(f"no plan fits the {pool_slots(hosts)} worker slots available: {e}")
+            self._last_plan = (pool, (job_g, pl, row, used))
             resume = self._resume_step()
             if self._pending is not None:
                 self._pending.mark("replan")
@@ -833,9 +845,21 @@ class Manager:
             return None
         self.failures += 1
         failure = getattr(res, "failure", None) or f"generation ended with status {status}"
-        if getattr(res, "cause", None) == "data":
+        cause = getattr(res, "cause", None)
+        said = failure.strip().splitlines()[-1] if failure.strip() else failure
+        what = re.sub(r"^(\[[^\]]*\]\s*)+", "", said)   # the error, not which VM and rank said it
+        same, self._last_failure = what == self._last_failure, what
+        if cause == "data":
             self._pending = None
             return self._fail(f"the data failed (not retried: the same step reads the same examples):\n{failure}")
+        if cause == "code":
+            self._pending = None
+            return self._fail(f"the job's code raised a programming error (not retried: the same code fails the "
+                              f"same way; fix it and launch again):\n{failure}")
+        if same:
+            self._pending = None
+            return self._fail(f"the same worker error twice in a row (not retried again: it looks deterministic):"
+                              f"\n{failure}")
         if self.failures > self.max_failures:
             self._pending = None
             return self._fail(f"worker failure (budget of {self.max_failures} retries spent):\n{failure}")

@@ -36,7 +36,7 @@ from ..config import JobConfig
 from .events import Event, EventLog, Kind
 
 __all__ = ["RunInfo", "STOP_FILE", "TERMINAL", "clear_stop", "drift_sentence", "event_sentence", "find_runs",
-           "format_runs", "morph_sentence", "read_run", "request_stop", "stop_requested", "watch_stop_requests",
+           "format_runs", "log_tail", "morph_sentence", "read_run", "request_stop", "stop_requested", "watch_stop_requests",
            "worker_logs"]
 
 STOP_FILE = "stop-request.json"
@@ -313,6 +313,22 @@ def worker_logs(run: str | Path) -> list[Path]:
     """The workers' output files of every generation, in generation order."""
     gens = [d for d in Path(run).glob("gen*") if d.is_dir() and d.name[3:].isdigit()]
     return [d / "workers.log" for d in sorted(gens, key=lambda d: int(d.name[3:])) if (d / "workers.log").is_file()]
+
+
+def log_tail(path: str | Path, max_bytes: int = 64 * 1024) -> str:
+    """The last whole lines of a log file within ``max_bytes`` (bytes that are not UTF-8 shown as
+    U+FFFD); "" for a missing file. For the dashboard's log view: a long run's log is never read whole."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            chunk = f.read()
+    except OSError:
+        return ""
+    if size > max_bytes:   # the first line is cut: drop it
+        chunk = chunk[chunk.find(b"\n") + 1:]
+    return chunk.decode("utf-8", "replace")
 
 
 # ------------------------------------------------------------------------------ stop requests

@@ -82,6 +82,16 @@ class PlanRow:
     pruned: bool = False
     lower_bound_s: float = math.nan
 
+    def __repr__(self) -> str:
+        """Fields as in the dataclass, floats to 4 significant digits (not 15)."""
+        def show(v):
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            if isinstance(v, list):
+                return "[" + ", ".join(show(x) for x in v) + "]"
+            return repr(v)
+        return "PlanRow(" + ", ".join(f"{f.name}={show(getattr(self, f.name))}" for f in fields(self)) + ")"
+
     def parallel_config(self, global_batch: int, policy: str = "varuna", recompute: bool | None = None) -> ParallelConfig:
         """This row as a ``ParallelConfig`` (explicit stage boundaries, so the run uses this split)."""
         return ParallelConfig(P=self.P, D=self.D, global_batch=global_batch, micro_batch_size=self.micro_batch_size,
@@ -133,57 +143,73 @@ class Plan:
     def parallel_config(self) -> ParallelConfig:
         return self.best.parallel_config(self.global_batch, self.policy, self.recompute)
 
-    def table(self, top: int = 12) -> str:
-        """A fixed-width table: the ``top`` (>= 1) fastest feasible rows, a line counting the
-        feasible rows left out, then every excluded P with its reason. Raises ``ValueError`` for
-        ``top`` < 1."""
+    def _rows_and_notes(self, top: int) -> tuple[list[str], list[list[str]], list[str]]:
+        """The table's header, the ``top`` fastest feasible rows as formatted cells, and the lines
+        after it (rows left out, excluded and pruned depths, example prices, notes)."""
         if isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 1:
             raise ValueError(f"top={top!r} must be an integer >= 1 (how many feasible rows to show); "
                              "top=len(plan.feasible) shows them all")
         top = int(top)
-        hdr = (f"{'rank':>4} {'P':>3} {'D':>4} {'mbs':>4} {'m':>5} {'idle':>4} {'time/step':>10} {'ex/s':>9} "
-               f"{'bubble':>6} {'max mem/GPU':>11} {'$/1k ex spot':>12} {'$/1k ex od':>10}")
-        if self.target_examples:
-            hdr += f" {'to target':>10} {'$ to target':>11}"
-        lines = [f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
-                 f"{' + recompute' if self.recompute else ''} (searched in {self.search_s * 1e3:.1f} ms"
-                 f"{'' if self.exhaustive else _BEST_ONLY_NOTE})",
-                 hdr]
+        head = ["rank", "P", "D", "mbs", "m", "idle", "time/step", "ex/s", "bubble", "max mem/GPU", "$/1k ex spot",
+                "$/1k ex od"] + (["to target", "$ to target"] if self.target_examples else [])
+        rows = []
         for i, r in enumerate(self.feasible[:top]):
-            line = (f"{i + 1:>4} {r.P:>3} {r.D:>4} {r.micro_batch_size:>4} {r.m:>5} {r.idle_gpus:>4} "
-                    f"{_dur(r.time_s):>10} {r.examples_per_s:>9.2f} {r.bubble_fraction:>6.1%} "
-                    f"{_bytes(max(r.stage_memory_bytes)):>11} {r.cost_per_1k_spot:>12.4f} {r.cost_per_1k_on_demand:>10.4f}")
+            cells = [str(i + 1), str(r.P), str(r.D), str(r.micro_batch_size), str(r.m), str(r.idle_gpus),
+                     _dur(r.time_s), f"{r.examples_per_s:.2f}", f"{r.bubble_fraction:.1%}",
+                     _bytes(max(r.stage_memory_bytes)), f"{r.cost_per_1k_spot:.4f}", f"{r.cost_per_1k_on_demand:.4f}"]
             if self.target_examples:
-                line += f" {_dur(r.time_to_target_s):>10} {r.cost_to_target_spot:>11.2f}"
-            lines.append(line)
+                cells += [_dur(r.time_to_target_s), f"{r.cost_to_target_spot:.2f}"]
+            rows.append(cells)
+        notes = []
         if len(self.feasible) > top:
             more = len(self.feasible) - top
-            lines.append(f"     ... {more} more feasible configuration{'s' if more > 1 else ''} "
+            notes.append(f"... {more} more feasible configuration{'s' if more > 1 else ''} "
                          f"(table(top={len(self.feasible)}) shows all)")
         for r in self.excluded:
             if not r.pruned:
-                lines.append(f"  excluded P={r.P}: {r.reason}")
+                notes.append(f"excluded P={r.P}: {r.reason}")
         pruned = [r for r in self.excluded if r.pruned]
         if pruned:  # one line: a best-only search prunes most depths
             lo = min(pruned, key=lambda r: r.lower_bound_s)
             many = "s" if len(pruned) > 1 else ""
-            lines.append(f"  pruned P={_ranges([r.P for r in pruned])} ({len(pruned)} depth{many}): by their lower "
+            notes.append(f"pruned P={_ranges([r.P for r in pruned])} ({len(pruned)} depth{many}): by their lower "
                          f"bounds (>= {_dur(lo.lower_bound_s)} per mini-batch, at P={lo.P}) none beats the best row; "
                          f"not simulated, memory not checked {_EXHAUSTIVE_HINT}")
         if self.prices.example:
-            lines.append(f"  prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
+            notes.append(f"prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
                          f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) "
                          "(varuna plan: --spot-price, --on-demand-price) for yours")
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        notes += [f"note: {n}" for n in self.notes]
+        return head, rows, notes
+
+    def _title(self) -> str:
+        return (f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
+                f"{' + recompute' if self.recompute else ''} (searched in {self.search_s * 1e3:.1f} ms"
+                f"{'' if self.exhaustive else _BEST_ONLY_NOTE})")
+
+    def table(self, top: int = 12) -> str:
+        """A fixed-width table: the ``top`` (>= 1) fastest feasible rows, a line counting the
+        feasible rows left out, then every excluded P with its reason. Raises ``ValueError`` for
+        ``top`` < 1."""
+        head, rows, notes = self._rows_and_notes(top)
+        widths = [max(len(c) for c in col) for col in zip(head, *rows)]
+        lines = [self._title()] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
+        return "\n".join(lines + [f"  {n}" for n in notes])
 
     def __str__(self) -> str:
         return self.table()
 
     def _repr_html_(self) -> str:
+        """The table as HTML (a notebook wraps long ``<pre>`` lines, which breaks a text table's
+        columns): numbers right-aligned in cells, the notes as lines below."""
         import html
 
-        return f"<pre>{html.escape(self.table())}</pre>"
+        head, rows, notes = self._rows_and_notes(12)
+        td = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
+        cells = "".join("<tr>" + "".join(f"<td style='{td}'>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        return (f"<div><b>{html.escape(self._title())}</b><table style='border-collapse:collapse'><tr>"
+                + "".join(f"<th style='{td}'>{html.escape(h)}</th>" for h in head) + f"</tr>{cells}</table>"
+                + "".join(f"<div style='font-size:90%;color:#555'>{html.escape(n)}</div>" for n in notes) + "</div>")
 
     def to_dict(self) -> dict:
         """Plain data, JSON-able in strict JSON (``json.dumps(..., allow_nan=False)``): every public
