@@ -40,6 +40,7 @@ import panel as pn
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, NumeralTickFormatter
 from bokeh.plotting import figure
 
+from varuna_sdk.manager.billing import cost_text
 from varuna_sdk.manager.decisions import DriftRule, step_time_drift
 from varuna_sdk.manager.runs import drift_sentence, event_sentence, log_tail, morph_sentence, worker_logs
 
@@ -433,7 +434,7 @@ class Dashboard:
                  ("plan", (f"P={plan.get('P')} × D={plan.get('D')} · gen {plan.get('generation', '?')}"
                            if plan else "–")),
                  ("VMs up", f"{counts['up'] + counts['notice']} / {len(st.vms)}"),
-                 ("cost", _cost_text(st.cost())),
+                 ("cost", cost_text(st.cost())),
                  ("last step", _clock(last("time") if n else None) + (" UTC" if n else ""))]
         html_ = (f'<div class="hdr"><div class="title">varuna · {_esc(self.title)}'
                  + (f'<span class="job">job {_esc(job_id)}</span>' if job_id else "") + "</div>"
@@ -820,19 +821,6 @@ def _progress(done: int, total: int | None) -> str:
     if not total:
         return f"{done:,}" if done else "–"
     return f"{done:,} / {total:,} ({100 * done / total:.0f} %)"
-
-
-def _cost_text(c: dict | None) -> str:
-    """The header's cost: free for local slots; else $ spent so far, $/h now and the saving against
-    the same VM-hours on demand (saying when the prices are an example)."""
-    if c is None:
-        return "no prices given"
-    if c.get("local"):
-        return "free (local)"
-    text = f"${c['spent']:,.2f} spent · ${c['per_hour']:,.2f}/h"
-    if c["on_demand"] > 0 and c["on_demand"] > c["spent"]:
-        text += f" · saves {1 - c['spent'] / c['on_demand']:.0%} vs on-demand"
-    return text + (" (example prices)" if c.get("example") else "")
 
 
 def build_app(source: str | Path, *, job_id: str | None = None, refresh_s: float = 1.0,

@@ -2,7 +2,7 @@
 
 ``build_jobs_app(root)`` returns a Panel object listing the run folders inside ``root``
 (``varuna_sdk.manager.runs.find_runs``), newest first, one row a job: name (a link to its page,
-``job?run=NAME``), state, plan, step of the total and its percentage, elapsed, ETA, morphs and the
+``job?run=NAME``), state, plan, step of the total and its percentage, elapsed, ETA, cost so far, morphs and the
 last event in words. It re-reads the folder every ``refresh_s`` seconds, so runs started later
 appear. ``run_folder(root, name)`` is the run folder a job page may show: a direct child of
 ``root`` holding an event log — never a path outside it.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import panel as pn
 
+from varuna_sdk.manager.billing import cost_text
 from varuna_sdk.manager.runs import RunInfo, find_runs, read_run
 
 from .app import CSS, STATE_COLORS
@@ -66,7 +67,7 @@ def jobs_table_html(runs: list[RunInfo]) -> str:
     """The jobs table as HTML (every value escaped); each job's name links to its page."""
     if not runs:
         return '<p class="muted">No runs here yet: a run folder appears once its job has started.</p>'
-    head = ("job", "state", "plan", "step", "elapsed", "ETA", "morphs", "last event")
+    head = ("job", "state", "plan", "step", "elapsed", "ETA", "cost", "morphs", "last event")
     rows = []
     for r in runs:
         pct = r.percent
@@ -79,6 +80,7 @@ def jobs_table_html(runs: list[RunInfo]) -> str:
             f'<td><span class="badge" style="background:{color}">{_esc(r.state)}</span></td>'
             f'<td class="wide">{_esc(r.plan)}</td><td class="num">{_esc(step + pct_text)}{bar}</td>'
             f'<td class="num">{_esc(_duration(r.elapsed_s))}</td><td class="num">{_esc(_duration(r.eta_s))}</td>'
+            f'<td class="num" title="{_esc(r.cost_text)}">{_esc(cost_text(r.cost, short=True))}</td>'
             f'<td class="num wide">{len(r.morphs)}</td><td class="wide">{_esc(_clip(r.last_event, 160))}</td></tr>')
     return ('<table class="jobs"><thead><tr>' + "".join(
         f'<th class="{"wide" if h in ("plan", "morphs", "last event") else ""}">{_esc(h)}</th>' for h in head)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from varuna_sdk.manager.billing import Billing
 from varuna_sdk.manager.events import Event, EventLog, HeartbeatRow, Kind
 
 #: Payload fields of a ``metrics`` row the views use (missing or non-numeric values become NaN).
@@ -96,17 +97,6 @@ def _f(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return math.nan
     return float(v) if math.isfinite(v) else math.nan
-
-
-def _price(v: Any) -> float | None:
-    """US $ per hour from a payload number or a label string ("0.92", "$0.92/h"); else None."""
-    if isinstance(v, str):
-        try:
-            v = float(v.strip().lstrip("$").split("/")[0])
-        except ValueError:
-            return None
-    x = _f(v)
-    return None if math.isnan(x) or x < 0 else x
 
 
 def minmax_indices(y: np.ndarray, max_points: int) -> np.ndarray:
@@ -206,25 +196,6 @@ class VM:
     notice_deadline: float | None = None
     straggler: dict | None = None
     kind: str | None = None
-    on_demand_per_hour: float | None = None   # what the same VM costs on demand ($/h), when said
-    example_prices: bool = False              # the prices are an example, not the provider's
-    up_since: float | None = None             # when it last came up (billing runs from then)
-    spent: float = 0.0                        # $ of the periods it was up before that (spot price)
-    spent_on_demand: float = 0.0              # $ the same periods would have cost on demand
-
-    def settle(self, t: float) -> None:
-        """End a billed period at ``t`` (the VM left): add its cost to ``spent``."""
-        if self.up_since is not None:
-            hours = max(0.0, t - self.up_since) / 3600.0
-            self.spent += hours * (self.price_per_hour or 0.0)
-            self.spent_on_demand += hours * (self.on_demand_per_hour or self.price_per_hour or 0.0)
-        self.up_since = None
-
-    def cost(self, now: float) -> tuple[float, float]:
-        """($ spent, $ the same time on demand) up to ``now``."""
-        hours = max(0.0, now - self.up_since) / 3600.0 if self.up_since is not None else 0.0
-        return (self.spent + hours * (self.price_per_hour or 0.0),
-                self.spent_on_demand + hours * (self.on_demand_per_hour or self.price_per_hour or 0.0))
 
 
 @dataclass
@@ -261,6 +232,7 @@ class TelemetryStore:
         self._ev_cursor = 0
         self._hb_cursor = 0
         self.vms: dict[str, VM] = {}
+        self.billing = Billing()
         self.plans: list[Event] = []
         self.morphs: list[Event] = []
         self.drifts: list[Event] = []   # estimate_drift events: the step time left the prediction
@@ -397,20 +369,11 @@ class TelemetryStore:
             vm = self._vm(e.host, e.time)
             vm.status, vm.since, vm.reason, vm.notice_deadline = "up", e.time, None, None
             vm.straggler = None
-            labels = p.get("labels") if isinstance(p.get("labels"), dict) else {}
             if isinstance(p.get("gpus"), int) and not isinstance(p.get("gpus"), bool):
                 vm.gpus = p["gpus"]
-            price = _price(p.get("price_per_hour", labels.get("price_per_hour")))
-            if price is not None:
-                vm.price_per_hour = price
-            on_demand = _price(p.get("on_demand_per_hour", labels.get("on_demand_per_hour")))
-            if on_demand is not None:
-                vm.on_demand_per_hour = on_demand
-            vm.example_prices = str(labels.get("prices", "")) == "example"
-            kind = labels.get("instance_type") or labels.get("kind")
-            vm.kind = str(kind) if kind else vm.kind
-            if vm.up_since is None:
-                vm.up_since = e.time
+            self.billing.feed(e)
+            meter = self.billing.meters[e.host]
+            vm.price_per_hour, vm.kind = meter.price_per_hour, meter.kind
         elif k == Kind.PREEMPTION_NOTICE and e.host:
             vm = self._vm(e.host, e.time)
             if vm.status == "up":
@@ -425,7 +388,7 @@ class TelemetryStore:
             released = "preempt" not in why and any(w in why for w in ("releas", "host file", "closed", "scale",
                                                                          "stopped", "excluded"))
             vm.status, vm.since, vm.reason = ("released" if released else "pre-empted"), e.time, reason
-            vm.settle(e.time)
+            self.billing.feed(e)
         elif k == Kind.HOST_LOST and e.host:
             vm = self._vm(e.host, e.time)
             if vm.status in ("up", "notice"):
@@ -465,20 +428,8 @@ class TelemetryStore:
         return self.plans[-1].time if self.plans else None
 
     def cost(self, now: float | None = None) -> dict | None:
-        """What the VMs cost so far, from the prices their provider gave (``HOST_ADDED``): ``spent``
-        ($), ``on_demand`` ($ the same VM-hours would cost on demand), ``per_hour`` ($/h of the VMs
-        up now), ``example`` (some prices are an example). ``{"local": True}`` when every VM is a
-        local slot of this machine; None when no price was given."""
-        now = time.time() if now is None else now
-        if self.vms and all(vm.kind == "local" for vm in self.vms.values()):
-            return {"local": True}
-        priced = [vm for vm in self.vms.values() if vm.price_per_hour is not None]
-        if not priced:
-            return None
-        spent = [vm.cost(now) for vm in priced]
-        return {"local": False, "spent": sum(c[0] for c in spent), "on_demand": sum(c[1] for c in spent),
-                "per_hour": sum(vm.price_per_hour for vm in priced if vm.status in ("up", "notice")),
-                "example": any(vm.example_prices for vm in priced)}
+        """What the VMs cost so far (``manager.billing.Billing.cost``) up to ``now`` (default: now)."""
+        return self.billing.cost(time.time() if now is None else now)
 
     def vm_counts(self) -> dict[str, int]:
         """VMs per status (every key of ``VM_STATES``) and ``stragglers``."""

@@ -134,10 +134,15 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     assert main(["status", str(tmp_path / "runs")]) == 0
     table = capsys.readouterr().out
     assert "tiny" in table and "STOPPED" in table and f"{info.steps_done}/4000" in table, table
+    assert " cost " in table.splitlines()[0] and " free " in table.splitlines()[2], table   # local slots cost nothing
+    assert main(["status", str(run)]) == 0
+    one = capsys.readouterr().out
+    assert "cost so far: free (local)" in one, one
     from varuna_sdk.notebook import Job
 
     jobs = Job.list(tmp_path / "runs")            # the same, in a notebook
     assert list(jobs["job"]) == ["tiny"] and jobs["state"][0] == "STOPPED" and jobs["steps_done"][0] == info.steps_done
+    assert jobs["cost"][0] == "free (local)"
     assert main(["logs", str(run)]) == 0
     logs = capsys.readouterr().out
     assert "===== gen0 =====" in logs and "===== gen1 =====" in logs and "[local0 rank 0] step" in logs, logs[-2000:]

@@ -732,6 +732,13 @@ def test_cost_so_far_from_the_providers_prices(tmp_path):
     c = st.cost(now=t0 + 7200)          # vm0: 2 h, vm1: 0.5 h + 1 h = 3.5 VM-hours
     assert c["spent"] == pytest.approx(3.5 * 0.9) and c["on_demand"] == pytest.approx(3.5 * 3.0)
     assert c["per_hour"] == pytest.approx(1.8) and c["example"] is True and c["local"] is False
+    # the jobs table, `varuna status` and Job.list() bill the same run the same way (manager.billing)
+    from varuna_sdk.manager.billing import cost_text
+    from varuna_sdk.manager.runs import read_run
+
+    assert read_run(tmp_path, now=t0 + 7200).cost == c
+    assert cost_text(c, short=True) == "$3.15, -70%*"
+    assert cost_text(c) == "$3.15 spent · $1.80/h · saves 70% vs on-demand (example prices)"
     with EventLog(tmp_path / "local.db") as log:
         log.append(Kind.HOST_ADDED, host="local0", payload={"labels": {"kind": "local"}}, time_s=t0)
     local = TelemetryStore(tmp_path / "local.db")

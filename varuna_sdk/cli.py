@@ -224,6 +224,9 @@ def _run_folder_command(args: argparse.Namespace) -> int:
             if len(infos) == 1 and (Path(args.run) / "events.db").is_file():
                 r = infos[0]
                 print(f"\n{r.state}: {r.reason}")
+                print(f"cost so far: {r.cost_text}")
+                if r.drift is not None:
+                    print(f"estimate: {runs.drift_sentence(r.drift, r.read_at)}")
                 for i, m in enumerate(r.morphs, 1):
                     print(f"  morph {i} {runs.morph_sentence(m, r.started)}")
             return 0

@@ -298,7 +298,7 @@ class Job:
     def list(root: str | Path = "runs"):
         """Every job in the folder of runs ``root`` (or the one run folder ``root``), newest first, as
         a pandas DataFrame: job, state, plan, steps_done, steps_total, percent, elapsed_s, eta_s
-        (seconds), morphs, last_event, path — what ``varuna status`` prints, from any kernel or
+        (seconds), cost (what its VMs cost so far, in words), morphs, last_event, path — what ``varuna status`` prints, from any kernel or
         machine that sees the folder. Raises ``FileNotFoundError`` for a folder that does not exist."""
         import pandas as pd
 
@@ -308,10 +308,10 @@ class Job:
         for info in (read_run(p) for p in find_runs(root)):
             rows.append({"job": info.name, "state": info.state, "plan": info.plan, "steps_done": info.steps_done,
                          "steps_total": info.steps_total, "percent": info.percent, "elapsed_s": info.elapsed_s,
-                         "eta_s": info.eta_s, "morphs": len(info.morphs), "last_event": info.last_event,
-                         "path": str(info.path)})
+                         "eta_s": info.eta_s, "cost": info.cost_text, "morphs": len(info.morphs),
+                         "last_event": info.last_event, "path": str(info.path)})
         return pd.DataFrame(rows, columns=["job", "state", "plan", "steps_done", "steps_total", "percent", "elapsed_s",
-                                           "eta_s", "morphs", "last_event", "path"])
+                                           "eta_s", "cost", "morphs", "last_event", "path"])
 
     @staticmethod
     def running_jobs() -> dict[str, "Job"]:

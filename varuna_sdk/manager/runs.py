@@ -17,7 +17,7 @@ job at the next mini-batch boundary with a checkpoint, as ``Job.stop()`` does, t
 (``clear_stop``). Anyone who can write the run folder can stop the job — the same people who could
 edit its checkpoints.
 
-Imports ``config``, ``manager.events`` and the standard library (never torch).
+Imports ``config``, ``manager.events``, ``manager.billing`` and the standard library (never torch).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import JobConfig
+from .billing import BILLED_KINDS, Billing, cost_text
 from .events import Event, EventLog, Kind
 
 __all__ = ["RunInfo", "STOP_FILE", "TERMINAL", "clear_stop", "drift_sentence", "event_sentence", "find_runs",
@@ -50,7 +51,9 @@ class RunInfo:
     before any); ``steps_done`` of ``steps_total`` (None: not known); ``elapsed_s`` from the first
     event to the last (ended) or to ``read_at``; ``eta_s``: steps left × the median time of the
     latest steps (None when ended or unknown); ``plan``: e.g. "P=2 x D=2 on vm0, vm1"; ``started``:
-    the first event's time (Unix s)."""
+    the first event's time (Unix s); ``cost``: what its VMs cost so far (``billing.Billing.cost``:
+    $ spent, $ on demand, $/h now; None when no price was given); ``drift``: the running plan's
+    latest ``estimate_drift`` payload (its step time left the prediction), else None."""
 
     path: Path
     job_id: str | None
@@ -67,6 +70,13 @@ class RunInfo:
     error: str | None = None
     started: float = 0.0
     read_at: float = 0.0
+    cost: dict | None = None
+    drift: dict | None = None
+
+    @property
+    def cost_text(self) -> str:
+        """``cost`` in words ("$1.20 spent · $0.92/h · saves 70% vs on-demand", "free (local)")."""
+        return cost_text(self.cost)
 
     @property
     def percent(self) -> float | None:
@@ -270,6 +280,8 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
         first = log.events(limit=1)
         last = log.events(not_kind=(Kind.AUTH_FAILED, Kind.AUTH_FAILED_SUPPRESSED, "heartbeat_server_started"), last=1)
         metrics = _latest_metrics(log)
+        billing = Billing.of(log.events(kind=BILLED_KINDS))
+        drifts = log.events(kind=Kind.ESTIMATE_DRIFT, last=1)
     state = states[-1].payload.get("state", "PENDING") if states else "PENDING"
     reason = states[-1].payload.get("reason", "") if states else ""
     job_id = next((e.job_id for e in states + first if e.job_id), None)
@@ -285,7 +297,10 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
                    steps_total=total, elapsed_s=max(0.0, end - start), eta_s=eta,
                    plan=_plan_text(plans[-1].payload) if plans else "-", morphs=morphs,
                    last_event=event_sentence(last[0]) if last else "",
-                   error=reason if state == "FAILED" else None, started=start, read_at=now)
+                   error=reason if state == "FAILED" else None, started=start, read_at=now,
+                   cost=billing.cost(end),
+                   drift=drifts[-1].payload if drifts and plans and drifts[-1].payload.get("generation") ==
+                   plans[-1].payload.get("generation") else None)
 
 
 def _latest_metrics(log: EventLog) -> list[dict]:
@@ -294,14 +309,16 @@ def _latest_metrics(log: EventLog) -> list[dict]:
 
 
 def format_runs(runs: list[RunInfo]) -> str:
-    """The jobs table: name, state, plan, step/total (%), elapsed, ETA, morphs, last event."""
-    head = ("job", "state", "plan", "step", "elapsed", "ETA", "morphs", "last event")
+    """The jobs table: name, state, plan, step/total (%), elapsed, ETA, cost so far (and the saving
+    against on demand; * = example prices), morphs, last event."""
+    head = ("job", "state", "plan", "step", "elapsed", "ETA", "cost", "morphs", "last event")
     rows = [head]
     for r in runs:
         step = f"{r.steps_done}/{r.steps_total if r.steps_total is not None else '?'}"
         if r.percent is not None:
             step += f" ({r.percent:.0f} %)"
-        rows.append((r.name, r.state, r.plan, step, _fmt_s(r.elapsed_s), _fmt_s(r.eta_s), str(len(r.morphs)),
+        rows.append((r.name, r.state, r.plan, step, _fmt_s(r.elapsed_s), _fmt_s(r.eta_s), cost_text(r.cost, short=True),
+                     str(len(r.morphs)),
                      r.last_event[:70]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
