@@ -218,21 +218,25 @@ def make_runs(root: Path, n: int) -> None:
 
 def jobs_renders(ctx, url: str, password: str, n: int, renders: int) -> tuple[float, list[float]]:
     """Sign-in to the jobs table drawn (the first session), then ``renders`` navigations to it."""
-    drawn = f"() => document.querySelectorAll('tr[data-job]').length === {n}"
     page = ctx.new_page()
+
+    def drawn() -> None:   # (the table is in a Panel pane's shadow DOM: a locator pierces it)
+        page.locator("tr[data-job]").nth(n - 1).wait_for(timeout=60_000)
+        assert page.locator("tr[data-job]").count() == n
+
     try:
         page.goto(url + "/", timeout=60_000)
         page.fill("#username", USER)
         page.fill("#password", password)
         t0 = time.perf_counter()
         page.click("#submit")
-        page.wait_for_function(drawn, timeout=60_000, polling=20)
+        drawn()
         first = time.perf_counter() - t0
         times = []
         for _ in range(renders):
             t0 = time.perf_counter()
             page.goto(url + "/", timeout=60_000)
-            page.wait_for_function(drawn, timeout=60_000, polling=20)
+            drawn()
             times.append(time.perf_counter() - t0)
         return first, times
     finally:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import panel as pn
-from bokeh.models import ColumnDataSource, FactorRange, HoverTool, NumeralTickFormatter
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, LabelSet, NumeralTickFormatter
 from bokeh.plotting import figure
 
 from varuna_sdk.manager.billing import cost_text
@@ -257,8 +257,11 @@ class Dashboard:
         self.loss_fig.legend.location = "top_right"
         self.loss_fig.legend.label_text_font_size = "11px"
         self.loss_fig.legend.background_fill_alpha = 0.8
-        for f in (self.tput_fig, self.loss_fig):
+        for f in (self.tput_fig, self.loss_fig):   # each morph: a dotted line at its step, labelled with its cause
             f.vspan(x="x", source=self.morph_marks, line_color="#E08E00", line_width=2, line_dash="dotted")
+            f.add_layout(LabelSet(x="x", y=6, y_units="screen", text="label", source=self.morph_marks, angle=math.pi / 2,
+                                  x_offset=-3, text_font_size="10px", text_color="#9A5B00", text_align="left",
+                                  text_baseline="bottom"))
         self.tput_fig.y_range.start = 0
         self.tput_fig.legend.location = "bottom_right"
         self.tput_fig.legend.label_text_font_size = "11px"
@@ -410,7 +413,7 @@ class Dashboard:
     def _update_morph_marks(self) -> None:
         marks = [e.payload for e in self.store.morphs if _finite(e.payload.get("from_step"))]
         self.morph_marks.data = dict(x=[float(p["from_step"]) for p in marks],
-                                     label=[str(p.get("cause")) for p in marks])
+                                     label=[CAUSE_LABELS.get(str(p.get("cause")), str(p.get("cause"))) for p in marks])
 
     def _update_header(self) -> None:
         st = self.store
@@ -734,15 +737,16 @@ class Dashboard:
         for e in reversed(st.morphs):
             p = e.payload if isinstance(e.payload, dict) else {}
             rs = p.get("resume_step")
-            rows.append({"time UTC": _clock(e.time), "cause": CAUSE_LABELS.get(str(p.get("cause")), str(p.get("cause", "?"))),
+            rows.append({"time UTC": _clock(e.time), "what happened": _safe_sentence(morph_sentence, p),
+                         "cause": CAUSE_LABELS.get(str(p.get("cause")), str(p.get("cause", "?"))),
                          "VM": str(p.get("host") or "–"),
                          "old → new plan": f"{_plan_label(p.get('old'))} → {_plan_label(p.get('new'))}",
                          "downtime s": _round(p.get("downtime_s"), 1), "steps lost": p.get("steps_lost"),
-                         "resumed at step": rs, "what happened": _safe_sentence(morph_sentence, p)})
+                         "resumed at step": rs})
         self.morph_table.height = min(460, 40 + 110 * max(1, len(rows)))   # a wrapped sentence: ~5 lines
-        self.morph_table.value = pd.DataFrame(rows or [{"time UTC": "", "cause": "no morph yet", "VM": "",
-                                                        "old → new plan": "", "downtime s": None, "steps lost": None,
-                                                        "resumed at step": None, "what happened": ""}])
+        self.morph_table.value = pd.DataFrame(rows or [{"time UTC": "", "what happened": "no morph yet", "cause": "",
+                                                        "VM": "", "old → new plan": "", "downtime s": None,
+                                                        "steps lost": None, "resumed at step": None}])
         ev = []
         for e in reversed(st.recent):
             p = {k: v for k, v in e.payload.items() if k not in ("rows", "timeline", "hosts", "boundaries",

@@ -324,6 +324,9 @@ def test_dashboard_live_in_browser(job, server, browser):
         morph.first.wait_for(timeout=20_000)
         assert page.get_by_text("notice", exact=True).count() >= 1
         assert _rows(page, "morph_marks", "x") == 1
+        labels = page.evaluate(_ROWS.replace("return c ? c.length : -1;", "return Array.from(c);"),
+                               ["morph_marks", "label"])
+        assert labels == ["pre-emption notice"], labels   # the marker says what happened there
         time.sleep(1.5)  # one more refresh, so the screenshot shows the new generation's points
         page.screenshot(path=str(ARTIFACTS / "dashboard_after_morph.png"))
         assert not errors, errors
