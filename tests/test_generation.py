@@ -89,9 +89,15 @@ def test_local_generation_completes_and_every_step_reaches_the_metrics_table(tmp
         took = time.monotonic() - t0
         assert res.status == "completed", (res, sink.text()[-3000:])
         assert res.exit_codes == {0: 0, 1: 0, 2: 0, 3: 0} and res.last_step == 5 and not res.lost_hosts
-        beats = g.heartbeats()
+        deadline = time.monotonic() + 5.0   # each exit reaches the server from its launcher thread
+        while True:
+            beats = g.heartbeats()
+            if all(s.status == "exited" for s in beats.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert sorted(beats) == [("local0", 0), ("local1", 1), ("local2", 2), ("local3", 3)]
-        assert all(s.status == "exited" and s.heartbeats >= 1 for s in beats.values())  # bye, then exit 0
+        assert all(s.status == "exited" and s.heartbeats >= 1 for s in beats.values()), \
+            {k: (s.status, s.heartbeats) for k, s in beats.items()}  # bye, then exit 0
         assert g.wait(timeout_s=0) is res  # the result stays
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     table = events.metrics(job_id="gen-test")

@@ -15,7 +15,7 @@ import pytest
 from _jupyter import kernel_session
 from varuna_sdk.cluster.testhosts import procs_left
 
-STEPS = 160
+STEPS = 100
 
 SETUP = f'''
 import time

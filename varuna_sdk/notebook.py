@@ -564,16 +564,18 @@ class Job:
         its cause was seen), cause (notice, loss, grow, straggler, failure, stop_timeout), host,
         what_happened (the morph in one sentence: which VM, what, the plans, downtime, steps lost and
         why), old_plan → new_plan (``P=2 x D=1 on vm0,vm1``), downtime_s (cause seen → first step of the
-        new plan done), from_step (last step trained before), resume_step (steps the resumed
-        checkpoint holds), steps_lost, and the plans as dicts (old, new). A morph is recorded
+        new plan done), phases_s (the downtime per phase: stop, wait_for_vms, replan, start_workers,
+        first_step, seconds), from_step (last step trained before), resume_step (steps the resumed
+        checkpoint holds), steps_lost, candidates (the planner's best predictions for the new pool,
+        the chosen one marked), and the plans as dicts (old, new). A morph is recorded
         once the new plan finished its first step."""
         import pandas as pd
 
         from .manager.events import Kind
         from .manager.runs import morph_sentence
 
-        cols = ["time", "cause", "host", "what_happened", "old_plan", "new_plan", "downtime_s", "from_step",
-                "resume_step", "steps_lost", "old", "new"]
+        cols = ["time", "cause", "host", "what_happened", "old_plan", "new_plan", "downtime_s", "phases_s", "from_step",
+                "resume_step", "steps_lost", "candidates", "old", "new"]
         log = self._log()
         if log is None:
             return pd.DataFrame(columns=cols)
@@ -587,8 +589,9 @@ class Job:
             rows.append({"time": pd.Timestamp(p.get("time") or e.time, unit="s", tz="UTC"), "cause": p.get("cause"),
                          "host": p.get("host"), "what_happened": morph_sentence(p), "old_plan": _plan_label(p.get("old")),
                          "new_plan": _plan_label(p.get("new")), "downtime_s": p.get("downtime_s"),
-                         "from_step": p.get("from_step"), "resume_step": p.get("resume_step"),
-                         "steps_lost": p.get("steps_lost"), "old": p.get("old"), "new": p.get("new")})
+                         "phases_s": p.get("phases_s") or {}, "from_step": p.get("from_step"),
+                         "resume_step": p.get("resume_step"), "steps_lost": p.get("steps_lost"),
+                         "candidates": p.get("candidates") or [], "old": p.get("old"), "new": p.get("new")})
         return pd.DataFrame(rows, columns=cols)
 
     @property
