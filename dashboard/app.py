@@ -42,7 +42,7 @@ from bokeh.plotting import figure
 
 from varuna_sdk.manager.billing import cost_text
 from varuna_sdk.manager.decisions import DriftRule, step_time_drift
-from varuna_sdk.manager.runs import drift_sentence, event_sentence, log_tail, morph_sentence, worker_logs
+from varuna_sdk.manager.runs import drift_sentence, event_sentence, log_label, log_tail, morph_sentence, worker_logs
 
 from .store import VM_STATES, TelemetryStore, minmax_indices
 
@@ -388,8 +388,10 @@ class Dashboard:
     def _update_logs(self) -> None:
         """The chosen generation's worker output, its last ``LOG_TAIL_BYTES`` (re-read only when the
         file changed); the newest generation is chosen until the user picks another."""
-        files = {f.parent.name: f for f in worker_logs(Path(self.store.path).parent)}
-        names = sorted(files, key=lambda n: -int(n[3:]))
+        logs = worker_logs(Path(self.store.path).parent)   # generation order, then the workers' own
+        files = {log_label(f): f for f in logs}
+        gens = [log_label(f) for f in logs if f.name == "workers.log"]
+        names = gens[::-1] + [n for n in files if n not in gens]   # the newest generation first
         if names != self.log_pick.options:
             follow = self.log_pick.value in (None, (self.log_pick.options or [None])[0])
             self.log_pick.options = names
@@ -407,7 +409,7 @@ class Dashboard:
             return
         self._log_seen = seen
         text = log_tail(f, LOG_TAIL_BYTES)
-        self.log_view.object = (f'<div class="muted">{_esc(f.parent.name)}/workers.log, last {len(text.splitlines())} '
+        self.log_view.object = (f'<div class="muted">{_esc(log_label(f))}, last {len(text.splitlines())} '
                                 f'lines (varuna logs RUN prints all)</div><pre class="logs">{_esc(text) or "(empty)"}</pre>')
 
     def _update_morph_marks(self) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import panel as pn
 
 from varuna_sdk.manager.billing import cost_text
-from varuna_sdk.manager.runs import RunInfo, find_runs, read_run
+from varuna_sdk.manager.runs import RunInfo, clip, find_runs, read_run
 
 from .app import CSS, STATE_COLORS
 
@@ -45,10 +45,6 @@ def _duration(s: float | None) -> str:
         return "–"
     s = max(0.0, float(s))
     return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1].rsplit(" ", 1)[0] + " …"
 
 
 def run_folder(root: str | Path, name: str) -> Path:
@@ -77,11 +73,11 @@ def jobs_table_html(runs: list[RunInfo]) -> str:
         color = STATE_COLORS.get(r.state, "#455A64")
         rows.append(
             f'<tr data-job="{_esc(r.name)}"><td><a href="job?run={_esc(r.name)}">{_esc(r.name)}</a></td>'
-            f'<td><span class="badge" style="background:{color}">{_esc(r.state)}</span></td>'
+            f'<td><span class="badge" style="background:{color}">{_esc(r.state_text)}</span></td>'
             f'<td class="wide">{_esc(r.plan)}</td><td class="num">{_esc(step + pct_text)}{bar}</td>'
             f'<td class="num">{_esc(_duration(r.elapsed_s))}</td><td class="num">{_esc(_duration(r.eta_s))}</td>'
-            f'<td class="num" title="{_esc(r.cost_text)}">{_esc(cost_text(r.cost, short=True))}</td>'
-            f'<td class="num wide">{len(r.morphs)}</td><td class="wide">{_esc(_clip(r.last_event, 160))}</td></tr>')
+            f'<td class="num" title="{_esc(r.cost_text)}">{_esc(cost_text(r.cost, short=True) if r.cost else "–")}</td>'
+            f'<td class="num wide">{len(r.morphs)}</td><td class="wide">{_esc(clip(r.last_event, 160))}</td></tr>')
     return ('<table class="jobs"><thead><tr>' + "".join(
         f'<th class="{"wide" if h in ("plan", "morphs", "last event") else ""}">{_esc(h)}</th>' for h in head)
         + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>")

@@ -102,6 +102,7 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     from test_manager import steps_redone
     from varuna_sdk.cli import main
     from varuna_sdk.cluster.testhosts import procs_left
+    from varuna_sdk.manager.events import EventLog, Kind
     from varuna_sdk.manager.runs import read_run
 
     cfg, run = tmp_path / "tiny.yaml", tmp_path / "runs" / "tiny"
@@ -109,6 +110,18 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     first = _launch(cfg, run)
     try:
         _wait_steps(run, 8, first)
+        # a second launch on the live run is refused (one manager per run folder), writing nothing
+        with EventLog.reader(run / "events.db") as log:
+            before = log.count("events")
+        again = _launch(cfg, run)
+        said = again.communicate(timeout=120)[0]
+        assert again.returncode == 2 and "is being run by another manager (pid" in said, said
+        assert "Traceback" not in said, said
+        with EventLog.reader(run / "events.db") as log:   # (the first manager's own events go on)
+            took = [e.payload for e in log.events(since_id=before, kind=Kind.JOB_STATE)
+                    if "manager restarted" in e.payload.get("reason", "")]
+        assert not took, took
+        assert read_run(run).manager and read_run(run).manager["pid"] == first.pid
         first.send_signal(signal.SIGINT)
         out = first.communicate(timeout=60)[0]
     finally:
@@ -119,6 +132,13 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     assert read_run(run).state == "STOPPED" and stopped_at >= 8
     assert list((run / "checkpoints").glob(f"step-{stopped_at:08d}-*")), "no checkpoint at the stop"
     assert not procs_left(str(run), timeout_s=10)
+    # launched again with another model: refused before anything starts, the run left as it was
+    bad = tmp_path / "other-model.yaml"
+    bad.write_text(TINY.replace("n_layer: 2}", "n_layer: 3}"))
+    refused = _launch(bad, run)
+    said = refused.communicate(timeout=120)[0]
+    assert refused.returncode == 2 and "model.n_layer: 2 in the run, 3 here" in said, said
+    assert read_run(run).state == "STOPPED"
     second = _launch(cfg, run)
     try:
         _wait_steps(run, stopped_at + 8, second)
@@ -129,7 +149,15 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     assert second.returncode == 130, out
     info = read_run(run)
     assert info.state == "STOPPED" and info.steps_done >= stopped_at + 8 and info.steps_total == 4000
-    assert steps_redone(run) == [0]          # the continued generation redid nothing
+    assert set(steps_redone(run)) == {0}     # the continued generation redid nothing
+    with EventLog.reader(run / "events.db") as log:   # ... each launch under the configured plan (P=2 x D=1, mbs 2)
+        evs = log.events(kind=(Kind.PLAN, Kind.JOB_STATE))
+    after_stop = [e.payload for i, e in enumerate(evs) if e.kind == Kind.PLAN and i > 0
+                  and evs[i - 1].kind == Kind.JOB_STATE and evs[i - 1].payload.get("previous") == "STOPPED"]
+    first_plan = next(e.payload for e in evs if e.kind == Kind.PLAN)
+    assert after_stop and all((p["P"], p["D"], p["micro_batch_size"]) == (2, 1, 2) for p in [first_plan, *after_stop]), \
+        [(e.kind, e.payload.get("P"), e.payload.get("D"), e.payload.get("micro_batch_size"), e.payload.get("state"))
+         for e in evs]
     capsys.readouterr()
     assert main(["status", str(tmp_path / "runs")]) == 0
     table = capsys.readouterr().out

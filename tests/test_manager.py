@@ -279,6 +279,10 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
         os.killpg(first.pid, signal.SIGKILL)          # the manager dies; its workers run on
         first.wait(10)
         assert _worker_pids(run), "the workers should outlive the killed manager"
+        from varuna_sdk.manager.runs import read_run
+
+        info = read_run(run)   # the tools see that no manager runs it (the kernel freed its lock)
+        assert info.orphaned and info.state_text == "RUNNING (no manager)", (info.state, info.manager)
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     finally:
         if first.poll() is None:

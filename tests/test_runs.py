@@ -53,7 +53,7 @@ def test_the_sentence_says_vm_cause_choice_phases_and_what_was_lost():
     assert s.startswith("at 30 s: VM vm2 was lost without notice; re-planned P=2 x D=2 on vm0, vm1, vm2 -> "
                         "P=1 x D=2 on vm0, vm1"), s
     assert "(the fastest predicted of 5 feasible plan(s): P=1 x D=2 8.0 ex/s (chosen); P=2 x D=1 6.5 ex/s)" in s
-    assert ", 9.0 s down (stop 4.0 s, re-plan 0.5 s, start workers 1.5 s, first step 3.0 s)" in s
+    assert ", 9.0 s down (stop 4.0 s, re-plan 0.5 s, start workers 1.5 s, resume + first step 3.0 s)" in s
     assert s.endswith("3 step(s) redone: resumed from the checkpoint of step 40"), s
     # a payload from before phases and candidates were recorded, or a mangled one, still reads
     old = morph_sentence({"cause": "notice", "host": "vm1", "old": {"P": 2, "D": 1}, "new": {"P": 1, "D": 1},

@@ -185,11 +185,20 @@ def _launch(args: argparse.Namespace) -> int:
     elif args.hosts:
         from .cluster.provider import HostFileProvider
 
-        provider = HostFileProvider(args.hosts)
+        try:
+            provider = HostFileProvider(args.hosts)
+        except FileNotFoundError as e:
+            print(f"varuna: {e}", file=sys.stderr)
+            return 2
+    from .manager.manager import ManagerError
+
     try:
         summary = launch_job(job, run_dir=args.run_dir, provider=provider, job_id=args.job_id,
                              heartbeat_interval_s=args.heartbeat, signals=True,
                              generation_options={"orphan_after_s": args.orphan_after})
+    except ManagerError as e:   # another manager runs the folder; a job that cannot go on
+        print(f"varuna: {e}", file=sys.stderr)
+        return 2
     finally:
         if provider is not None:
             provider.close()
@@ -223,7 +232,10 @@ def _run_folder_command(args: argparse.Namespace) -> int:
             print(runs.format_runs(infos))
             if len(infos) == 1 and (Path(args.run) / "events.db").is_file():
                 r = infos[0]
-                print(f"\n{r.state}: {r.reason}")
+                print(f"\n{r.state_text}: {r.reason}")
+                if r.orphaned:
+                    print(f"no manager runs this job now (killed or crashed); `varuna launch "
+                          f"{Path(args.run) / 'config.yaml'} --run-dir {args.run}` continues it")
                 print(f"cost so far: {r.cost_text}")
                 if r.drift is not None:
                     print(f"estimate: {runs.drift_sentence(r.drift, r.read_at)}")
@@ -234,6 +246,11 @@ def _run_folder_command(args: argparse.Namespace) -> int:
             info = runs.read_run(args.run)
             if not info.active:
                 print(f"varuna: job {info.name} is {info.state} already; nothing to stop", file=sys.stderr)
+                return 1
+            if info.orphaned:
+                print(f"varuna: no manager is running job {info.name} (it was killed or crashed while "
+                      f"{info.state}); its workers stop by themselves with a checkpoint, and `varuna launch "
+                      f"{Path(args.run) / 'config.yaml'} --run-dir {args.run}` continues the job", file=sys.stderr)
                 return 1
             runs.request_stop(args.run)
             print(f"[varuna] asked job {info.name} to stop at the next mini-batch boundary (with a checkpoint)")
@@ -249,7 +266,7 @@ def _run_folder_command(args: argparse.Namespace) -> int:
                 return 1
             return 0
         return _logs(args, runs)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, NotADirectoryError) as e:
         print(f"varuna: {e}", file=sys.stderr)
         return 2
 
@@ -278,7 +295,7 @@ def _logs(args: argparse.Namespace, runs) -> int:
         else:
             for f in runs.worker_logs(run):
                 if f not in offsets:
-                    print(f"===== {f.parent.name} =====", flush=True)
+                    print(f"===== {runs.log_label(f)} =====", flush=True)
                     offsets[f] = 0
                 with open(f, "rb") as fh:
                     fh.seek(offsets[f])
@@ -291,7 +308,8 @@ def _logs(args: argparse.Namespace, runs) -> int:
                     new += 1
         if not args.follow:
             return 0
-        if new or runs.read_run(run).active:
+        info = runs.read_run(run)
+        if new or (info.active and not info.orphaned):
             quiet_since = None
         else:
             quiet_since = quiet_since or time.time()

@@ -141,6 +141,7 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
         check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
     check_store_url(job)
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)
+    check_continuation(job, out)
     make_run_folder(out, "the run folder (--run-dir)")
     for name, blob in files.items():  # the user's code, readable by the user only
         if not (out / name).exists():
@@ -151,6 +152,48 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     if not (out / "config.yaml").exists():
         job.to_yaml(out / "config.yaml")
     return job, out, resolved
+
+
+#: what a continued run must keep: its checkpoints hold this model, trained on these examples
+CONTINUED_FIELDS = ("model", "data.tokenizer", "data.seq_len", "data.corpus", "data.path", "data.dataset",
+                    "data.dataset_kwargs", "parallel.global_batch", "train.seed", "train.precision")
+
+
+def check_continuation(job: JobConfig, run_dir: Path) -> None:
+    """A run folder that holds a started job (``events.db`` and ``config.yaml``) is continued: the
+    config given must train the same model on the same examples (``CONTINUED_FIELDS``), or its
+    checkpoint cannot be loaded — found now, not after a calibration and a failed generation that
+    would mark the run FAILED. Other fields (steps, lr, checkpointing, launch) may change. Raises
+    ``ConfigError`` naming each differing field with both values."""
+    old_path = Path(run_dir) / "config.yaml"
+    if not (Path(run_dir) / "events.db").is_file() or not old_path.is_file():
+        return
+    try:
+        old = JobConfig.from_yaml(old_path).to_dict()
+    except (ConfigError, OSError, ValueError):
+        return   # a folder's unreadable config: the job's own checks decide
+    new = job.to_dict()
+
+    def get(d, dotted):
+        for k in dotted.split("."):
+            d = d.get(k) if isinstance(d, dict) else None
+        return d
+
+    diffs = []
+    for f in CONTINUED_FIELDS:
+        a, b = get(old, f), get(new, f)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{f}.{k}: {a.get(k)!r} in the run, {b.get(k)!r} here" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)]
+        else:
+            diffs.append(f"{f}: {a!r} in the run, {b!r} here")
+    if diffs:
+        raise ConfigError(f"{run_dir} holds a job that trains another model or other examples than this config "
+                          f"({'; '.join(diffs[:6])}{'; ...' if len(diffs) > 6 else ''}); its checkpoints cannot "
+                          f"continue this one. Continue it as it was: `varuna launch {old_path} --run-dir {run_dir}`; "
+                          "or run this config in another --run-dir")
 
 
 def plan_job(job: JobConfig, profile=None):
@@ -206,11 +249,18 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     (``heartbeat_interval_s``, ``generation_options``, ``calibrate_first``...). Raises
     (``prepare_run``) before anything starts when the job cannot run. The provider is closed at
     the end (no worker left running) when this function made it. ``signals``: SIGINT/SIGTERM stop
-    the job at a boundary with a checkpoint (``stop_on_signals``; the CLI's way).
+    the job at a boundary with a checkpoint (``stop_on_signals``; the CLI's way). Raises
+    ``manager.ManagerError`` at once when another manager runs ``run_dir`` now.
     """
     from .cluster.provider import LocalProvider
-    from .manager.manager import Manager
+    from .manager.manager import Manager, ManagerError
+    from .manager.runs import RunBusy, check_run_free
 
+    if run_dir is not None:
+        try:
+            check_run_free(run_dir)   # before any work: a live run is never taken over
+        except RunBusy as e:
+            raise ManagerError(str(e)) from None
     job, out, resolved = prepare_run(job, run_dir, objects)
     own = provider is None
     provider = provider or LocalProvider(job.launch.gpus)

@@ -55,7 +55,7 @@ from ..config import ConfigError, JobConfig
 from .decisions import (DriftRule, GrowRule, StragglerRule, compute_ratios, find_stragglers, pool_slots,
                         segment_factors, step_time_drift, steps_lost, worker_slots)
 from .events import Event, EventLog, Kind
-from .runs import clear_stop, watch_stop_requests
+from .runs import RunBusy, acquire_run_lock, clear_stop, watch_stop_requests
 
 _log = logging.getLogger(__name__)
 
@@ -101,6 +101,10 @@ class JobState(str, enum.Enum):
     @property
     def terminal(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+class CalibrationFailed(RuntimeError):
+    """Measuring the model for the planner failed (its code raised): not retried."""
 
 
 class ManagerError(RuntimeError):
@@ -157,8 +161,9 @@ HISTORY = 5   # heartbeats per rank kept for the drift estimate (one per step)
 
 MORPH_PHASES = ("stop", "wait_for_vms", "replan", "start_workers", "first_step")
 """A morph's downtime in order: the old generation stopping (checkpoint at the boundary, or
-killed after a loss), waiting for usable VMs, planning, starting the workers (spawn or SSH,
-rendezvous), and the first step (checkpoint load plus one step)."""
+killed after a loss), waiting for usable VMs, planning, starting the workers (spawn or SSH, until
+every worker's first heartbeat), and the first step (process group, model build, checkpoint
+load, one step)."""
 
 
 def morph_phases(start: float, marks: dict[str, float]) -> dict[str, float]:
@@ -321,9 +326,12 @@ class Manager:
         self._step_times: list[float] = []           # the running generation's measured step times (s)
         self._last_failure: str | None = None         # the last line of the last worker failure
         self._last_plan: tuple | None = None          # (pool's VM names, what _replan returned) of the last launch
+        self._joined: set[int] = set()                # ranks of this generation that said hello
+        self._world = 0                               # how many it has
         self._hb_last_step: dict[int, int] = {}
         self._last_step: int | None = None
         self._pending: MorphRecord | None = None
+        self._lock_fd: int | None = None              # the run folder's manager lock while running
         self._restored = self._restore()
 
     # ------------------------------------------------------------------ persistence (restart)
@@ -349,10 +357,10 @@ class Manager:
         if last == JobState.FAILED:   # a relaunched failed run says why it failed, not "None"
             self.error = (f"this run failed before and is not run again (start a new run folder): "
                           f"{states[-1].payload.get('reason') or 'no reason was recorded'}")
-        if last.terminal:
-            return True
         if plans and isinstance(plans[0].payload.get("micro_batch_size"), int):
             self._micro_batch_size = plans[0].payload["micro_batch_size"]   # the job's, kept by every morph
+        if last.terminal:   # (a STOPPED job continued keeps it too: the same dropout masks per example)
+            return True
         if plans:
             self._pending = MorphRecord(time=time.time(), cause="manager_restart",
                                         old={k: plans[-1].payload.get(k) for k in ("P", "D", "gpus", "micro_batch_size", "hosts")},
@@ -361,9 +369,11 @@ class Manager:
 
     # -------------------------------------------------------------------------------- public
     def start(self) -> "Manager":
-        """Run the job in a background thread (for notebooks); returns at once."""
+        """Run the job in a background thread (for notebooks); returns at once. Raises
+        ``ManagerError`` when another manager runs this run folder now (``runs.acquire_run_lock``)."""
         if self._thread is not None and self._thread.is_alive():
             raise ManagerError(f"job {self.job_id} is already running in this manager")
+        self._take_lock()
         self._thread = threading.Thread(target=self._run_safe, name=f"varuna-manager-{self.job_id}", daemon=True)
         self._thread.start()
         return self
@@ -389,6 +399,9 @@ class Manager:
         """Run the job to the end in this thread; returns SUCCEEDED, FAILED or STOPPED.
         Raises ``ManagerError`` (after recording FAILED) when it cannot go on."""
         if self.state in (JobState.SUCCEEDED, JobState.FAILED) and self._restored:
+            if self._lock_fd is not None:   # taken by start(): nothing to run
+                os.close(self._lock_fd)
+                self._lock_fd = None
             return self.state
         return self._run()
 
@@ -420,13 +433,29 @@ class Manager:
     def _on_gen_event(self, ev: Event, generation: int) -> None:
         if ev.kind in (Kind.HOST_LOST,) and generation == self.generation:  # never a past generation's
             self._q.put(("lost", ev))
+        elif ev.kind == Kind.WORKER_JOINED and generation == self.generation and ev.rank is not None:
+            self._joined.add(ev.rank)   # (the heartbeat server's thread: one set add, one mark)
+            pending = self._pending
+            if pending is not None and len(self._joined) >= self._world:
+                pending.mark("start_workers", ev.time, first_only=True)   # every worker said hello
 
     def profile(self):
+        """The calibration plans are made from (the job's cached ``calibrate_job``, measured now
+        when there is none). Raises ``CalibrationFailed`` when measuring the model fails — its code
+        fails the same way on every try, so the job fails with that error, not "no plan fits"."""
         if self._profile is None:
             from ..trainer import calibrate_job
 
-            self._profile = calibrate_job(self.job, run_dir=self.run_dir)
+            self._log_state_note("calibrating the model (once per model and input shape; cached)")
+            try:
+                self._profile = calibrate_job(self.job, run_dir=self.run_dir)
+            except Exception as e:  # noqa: BLE001 - reported as the job's failure
+                raise CalibrationFailed(f"{type(e).__name__}: {e}") from e
         return self._profile
+
+    def _log_state_note(self, message: str) -> None:
+        _log.info("job %s: %s", self.job_id, message)
+        self.log.append("calibration_started", job_id=self.job_id, payload={"message": message})
 
     def _provider_hosts(self) -> list[Host]:
         return self.provider.all_hosts() if hasattr(self.provider, "all_hosts") else self.provider.hosts()
@@ -586,7 +615,16 @@ class Manager:
         self.log.append(Kind.MORPH, job_id=self.job_id, host=rec.host, payload=rec.to_dict())
 
     # ---------------------------------------------------------------------------- main loop
+    def _take_lock(self) -> None:
+        """One manager per run folder: a second launch on a live run is refused, not a takeover."""
+        if self._lock_fd is None:
+            try:
+                self._lock_fd = acquire_run_lock(self.run_dir)
+            except RunBusy as e:
+                raise ManagerError(str(e)) from None
+
     def _run(self) -> JobState:
+        self._take_lock()
         clear_stop(self.run_dir)   # a request left from before this launch: the launch answers it
         done = threading.Event()
         watch_stop_requests(self.run_dir, self._stop_requested, done)
@@ -594,6 +632,9 @@ class Manager:
             return self._run_generations()
         finally:
             done.set()
+            fd, self._lock_fd = self._lock_fd, None
+            if fd is not None:
+                os.close(fd)   # releases the run folder
 
     def _stop_requested(self, req: dict) -> None:
         """``varuna stop`` (a stop request file in the run folder, ``manager.runs``): as ``cancel``."""
@@ -602,6 +643,9 @@ class Manager:
         self.cancel()
 
     def _run_generations(self) -> JobState:
+        # a job's first launch, and a stopped job launched again, start with the configured P x D
+        # (when the pool holds it); a morph or a restarted manager plans for the pool
+        first = self.generation == 0 or self.state == JobState.STOPPED
         if self.state == JobState.PENDING:
             self._set(JobState.PROVISIONING, "starting")
         elif self.state == JobState.STOPPED:
@@ -611,7 +655,6 @@ class Manager:
             self._set(JobState.RECOVERING, "manager restarted; continuing the job")
             self._wait_for_orphans()
         self._attach_provider()
-        first = self.generation == 0
         while True:
             if self._cancel.is_set():
                 self._set(JobState.STOPPED, "stopped by the user")
@@ -630,6 +673,9 @@ class Manager:
                     job_g, pl, row, used = self._last_plan[1]   # a retry on the same VMs: the same plan
                 else:
                     job_g, pl, row, used = self._replan(hosts, first=first)
+            except CalibrationFailed as e:
+                return self._fail(f"calibrating the model failed (not retried: the same code fails the same way; "
+                                  f"fix it and launch again): {e}")
             except (ConfigError, ValueError) as e:
                 return self._fail(f"no plan fits the {pool_slots(hosts)} worker slots available: {e}")
             self._last_plan = (pool, (job_g, pl, row, used))
@@ -702,6 +748,7 @@ class Manager:
 
         gen = Generation(job_g, used, self.run_dir, events=self.log, job_id=self.job_id, generation=self.generation,
                          heartbeat_interval_s=self.heartbeat_interval_s, **self.generation_options)
+        self._joined, self._world = set(), job_g.parallel.P * job_g.parallel.D
         gen.subscribe(lambda ev, g=self.generation: self._on_gen_event(ev, g))
         self._history.clear()
         self._hb_last_step.clear()
@@ -709,9 +756,7 @@ class Manager:
         run = _Running(gen=gen, job=job_g, plan=pl, row=row, hosts=used, started=time.time(),
                        predicted_stage_s=per_stage, profile=self._profile if pl is not None else None)
         try:
-            gen.start()
-            if self._pending is not None:
-                self._pending.mark("start_workers")
+            gen.start()   # (returns once the workers are spawned; they are started when each says hello)
         except Exception as e:  # a VM lost during bootstrap, an unreachable VM...
             gen.stop(grace_s=2.0)
             self.log.append("generation_failed", job_id=self.job_id,
@@ -882,14 +927,14 @@ class Manager:
             return
         try:
             _, _, row, _ = self._replan(hosts, first=False, best_only=True)
-        except (ConfigError, ValueError):
+        except (ConfigError, ValueError, CalibrationFailed):
             return
         since = time.time() - max(self._last_morph_time, run.started)
         if run.row is None:  # started without a calibration: plan the running configuration now
             try:
                 self.profile()  # calibrate now (cached by the model's identity)
                 _, run.plan, run.row, _ = self._replan(run.hosts, first=True, best_only=True)
-            except (ConfigError, ValueError):
+            except (ConfigError, ValueError, CalibrationFailed):
                 return
         # the running plan as the profile the new one was planned from predicts it (re-simulated
         # from heartbeats once the estimate drifted): the same yardstick for both
@@ -1053,5 +1098,5 @@ def _on_this_machine(h: Host) -> bool:
     return is_local(h) or h.is_loopback
 
 
-__all__ = ["Manager", "JobState", "MorphRecord", "MORPH_PHASES", "morph_phases", "plan_candidates", "ManagerError",
+__all__ = ["Manager", "JobState", "MorphRecord", "CalibrationFailed", "MORPH_PHASES", "morph_phases", "plan_candidates", "ManagerError",
            "judge_straggler"]

@@ -37,9 +37,9 @@ from ..config import TrainConfig
 from .billing import BILLED_KINDS, Billing, cost_text
 from .events import Event, EventLog, Kind
 
-__all__ = ["RunInfo", "STOP_FILE", "TERMINAL", "clear_stop", "drift_sentence", "event_sentence", "find_runs",
-           "format_runs", "log_tail", "morph_sentence", "read_run", "request_stop", "stop_requested", "watch_stop_requests",
-           "worker_logs"]
+__all__ = ["LOCK_FILE", "RunBusy", "RunInfo", "STOP_FILE", "TERMINAL", "acquire_run_lock", "check_run_free", "clear_stop", "clip",
+           "drift_sentence", "event_sentence", "find_runs", "format_runs", "log_label", "log_tail", "morph_sentence",
+           "read_run", "request_stop", "run_lock_holder", "stop_requested", "watch_stop_requests", "worker_logs"]
 
 STOP_FILE = "stop-request.json"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -73,6 +73,18 @@ class RunInfo:
     read_at: float = 0.0
     cost: dict | None = None
     drift: dict | None = None
+    manager: dict | None = None   # who runs it now (``run_lock_holder``); None: no live manager
+
+    @property
+    def orphaned(self) -> bool:
+        """Its last state is an active one but no manager holds the run folder: the manager was
+        killed or crashed (its workers stop by themselves; ``varuna launch`` continues the job)."""
+        return self.active and self.manager is None
+
+    @property
+    def state_text(self) -> str:
+        """``state``, marked when no manager is running the job although its state says so."""
+        return f"{self.state} (no manager)" if self.orphaned else self.state
 
     @property
     def cost_text(self) -> str:
@@ -98,6 +110,9 @@ def find_runs(path: str | Path) -> list[Path]:
                                 "of runs (by default runs/ where you launched)")
     if (p / "events.db").is_file():
         return [p]
+    if not p.is_dir():
+        raise FileNotFoundError(f"{str(p)!r} is a file, not a folder; give a run folder (holding events.db) or "
+                                "the folder of runs")
     runs = [d for d in p.iterdir() if d.is_dir() and (d / "events.db").is_file()]
     return sorted(runs, key=lambda d: (d / "events.db").stat().st_mtime, reverse=True)
 
@@ -121,7 +136,7 @@ def _plan_text(p: dict | None) -> str:
 
 
 _PHASE_WORDS = {"stop": "stop", "wait_for_vms": "wait for VMs", "replan": "re-plan", "start_workers": "start workers",
-                "first_step": "first step"}
+                "first_step": "resume + first step"}
 
 
 def _choice_text(m: dict) -> str:
@@ -243,17 +258,40 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
                                        f"{', '.join(p.get('hosts') or [])}"),
         "generation_ended": lambda: (f"generation {p.get('generation')} ended: {p.get('status')} after "
                                      f"{p.get('seconds', 0):.0f} s, last step {p.get('last_step')}"),
-        "stop_request_received": lambda: f"asked to stop from outside ({p.get('by')})",
+        "calibration_started": lambda: str(p.get("message") or "calibrating the model"),
+        "grow_decision": lambda: (f"VMs free: a plan on them would run {_num(p.get('new_examples_per_s'))} examples/s "
+                                  f"against {_num(p.get('current_examples_per_s'))} now: "
+                                  f"{'grow' if p.get('decision') == 'grow' else 'stay (gain below ' + _num(p.get('min_gain')) + 'x or in the cooldown)'}"),
+        "warning": lambda: f"warning: {p.get('message')}",
+        Kind.HEARTBEAT_SERVER_STOPPED: lambda: "heartbeat server stopped",
         "stop_requested": lambda: f"workers asked to stop at the next mini-batch boundary ({p.get('reason')})",
+        "stop_request_received": lambda: f"asked to stop from outside ({p.get('by')})",
         Kind.STRAGGLER: lambda: (f"rank {p.get('rank')} runs {p.get('slowdown', 0):.1f}x slower than its peers: "
                                  f"{p.get('action')}"),
     }.get(k)
     if text is None:
-        return f"{at}{k}" + (f" ({vm})" if e.host else "") + (f": {json.dumps(p)[:200]}" if p else "")
+        return f"{at}{k}" + (f" ({vm})" if e.host else "") + (f": {_brief(p)}" if p else "")
     try:
         return at + text()
     except (KeyError, TypeError, ValueError, IndexError):
-        return f"{at}{k}: {json.dumps(p)[:200]}"
+        return f"{at}{k}: {_brief(p)}"
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def _brief(p: dict, n: int = 200) -> str:
+    """A payload as ``key=value`` pairs, numbers to 4 significant digits, cut to ``n`` characters."""
+    def show(v):
+        if isinstance(v, float):
+            return _num(v)
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {show(x)}" for k, x in list(v.items())[:4]) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(show(x) for x in v[:4]) + (", ..." if len(v) > 4 else "") + "]"
+        return str(v)
+    return clip(", ".join(f"{k}={show(v)}" for k, v in p.items()), n)
 
 
 def _steps_total(run: Path) -> int | None:
@@ -317,7 +355,7 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
                    plan=_plan_text(plans[-1].payload) if plans else "-", morphs=morphs,
                    last_event=event_sentence(last[0]) if last else "",
                    error=reason if state == "FAILED" else None, started=start, read_at=now,
-                   cost=billing.cost(end),
+                   cost=billing.cost(end), manager=run_lock_holder(run),
                    drift=drifts[-1].payload if drifts and plans and drifts[-1].payload.get("generation") ==
                    plans[-1].payload.get("generation") else None)
 
@@ -325,6 +363,11 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
 def _latest_metrics(log: EventLog) -> list[dict]:
     """The latest ``RECENT_STEPS`` metrics rows (by id) that name their step, oldest first."""
     return [m for m in log.metrics(last=RECENT_STEPS) if isinstance(m.get("step"), int)]
+
+
+def clip(text: str, n: int) -> str:
+    """``text`` cut at a word boundary to at most ``n`` characters, with an ellipsis when cut."""
+    return text if len(text) <= n else text[: n - 1].rsplit(" ", 1)[0] + " …"
 
 
 def format_runs(runs: list[RunInfo]) -> str:
@@ -336,9 +379,9 @@ def format_runs(runs: list[RunInfo]) -> str:
         step = f"{r.steps_done}/{r.steps_total if r.steps_total is not None else '?'}"
         if r.percent is not None:
             step += f" ({r.percent:.0f} %)"
-        rows.append((r.name, r.state, r.plan, step, _fmt_s(r.elapsed_s), _fmt_s(r.eta_s), cost_text(r.cost, short=True),
+        rows.append((r.name, r.state_text, r.plan, step, _fmt_s(r.elapsed_s), _fmt_s(r.eta_s), cost_text(r.cost, short=True),
                      str(len(r.morphs)),
-                     r.last_event[:70]))
+                     clip(r.last_event, 70)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * max(len(x) for x in lines))
@@ -346,9 +389,17 @@ def format_runs(runs: list[RunInfo]) -> str:
 
 
 def worker_logs(run: str | Path) -> list[Path]:
-    """The workers' output files of every generation, in generation order."""
+    """The workers' output files of every generation, in generation order (``gen<g>/workers.log``,
+    as their manager received it), then what each worker wrote itself once no manager read its
+    output (``worker-<rank>.log``: after the manager was killed)."""
     gens = [d for d in Path(run).glob("gen*") if d.is_dir() and d.name[3:].isdigit()]
-    return [d / "workers.log" for d in sorted(gens, key=lambda d: int(d.name[3:])) if (d / "workers.log").is_file()]
+    own = sorted(Path(run).glob("worker-*.log"))
+    return [d / "workers.log" for d in sorted(gens, key=lambda d: int(d.name[3:])) if (d / "workers.log").is_file()] + own
+
+
+def log_label(path: Path) -> str:
+    """How a file of ``worker_logs`` is named to people: ``gen3`` or ``worker-1.log``."""
+    return path.parent.name if path.name == "workers.log" else path.name
 
 
 def log_tail(path: str | Path, max_bytes: int = 64 * 1024) -> str:
@@ -365,6 +416,76 @@ def log_tail(path: str | Path, max_bytes: int = 64 * 1024) -> str:
     if size > max_bytes:   # the first line is cut: drop it
         chunk = chunk[chunk.find(b"\n") + 1:]
     return chunk.decode("utf-8", "replace")
+
+
+# ------------------------------------------------------------------------------ the run lock
+LOCK_FILE = "manager.lock"
+
+
+class RunBusy(RuntimeError):
+    """Another manager runs this run folder now (its lock is held)."""
+
+
+def acquire_run_lock(run_dir: str | Path) -> int:
+    """Take the run folder's manager lock (``RUN_DIR/manager.lock``, an exclusive ``flock``) and
+    write who holds it (pid, host, since); returns the open descriptor — close it to release. The
+    kernel releases it when the process ends however it ends (kill -9 included), so a crashed
+    manager never blocks the next launch; workers do not inherit it. Raises ``RunBusy`` naming the
+    holder when another manager (another process, or another job object here) runs the folder."""
+    import fcntl
+    import socket
+
+    path = Path(run_dir) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunBusy(_busy(run_dir, run_lock_holder(run_dir) or {})) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+    return fd
+
+
+def _busy(run_dir: str | Path, who: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(who["since"])) if isinstance(
+        who.get("since"), (int, float)) else "?"
+    return (f"run folder {str(run_dir)!r} is being run by another manager (pid {who.get('pid', '?')} on "
+            f"{who.get('host', '?')}, since {since}): `varuna status {run_dir}` shows it, `varuna stop {run_dir}` "
+            "stops it; to run this config as another job, give another --run-dir")
+
+
+def check_run_free(run_dir: str | Path) -> None:
+    """Raise ``RunBusy`` (as ``acquire_run_lock`` would) when a live manager runs ``run_dir`` —
+    a cheap check before a launch does any work."""
+    who = run_lock_holder(run_dir)
+    if who is not None:
+        raise RunBusy(_busy(run_dir, who))
+
+
+def run_lock_holder(run_dir: str | Path) -> dict | None:
+    """Who holds the run folder's manager lock now (``{"pid", "host", "since"}``), or None when no
+    live manager does (never started, finished, or killed). Never takes the lock for long."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                d = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                d = {}
+            return d if isinstance(d, dict) else {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ stop requests
