@@ -60,6 +60,8 @@ def test_unknown_keys_are_rejected_with_the_valid_ones_listed():
         JobConfig.from_yaml_text("trainer:\n  steps: 3\n")
     with pytest.raises(ConfigError, match="section 'train' must be a mapping"):
         JobConfig.from_yaml_text("train: 5\n")
+    with pytest.raises(ConfigError, match=r"\(did you mean 'steps' for 'stpes'\?\)"):   # a typo gets the near key
+        JobConfig.from_yaml_text("train:\n  stpes: 3\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         JobConfig.from_yaml_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="does not exist"):

@@ -613,7 +613,12 @@ def _build(cls: type, value: Any, section: str):
     names = {f.name for f in fields(cls)}
     unknown = set(value) - names
     if unknown:
-        raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section!r}; valid keys: {sorted(names)}")
+        import difflib
+
+        near = {k: difflib.get_close_matches(str(k), names, n=1) for k in sorted(unknown, key=str)}
+        hint = "; ".join(f"did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m)
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section!r}; valid keys: {sorted(names)}"
+                          + (f" ({hint})" if hint else ""))
     return cls(**value)
 
 

@@ -153,14 +153,15 @@ def compute_ratios(history: Mapping[int, Sequence[float]], predicted: Mapping[in
 def segment_factors(ratios: Mapping[int, float], stages: Sequence[Sequence[int]], P: int,
                     n_segments: int) -> list[float]:
     """Per cut-point segment, the factor by which the live job's compute differs from the
-    calibration: the median ratio over the replicas of the stage that ran it (a single slow
-    replica — a straggler — does not move it); 1.0 for a stage with no sample. ``ratios``: rank
-    -> ratio (``compute_ratios``), rank = replica * P + stage; ``stages``: segment indices per
-    stage."""
+    calibration: the smallest ratio over the replicas of the stage that ran it — what a healthy
+    worker does now (contention slows them all; a straggler, one: it must not make every later
+    plan look slow, nor hide that the job is faster without it); 1.0 for a stage with no sample.
+    ``ratios``: rank -> ratio (``compute_ratios``), rank = replica * P + stage; ``stages``:
+    segment indices per stage."""
     f = [1.0] * n_segments
     for s, segs in enumerate(stages):
         xs = [r for rank, r in ratios.items() if rank % P == s]
-        k = statistics.median(xs) if xs else 1.0
+        k = min(xs) if xs else 1.0
         for i in segs:
             if 0 <= i < n_segments:
                 f[i] = k

@@ -216,7 +216,7 @@ class _Running:
     stopping: tuple[str, str | None, float] | None = None  # (cause, host, when asked)
     stop_deadline: float = math.inf
     profile: Any = None                      # the calibration this generation was planned from
-    drift_reported: float | None = None      # the drift last recorded in an estimate_drift event
+    estimate_s: float | None = None          # the latest re-calibrated step time (None: the plan's)
     recalibrated_examples_per_s: float | None = None   # the running plan re-simulated from heartbeats
 
 
@@ -471,11 +471,13 @@ class Manager:
                 not (h.name in self._suspect and self._suspect[h.name] > now - SUSPECT_S
                      and not _answers(h))]
 
-    def _replan(self, hosts: list[Host], *, first: bool, best_only: bool = False
+    def _replan(self, hosts: list[Host], *, first: bool, best_only: bool = False, profile=None
                 ) -> tuple[JobConfig, Any, Any, list[Host]]:
         """Best plan for ``hosts``; returns (job for it, Plan, row, hosts used in rank order).
         ``best_only``: a what-if that needs only the best row (a best-only search, about linear in
-        the GPUs); the plan a generation runs, shown on the dashboard, simulates every depth."""
+        the GPUs); the plan a generation runs, shown on the dashboard, simulates every depth.
+        ``profile``: plan from this calibration instead of the job's current one (a what-if that
+        must use the same yardstick as the running plan)."""
         from ..planner.plan import plan_for_job
 
         G = pool_slots(hosts)
@@ -498,7 +500,7 @@ class Manager:
             pinned = [p0.micro_batch_size]
         try:
             try:
-                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
                                          keep_fixed=first, exhaustive=not best_only, micro_batch_sizes=pinned)
             except ConfigError:
                 if pinned is None:
@@ -507,7 +509,7 @@ class Manager:
                        "ops (dropout) draw other masks from here on")
                 _log.warning("job %s: %s", self.job_id, msg)
                 self.log.append("warning", job_id=self.job_id, payload={"message": msg})
-                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
                                          keep_fixed=first, exhaustive=not best_only)
         except ConfigError as e:
             if not first:
@@ -519,10 +521,10 @@ class Manager:
             job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
             job.parallel.boundaries = None
             try:   # ... P and D, with the configured micro-batch size when some plan has it
-                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
                                          keep_fixed=False, exhaustive=not best_only, micro_batch_sizes=pinned)
             except ConfigError:
-                job_g, pl = plan_for_job(job, self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
                                          keep_fixed=False, exhaustive=not best_only)
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
         if first and not best_only and self._micro_batch_size is None:
@@ -968,13 +970,17 @@ class Manager:
     def _check_drift(self, run: _Running) -> None:
         """Honest estimates: when the step time has drifted from the prediction (``self.drift``),
         re-simulate the running plan with each rank's measured/calibrated compute ratio, say so
-        in an ``estimate_drift`` event (again only when the drift moved by 10 points), and plan
-        later morphs from the calibration scaled by the measured stages."""
+        in an ``estimate_drift`` event (again only when the step time leaves that new estimate by
+        the rule's threshold too), and plan later morphs from the calibration scaled by the
+        measured stages. ``drift`` in the event is measured against the plan's prediction."""
         if run.row is None or run.plan is None or not run.predicted_stage_s:
             return
-        drift = step_time_drift(self._step_times, run.row.time_s, self.drift)
-        if drift is None or (run.drift_reported is not None and abs(drift - run.drift_reported) < 0.10):
+        # judged against the latest estimate (the plan's, then each re-calibrated one): one event
+        # per change of conditions, not one per wobble of an estimate already corrected
+        if step_time_drift(self._step_times, run.estimate_s or run.row.time_s, self.drift) is None:
             return
+        measured = statistics.median(self._step_times[-self.drift.steps:])
+        drift = measured / run.row.time_s - 1.0
         P, D = run.job.parallel.P, run.job.parallel.D
         predicted = {r: run.predicted_stage_s[r % P] for r in range(P * D)}
         ratios = compute_ratios(self._history, predicted, last=HISTORY)
@@ -993,14 +999,14 @@ class Manager:
             if base is not None:
                 factors = segment_factors(ratios, run.row.stages, P, len(base.segments))
                 self._profile = base.scaled(factors)   # later morphs plan from what this job measured
-        run.drift_reported = drift
+        run.estimate_s = recal_s or measured
         run.recalibrated_examples_per_s = recal_eps
         local = all(_on_this_machine(h) for h in run.hosts)
         prof = run.profile
         self.log.append(Kind.ESTIMATE_DRIFT, job_id=self.job_id, payload={
             "generation": self.generation, "drift": round(drift, 4), "steps": self.drift.steps,
             "threshold": self.drift.threshold, "predicted_step_s": run.row.time_s,
-            "measured_step_s": statistics.median(self._step_times[-self.drift.steps:]),
+            "measured_step_s": measured,
             "recalibrated_step_s": recal_s, "recalibrated_examples_per_s": recal_eps,
             "compute_ratio_by_stage": [round(statistics.median([v for r, v in ratios.items() if r % P == s]), 3)
                                        if any(r % P == s for r in ratios) else None for s in range(P)],
@@ -1026,7 +1032,8 @@ class Manager:
                 continue
             others = [h for h in self._usable_hosts() if h.name != host]
             try:
-                alt = self._replan(others, first=False, best_only=True)[2] if others else None
+                alt = (self._replan(others, first=False, best_only=True, profile=run.profile)[2]
+                       if others else None)   # (the running plan's calibration: the same yardstick)
                 exclude, with_it, without = judge_straggler(run.plan, run.row, rank, slowdown, alt)
             except (ConfigError, ValueError):
                 continue
