@@ -87,7 +87,8 @@ def test_window_and_compression_are_exact():
     ("# only a comment\n0,add,node 1\n", r"t.csv:2: node name 'node 1'"),
     ("abc,add,node1\n", r"t.csv:1: time 'abc' is not a whole number"),
     ("0,3\n10,-1\n", r"t.csv:2: count -1 must be in 0..100000"),
-    ("0,add,node1,extra\n", r"t.csv:1: expected 'ms,add\|remove,node' or 'ms,count'"),
+    ("0,add,node1,extra\n", r"t.csv:1: expected 'ms,add\|remove,node', 'ms,count' or 'date, time, count'"),
+    ("2023-03-01, 12:00, 5\n2023-03-01, noon, 4\n", r"t.csv:2: '2023-03-01', 'noon' is not a date \(YYYY-MM-DD\)"),
     ("\n# nothing\n", r"no events"),
 ])
 def test_malformed_traces_name_the_line(tmp_path, body, message):
@@ -115,6 +116,42 @@ def test_trace_arguments_and_count_traces(tmp_path):
         SpotEmulator(t, capacity=0)
     with pytest.raises(ValueError, match="backend='aws'"):
         SpotEmulator(t, capacity=1, backend="aws")
+
+
+@pytest.mark.timeout(60)
+def test_a_large_pools_count_trace_is_scaled_to_the_emulator_and_preempts_in_proportion(tmp_path, caplog):
+    """A count trace of a 64-VM pool (made here, as ``date, time, count`` rows) replayed on 4 local
+    slots: scaled to 4 VMs (each count x 4/64), its drops to 75 %, 50 % and 25 % of the peak
+    become 1, 2 and 3 pre-emptions of the emulator's VMs — the same removals counted from the
+    emulator's own events — where the unscaled trace, removing last in first out, never touches
+    the first 4 nodes (and the emulator says so)."""
+    import logging
+
+    pool = [64, 48, 64, 32, 64, 16, 16, 64]          # VMs up, one row a minute
+    p = tmp_path / "pool.csv"
+    p.write_text("# date, time, count\n" + "".join(f"2023-03-01, 12:{i:02d}:00, {c}\n" for i, c in enumerate(pool)))
+    t = load_trace(p, compress=240.0, scale_to=4, seed=7)       # a minute of trace in 0.25 s
+    assert t.format == "dated counts" and "peak of 64 VMs to 4" in t.note and t.max_nodes() == 4
+    drops = [max(0, round(a * 4 / 64) - round(b * 4 / 64)) for a, b in zip(pool, pool[1:])]
+    assert drops == [1, 0, 2, 0, 3, 0, 0] and t.counts()["remove"] == sum(drops) == 6
+    assert [e.t_s for e in t.events if e.kind == "remove"] == [0.25, 0.75, 0.75, 1.25, 1.25, 1.25]
+    again = load_trace(p, compress=240.0, scale_to=4, seed=7)  # seeded: the same VMs go
+    assert [e.node for e in again.events] == [e.node for e in t.events]
+    seen: list = []
+    emu = SpotEmulator(t, capacity=4, backend="local", notice_s=None)
+    emu.subscribe(seen.append)
+    try:
+        emu.start()
+        deadline = time.monotonic() + 30
+        while emu.removed_count < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        emu.close()
+    assert emu.removed_count == 6 and sum(ev.kind == "removed" for ev in seen) == 6, seen
+    # unscaled, last in first out: 60 of the 64 nodes never get a slot, the emulator warns
+    caplog.set_level(logging.WARNING, logger="varuna_sdk.cluster.spot")
+    SpotEmulator(load_trace(p), capacity=4, backend="local").close()
+    assert "load it with load_trace(..., scale_to=4)" in caplog.text
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,9 @@ line: a malformed row, a time going backwards, a node added twice or removed bef
 added), cuts a time window ``[start_s, end_s)`` in trace seconds — nodes alive at ``start_s``
 become ``add`` events at time 0 — and compresses time by ``compress`` (``compress=60``: an hour
 of trace replays in a minute). Count traces (``milliseconds,count`` rows: how many VMs are up)
-are accepted too: nodes are added and removed last-in-first-out to follow the count.
+and ``date, time, count`` rows are accepted too: nodes are added and removed to follow the count
+(``scale_to=capacity``: a large pool's counts scaled to the emulator's VMs, a seeded random VM
+going at each drop — without it a 64-VM trace on 4 slots would never touch them).
 
 **Emulator.** ``SpotEmulator(trace, capacity=4, backend="ssh" | "local", notice_s=...)`` is a
 ``Provider`` (``cluster.provider``) that owns up to ``capacity`` hosts — real sshd test hosts
@@ -96,6 +98,8 @@ class Trace:
     end_s: float | None = None
     compress: float = 1.0
     raw_events: int = 0
+    note: str = ""   # what load_trace changed (a count trace scaled to the emulator's capacity)
+    format: str = "events"   # the file's rows: "events", "counts" or "dated counts"
 
     @property
     def duration_s(self) -> float:
@@ -127,11 +131,19 @@ class Trace:
 
 
 def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | None = None,
-               compress: float = 1.0) -> Trace:
-    """Load a spot trace (``ms,add|remove,node`` or ``ms,count`` rows; ``#`` comments and blank
-    lines ignored), keep the window ``[start_s, end_s)`` in trace seconds (nodes alive at
-    ``start_s`` become ``add`` events at time 0), divide times by ``compress``. Raises
-    ``FileNotFoundError`` or ``TraceError`` (naming the file and line, and what is wrong)."""
+               compress: float = 1.0, scale_to: int | None = None, seed: int = 0) -> Trace:
+    """Load a spot trace (``ms,add|remove,node``, ``ms,count`` or ``date, time, count`` rows — e.g.
+    ``2023-03-01, 12:00:05, 57``; ``#`` comments and blank lines ignored), keep the window
+    ``[start_s, end_s)`` in trace seconds (nodes alive at ``start_s`` become ``add`` events at
+    time 0), divide times by ``compress``.
+
+    ``scale_to``: a count trace of a pool larger than that many VMs (the emulator's capacity) is
+    scaled to it — each count times ``scale_to / peak``, rounded, so availability keeps its
+    fraction of the peak — and the VM that goes at a drop is a seeded (``seed``) random choice
+    among those up, not the last one added (which on a small emulator would never touch its
+    slots). ``Trace.note`` says what was scaled. Without it, count traces add and remove last in,
+    first out. Raises ``FileNotFoundError`` or ``TraceError`` (naming the file and line, and what
+    is wrong)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace file {p} does not exist (the shipped traces are in varuna_sdk/data/spot-traces/)")
@@ -141,25 +153,38 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
         raise TraceError(f"window start_s={start_s!r}, end_s={end_s!r} must be finite numbers of seconds")
     if start_s < 0 or (end_s is not None and end_s <= start_s):
         raise TraceError(f"window start_s={start_s}, end_s={end_s}: need 0 <= start_s < end_s (seconds)")
+    if scale_to is not None and (not isinstance(scale_to, int) or isinstance(scale_to, bool) or scale_to < 1):
+        raise TraceError(f"scale_to={scale_to!r} must be an integer >= 1 (the emulator's capacity) or None")
     raw: list[tuple[int, str, str, int]] = []  # (ms, kind, node, line)
+    counts: list[tuple[int, int, int]] = []    # count traces: (ms, count, line), turned into events below
     fmt = None
     last_ms = -1
     alive: set[str] = set()
-    stack: list[str] = []  # count traces: LIFO
-    made = itertools.count()
+    t0_dated: float | None = None
     for no, text in enumerate(read_small_text(p, MAX_TRACE_BYTES, "trace file", TraceError).splitlines(), 1):
         line = text.split("#", 1)[0].strip()
         if not line:
             continue
         where = f"{p}:{no}"
         parts = [x.strip() for x in line.split(",")]
-        this = "events" if len(parts) == 3 else "counts" if len(parts) == 2 else None
+        this = ("events" if len(parts) == 3 and parts[1] in ("add", "remove", "grow") or len(parts) == 3 and
+                not _DATE.match(parts[0]) else "dated counts" if len(parts) == 3 else
+                "counts" if len(parts) == 2 else None)
         if this is None:
-            raise TraceError(f"{where}: expected 'ms,add|remove,node' or 'ms,count', got {text.strip()!r}")
+            raise TraceError(f"{where}: expected 'ms,add|remove,node', 'ms,count' or 'date, time, count', "
+                             f"got {text.strip()!r}")
         if fmt is None:
             fmt = this
         elif fmt != this:
             raise TraceError(f"{where}: a {this} row in a trace of {fmt} rows; use one format per file")
+        if fmt == "dated counts":   # date, time, count: milliseconds from the first row
+            try:
+                at = _parse_when(parts[0], parts[1])
+            except ValueError:
+                raise TraceError(f"{where}: {parts[0]!r}, {parts[1]!r} is not a date (YYYY-MM-DD) and a time "
+                                 "(HH:MM[:SS])") from None
+            t0_dated = at if t0_dated is None else t0_dated
+            parts = [str(int(round((at - t0_dated) * 1000))), parts[2]]
         try:
             ms = int(parts[0])
         except ValueError:
@@ -193,17 +218,12 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
                 raise TraceError(f"{where}: count {parts[1]!r} is not a whole number") from None
             if not 0 <= count <= MAX_TRACE_NODES:
                 raise TraceError(f"{where}: count {count} must be in 0..{MAX_TRACE_NODES} (nodes up at once)")
-            if len(raw) + abs(count - len(stack)) > MAX_TRACE_EVENTS:
-                raise TraceError(f"{where}: the trace makes more than {MAX_TRACE_EVENTS} events; cut it into "
-                                 "windows")
-            while len(stack) < count:
-                node = f"node{next(made)}"
-                stack.append(node)
-                raw.append((ms, "add", node, no))
-            while len(stack) > count:
-                raw.append((ms, "remove", stack.pop(), no))
+            counts.append((ms, count, no))
     if fmt is None:
         raise TraceError(f"{p}: no events (expected rows 'ms,add|remove,node' or 'ms,count')")
+    note = ""
+    if counts:
+        raw, note = _count_events(counts, p, scale_to, seed)
     lo, hi = start_s * 1000.0, None if end_s is None else end_s * 1000.0
     events: list[TraceEvent] = []
     up_at_start: dict[str, tuple[int, int]] = {}
@@ -218,7 +238,54 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
             break
         events.append(TraceEvent((ms - lo) / 1000.0 / compress, kind, node, ms, no))
     initial = [TraceEvent(0.0, "add", n, ms, 0) for n, (ms, _) in up_at_start.items()]
-    return Trace(initial + events, str(p), start_s, end_s, float(compress), len(raw))
+    return Trace(initial + events, str(p), start_s, end_s, float(compress), len(raw), note, fmt)
+
+
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def _parse_when(date: str, clock: str) -> float:
+    """Seconds since the epoch (UTC) of ``YYYY-MM-DD`` and ``HH:MM[:SS[.fff]]``; ``ValueError``."""
+    import datetime
+
+    if not _DATE.match(date):
+        raise ValueError(date)
+    for fmt in ("%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M"):
+        try:
+            return datetime.datetime.strptime(f"{date} {clock}", fmt).replace(tzinfo=datetime.timezone.utc).timestamp()
+        except ValueError:
+            continue
+    raise ValueError(clock)
+
+
+def _count_events(counts: list[tuple[int, int, int]], path: Path, scale_to: int | None,
+                  seed: int) -> tuple[list[tuple[int, str, str, int]], str]:
+    """A count trace's rows as add/remove events (and a note on any scaling): VMs follow each
+    count; with ``scale_to`` below the peak, counts are scaled to it and the VM that goes is a
+    seeded random one (see ``load_trace``)."""
+    import random
+
+    peak = max(c for _, c, _ in counts)
+    scale = scale_to / peak if scale_to is not None and peak > scale_to else None
+    rng = random.Random(seed)
+    up: list[str] = []
+    made = itertools.count()
+    raw: list[tuple[int, str, str, int]] = []
+    for ms, count, no in counts:
+        want = int(math.floor(count * scale + 0.5)) if scale is not None else count
+        if len(raw) + abs(want - len(up)) > MAX_TRACE_EVENTS:
+            raise TraceError(f"{path}:{no}: the trace makes more than {MAX_TRACE_EVENTS} events; cut it into windows")
+        while len(up) < want:
+            node = f"node{next(made)}"
+            up.append(node)
+            raw.append((ms, "add", node, no))
+        while len(up) > want:
+            gone = up.pop(rng.randrange(len(up))) if scale is not None else up.pop()   # else last in, first out
+            raw.append((ms, "remove", gone, no))
+    note = (f"count trace scaled from a peak of {peak} VMs to {scale_to}: each count x {scale_to}/{peak}, rounded "
+            f"(availability kept as a fraction of the peak); the VM that goes at a drop is a random one (seed {seed})"
+            if scale is not None else "")
+    return raw, note
 
 
 # ------------------------------------------------------------------------------------ emulator
@@ -251,6 +318,10 @@ class SpotEmulator(PoolProvider):
         if netns and backend != "ssh":
             raise ValueError("netns=True needs backend='ssh'")
         super().__init__(event_log=event_log, job_id=job_id)
+        if trace is not None and trace.format != "events" and not trace.note and trace.max_nodes() > capacity:
+            log.warning("count trace %s peaks at %d VMs but the emulator holds %d: nodes past the first %d are "
+                        "ignored, and removals may never reach them; load it with load_trace(..., scale_to=%d)",
+                        trace.source, trace.max_nodes(), capacity, capacity, capacity)
         self.trace, self.capacity, self.backend = trace, capacity, backend
         self.notice_s = float(notice_s or 0.0)
         self.initial = capacity if initial is None else initial
