@@ -306,7 +306,7 @@ class Dashboard:
                                                 sizing_mode="stretch_width", layout="fit_data_stretch",
                                                 selectable=False, **said)
         # the workers' output of a generation (the run folder's gen<N>/workers.log), newest first
-        self.log_pick = pn.widgets.Select(name="generation", options=[], width=220)
+        self.log_pick = pn.widgets.Select(label="generation", options=[], width=220)
         self.log_view = pn.pane.HTML('<pre class="logs">no worker output yet</pre>', stylesheets=[CSS],
                                      sizing_mode="stretch_width")
         self.log_pick.param.watch(lambda _e: self._safe(self._update_logs), "value")
