@@ -95,7 +95,7 @@ def _wait_steps(run, n, proc, timeout_s=120):
 def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tmp_path, capsys):
     """``varuna launch`` interrupted by Ctrl-C (SIGINT) stops at a mini-batch boundary with a
     checkpoint (exit 130, not a traceback, no worker left); the same command continues the job with
-    no step redone; ``varuna stop RUN`` stops it again the same way; ``varuna status`` and ``varuna
+    no step redone; ``varuna stop RUN`` stops it again the same way, and so does SIGTERM; ``varuna status`` and ``varuna
     logs`` show the run, its progress and its workers' output."""
     import signal
 
@@ -147,9 +147,21 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     finally:
         second.kill()
     assert second.returncode == 130, out
+    stopped_again = read_run(run).steps_done
+    assert stopped_again >= stopped_at + 8
+    third = _launch(cfg, run)             # ... and SIGTERM (a scheduler's kill) does the same as Ctrl-C
+    try:
+        _wait_steps(run, stopped_again + 3, third)
+        third.send_signal(signal.SIGTERM)
+        out = third.communicate(timeout=60)[0]
+    finally:
+        third.kill()
+    assert third.returncode == 130 and "SIGTERM: stopping at the next mini-batch boundary" in out, out
+    assert "Traceback" not in out, out
     info = read_run(run)
-    assert info.state == "STOPPED" and info.steps_done >= stopped_at + 8 and info.steps_total == 4000
-    assert set(steps_redone(run)) == {0}     # the continued generation redid nothing
+    assert info.state == "STOPPED" and info.steps_done >= stopped_again + 3 and info.steps_total == 4000
+    assert list((run / "checkpoints").glob(f"step-{info.steps_done:08d}-*")), "no checkpoint at the SIGTERM stop"
+    assert set(steps_redone(run)) == {0}     # no continued generation redid a step
     with EventLog.reader(run / "events.db") as log:   # ... each launch under the configured plan (P=2 x D=1, mbs 2)
         evs = log.events(kind=(Kind.PLAN, Kind.JOB_STATE))
     after_stop = [e.payload for i, e in enumerate(evs) if e.kind == Kind.PLAN and i > 0
@@ -177,4 +189,5 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     assert main(["logs", str(run), "--events"]) == 0
     events = capsys.readouterr().out
     assert "asked to stop from outside (SIGINT)" in events and "asked to stop from outside (varuna stop)" in events
+    assert "asked to stop from outside (SIGTERM)" in events
     assert not procs_left(str(run), timeout_s=10)
