@@ -215,14 +215,21 @@ def test_a_job_whose_loss_is_never_finite_fails_instead_of_succeeding(tmp_path):
         train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))
 
 
+def _call_shipped(fn) -> str:
+    return fn()
+
+
 def test_by_value_unpickles_only_checked_shipped_objects():
     """Only a ``Shipped`` (packed here, or read from a version- and SHA-256-checked objects file)
-    reaches cloudpickle; raw bytes from anywhere else are refused before anything is unpickled."""
-    import pickle
+    reaches cloudpickle; raw bytes from anywhere else are refused before anything is unpickled. A
+    local worker gets it in its job spec (multiprocessing's spawn), where it is checked again —
+    versions and digest — before it counts; a tampered one is refused."""
+    import dataclasses
+    import multiprocessing
 
     import cloudpickle
 
-    from varuna_sdk.shipping import ByValue, Shipped, find_objects, pack_objects
+    from varuna_sdk.shipping import ByValue, Shipped, ShippingError, _spawned_by_value, find_objects, pack_objects
 
     evil = cloudpickle.dumps(lambda: "ran")
     with pytest.raises(TypeError, match="ByValue loads only checked shipped objects"):
@@ -232,4 +239,11 @@ def test_by_value_unpickles_only_checked_shipped_objects():
     digest, _ = pack_objects({"factory": lambda: "ran"})   # the job spec's own path
     ok = ByValue(find_objects(digest), "factory")
     assert ok() == "ran"
-    assert pickle.loads(pickle.dumps(ok))() == "ran"   # in the job spec of a spawned local worker
+    with multiprocessing.get_context("spawn").Pool(1) as pool:   # the job spec of a spawned local worker
+        assert pool.apply(_call_shipped, (ok,)) == "ran"
+    packed = find_objects(digest)
+    tampered = dataclasses.replace(packed, payloads={"factory": evil})   # same digest, other code
+    with pytest.raises(ShippingError, match="do not match their digest"):
+        _spawned_by_value(tampered, "factory")
+    with pytest.raises(ShippingError, match="cannot load"):
+        _spawned_by_value(dataclasses.replace(packed, versions={**packed.versions, "cloudpickle": "0.0.1"}), "factory")

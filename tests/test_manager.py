@@ -453,6 +453,34 @@ def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, referen
     assert abs(measured1 / plans[1]["predicted_step_s"] - 1) < d["drift"] / 2, (measured1, plans[1]["predicted_step_s"], d)
 
 
+def run_misbehaving(tmp_path: Path, factory: str, kwargs: dict, *, P: int, D: int, steps: int,
+                    max_failures: int, timeout_s: float) -> tuple[Manager, Path]:
+    """A small job of ``tests.thirdparty.misbehaving``'s model ``factory`` on 2 local slots, run by
+    the manager (started as configured, no calibration) until it ends; returns (manager, run)."""
+    from varuna_sdk.cluster.provider import LocalProvider
+
+    text = tmp_path / "tale.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 200)
+    job = JobConfig(name="misbehaving", model=ModelConfig(factory=f"tests.thirdparty.misbehaving:{factory}",
+                                                          kwargs={**kwargs, "n_layer": 2, "block_size": 32}),
+                    data=DataConfig(path=str(text), tokenizer="byte", seq_len=16),
+                    parallel=ParallelConfig(P=P, D=D, global_batch=4, micro_batch_size=2),
+                    train=TrainConfig(steps=steps, eval_batches=1), launch=LaunchConfig(gpus=2, timeout_s=600))
+    run = tmp_path / "run"
+    provider = LocalProvider(2)
+    mgr = Manager(job, provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None,
+                  max_failures=max_failures, calibrate_first=False,
+                  generation_options={"sink": None, "code_dir": str(Path(__file__).parent.parent)})
+    try:
+        mgr.start()
+        mgr.wait(timeout_s)
+    finally:
+        mgr.cancel()
+        mgr.wait(30)
+        provider.close()
+    return mgr, run
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how,said", [("os._exit", "rank 1 on local1 exited with code 0 before"),
                                       ("sys.exit", "SystemExit: 0")])
@@ -461,26 +489,9 @@ def test_a_rank_that_exits_cleanly_before_training_is_named_within_seconds(tmp_p
     ranks would wait for it in the rendezvous until the collective timeout (before: the job failed
     only at the overall timeout, naming nobody). Now the job fails within seconds of that exit,
     naming the rank and the cause."""
-    from varuna_sdk.cluster.provider import LocalProvider
-
-    text = tmp_path / "tale.txt"
-    text.write_text("It was the best of times, it was the worst of times. " * 200)
-    job = JobConfig(name="exits", model=ModelConfig(factory="tests.thirdparty.misbehaving:exits_on_rank",
-                                                    kwargs={"rank": 1, "how": how, "n_layer": 2, "block_size": 32}),
-                    data=DataConfig(path=str(text), tokenizer="byte", seq_len=16),
-                    parallel=ParallelConfig(P=2, D=1, global_batch=4, micro_batch_size=2),
-                    train=TrainConfig(steps=5, eval_batches=1), launch=LaunchConfig(gpus=2, timeout_s=600))
-    run = tmp_path / "run"
-    provider = LocalProvider(2)
-    mgr = Manager(job, provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None, max_failures=0,
-                  calibrate_first=False, generation_options={"sink": None, "code_dir": str(Path(__file__).parent.parent)})
-    try:
-        mgr.start()
-        assert mgr.wait(120) == JobState.FAILED, (mgr.state, mgr.error)
-    finally:
-        mgr.cancel()
-        mgr.wait(30)
-        provider.close()
+    mgr, run = run_misbehaving(tmp_path, "exits_on_rank", {"rank": 1, "how": how}, P=2, D=1, steps=5,
+                               max_failures=0, timeout_s=120)
+    assert mgr.state == JobState.FAILED, (mgr.state, mgr.error)
     with EventLog.reader(run / "events.db") as log:
         exited = [e for e in log.events(kind=Kind.WORKER_FAILED) if e.rank == 1]
         started = log.events(kind="generation_started")[0].time
@@ -498,27 +509,9 @@ def test_a_deterministic_worker_error_is_not_retried(tmp_path, error, generation
     """A bug in the model's code: a programming error (TypeError...) fails the job at once; an
     error of another kind is retried once, and failing the same way again ends the job too — not
     ``max_failures`` retries of the same traceback."""
-    from varuna_sdk.cluster.provider import LocalProvider
-
-    text = tmp_path / "tale.txt"
-    text.write_text("It was the best of times, it was the worst of times. " * 200)
-    job = JobConfig(name="bug", model=ModelConfig(factory="tests.thirdparty.misbehaving:raises_on_rank",
-                                                  kwargs={"rank": -1, "at_call": 3, "error": error, "n_layer": 2,
-                                                          "block_size": 32}),
-                    data=DataConfig(path=str(text), tokenizer="byte", seq_len=16),
-                    parallel=ParallelConfig(P=1, D=2, global_batch=4, micro_batch_size=2),
-                    train=TrainConfig(steps=20, eval_batches=1), launch=LaunchConfig(gpus=2, timeout_s=600))
-    run = tmp_path / "run"
-    provider = LocalProvider(2)
-    mgr = Manager(job, provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None, max_failures=5,
-                  calibrate_first=False, generation_options={"sink": None, "code_dir": str(Path(__file__).parent.parent)})
-    try:
-        mgr.start()
-        assert mgr.wait(180) == JobState.FAILED, (mgr.state, mgr.error)
-    finally:
-        mgr.cancel()
-        mgr.wait(30)
-        provider.close()
+    mgr, run = run_misbehaving(tmp_path, "raises_on_rank", {"rank": -1, "at_call": 3, "error": error}, P=1, D=2,
+                               steps=20, max_failures=5, timeout_s=180)
+    assert mgr.state == JobState.FAILED, (mgr.state, mgr.error)
     with EventLog.reader(run / "events.db") as log:
         plans = log.events(kind=Kind.PLAN)
         failed = [e for e in log.events(kind=Kind.WORKER_FAILED) if "user code broke" in e.payload["error"]]

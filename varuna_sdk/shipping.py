@@ -24,7 +24,7 @@ import json
 import os
 import platform
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
@@ -72,10 +72,21 @@ class ByValue:
 
 
 def _spawned_by_value(shipped: "Shipped", role: str) -> ByValue:
-    """A ``ByValue`` arriving in the job spec of a worker this process spawned on this machine (the
-    same interpreter, so the same versions): its ``Shipped`` counts as checked there."""
-    _PACKED.setdefault(f"spawned-{id(shipped)}", shipped)
-    return ByValue(shipped, role)
+    """A ``ByValue`` arriving in the job spec of a worker this process spawned on this machine: its
+    ``Shipped`` counts as checked only after the same checks as an objects file — the versions it
+    was packed under against this process's, and its digest recomputed from its payloads. Nothing
+    is unpickled before that (cloudpickle runs at the first call). Raises ``ShippingError``."""
+    if not isinstance(shipped, Shipped):
+        raise ShippingError(f"a job spec carried {type(shipped).__name__} where shipped objects belong")
+    where = os.environ.get("VARUNA_HOST") or platform.node()
+    problems = version_problems(shipped.versions, runtime_versions())
+    if problems:
+        raise ShippingError(f"VM {where} cannot load the objects shipped by value with the job: {'; '.join(problems)}")
+    if not shipped.digest or objects_digest(shipped.versions, shipped.names, shipped.payloads) != shipped.digest:
+        raise ShippingError(f"the objects shipped by value in this job spec on {where} do not match their digest "
+                            "(damaged or made by hand): refused")
+    _PACKED.setdefault(shipped.digest, shipped)
+    return ByValue(_PACKED[shipped.digest], role)
 
 
 def runtime_versions() -> dict[str, str]:
@@ -109,6 +120,19 @@ class Shipped:
 
     payloads: dict[str, bytes]
     names: dict[str, str]
+    versions: dict[str, str] = field(default_factory=dict)   # what it was packed under
+    digest: str = ""   # ``objects_digest`` of the above: what the job spec names
+
+
+def _header(versions: Mapping[str, str], names: Mapping[str, str], payloads: Mapping[str, bytes]) -> dict:
+    return {"versions": dict(versions), "names": dict(names),
+            "objects": {k: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()} for k, p in payloads.items()}}
+
+
+def objects_digest(versions: Mapping[str, str], names: Mapping[str, str], payloads: Mapping[str, bytes]) -> str:
+    """The digest of shipped objects: SHA-256 over the versions, names and each payload's size and
+    SHA-256 (the objects file's header), 24 hex digits."""
+    return hashlib.sha256(json.dumps(_header(versions, names, payloads), sort_keys=True).encode()).hexdigest()[:24]
 
 
 _PACKED: dict[str, Shipped] = {}  # digest -> objects packed or read in this process
@@ -139,12 +163,12 @@ def pack_objects(objects: Mapping[str, Any], by_value_modules: Sequence[Any] = (
         for m in mods:
             cloudpickle.unregister_pickle_by_value(m)
     names = {k: str(getattr(objects[k], "__qualname__", type(objects[k]).__name__)) for k in payloads}
-    header = {"versions": runtime_versions(), "names": names,
-              "objects": {k: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()} for k, p in payloads.items()}}
-    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:24]
+    versions = runtime_versions()
+    header = _header(versions, names, payloads)
+    digest = objects_digest(versions, names, payloads)
     header["digest"] = digest
     blob = OBJECTS_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + b"".join(payloads.values())
-    _PACKED[digest] = Shipped(payloads, names)
+    _PACKED[digest] = Shipped(payloads, names, versions, digest)
     return digest, blob
 
 
@@ -198,7 +222,7 @@ def read_objects(path: str | Path, where: str | None = None) -> Shipped:
         if len(p) != n or hashlib.sha256(p).hexdigest() != e["sha256"]:
             raise ShippingError(f"{path} on {where}: the {k} payload is damaged (size or SHA-256 differs)")
         out[k] = p
-    return Shipped(out, names)
+    return Shipped(out, names, {str(k): str(v) for k, v in shipped.items()}, objects_digest(shipped, names, out))
 
 
 def find_objects(digest: str, search: Sequence[str | Path | None] = ()) -> Shipped:
