@@ -58,6 +58,18 @@ def test_run_command_stdout_stderr_exit_code(ssh_hosts):
             conn.run("echo boom >&2; exit 7", timeout_s=10, check=True)
 
 
+def test_each_test_host_has_its_own_home_and_login_shell_rc(ssh_hosts):
+    # the real user's ~/.bashrc may hang a login shell (a stale `pyenv rehash` lock waits 60 s
+    # in every session: that failed a whole CI run); a test host's shell reads its own instead
+    a, b = ssh_hosts.add(), ssh_hosts.add()
+    home = ssh_hosts.root / a.name / "home"
+    (home / ".bashrc").write_text("export FROM_RC=vm-a\n")
+    with SSHConnection(a, ssh_hosts.options()) as ca, SSHConnection(b, ssh_hosts.options()) as cb:
+        assert ca.run('echo "$HOME|$FROM_RC"', timeout_s=10).stdout == f"{home}|vm-a\n"
+        assert cb.run('echo "$HOME|$FROM_RC"', timeout_s=10).stdout == \
+            f"{ssh_hosts.root / b.name / 'home'}|\n"
+
+
 def test_connection_is_reused(ssh_hosts):
     host = ssh_hosts.add()
     with SSHPool(ssh_hosts.options()) as pool:

@@ -163,7 +163,9 @@ def _probe(pool: SSHPool, host: Host, timeout_s: float) -> HostVersions:
     try:
         r = pool.get(host).run([python, "-c", _PROBE], timeout_s=timeout_s)
     except CommandTimeout:
-        raise _HostProblem(f"{python} did not answer the version probe within {timeout_s:g}s") from None
+        raise _HostProblem(f"{python} did not answer the version probe within {timeout_s:g}s "
+                          "(a login shell that is slow to start counts too: try `ssh HOST true` "
+                          "and look at the VM's ~/.bashrc)") from None
     tail = (r.stderr.strip().splitlines() or [""])[-1]
     if r.exit_code == 127:
         raise _HostProblem(f"Python interpreter {python} not found on the VM (exit 127"

@@ -2,8 +2,9 @@
 suite, the spot emulator (``cluster.spot``), tutorials and the demo.
 
 ``TestHosts(root)`` creates hosts with ``add()``: per host a fresh ed25519 host key, an sshd
-config (key auth only, ``StrictModes no``, ``UsePAM no``, ``Subsystem sftp internal-sftp``) and
-``sshd -D -e -f CONFIG``. Two kinds of host:
+config (key auth only, ``StrictModes no``, ``UsePAM no``, ``Subsystem sftp internal-sftp``, and
+``SetEnv HOME=<host dir>/home`` so that each host has its own home and its login shell does not
+read the real user's ``~/.bashrc``, which may be slow or hang) and ``sshd -D -e -f CONFIG``. Two kinds of host:
 
 - **loopback** (default): sshd listens on its own ``127.0.0.x`` (port 22 when free, else a free
   port). Cheap; no root needed.
@@ -624,8 +625,12 @@ class TestHosts:
             "MaxStartups 64:30:128",
             "LogLevel INFO",
             "Subsystem sftp internal-sftp",
+            # each VM has its own home: the login shell reads this host's (empty) rc files, not
+            # the real user's, whose ~/.bashrc may hang (a stale `pyenv rehash` lock waits 60 s)
+            f'SetEnv HOME="{hdir / "home"}"',
             "",
         ]))
+        (hdir / "home").mkdir(exist_ok=True)
         cg = None
         argv = [self.sshd, "-D", "-e", "-f", str(cfg)]
         if netns is not None:  # `ip netns exec` execs in place (same pid) and remounts /sys
