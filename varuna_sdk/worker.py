@@ -16,7 +16,11 @@ compute times and memory every interval; rank 0 also hands it every step's metri
 checkpoint and return "stopped"). At the end the worker says goodbye — "ok", "stopped", or
 "failed" with the exception's last line — so a crash is never taken for a lost VM.
 
-Imports ``config``, ``cluster.local``, ``manager.heartbeat`` and ``trainer`` (torch lazily, after
+Pre-emption notices: on the worker the launcher marks (``VARUNA_NOTICE_WATCH=1``, the first on each
+VM reached over SSH) a ``cluster.notice.NoticeWatcher`` thread polls the cloud's metadata service
+and hands every notice to the heartbeat client, which tells the manager at once.
+
+Imports ``config``, ``cluster.local``, ``cluster.notice``, ``manager.heartbeat`` and ``trainer`` (torch lazily, after
 the heartbeat client started).
 """
 
@@ -27,6 +31,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from .cluster.notice import NoticeWatcher
 from .manager.heartbeat import ENV_TOKEN, STOPPED, HeartbeatClient
 from .shipping import OBJECTS_DIR_ENV
 
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None
     hb = heartbeat or HeartbeatClient.from_env()
     if hb is not None and not hb.started:
         hb.start()
+    watcher = _start_notice_watcher(hb)
     try:
         status = _train(argv, hb)
     except BaseException as e:
@@ -84,9 +90,23 @@ def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None
             hb.close(status="failed", error="".join(traceback.format_exception_only(e)).strip(),
                      cause=failure_cause(e))
         raise
+    finally:
+        if watcher is not None:
+            watcher.close(timeout_s=0.0)
     if hb is not None:
         hb.close(status=STOPPED if status == STOPPED else "ok")
     return 0
+
+
+def _start_notice_watcher(hb: HeartbeatClient | None) -> NoticeWatcher | None:
+    """The VM's pre-emption notice watcher (``cluster.notice``), when the launcher asked this
+    worker to run it (``VARUNA_NOTICE_WATCH=1``: the first worker on each VM): each notice goes to
+    the manager on the heartbeat channel at once."""
+    if hb is None:
+        return None
+    watcher = NoticeWatcher.from_env(lambda n: hb.report_notice(cloud=n.cloud, kind=n.kind,
+                                                                deadline=n.deadline, reason=n.reason))
+    return watcher.start() if watcher is not None else None
 
 
 #: what a collective raises on a rank whose peer died first (gloo, NCCL, the TCP store)

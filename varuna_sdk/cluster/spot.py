@@ -24,7 +24,14 @@ slots (``local0``...) — and replays the trace in real time on its own thread:
 - ``notice_s`` **wall-clock seconds** (after compression; the manager needs real time to
   checkpoint) before each removal a ``notice`` event with the deadline is emitted and the host
   leaves ``hosts()``; when the removal comes earlier than that after the replay starts, the
-  notice comes at once with the shorter lead (its payload says the real ``lead_s``);
+  notice comes at once with the shorter lead (its payload says the real ``lead_s``). With
+  ``notices="metadata"`` (SSH test hosts) the notice is not a provider event but what a cloud
+  does: each host gets its own instance-metadata stand-in (``cluster.metadata.MetadataServer``,
+  ``cloud`` = ``"aws"``, ``"gcp"`` or ``"azure"``, or a tuple of them taken by the slots in
+  turn; its URL in the host's
+  ``env.VARUNA_METADATA_URL`` label), which starts reporting the notice; the VM's own watcher
+  (``cluster.notice``) must see it and tell the manager, and the host stays in ``hosts()``
+  until it is removed, as a cloud API would list it;
 - a removal really removes the host: a test host's sshd and every process it started are
   killed (``TestHosts.remove``), a local slot's worker processes are killed
   (``localproc.kill_host``); then ``removed`` is emitted.
@@ -34,7 +41,8 @@ tutorials), with or without a trace. ``labels`` go on every host it brings up (e
 an emulated VM stands for: ``price_per_hour``, ``on_demand_per_hour``, ``prices="example"``). Host events go to the job's event log when one is given.
 
 Owns ``TraceEvent``, ``Trace``, ``TraceError``, ``load_trace``, ``SpotEmulator``. Imports
-``cluster.hosts``, ``cluster.localproc``, ``cluster.provider`` and ``cluster.testhosts`` only;
+``cluster.hosts``, ``cluster.localproc``, ``cluster.metadata``, ``cluster.provider`` and
+``cluster.testhosts`` only;
 never torch or the manager.
 """
 
@@ -306,7 +314,8 @@ class SpotEmulator(PoolProvider):
                  notice_s: float | None = 30.0, initial: int | None = None,
                  test_hosts: Any = None, root: str | os.PathLike | None = None, netns: bool = False,
                  gpus_per_host: int = 0, event_log: Any = None, job_id: str | None = None,
-                 labels: dict[str, str] | None = None):
+                 labels: dict[str, str] | None = None, notices: str = "provider",
+                 cloud: str | tuple[str, ...] = "aws"):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity={capacity!r} must be an integer >= 1 (the most VMs held at once)")
         if backend not in ("ssh", "local"):
@@ -317,6 +326,17 @@ class SpotEmulator(PoolProvider):
             raise ValueError(f"initial={initial} must be between 0 and capacity={capacity}")
         if netns and backend != "ssh":
             raise ValueError("netns=True needs backend='ssh'")
+        if notices not in ("provider", "metadata"):
+            raise ValueError(f"notices={notices!r}: use 'provider' (a provider event) or 'metadata' "
+                             "(each VM's metadata service announces it, as on a cloud)")
+        if notices == "metadata" and (backend != "ssh" or netns):
+            raise ValueError("notices='metadata' needs backend='ssh' on loopback test hosts (a local slot has "
+                             "no VM to watch; a namespace host cannot reach a loopback metadata server)")
+        clouds = (cloud,) if isinstance(cloud, str) else tuple(cloud)
+        if not clouds or any(c not in ("aws", "gcp", "azure") for c in clouds):
+            raise ValueError(f"cloud={cloud!r}: use 'aws', 'gcp' or 'azure' (or a tuple of them, one per slot in turn)")
+        self.notices, self.clouds = notices, clouds
+        self.metadata: dict[str, Any] = {}   # slot -> its MetadataServer (notices="metadata")
         super().__init__(event_log=event_log, job_id=job_id)
         if trace is not None and trace.format != "events" and not trace.note and trace.max_nodes() > capacity:
             log.warning("count trace %s peaks at %d VMs but the emulator holds %d: nodes past the first %d are "
@@ -427,8 +447,16 @@ class SpotEmulator(PoolProvider):
                 host = self.test_hosts.add(name, gpus=self.gpus_per_host, netns=self.netns)
             else:
                 host = local_host(name, gpus=self.gpus_per_host)
-            if self.labels:
-                host = dataclasses.replace(host, labels={**self.labels, **host.labels})
+            extra = dict(self.labels)
+            if self.notices == "metadata":
+                from .metadata import MetadataServer
+                from .notice import ENV_URL
+
+                cloud = self.clouds[self.slots.index(name) % len(self.clouds)]
+                md = self.metadata[name] = MetadataServer(name, clouds=(cloud,)).start()
+                extra[f"env.{ENV_URL}"] = md.url
+            if extra:
+                host = dataclasses.replace(host, labels={**extra, **host.labels})
             self.added_count += 1
             node = self._node_of.get(name)
             self._add_host(host, reason=f"trace {node} added" if node else "added")
@@ -444,7 +472,7 @@ class SpotEmulator(PoolProvider):
             self._take(name, "preempted")
             return time.time()
         deadline = time.time() + notice_s
-        self._notice_host(name, deadline, reason="preempted")
+        self._warn(name, deadline, reason="preempted")
         self._schedule(self._now() + notice_s, lambda: self._take(name, "preempted"))
         return deadline
 
@@ -510,7 +538,16 @@ class SpotEmulator(PoolProvider):
         if slot is None:
             return
         remove_at = self.trace_time_to_unix(e.t_s)
-        self._notice_host(slot, remove_at, reason=f"preempted (trace {e.node})")
+        self._warn(slot, remove_at, reason=f"preempted (trace {e.node})")
+
+    def _warn(self, name: str, deadline: float, reason: str) -> None:
+        """The pre-emption notice for host ``name``: a provider event, or (``notices="metadata"``)
+        the host's metadata service starts reporting it."""
+        md = self.metadata.get(name)
+        if md is None:
+            self._notice_host(name, deadline, reason=reason)
+        else:
+            md.announce(lead_s=max(0.0, deadline - time.time()))
 
     def trace_time_to_unix(self, t_s: float) -> float:
         """Unix time of replay time ``t_s``."""
@@ -528,6 +565,9 @@ class SpotEmulator(PoolProvider):
             self._remove_host(name, reason=reason)
 
     def _kill(self, name: str) -> list[int]:
+        md = self.metadata.pop(name, None)
+        if md is not None:
+            md.close()
         if self.backend == "ssh":
             return self.test_hosts.remove(name) if name in self.test_hosts else []
         return kill_host(name)

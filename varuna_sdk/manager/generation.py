@@ -16,7 +16,10 @@ supervises one. ``Generation(job, hosts, run_dir, events=..., job_id=..., genera
   subprocesses, the others over SSH — with the environment contract of ``cluster.remote`` plus
   ``VARUNA_GENERATION``, the heartbeat address (the address of this machine *as that host
   reaches it*), ``OMP_NUM_THREADS`` and the host's ``env.NAME`` labels (e.g.
-  ``GLOO_SOCKET_IFNAME`` for network-namespace hosts). Output streams to ``sink`` and to
+  ``GLOO_SOCKET_IFNAME`` for network-namespace hosts). The first worker on each VM reached over
+  SSH also watches the VM's pre-emption notices (``watches_notices``; ``VARUNA_NOTICE_WATCH=1``,
+  polling every ``notice_poll_s``, default 5 s: ``cluster.notice``); a notice reaches the manager
+  as a ``preemption_notice`` event of this generation. Output streams to ``sink`` and to
   ``RUN_DIR/gen<g>/workers.log``, each line prefixed ``[vm rank r]``. A host that cannot be
   reached, or disappears, during bootstrap or start-up is reported lost (``host_lost`` event,
   ``wait()`` → ``"lost"``); a host whose software does not match fails the generation with the
@@ -42,7 +45,7 @@ log's metrics table (the dashboard's source), once per step, none dropped.
 stops at a boundary with a checkpoint by itself; ``wait_for_orphans`` lets a restarted manager
 wait for that before it launches the next generation.
 
-Owns ``Generation``, ``GenerationResult``, ``place``, ``wait_for_orphans``. Imports ``cluster`` (hosts, ssh, bootstrap,
+Owns ``Generation``, ``GenerationResult``, ``place``, ``watches_notices``, ``wait_for_orphans``. Imports ``cluster`` (hosts, ssh, bootstrap,
 remote, localproc), ``config`` and ``manager.events|heartbeat``; never torch.
 """
 
@@ -67,6 +70,9 @@ from ..cluster.bootstrap import BootstrapError, VersionPolicy, bootstrap
 from ..cluster.hosts import Host, Secret
 from ..cluster.local import free_port
 from ..cluster.localproc import LOCAL_ADDRESS, is_local
+from ..cluster.notice import ENV_POLL as ENV_NOTICE_POLL
+from ..cluster.notice import ENV_URL as ENV_NOTICE_URL
+from ..cluster.notice import ENV_WATCH as ENV_NOTICE_WATCH
 from ..cluster.remote import LineSink, RemoteJob, RemoteWorker, WorkerSpec, launch, print_sink
 from ..cluster.ssh import SSHConnection, SSHError, SSHOptions, SSHPool
 from ..config import JobConfig
@@ -105,6 +111,16 @@ class GenerationResult:
 
 class _Abandoned(Exception):
     """Another host failed, or the generation is being stopped: stop preparing this one."""
+
+
+def watches_notices(h: Host) -> bool:
+    """Whether the first worker on ``h`` runs the VM's pre-emption notice watcher
+    (``cluster.notice``): on every VM reached over SSH; not on a local slot (this machine has no
+    cloud metadata to read), nor on an sshd test host unless its labels name a metadata stand-in
+    (``env.VARUNA_METADATA_URL``). A host label ``env.VARUNA_NOTICE_CLOUD=off`` turns it off."""
+    if is_local(h):
+        return False
+    return h.labels.get("kind") != "test-host" or f"{ENV_LABEL}{ENV_NOTICE_URL}" in h.labels
 
 
 def place(hosts: Sequence[Host], world_size: int, *, cpu_slots: int = 1) -> list[tuple[Host, int]]:
@@ -177,8 +193,12 @@ class Generation:
                  manager_address: str | None = None, master_port: int = 0,
                  env: Mapping[str, str] | None = None, sink: LineSink | None = print_sink,
                  token: Secret | None = None, kill_grace_s: float = 2.0,
-                 startup_grace_s: float = 15.0, orphan_after_s: float | None = 60.0):
+                 startup_grace_s: float = 15.0, orphan_after_s: float | None = 60.0,
+                 notice_poll_s: float = 5.0):
         job = JobConfig.from_dict(job.to_dict()).validate()
+        if not 0 < notice_poll_s <= 3600:
+            raise ValueError(f"notice_poll_s={notice_poll_s!r}: the metadata poll interval must be in (0, 3600] s")
+        self.notice_poll_s = float(notice_poll_s)
         if job.parallel.planned:
             raise ValueError("job.parallel.P and D must be chosen before a generation starts "
                              "(run the planner: manager.Manager or launch.plan_job)")
@@ -533,6 +553,8 @@ class Generation:
         hb_port = self.server.address[1]
         for rank, (h, local_rank) in enumerate(self.placement):
             env = {k[len(ENV_LABEL):]: v for k, v in h.labels.items() if k.startswith(ENV_LABEL)}
+            if local_rank == 0 and watches_notices(h):
+                env = {ENV_NOTICE_WATCH: "1", ENV_NOTICE_POLL: repr(self.notice_poll_s), **env}
             env.update({"VARUNA_GENERATION": str(self.generation),
                         "VARUNA_HEARTBEAT_ADDR": f"{advertise[h.name]}:{hb_port}",
                         "OMP_NUM_THREADS": str(self.job.launch.threads_per_worker)})

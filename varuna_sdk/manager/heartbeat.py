@@ -34,6 +34,12 @@ client keeps every row until acknowledged and sends unacknowledged rows again af
 client's queue is bounded (``max_pending_metrics``); rows dropped because it overflowed (a manager
 unreachable for that many steps) are counted and reported (``metrics_dropped`` event).
 
+**Pre-emption notices from the VM** (``HeartbeatClient.report_notice``, fed by the notice
+watcher of ``cluster.notice`` on the first worker of each VM): a heartbeat carries
+``"notice": {"cloud", "kind", "deadline", "reason"}``; the server emits one
+``preemption_notice`` event per host and deadline (``source: "vm"``), which the manager turns into
+its notice morph. A malformed notice is ignored.
+
 **Stop command** (server → client): ``HeartbeatServer.request_stop(reason)`` sends every worker
 (and every worker that connects later) a signed ``stop`` message; the client then reports
 ``stop_requested`` = True, which the training loop polls at each mini-batch boundary
@@ -82,6 +88,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import resource
 import secrets as _secrets
@@ -335,6 +342,7 @@ class HeartbeatServer:
         self.last_metric_step: int | None = None
         self.metrics_recorded = 0
         self._dropped_reported: dict[tuple[str, int], int] = {}
+        self._notices: dict[str, float] = {}   # host -> deadline of the VM notice last emitted
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -842,8 +850,10 @@ class HeartbeatServer:
             if isinstance(dropped, int) and dropped > self._dropped_reported.get((host, rank), 0):
                 self._dropped_reported[(host, rank)] = dropped
                 self._emit("metrics_dropped", host=host, rank=rank, payload={"rows": dropped})
+            if kind == "hb" and msg.get("notice") is not None:
+                self._note_notice(host, rank, msg["notice"])
             if kind == "hb":
-                body = {k: v for k, v in msg.items() if k not in ("nonce", "cnonce", "mac", "metrics")}
+                body = {k: v for k, v in msg.items() if k not in ("nonce", "cnonce", "mac", "metrics", "notice")}
                 s.last = body
                 s.heartbeats += 1
                 try:
@@ -868,6 +878,29 @@ class HeartbeatServer:
                 trained = s.last.get("step") is not None
                 s.deadline = now + (self.lost_after_s if trained
                                     else max(self.lost_after_s, self.startup_grace_s))
+
+    def _note_notice(self, host: str, rank: int, notice: Any) -> None:
+        """A VM's own pre-emption notice (``HeartbeatClient.report_notice``): one
+        ``preemption_notice`` event per host and deadline (payload ``deadline``, ``lead_s``,
+        ``reason``, ``cloud``, ``kind``, ``source`` = ``"vm"``). Malformed notices are ignored
+        (the message is authenticated; its worker keeps its connection)."""
+        if not isinstance(notice, dict):
+            return
+        deadline, now = notice.get("deadline"), time.time()
+        if not (isinstance(deadline, (int, float)) and not isinstance(deadline, bool)
+                and math.isfinite(deadline) and now - 3600 < deadline < now + 86400):
+            return
+        kind = notice.get("kind") if notice.get("kind") in ("preempt", "rebalance") else "preempt"
+        cloud = notice.get("cloud") if notice.get("cloud") in ("aws", "gcp", "azure") else "unknown"
+        reason = notice.get("reason")
+        reason = reason[:200] if isinstance(reason, str) else f"{cloud} pre-emption notice"
+        last = self._notices.get(host)
+        if last is not None and abs(last - deadline) <= 1.0:
+            return
+        self._notices[host] = float(deadline)
+        self._emit(Kind.PREEMPTION_NOTICE, host=host, rank=rank, payload={
+            "deadline": float(deadline), "lead_s": round(max(0.0, deadline - now), 1), "reason": reason,
+            "cloud": cloud, "kind": kind, "source": "vm"})
 
     def _record_metrics(self, c: _Conn, host: str, rank: int, rows: Any, seq: int) -> None:
         """Append each new step's metrics row to the event log (once per step), then ack."""
@@ -1093,6 +1126,14 @@ class HeartbeatClient:
         self._state = state  # one atomic rebinding: the sender thread reads a consistent dict
         if first:
             self._kick.set()  # the first step goes out at once: the manager sees training start
+
+    def report_notice(self, *, cloud: str, kind: str, deadline: float, reason: str) -> None:
+        """A pre-emption notice seen on this VM (``cluster.notice.NoticeWatcher``): it rides on
+        this and every later heartbeat (the next one goes out at once), so the manager learns it
+        within a round trip and again after any reconnect. ``deadline``: Unix seconds."""
+        self._state["notice"] = {"cloud": str(cloud)[:16], "kind": str(kind)[:16],
+                                 "deadline": float(deadline), "reason": str(reason)[:200]}
+        self._kick.set()
 
     def record_metrics(self, row: Mapping[str, Any]) -> None:
         """Queue one step's metrics row (a ``metrics.jsonl`` line: a JSON-able dict with an

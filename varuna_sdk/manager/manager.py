@@ -6,7 +6,9 @@ FAILED or STOPPED (by the user). Each launch of workers under one plan is a *gen
 (``manager.generation.Generation``); the manager decides, from provider events, heartbeats and
 the planner, when to end one and start the next:
 
-- **pre-emption notice** for a VM in use → ask the workers to stop at the next mini-batch
+- **pre-emption notice** for a VM in use — from the provider, or from the VM itself (its
+  notice watcher reads the cloud's metadata and tells the manager over the heartbeat channel:
+  ``cluster.notice``) → ask the workers to stop at the next mini-batch
   boundary (they agree on the step, checkpoint and exit), re-plan for the VMs that remain,
   relaunch, resume — no step lost;
 - **sudden loss** (VM removed, heartbeats stopped, process died) → stop the survivors, re-plan,
@@ -430,9 +432,17 @@ class Manager:
     def _on_host_event(self, ev) -> None:
         self._q.put(("host", ev))
 
-    def _on_gen_event(self, ev: Event, generation: int) -> None:
+    def _on_gen_event(self, ev: Event, generation: int, hosts: dict[str, Host] | None = None) -> None:
         if ev.kind in (Kind.HOST_LOST,) and generation == self.generation:  # never a past generation's
             self._q.put(("lost", ev))
+        elif ev.kind == Kind.PREEMPTION_NOTICE and hosts and ev.host in hosts:
+            # the VM's own notice (its watcher, over the heartbeat channel): the same notice morph as
+            # a provider's notice; it also keeps the VM out of later plans until it comes back
+            from ..cluster.provider import HostEvent
+
+            self._q.put(("host", HostEvent("notice", hosts[ev.host], ev.time,
+                                           deadline=float(ev.payload["deadline"]),
+                                           reason=str(ev.payload.get("reason", "")))))
         elif ev.kind == Kind.WORKER_JOINED and generation == self.generation and ev.rank is not None:
             self._joined.add(ev.rank)   # (the heartbeat server's thread: one set add, one mark)
             pending = self._pending
@@ -751,7 +761,8 @@ class Manager:
         gen = Generation(job_g, used, self.run_dir, events=self.log, job_id=self.job_id, generation=self.generation,
                          heartbeat_interval_s=self.heartbeat_interval_s, **self.generation_options)
         self._joined, self._world = set(), job_g.parallel.P * job_g.parallel.D
-        gen.subscribe(lambda ev, g=self.generation: self._on_gen_event(ev, g))
+        by_name = {h.name: h for h in used}
+        gen.subscribe(lambda ev, g=self.generation: self._on_gen_event(ev, g, by_name))
         self._history.clear()
         self._hb_last_step.clear()
         self._step_times.clear()
