@@ -597,6 +597,12 @@ class TestHosts:
         _ip("link", "set", r.veth, "down" if cut else "up")
 
     # ---------------------------------------------------------------------------------------
+    def host_key(self, host: Host | str) -> str:
+        """The host's public key line (``ssh-ed25519 AAAA...``), as it would print it."""
+        with self._lock:
+            r = self._hosts[host if isinstance(host, str) else host.name]
+        return " ".join(r.pubkey.split()[:2])
+
     def authorize(self, public_key: str) -> None:
         """Let ``public_key`` (an OpenSSH ``.pub`` line) log in to every host."""
         with open(self.root / "authorized_keys", "a") as f:
