@@ -211,3 +211,25 @@ def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2
     assert not procs_left(str(tmp_path)), "a VM or worker was left running"
     secret = CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
     assert secret not in caplog.text and secret.encode() not in (run / "events.db").read_bytes()
+
+
+def test_varuna_launch_provider_aws_refuses_bad_settings_with_exit_2(ec2, moto, tmp_path):
+    import subprocess
+
+    from test_manager import tiny_job
+
+    job = tmp_path / "job.yaml"
+    tiny_job(10).to_yaml(job)
+    varuna = [sys.executable, "-m", "varuna_sdk.cli", "launch", str(job), "--provider", "aws",
+              "--endpoint-url", moto.url]
+    cases = [
+        ([], "--provider aws needs --run-dir"),
+        (["--run-dir", str(tmp_path / "r1"), "--region", REGION, "--instance-type", "p9.mega", "--ami", _ami(ec2)],
+         "instance type 'p9.mega' is not offered in us-east-1"),
+        (["--run-dir", str(tmp_path / "r2"), "--region", REGION, "--instance-type", "c5.large"], "ami is missing"),
+    ]
+    for extra, said in cases:
+        r = subprocess.run(varuna + extra, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and said in r.stderr, (extra, r.returncode, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr and CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in r.stderr + r.stdout
+    assert _live(ec2) == []

@@ -171,6 +171,46 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _aws_provider(args: argparse.Namespace, job: JobConfig):
+    """``--provider aws``: the settings of ``--aws FILE`` (a YAML mapping of
+    ``cluster.aws.AWSSpotConfig`` fields) with the command line's flags over them; the job id is
+    the run folder's name (the tag on every instance). Started here: every check runs and the
+    first instances are requested before the manager starts."""
+    import yaml
+
+    from .cluster.aws import AWSSpotConfig, AWSSpotProvider
+    from .manager.runs import RunBusy, check_run_free
+
+    if not args.run_dir:
+        raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")
+    settings = {}
+    if args.aws:
+        loaded = yaml.safe_load(Path(args.aws).read_text())
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{args.aws}: expected a mapping of AWS settings (region, instance_types, ami, ...)")
+        settings.update(loaded)
+    flags = {"region": args.region, "instance_types": args.instance_type, "ami": args.ami, "subnets": args.subnet,
+             "security_group": args.security_group, "key_name": args.key_name, "key_path": args.key_path,
+             "max_price": args.max_price, "user": args.vm_user, "python": args.vm_python}
+    settings.update({k: v for k, v in flags.items() if v not in (None, [])})
+    for k in ("region", "instance_types", "ami"):
+        settings.setdefault(k, "" if k != "instance_types" else ())
+    config = AWSSpotConfig.from_dict(settings)
+    run_dir = Path(args.run_dir)
+    check_run_free(run_dir)   # a live job's instances are never adopted (nor terminated) by a second manager
+
+    def job_alive(job_id: str) -> bool:   # a job of this owner is alive while a manager holds its folder
+        try:
+            check_run_free(run_dir.parent / job_id)
+            return False
+        except RunBusy:
+            return True
+
+    target = args.instances or job.launch.gpus
+    return AWSSpotProvider(config, job_id=args.job_id or run_dir.name, target=target, endpoint_url=args.endpoint_url,
+                           job_alive=job_alive).start()
+
+
 def _launch(args: argparse.Namespace) -> int:
     from .launch import launch_job
 
@@ -188,6 +228,15 @@ def _launch(args: argparse.Namespace) -> int:
         try:
             provider = HostFileProvider(args.hosts)
         except FileNotFoundError as e:
+            print(f"varuna: {e}", file=sys.stderr)
+            return 2
+    elif args.provider == "aws":
+        from .cluster.aws import AWSConfigError, CapacityError
+        from .manager.runs import RunBusy
+
+        try:
+            provider = _aws_provider(args, job)
+        except (AWSConfigError, CapacityError, ConfigError, RunBusy) as e:
             print(f"varuna: {e}", file=sys.stderr)
             return 2
     from .manager.manager import ManagerError
@@ -444,6 +493,22 @@ def build_parser() -> argparse.ArgumentParser:
     where = sp.add_mutually_exclusive_group()
     where.add_argument("--local", type=int, metavar="N", help="N local worker slots (default: launch.gpus)")
     where.add_argument("--hosts", metavar="FILE", help="SSH host file (watched; see cluster.provider)")
+    where.add_argument("--provider", choices=["aws"], help="spot VMs from a cloud: aws (EC2, boto3; see cluster.aws)")
+    aws = sp.add_argument_group("AWS spot VMs (--provider aws); credentials come from boto3's standard chain only")
+    aws.add_argument("--aws", metavar="FILE", help="YAML of AWS settings (region, instance_types, ami, subnets, ...)")
+    aws.add_argument("--region")
+    aws.add_argument("--instance-type", dest="instance_type", action="append", default=[],
+                     help="an EC2 instance type; repeat for fallbacks, in order of preference")
+    aws.add_argument("--ami", help="the AMI workers boot from (Python, torch and varuna-sdk installed)")
+    aws.add_argument("--subnet", action="append", default=[], help="a subnet (one per zone to try, in order)")
+    aws.add_argument("--security-group", dest="security_group")
+    aws.add_argument("--key-name", dest="key_name", help="the EC2 key pair instances get")
+    aws.add_argument("--key-path", dest="key_path", help="its private key file, for SSH")
+    aws.add_argument("--max-price", dest="max_price", type=float, help="US $ per instance-hour at most")
+    aws.add_argument("--instances", type=int, help="spot instances to keep (default: launch.gpus)")
+    aws.add_argument("--vm-user", dest="vm_user", help="SSH user on the AMI (default ubuntu)")
+    aws.add_argument("--vm-python", dest="vm_python", help="Python on the AMI (default /usr/bin/python3)")
+    aws.add_argument("--endpoint-url", dest="endpoint_url", help="another EC2 endpoint (an API emulator)")
     sp.add_argument("--job-id", dest="job_id", help="the job's id in the event log (default: made from the name)")
     sp.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval, seconds (default 2)")
     sp.add_argument("--orphan-after", dest="orphan_after", type=float, default=60.0,
