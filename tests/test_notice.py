@@ -64,7 +64,7 @@ def test_each_cloud_is_detected_and_its_notice_seen_within_a_poll(md, cloud):
     seen = Seen()
     w = NoticeWatcher(seen, base=server.url, poll_s=0.3).start()
     try:
-        time.sleep(1.0)
+        time.sleep(0.7)
         assert w.cloud_name == cloud and w.polls >= 2 and not seen.notices and w.errors == 0
         lead = 120.0 if cloud == "aws" else 30.0
         t0 = time.time()
@@ -75,13 +75,13 @@ def test_each_cloud_is_detected_and_its_notice_seen_within_a_poll(md, cloud):
         assert (n.cloud, n.kind) == (cloud, "preempt")
         # AWS and Azure give the deadline (to the second); GCP says only TRUE: now + its ~30 s
         assert abs(n.deadline - deadline) < 1.5, (n, deadline)
-        time.sleep(1.0)
+        time.sleep(0.7)
         assert len(seen.notices) == 1, "the same notice reported twice"
     finally:
         w.close()
     if cloud == "aws":   # one IMDSv2 session token, reused by every poll
         assert server.requests["/latest/api/token"] - tokens_before == 1
-        assert server.requests["/latest/meta-data/spot/instance-action"] >= 4
+        assert server.requests["/latest/meta-data/spot/instance-action"] >= 3
 
 
 def test_an_aws_rebalance_recommendation_is_reported_as_such(md):
@@ -161,22 +161,22 @@ def test_a_workers_notice_reaches_the_server_as_one_event_per_deadline(tmp_path)
     secret = Secret("s" * 32)
     log = EventLog(tmp_path / "events.db")
     seen = []
-    server = HeartbeatServer("job1", secret, log, interval_s=0.5, on_event=seen.append).start()
-    client = HeartbeatClient(server.address, secret, job_id="job1", host="vm3", rank=0, interval_s=0.5).start()
+    server = HeartbeatServer("job1", secret, log, interval_s=0.3, on_event=seen.append).start()
+    client = HeartbeatClient(server.address, secret, job_id="job1", host="vm3", rank=0, interval_s=0.3).start()
     try:
         assert server.wait_heartbeats(1, 10)
         deadline = time.time() + 90
         # malformed notices ride on heartbeats too: ignored, the worker stays connected
         for bad in ({"deadline": "soon"}, {"deadline": float("inf")}, {"deadline": time.time() + 10**9}, "x"):
             client._state["notice"] = bad
-            time.sleep(0.7)
+            time.sleep(0.4)
         client.report_notice(cloud="azure", kind="preempt", deadline=deadline, reason="Azure Scheduled Events: Preempt")
         t0 = time.monotonic()
         ev = server.wait_for(Kind.PREEMPTION_NOTICE, 5.0)
         assert ev is not None and time.monotonic() - t0 < 0.5   # the next heartbeat goes at once
-        time.sleep(1.5)                                         # later heartbeats repeat it: no new event
+        time.sleep(1.0)                                         # later heartbeats repeat it: no new event
         client.report_notice(cloud="azure", kind="preempt", deadline=deadline + 20, reason="moved")
-        time.sleep(1.0)
+        time.sleep(0.7)
     finally:
         client.close()
         server.close()
