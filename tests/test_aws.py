@@ -162,7 +162,7 @@ def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2
     hosts = TestHosts(tmp_path / "vms")
     backing = Backing(hosts, ec2)
     cfg = _config(ec2, instance_types=("c5.large",), user=hosts.user, python=sys.executable,
-                  key_path=hosts.client_key)
+                  key_path=hosts.client_key, on_demand_per_hour=0.085)
     provider = AWSSpotProvider(cfg, job_id="ec2-job", target=2, endpoint_url=moto.url, reach=backing.reach,
                                poll_s=1.0)
     # 2 VMs: on this 2-core testbed a third adds no speed, so the grow onto a replacement is
@@ -203,12 +203,26 @@ def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2
     assert notice["time"] - t_notice < 1.0 + 1.5 and notice["time"] + notice["downtime_s"] < notice_deadline
     assert grow["cause"] == "grow" and grow["steps_lost"] == 0, grow
     assert (loss["cause"], loss["host"]) == ("loss", victim) and 0 <= loss["steps_lost"] <= EVERY, loss
-    assert steps_redone(run)[:3] == [0, 0, loss["steps_lost"]]
+    redone = steps_redone(run)
+    # (the metrics rows may hold one step fewer than the manager counted lost: the last row of a
+    # step done on the killed VM can go down with it)
+    assert redone[:2] == [0, 0] and loss["steps_lost"] - 1 <= redone[2] <= loss["steps_lost"], (redone, loss)
     created = {i["InstanceId"] for r in ec2.describe_instances(Filters=[{"Name": "tag:varuna:job",
                                                                         "Values": ["ec2-job"]}])["Reservations"]
                for i in r["Instances"]}
     assert len(created) >= 4 and _live(ec2, "ec2-job") == []     # 2 + 2 replacements, all terminated
     assert not procs_left(str(tmp_path)), "a VM or worker was left running"
+    # the cost field: every VM billed at moto's spot price history (1e-05 $/h) while held, against
+    # the same VM-hours on demand
+    from varuna_sdk.manager.billing import Billing, cost_text
+    from varuna_sdk.manager.events import EventLog
+
+    with EventLog.reader(run / "events.db") as log:
+        bill = Billing.of(log.events())
+    cost = bill.cost(time.time())
+    assert len(bill.meters) >= 4 and cost["local"] is False and not cost["example"], cost
+    assert 0 < cost["spent"] < cost["on_demand"] and cost["on_demand"] / cost["spent"] == pytest.approx(8500, rel=1e-3)
+    assert "saves 100% vs on-demand" in cost_text(cost)
     secret = CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
     assert secret not in caplog.text and secret.encode() not in (run / "events.db").read_bytes()
 

@@ -496,12 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--provider", choices=["aws"], help="spot VMs from a cloud: aws (EC2, boto3; see cluster.aws)")
     aws = sp.add_argument_group("AWS spot VMs (--provider aws); credentials come from boto3's standard chain only")
     aws.add_argument("--aws", metavar="FILE", help="YAML of AWS settings (region, instance_types, ami, subnets, ...)")
-    aws.add_argument("--region")
+    aws.add_argument("--region", help="the EC2 region (e.g. us-east-1)")
     aws.add_argument("--instance-type", dest="instance_type", action="append", default=[],
                      help="an EC2 instance type; repeat for fallbacks, in order of preference")
     aws.add_argument("--ami", help="the AMI workers boot from (Python, torch and varuna-sdk installed)")
     aws.add_argument("--subnet", action="append", default=[], help="a subnet (one per zone to try, in order)")
-    aws.add_argument("--security-group", dest="security_group")
+    aws.add_argument("--security-group", dest="security_group",
+                     help="security group id: SSH from this machine, all TCP between the job's VMs")
     aws.add_argument("--key-name", dest="key_name", help="the EC2 key pair instances get")
     aws.add_argument("--key-path", dest="key_path", help="its private key file, for SSH")
     aws.add_argument("--max-price", dest="max_price", type=float, help="US $ per instance-hour at most")
