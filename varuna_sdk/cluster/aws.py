@@ -288,17 +288,26 @@ class AWSSpotProvider(PoolProvider):
             return self
         self.check()
         self.started = True
-        self._gpus = self._gpu_counts()
-        self.reap()
-        view = self._describe()
-        adopted = [i for i in view if i["State"]["Name"] in LIVE_STATES]
-        for i in adopted:
-            log.info("adopting instance %s (%s, %s) of job %s", i["InstanceId"], i["InstanceType"],
-                     i["State"]["Name"], self.job_id)
-        self._instances = {i["InstanceId"]: i for i in adopted}
-        short = self.target - len(adopted)
-        if short > 0:
-            self._request(short)      # CapacityError when no type / zone has any capacity
+        try:
+            self._gpus = self._gpu_counts()
+            self.reap()
+            adopted = [i for i in self._describe() if i["State"]["Name"] in LIVE_STATES]
+            for i in adopted:
+                log.info("adopting instance %s (%s, %s) of job %s", i["InstanceId"], i["InstanceType"],
+                         i["State"]["Name"], self.job_id)
+            self._instances = {i["InstanceId"]: i for i in adopted}
+            short = self.target - len(adopted)
+            if short > 0:
+                try:
+                    self._request(short)  # CapacityError when no type / zone has any capacity
+                except CapacityError as e:
+                    if not adopted:
+                        raise
+                    log.warning("%s; the job starts on its %d adopted instance(s), the rest is asked for "
+                                "again later", e, len(adopted))
+        except BaseException:
+            self.close()              # a failed start leaves no instance running
+            raise
         self._thread = threading.Thread(target=self._run, name="aws-spot", daemon=True)
         self._thread.start()
         return self
