@@ -189,7 +189,7 @@ def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2
         victim = grow["new"]["hosts"][-1]
         ec2.terminate_instances(InstanceIds=[victim])                          # lost without notice
         loss = wait_morphs(mgr, 3, 150)[2]
-        wait_step(run, loss["resume_step"] + 2, 90)
+        wait_step(run, loss["from_step"] + 2, 120)                             # trained past what it lost
         mgr.cancel()
         assert mgr.wait(120) == JobState.STOPPED, (mgr.state, mgr.error)
     finally:
@@ -203,10 +203,11 @@ def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2
     assert notice["time"] - t_notice < 1.0 + 1.5 and notice["time"] + notice["downtime_s"] < notice_deadline
     assert grow["cause"] == "grow" and grow["steps_lost"] == 0, grow
     assert (loss["cause"], loss["host"]) == ("loss", victim) and 0 <= loss["steps_lost"] <= EVERY, loss
+    # steps redone, counted from the metrics rows of each generation: none after the notice and the
+    # grow; after the loss exactly what the manager counted lost (a later grow may split them), or
+    # one fewer when the killed VM took its last step's row with it
     redone = steps_redone(run)
-    # (the metrics rows may hold one step fewer than the manager counted lost: the last row of a
-    # step done on the killed VM can go down with it)
-    assert redone[:2] == [0, 0] and loss["steps_lost"] - 1 <= redone[2] <= loss["steps_lost"], (redone, loss)
+    assert redone[:2] == [0, 0] and loss["steps_lost"] - 1 <= sum(redone[2:]) <= loss["steps_lost"], (redone, loss)
     created = {i["InstanceId"] for r in ec2.describe_instances(Filters=[{"Name": "tag:varuna:job",
                                                                         "Values": ["ec2-job"]}])["Reservations"]
                for i in r["Instances"]}
@@ -220,7 +221,7 @@ def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2
     with EventLog.reader(run / "events.db") as log:
         bill = Billing.of(log.events())
     cost = bill.cost(time.time())
-    assert len(bill.meters) >= 4 and cost["local"] is False and not cost["example"], cost
+    assert len(bill.meters) >= 3 and cost["local"] is False and not cost["example"], cost
     assert 0 < cost["spent"] < cost["on_demand"] and cost["on_demand"] / cost["spent"] == pytest.approx(8500, rel=1e-3)
     assert "saves 100% vs on-demand" in cost_text(cost)
     secret = CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
