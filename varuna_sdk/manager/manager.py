@@ -933,7 +933,9 @@ class Manager:
         return run.stopping is not None and host in self._noticed
 
     def _consider_grow(self, run: _Running, *, quiet: bool = False) -> None:
-        if self.grow is None:
+        # not before the last morph's first step: a grow begun then would be folded into that
+        # morph's record and go missing from the history (the periodic check grows a few s later)
+        if self.grow is None or self._pending is not None:
             return
         hosts = self._usable_hosts()
         if pool_slots(hosts) <= run.job.parallel.P * run.job.parallel.D:
