@@ -143,11 +143,8 @@ def test_notice_shrink_sudden_loss_and_grow_keep_the_loss_trajectory(tmp_path, r
     planner predicts > 10 % more examples/s, so the job grows at a boundary."""
     run = tmp_path / "run"
     emu = SpotEmulator(capacity=4, backend="local", notice_s=None).start()
-    # (drift=None: a drifted estimate re-judges the running plan from heartbeats, and on a loaded
-    # 2-core machine that can make the grow after the loss look not worth it; drift has its own tests)
     mgr = Manager(tiny_job(), emu, run_dir=run, heartbeat_interval_s=1.0, stop_timeout_s=60,
-                  grow=GrowRule(min_gain=1.1, cooldown_s=0.0), straggler=None, drift=None,
-                  generation_options={"sink": None})
+                  grow=GrowRule(min_gain=1.1, cooldown_s=0.0), straggler=None, generation_options={"sink": None})
     try:
         mgr.start()
         wait_step(run, 3, 120, generation=0)

@@ -75,7 +75,7 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog):
     seen: list = []
     emu.subscribe(seen.append)
     mgr = Manager(tiny_job(STEPS), emu, run_dir=run, heartbeat_interval_s=1.0, stop_timeout_s=60,
-                  grow=GrowRule(min_gain=1.1, cooldown_s=0.0), straggler=None, drift=None,
+                  grow=GrowRule(min_gain=1.1, cooldown_s=0.0), straggler=None,
                   generation_options={"sink": None, "remote_run_dir": str(run)})
     try:
         t_start = time.time()
