@@ -564,6 +564,8 @@ class Dashboard:
             self.ranked.value = pd.DataFrame({"": ["no plan yet"]})
             return
         out = []
+        prices = plan.get("prices") if isinstance(plan.get("prices"), dict) else {}
+        cost_col = "$/1k ex spot" + ("" if prices and not prices.get("example") else " (example prices)")
         key = (plan.get("P"), plan.get("D"), plan.get("micro_batch_size"))
         for i, r in enumerate(rows):
             feasible = r.get("feasible", True)
@@ -577,7 +579,7 @@ class Dashboard:
                 "step (s)": _round(r.get("time_s"), 4), "examples/s": _round(r.get("examples_per_s"), 2),
                 "bubble": f"{r['bubble_fraction']:.1%}" if _finite(r.get("bubble_fraction")) else "",
                 "max mem/GPU": _bytes(max(mem)) if isinstance(mem, list) and mem else "",
-                "$/1k ex spot": _round(r.get("cost_per_1k_spot"), 4),
+                cost_col: _round(r.get("cost_per_1k_spot"), 4),
                 "stages (segments)": " | ".join(_segments(s) for s in r.get("stages") or []),
                 "note": "" if feasible else str(r.get("reason") or "excluded"),
             })

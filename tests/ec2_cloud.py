@@ -9,6 +9,8 @@ It is an emulator and a stand-in, not AWS.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -109,15 +111,20 @@ class CapacityFaults:
 
 
 class Backing:
-    """Each running instance is a test host (named ``vm-<instance id>``) with an AWS metadata
-    stand-in; ``reach`` is the provider's hook. A thread kills the VM of an instance the API
-    says is terminated."""
+    """Each instance the API reports running is a test host (named ``vm-<instance id>``) with an
+    AWS metadata stand-in, made by a thread that watches ``DescribeInstances`` (every 0.5 s) —
+    also for instances a provider in *another process* requested; the same thread kills the VM of
+    an instance the API says is terminated. ``reach`` is the provider's hook in this process;
+    with ``registry`` (a JSON file, rewritten atomically) a provider in another process reaches
+    the VMs through ``registry_reach(registry)``."""
 
-    def __init__(self, test_hosts, ec2):
+    def __init__(self, test_hosts, ec2, registry: str | os.PathLike | None = None):
         self.test_hosts, self.ec2 = test_hosts, ec2
+        self.registry = registry
         self.vms: dict[str, tuple] = {}       # instance id -> (Host, MetadataServer)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._publish()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -125,11 +132,27 @@ class Backing:
         iid = inst["InstanceId"]
         with self._lock:
             if iid not in self.vms:
-                h = self.test_hosts.add(f"vm-{iid}")
-                self.vms[iid] = (h, MetadataServer(iid, clouds=("aws",)).start())
-            h, md = self.vms[iid]
+                self._back(iid)
+            return self._reach(iid)
+
+    def _back(self, iid: str) -> None:
+        h = self.test_hosts.add(f"vm-{iid}")
+        self.vms[iid] = (h, MetadataServer(iid, clouds=("aws",)).start())
+
+    def _reach(self, iid: str) -> Reach:
+        h, md = self.vms[iid]
         return Reach(h.address, h.port, (self.test_hosts.host_key(h),),
                      labels={"env.VARUNA_METADATA_URL": md.url}, workdir=h.workdir)
+
+    def _publish(self) -> None:
+        if self.registry is None:
+            return
+        with self._lock:
+            data = {iid: dataclasses.asdict(self._reach(iid)) for iid in self.vms}
+        tmp = f"{self.registry}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.registry)
 
     def metadata(self, iid: str) -> MetadataServer:
         return self.vms[iid][1]
@@ -137,12 +160,22 @@ class Backing:
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             try:
-                gone = {i["InstanceId"] for r in self.ec2.describe_instances()["Reservations"] for i in r["Instances"]
-                        if i["State"]["Name"] in ("shutting-down", "terminated")}
+                view = {i["InstanceId"]: i["State"]["Name"] for r in self.ec2.describe_instances()["Reservations"]
+                        for i in r["Instances"]}
             except Exception:  # noqa: BLE001 - the server is shutting down
                 continue
+            gone = {iid for iid, state in view.items() if state in ("shutting-down", "terminated")}
+            changed = False
             for iid in gone & set(self.vms):
                 self._kill(iid)
+                changed = True
+            for iid in sorted(iid for iid, state in view.items() if state == "running"):
+                with self._lock:
+                    if iid not in self.vms and not self._stop.is_set():
+                        self._back(iid)
+                        changed = True
+            if changed:
+                self._publish()
 
     def _kill(self, iid: str) -> None:
         with self._lock:
@@ -156,6 +189,23 @@ class Backing:
         self._thread.join(5)
         for iid in list(self.vms):
             self._kill(iid)
+        self._publish()
+
+
+def registry_reach(registry: str | os.PathLike):
+    """The ``reach`` hook of a provider in another process than the ``Backing``: an instance's
+    ``Reach`` from the registry file, or None while its VM is not there yet."""
+    def reach(inst: dict) -> Reach | None:
+        try:
+            with open(registry) as f:
+                entry = json.load(f).get(inst["InstanceId"])
+        except (OSError, ValueError):
+            return None
+        if entry is None:
+            return None
+        entry["host_keys"] = tuple(entry["host_keys"])
+        return Reach(**entry)
+    return reach
 
 
 def set_credentials(monkeypatch, tmp_path) -> None:

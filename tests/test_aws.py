@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -220,12 +221,73 @@ def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2
 
     with EventLog.reader(run / "events.db") as log:
         bill = Billing.of(log.events())
+        plans = [e.payload for e in log.events(kind="plan") if e.payload.get("rows")]
     cost = bill.cost(time.time())
+    # the planner priced every plan it made on these VMs at the spot price history, not the example
+    assert plans and all(p["prices"] == {"spot_per_gpu_hour": 1e-05, "on_demand_per_gpu_hour": 0.085,
+                                         "vm_type": "c5.large", "example": False} for p in plans), plans[0]["prices"]
+    for r in (r for p in plans for r in p["rows"] if r["feasible"]):
+        assert r["cost_per_1k_spot"] == pytest.approx(1000 / r["examples_per_s"] / 3600 * r["P"] * r["D"] * 1e-05)
     assert len(bill.meters) >= 3 and cost["local"] is False and not cost["example"], cost
     assert 0 < cost["spent"] < cost["on_demand"] and cost["on_demand"] / cost["spent"] == pytest.approx(8500, rel=1e-3)
     assert "saves 100% vs on-demand" in cost_text(cost)
     secret = CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
     assert secret not in caplog.text and secret.encode() not in (run / "events.db").read_bytes()
+
+
+@pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+@pytest.mark.timeout(420)
+def test_a_sigkilled_manager_restarted_adopts_its_instances_none_leaked_none_duplicated(ec2, moto, tmp_path):
+    """The manager (``tests/_aws_manager.py``: ``varuna launch --provider aws``'s path in its own
+    process) is SIGKILLed mid-job: its instances keep running (a crash cannot clean up), its
+    workers stop at a boundary with a checkpoint; the same command started again adopts exactly
+    those instances (no new request: none duplicated), continues the job without losing a step,
+    finishes, and terminates every instance (none leaked), checked through the EC2 API."""
+    import os
+    import signal
+    import subprocess
+
+    from test_manager import steps_redone, tiny_job, wait_step
+    from varuna_sdk.cluster.testhosts import TestHosts, procs_left
+    from varuna_sdk.manager.events import EventLog, Kind
+
+    run = tmp_path / "ec2-restart"
+    job = tmp_path / "job.yaml"
+    tiny_job(50, P=1, D=2).to_yaml(job)
+    hosts = TestHosts(tmp_path / "vms")
+    backing = Backing(hosts, ec2, registry=tmp_path / "reach.json")
+    cmd = [sys.executable, str(Path(__file__).with_name("_aws_manager.py")), str(job), str(run), moto.url,
+           str(tmp_path / "reach.json"), _ami(ec2), str(hosts.client_key), hosts.user, "2"]
+    first = subprocess.Popen(cmd, stdout=open(tmp_path / "first.log", "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        try:
+            wait_step(run, 8, 200)
+        except AssertionError:
+            raise AssertionError((tmp_path / "first.log").read_text()[-3000:]) from None
+        before = sorted(i["InstanceId"] for i in _live(ec2, run.name))
+        os.killpg(first.pid, signal.SIGKILL)                  # the manager dies; nothing is cleaned up
+        first.wait(10)
+        assert sorted(i["InstanceId"] for i in _live(ec2, run.name)) == before and len(before) == 2
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        backing.close()
+        hosts.close()
+    said = second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.returncode == 0 and "SUCCEEDED" in second.stdout, said
+    for iid in before:
+        assert f"adopting instance {iid}" in second.stderr, said
+    created = sorted(i["InstanceId"] for r in ec2.describe_instances(
+        Filters=[{"Name": "tag:varuna:job", "Values": [run.name]}])["Reservations"] for i in r["Instances"])
+    assert created == before, (created, before)                 # adopted, none requested again
+    assert _live(ec2, run.name) == []                            # ... and all terminated at the end
+    with EventLog.reader(run / "events.db") as log:
+        morphs = [e.payload for e in log.events(kind=Kind.MORPH)]
+    assert [m["cause"] for m in morphs] == ["manager_restart"] and morphs[0]["steps_lost"] == 0, morphs
+    assert steps_redone(run) == [0]
+    assert not procs_left(str(tmp_path)), "a VM or worker was left running"
 
 
 def test_varuna_launch_provider_aws_refuses_bad_settings_with_exit_2(ec2, moto, tmp_path):

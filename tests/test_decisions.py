@@ -9,13 +9,29 @@ import json
 import pytest
 
 from varuna_sdk.cluster.hosts import Host
-from varuna_sdk.manager.decisions import GrowRule, StragglerRule, find_stragglers, pool_slots, steps_lost, worker_slots
+from varuna_sdk.manager.decisions import (GrowRule, StragglerRule, find_stragglers, pool_prices, pool_slots, steps_lost,
+                                          worker_slots)
 
 
 def test_worker_slots_one_per_gpu_or_one_per_cpu_vm():
     assert worker_slots(Host("a", "10.0.0.1", gpus=0)) == 1
     assert worker_slots(Host("b", "10.0.0.2", gpus=4)) == 4
     assert pool_slots([Host("a", "10.0.0.1"), Host("b", "10.0.0.2", gpus=8)]) == 9
+
+
+def test_pool_prices_spread_each_vms_price_over_its_slots_and_average_the_pool():
+    def vm(name, gpus, **labels):
+        return Host(name=name, address="10.0.0.1", gpus=gpus, labels={k: str(v) for k, v in labels.items()})
+
+    # 2 x 4-GPU at $8/h spot ($32/h on demand) and 1 x 1-GPU at $1/h (no on-demand price: its spot)
+    pool = [vm("a", 4, price_per_hour=8, on_demand_per_hour=32, instance_type="g5.12xlarge"),
+            vm("b", 4, price_per_hour=8, on_demand_per_hour=32, instance_type="g5.12xlarge"),
+            vm("c", 1, price_per_hour=1.0, instance_type="g5.xlarge"), vm("d", 1)]      # d: no price, left out
+    got = pool_prices(pool)
+    assert got == {"spot_per_gpu_hour": pytest.approx(17 / 9), "on_demand_per_gpu_hour": pytest.approx(65 / 9),
+                   "vm_type": "g5.12xlarge, g5.xlarge", "example": False}
+    assert pool_prices([vm("d", 1), vm("e", 0, price_per_hour="n/a")]) is None
+    assert pool_prices([vm("f", 0, price_per_hour=0.5, prices="example", kind="emulated")])["example"] is True
 
 
 def test_grow_needs_the_gain_and_the_cooldown():

@@ -171,6 +171,20 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_to_stderr(name: str) -> None:
+    """INFO lines of logger ``name`` on stderr as ``[varuna] ...`` (once)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    if not any(getattr(h, "_varuna", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[varuna] %(message)s"))
+        handler._varuna = True
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def _aws_provider(args: argparse.Namespace, job: JobConfig):
     """``--provider aws``: the settings of ``--aws FILE`` (a YAML mapping of
     ``cluster.aws.AWSSpotConfig`` fields) with the command line's flags over them; the job id is
@@ -179,7 +193,7 @@ def _aws_provider(args: argparse.Namespace, job: JobConfig):
     import yaml
 
     from .cluster.aws import AWSSpotConfig, AWSSpotProvider
-    from .manager.runs import RunBusy, check_run_free
+    from .manager.runs import check_run_free, jobs_alive_beside
 
     if not args.run_dir:
         raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")
@@ -199,16 +213,18 @@ def _aws_provider(args: argparse.Namespace, job: JobConfig):
     run_dir = Path(args.run_dir)
     check_run_free(run_dir)   # a live job's instances are never adopted (nor terminated) by a second manager
 
-    def job_alive(job_id: str) -> bool:   # a job of this owner is alive while a manager holds its folder
-        try:
-            check_run_free(run_dir.parent / job_id)
-            return False
-        except RunBusy:
-            return True
-
+    if args.job_id and args.job_id != run_dir.name:
+        # reaping tells a live job by its run folder's lock, found by the job id on the tags
+        raise ConfigError(f"--provider aws: the job id is the run folder's name ({run_dir.name!r}); drop "
+                          f"--job-id {args.job_id} or name the run folder {args.job_id}")
     target = args.instances or job.launch.gpus
-    return AWSSpotProvider(config, job_id=args.job_id or run_dir.name, target=target, endpoint_url=args.endpoint_url,
-                           job_alive=job_alive).start()
+    _log_to_stderr("varuna_sdk.cluster.aws")   # each request, adoption, reaping and termination: a line
+    try:
+        provider = AWSSpotProvider(config, job_id=run_dir.name, target=target, endpoint_url=args.endpoint_url,
+                                   job_alive=jobs_alive_beside(run_dir))
+    except ValueError as e:   # a run folder name that cannot be a tag value
+        raise ConfigError(f"--run-dir {run_dir}: {e}") from None
+    return provider.start()
 
 
 def _launch(args: argparse.Namespace) -> int:

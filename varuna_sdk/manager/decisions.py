@@ -4,7 +4,7 @@ stragglers, how many steps a morph lost. No processes, sockets or clocks here â€
 machine in ``manager.manager`` feeds these with what it observed, so every rule is testable
 with plain numbers.
 
-Owns ``worker_slots``, ``GrowRule``, ``StragglerRule``, ``find_stragglers``, ``steps_lost``,
+Owns ``worker_slots``, ``pool_prices``, ``GrowRule``, ``StragglerRule``, ``find_stragglers``, ``steps_lost``,
 ``DriftRule``, ``step_time_drift``, ``compute_ratios``, ``segment_factors``.
 Imports ``cluster.hosts`` only; never torch.
 """
@@ -26,6 +26,42 @@ def worker_slots(host: Host) -> int:
 def pool_slots(hosts: Iterable[Host]) -> int:
     """Total worker slots of a pool of VMs (``worker_slots`` summed)."""
     return sum(worker_slots(h) for h in hosts)
+
+
+def pool_prices(hosts: Iterable[Host]) -> dict | None:
+    """The planner's ``Prices`` fields for a pool, from the ``price_per_hour`` (spot) and
+    ``on_demand_per_hour`` labels (US $ per VM-hour) its provider put on the VMs (the AWS provider:
+    the spot price history of each instance's type and zone): ``{"spot_per_gpu_hour",
+    "on_demand_per_gpu_hour", "vm_type", "example"}``, each VM's price spread over its worker
+    slots and averaged over the pool's slots. None when no VM has a price (the planner then uses
+    its example figures). A VM without an on-demand price counts at its spot price."""
+    spot = on_demand = 0.0
+    slots, types, example = 0, [], False
+    for h in hosts:
+        price = _label_price(h, "price_per_hour")
+        if price is None:
+            continue
+        n = worker_slots(h)
+        spot += price
+        od = _label_price(h, "on_demand_per_hour")
+        on_demand += price if od is None else od
+        slots += n
+        kind = h.labels.get("instance_type") or h.labels.get("kind") or "VM"
+        if kind not in types:
+            types.append(str(kind))
+        example = example or str(h.labels.get("prices", "")) == "example"
+    if slots == 0:
+        return None
+    return {"spot_per_gpu_hour": spot / slots, "on_demand_per_gpu_hour": on_demand / slots,
+            "vm_type": ", ".join(types), "example": example}
+
+
+def _label_price(h: Host, key: str) -> float | None:
+    try:
+        v = float(h.labels.get(key, ""))
+    except (TypeError, ValueError):
+        return None
+    return v if v >= 0 and v != float("inf") else None
 
 
 @dataclass(frozen=True)

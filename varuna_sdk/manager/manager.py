@@ -54,7 +54,7 @@ from typing import Any, Callable
 from ..cluster.hosts import Host, Secret
 from ..cluster.localproc import is_local
 from ..config import ConfigError, JobConfig
-from .decisions import (DriftRule, GrowRule, StragglerRule, compute_ratios, find_stragglers, pool_slots,
+from .decisions import (DriftRule, GrowRule, StragglerRule, compute_ratios, find_stragglers, pool_prices, pool_slots,
                         segment_factors, step_time_drift, steps_lost, worker_slots)
 from .events import Event, EventLog, Kind
 from .runs import RunBusy, acquire_run_lock, clear_stop, watch_stop_requests
@@ -488,9 +488,11 @@ class Manager:
         the GPUs); the plan a generation runs, shown on the dashboard, simulates every depth.
         ``profile``: plan from this calibration instead of the job's current one (a what-if that
         must use the same yardstick as the running plan)."""
-        from ..planner.plan import plan_for_job
+        from ..planner.plan import Prices, plan_for_job
 
         G = pool_slots(hosts)
+        priced = pool_prices(hosts)     # the pool's real prices (e.g. the spot price history), or the example's
+        prices = Prices(**priced) if priced else None
         job = copy.deepcopy(self.job)
         p0 = job.parallel
         if first and not self.calibrate_first and self._profile is None and not p0.planned and p0.P * p0.D <= G:
@@ -511,7 +513,7 @@ class Manager:
         try:
             try:
                 job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=first, exhaustive=not best_only, micro_batch_sizes=pinned)
+                                         keep_fixed=first, exhaustive=not best_only, prices=prices, micro_batch_sizes=pinned)
             except ConfigError:
                 if pinned is None:
                     raise
@@ -520,7 +522,7 @@ class Manager:
                 _log.warning("job %s: %s", self.job_id, msg)
                 self.log.append("warning", job_id=self.job_id, payload={"message": msg})
                 job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=first, exhaustive=not best_only)
+                                         keep_fixed=first, exhaustive=not best_only, prices=prices)
         except ConfigError as e:
             if not first:
                 raise
@@ -532,10 +534,10 @@ class Manager:
             job.parallel.boundaries = None
             try:   # ... P and D, with the configured micro-batch size when some plan has it
                 job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=False, exhaustive=not best_only, micro_batch_sizes=pinned)
+                                         keep_fixed=False, exhaustive=not best_only, prices=prices, micro_batch_sizes=pinned)
             except ConfigError:
                 job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=False, exhaustive=not best_only)
+                                         keep_fixed=False, exhaustive=not best_only, prices=prices)
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
         if first and not best_only and self._micro_batch_size is None:
             self._micro_batch_size = job_g.parallel.micro_batch_size
@@ -589,7 +591,8 @@ class Manager:
             "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
             "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": row.time_s,
             "examples_per_s": row.examples_per_s, "bubble": row.bubble_fraction,
-            "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline, "labels": self.labels})
+            "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline, "labels": self.labels,
+            "prices": asdict(pl.prices)})
         return per_stage
 
     def _resume_step(self) -> int:

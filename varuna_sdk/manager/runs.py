@@ -37,7 +37,7 @@ from ..config import TrainConfig
 from .billing import BILLED_KINDS, Billing, cost_text
 from .events import Event, EventLog, Kind
 
-__all__ = ["LOCK_FILE", "RunBusy", "RunInfo", "STOP_FILE", "TERMINAL", "acquire_run_lock", "check_run_free", "clear_stop", "clip",
+__all__ = ["LOCK_FILE", "RunBusy", "RunInfo", "STOP_FILE", "TERMINAL", "acquire_run_lock", "check_run_free", "clear_stop", "clip", "jobs_alive_beside",
            "drift_sentence", "event_sentence", "find_runs", "format_runs", "log_label", "log_tail", "morph_sentence",
            "read_run", "request_stop", "run_lock_holder", "stop_requested", "watch_stop_requests", "worker_logs"]
 
@@ -461,6 +461,18 @@ def check_run_free(run_dir: str | Path) -> None:
     who = run_lock_holder(run_dir)
     if who is not None:
         raise RunBusy(_busy(run_dir, who))
+
+
+def jobs_alive_beside(run_dir: str | Path):
+    """``job_alive(job_id) -> bool`` for a cloud provider's reaping (``cluster.aws``): a job of
+    this owner is alive while a live manager holds its run folder, ``run_dir``'s sibling named
+    after the job id (the CLI names jobs after their run folders). A finished, failed, killed or
+    unknown job is not alive: its instances may be terminated."""
+    parent = Path(run_dir).parent
+
+    def job_alive(job_id: str) -> bool:
+        return run_lock_holder(parent / job_id) is not None
+    return job_alive
 
 
 def run_lock_holder(run_dir: str | Path) -> dict | None:
