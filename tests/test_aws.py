@@ -304,6 +304,10 @@ def test_varuna_launch_provider_aws_refuses_bad_settings_with_exit_2(ec2, moto, 
         (["--run-dir", str(tmp_path / "r1"), "--region", REGION, "--instance-type", "p9.mega", "--ami", _ami(ec2)],
          "instance type 'p9.mega' is not offered in us-east-1"),
         (["--run-dir", str(tmp_path / "r2"), "--region", REGION, "--instance-type", "c5.large"], "ami is missing"),
+        (["--run-dir", str(tmp_path / "r3"), "--job-id", "other", "--region", REGION, "--instance-type", "c5.large",
+          "--ami", _ami(ec2)], "the job id is the run folder's name ('r3'); drop --job-id other"),
+        (["--run-dir", str(tmp_path / "bad name"), "--region", REGION, "--instance-type", "c5.large",
+          "--ami", _ami(ec2)], "job_id 'bad name': 1-128 letters"),
     ]
     for extra, said in cases:
         r = subprocess.run(varuna + extra, capture_output=True, text=True, timeout=120)
