@@ -96,3 +96,78 @@ def test_cut_and_restore_a_namespace_host(ssh_hosts):
     with pytest.raises(ValueError, match="only a host made with add\\(netns=True\\)"):
         ssh_hosts.cut(ssh_hosts.add())
     conn.close()
+
+
+_SINK = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+n, t0 = 0, None
+while True:
+    b = c.recv(1 << 16)
+    if not b:
+        break
+    t0 = t0 or time.monotonic()
+    n += len(b)
+print(n, time.monotonic() - t0, flush=True)
+"""
+_SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+c.sendall(b"x" * int(sys.argv[3]))
+c.close()
+"""
+
+
+def _rate(sink_ns: str | None, sink_addr: str, source_ns: str | None, nbytes: int) -> float:
+    """Bytes per second of one TCP transfer of ``nbytes`` from the source's namespace (None: this
+    one) to a sink listening on ``sink_addr`` in its namespace, timed at the sink from its first
+    byte to the last."""
+    import sys
+
+    from varuna_sdk.cluster.local import free_port
+
+    def inside(ns, *argv):
+        return ["ip", "netns", "exec", ns, *argv] if ns else list(argv)
+
+    port = free_port()
+    sink = subprocess.Popen(inside(sink_ns, sys.executable, "-c", _SINK, sink_addr, str(port)),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        subprocess.run(inside(source_ns, sys.executable, "-c", _SOURCE, sink_addr, str(port), str(nbytes)),
+                       check=True, timeout=60)
+        n, seconds = sink.communicate(timeout=60)[0].split()
+    finally:
+        sink.kill()
+    assert int(n) == nbytes
+    return nbytes / float(seconds)
+
+
+@pytest.mark.timeout(120)
+def test_a_limited_link_carries_traffic_at_its_limit_both_ways_until_lifted(ssh_hosts):
+    """``limit(host, B)``: a TCP transfer to the namespace host and one from it each run at
+    ``B`` bytes/s (within 25 %); lifted, the link is far faster again. The slow-network testbed
+    the schedules are measured on."""
+    h = ssh_hosts.add(netns=True)
+    ns, here = h.labels["netns"], ssh_hosts.bridge_address
+    limit = 4e6                               # 4 MB/s = 32 Mbit/s
+    ssh_hosts.limit(h, limit)
+    to_host = _rate(ns, h.address, None, 6_000_000)
+    from_host = _rate(None, here, ns, 6_000_000)
+    ssh_hosts.limit(h, None)
+    lifted = _rate(ns, h.address, None, 20_000_000)
+    print(f"\nlimited to {limit / 1e6:g} MB/s: to the host {to_host / 1e6:.2f} MB/s, from it {from_host / 1e6:.2f} "
+          f"MB/s; lifted {lifted / 1e6:.0f} MB/s")
+    assert 0.75 * limit <= to_host <= 1.25 * limit, to_host
+    assert 0.75 * limit <= from_host <= 1.25 * limit, from_host
+    assert lifted > 5 * limit, lifted
+    ssh_hosts.limit(h, None)                  # lifting twice is harmless
+    with pytest.raises(ValueError, match="must be > 0 bytes per second"):
+        ssh_hosts.limit(h, 0)
+    with pytest.raises(ValueError, match="only a host made with add\\(netns=True\\) has a link to limit"):
+        ssh_hosts.limit(ssh_hosts.add(), 1e6)

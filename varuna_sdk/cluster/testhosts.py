@@ -15,6 +15,8 @@ read the real user's ``~/.bashrc``, which may be slow or hang) and ``sshd -D -e 
   hostname resolves to 127.0.0.1, so gloo must be told the interface). ``cut(host)`` takes the
   bridge side of its veth down: every process keeps running and every TCP connection stays
   open, but no packet passes — a real network cut; ``cut(host, False)`` restores the link.
+  ``limit(host, bandwidth_Bps)`` makes its link a slow one (``tc`` token bucket, both
+  directions); ``limit(host, None)`` lifts it.
 
 One client key authorises all hosts; ``known_hosts`` lists every host's key; ``options()`` gives
 the ``SSHOptions`` to reach them.
@@ -595,6 +597,38 @@ class TestHosts:
             raise ValueError(f"test host {r.host.name} is a loopback host: only a host made with "
                              "add(netns=True) has a link to cut (use freeze() to hang a loopback host)")
         _ip("link", "set", r.veth, "down" if cut else "up")
+
+    def limit(self, host: Host | str, bandwidth_Bps: float | None, *, latency_s: float = 0.1) -> None:
+        """Limit a namespace host's link to ``bandwidth_Bps`` bytes per second in each direction
+        (``None``: lift the limit): a token-bucket filter (``tc`` ``tbf``) on both ends of its
+        veth — the bridge side shapes what the host receives, ``eth0`` inside its namespace what
+        it sends — so activations, gradients and all-reduces to or from it cross a real slow
+        link. The bucket holds ~10 ms of traffic (at least 32 KiB); packets wait in a queue of
+        up to ``latency_s`` seconds before they are dropped (TCP then backs off, as on a
+        congested link). ``netem`` is not used (absent on these machines). Raises
+        ``ValueError`` for a loopback host or a bandwidth that is not > 0, ``RuntimeError``
+        when ``tc`` fails."""
+        with self._lock:
+            r = self._hosts[host if isinstance(host, str) else host.name]
+        if r.veth is None or r.netns is None:
+            raise ValueError(f"test host {r.host.name} is a loopback host: only a host made with "
+                             "add(netns=True) has a link to limit")
+        tc = shutil.which("tc") or "/usr/sbin/tc"
+        ends = [[tc], [_ip_path() or "ip", "netns", "exec", r.netns, tc]]
+        devs = [r.veth, "eth0"]
+        for cmd, dev in zip(ends, devs):
+            if bandwidth_Bps is None:
+                argv = [*cmd, "qdisc", "del", "dev", dev, "root"]
+            else:
+                if not bandwidth_Bps > 0:
+                    raise ValueError(f"bandwidth_Bps={bandwidth_Bps!r} must be > 0 bytes per second (or None)")
+                burst = max(32 * 1024, int(bandwidth_Bps * 0.01))
+                argv = [*cmd, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(bandwidth_Bps * 8)}bit",
+                        "burst", str(burst), "latency", f"{int(latency_s * 1000)}ms"]
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+            if out.returncode != 0 and not (bandwidth_Bps is None and "No such file" in out.stderr
+                                            or bandwidth_Bps is None and "Cannot delete qdisc" in out.stderr):
+                raise RuntimeError(f"`{' '.join(argv)}` failed: {out.stderr.strip()}")
 
     # ---------------------------------------------------------------------------------------
     def host_key(self, host: Host | str) -> str:
