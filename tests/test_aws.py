@@ -80,6 +80,18 @@ def test_bad_settings_are_refused_before_anything_is_requested(ec2, moto, monkey
         (dict(subnets=(west_subnet,)), rf"subnet {west_subnet} not found in us-east-1: it may be in another region"),
         (dict(instance_types=()), r"instance_types is empty"),
         (dict(host_keys="yes"), r"host_keys 'yes': use 'console' or 'trust-on-first-use'"),
+        (dict(region=""), r"region is missing: pass --region"),
+        (dict(security_group="default"), r"security_group 'default': give the group's id \(sg-...\), not its name"),
+        (dict(user=""), r"user is empty: give the SSH login"),
+        (dict(key_path=tmp_path), rf"key_path {tmp_path} is not a file"),
+        # what a YAML file can hold: each wrong type named, no traceback
+        (dict(instance_types=5), r"instance_types 5 must be a list of names"),
+        (dict(region=5, ami=123), r"region 5 must be a string; ami 123 must be a string"),
+        (dict(max_price="cheap"), r"max_price 'cheap' must be a number > 0"),
+        (dict(max_price=float("inf")), r"max_price inf must be a number > 0"),
+        (dict(on_demand_per_hour="1.0"), r"on_demand_per_hour '1.0' must be a number > 0 .* unquoted"),
+        (dict(security_group=["sg-1"], key_name=7), r"key_name 7 must be a string"),
+        (dict(use_private_ip="no"), r"use_private_ip 'no' must be true or false"),
     ]
     for kw, said in cases:
         p = AWSSpotProvider(_config(ec2, **kw), job_id="bad", target=2, endpoint_url=moto.url)
@@ -93,6 +105,25 @@ def test_bad_settings_are_refused_before_anything_is_requested(ec2, moto, monkey
         p.start()
     with pytest.raises(AWSConfigError, match=r"unknown setting\(s\) \['instance_type'\]"):
         AWSSpotConfig.from_dict({"region": REGION, "instance_type": "g5.xlarge", "ami": "ami-12345678"})
+    with pytest.raises(AWSConfigError, match=r"unknown setting\(s\) \['1', 'foo'\]"):
+        AWSSpotConfig.from_dict({1: 2, "foo": 3})
+    one = AWSSpotConfig.from_dict({"region": REGION, "instance_types": "g5.xlarge", "ami": "ami-12345678",
+                                   "subnets": "subnet-0123abcd"})
+    assert (one.instance_types, one.subnets) == (("g5.xlarge",), ("subnet-0123abcd",))   # a name alone: a list of one
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "only-the-key-id")    # half the credentials: said, not a traceback
+    p = AWSSpotProvider(_config(ec2), job_id="bad", target=2, endpoint_url=moto.url)
+    with pytest.raises(AWSConfigError, match=r"AWS credentials: PartialCredentialsError"):
+        p.start()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+    p = AWSSpotProvider(_config(ec2), job_id="bad", target=2, endpoint_url="not-a-url")
+    with pytest.raises(AWSConfigError, match=r"endpoint_url 'not-a-url': Invalid endpoint"):
+        p.start()
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    p = AWSSpotProvider(_config(ec2), job_id="bad", target=2, endpoint_url=moto.url)
+    with pytest.raises(AWSConfigError, match=r"AWS configuration: ProfileNotFound"):
+        p.start()
     assert _live(ec2) == []       # nothing was requested
 
 
@@ -299,6 +330,9 @@ def test_varuna_launch_provider_aws_refuses_bad_settings_with_exit_2(ec2, moto, 
     tiny_job(10).to_yaml(job)
     varuna = [sys.executable, "-m", "varuna_sdk.cli", "launch", str(job), "--provider", "aws",
               "--endpoint-url", moto.url]
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("region: us-east-1\ninstance_types: [g5.xlarge\nami: x\n")
+    (tmp_path / "a-file").write_text("in the way")
     cases = [
         ([], "--provider aws needs --run-dir"),
         (["--run-dir", str(tmp_path / "r1"), "--region", REGION, "--instance-type", "p9.mega", "--ami", _ami(ec2)],
@@ -308,6 +342,12 @@ def test_varuna_launch_provider_aws_refuses_bad_settings_with_exit_2(ec2, moto, 
           "--ami", _ami(ec2)], "the job id is the run folder's name ('r3'); drop --job-id other"),
         (["--run-dir", str(tmp_path / "bad name"), "--region", REGION, "--instance-type", "c5.large",
           "--ami", _ami(ec2)], "job_id 'bad name': 1-128 letters"),
+        (["--run-dir", str(tmp_path / "r4"), "--instances", "0"], "--instances 0: give the number of spot instances"),
+        (["--run-dir", str(tmp_path / "r5"), "--aws", str(tmp_path / "none.yaml")], "none.yaml: cannot read it"),
+        (["--run-dir", str(tmp_path / "r6"), "--aws", str(bad_yaml)], "bad.yaml: not valid YAML at line 3"),
+        # the run folder is checked before an instance is requested (and billed)
+        (["--run-dir", str(tmp_path / "a-file" / "r8"), "--region", REGION, "--instance-type", "c5.large",
+          "--ami", _ami(ec2)], "a-file is a file, not a folder"),
     ]
     for extra, said in cases:
         r = subprocess.run(varuna + extra, capture_output=True, text=True, timeout=120)

@@ -185,6 +185,16 @@ def _log_to_stderr(name: str) -> None:
         logger.propagate = False
 
 
+def _boto3_region() -> str:
+    """The region boto3 would use (AWS_DEFAULT_REGION, the profile's), or '' (none, or no boto3)."""
+    try:
+        import boto3
+
+        return boto3.session.Session().region_name or ""
+    except Exception:  # noqa: BLE001 - a broken profile is reported by the provider's checks
+        return ""
+
+
 def _aws_provider(args: argparse.Namespace, job: JobConfig):
     """``--provider aws``: the settings of ``--aws FILE`` (a YAML mapping of
     ``cluster.aws.AWSSpotConfig`` fields) with the command line's flags over them; the job id is
@@ -193,13 +203,25 @@ def _aws_provider(args: argparse.Namespace, job: JobConfig):
     import yaml
 
     from .cluster.aws import AWSSpotConfig, AWSSpotProvider
+    from .launch import prepare_run
     from .manager.runs import check_run_free, jobs_alive_beside
 
     if not args.run_dir:
         raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")
+    if args.instances is not None and args.instances < 1:
+        raise ConfigError(f"--instances {args.instances}: give the number of spot instances to keep (>= 1)")
     settings = {}
     if args.aws:
-        loaded = yaml.safe_load(Path(args.aws).read_text())
+        try:
+            loaded = yaml.safe_load(Path(args.aws).read_text())
+        except OSError as e:
+            raise ConfigError(f"--aws {args.aws}: cannot read it ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--aws {args.aws}: not a text file; give a YAML file of AWS settings") from None
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"--aws {args.aws}: not valid YAML{at} ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{args.aws}: expected a mapping of AWS settings (region, instance_types, ami, ...)")
         settings.update(loaded)
@@ -207,23 +229,26 @@ def _aws_provider(args: argparse.Namespace, job: JobConfig):
              "security_group": args.security_group, "key_name": args.key_name, "key_path": args.key_path,
              "max_price": args.max_price, "user": args.vm_user, "python": args.vm_python}
     settings.update({k: v for k, v in flags.items() if v not in (None, [])})
+    if not settings.get("region"):   # boto3's own default: AWS_DEFAULT_REGION or the profile's region
+        settings["region"] = _boto3_region()
     for k in ("region", "instance_types", "ami"):
         settings.setdefault(k, "" if k != "instance_types" else ())
     config = AWSSpotConfig.from_dict(settings)
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir).resolve()
     check_run_free(run_dir)   # a live job's instances are never adopted (nor terminated) by a second manager
 
     if args.job_id and args.job_id != run_dir.name:
         # reaping tells a live job by its run folder's lock, found by the job id on the tags
         raise ConfigError(f"--provider aws: the job id is the run folder's name ({run_dir.name!r}); drop "
                           f"--job-id {args.job_id} or name the run folder {args.job_id}")
-    target = args.instances or job.launch.gpus
+    target = args.instances if args.instances is not None else job.launch.gpus
     _log_to_stderr("varuna_sdk.cluster.aws")   # each request, adoption, reaping and termination: a line
     try:
         provider = AWSSpotProvider(config, job_id=run_dir.name, target=target, endpoint_url=args.endpoint_url,
                                    job_alive=jobs_alive_beside(run_dir))
     except ValueError as e:   # a run folder name that cannot be a tag value
         raise ConfigError(f"--run-dir {run_dir}: {e}") from None
+    prepare_run(job, run_dir)   # every check of the job and its run folder before an instance is billed
     return provider.start()
 
 

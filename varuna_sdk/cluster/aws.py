@@ -48,6 +48,7 @@ import base64
 import dataclasses
 import getpass
 import logging
+import math
 import re
 import socket
 import tempfile
@@ -73,6 +74,7 @@ _REGION = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
 _AMI = re.compile(r"^ami-[0-9a-f]{8,17}$")
 _SUBNET = re.compile(r"^subnet-[0-9a-f]{8,17}$")
 _TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
+_GROUP = re.compile(r"^sg-[0-9a-f]{8,17}$")
 
 
 class AWSConfigError(ValueError):
@@ -106,24 +108,59 @@ class AWSSpotConfig:
     on_demand_per_hour: float | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "instance_types", tuple(self.instance_types))
-        object.__setattr__(self, "subnets", tuple(self.subnets))
-        if self.key_path is not None:
+        for name in ("instance_types", "subnets"):   # one name alone is a list of one
+            v = getattr(self, name)
+            if isinstance(v, str):
+                v = (v,) if v else ()
+            elif isinstance(v, (list, tuple)):
+                v = tuple(v)
+            object.__setattr__(self, name, v)         # anything else: problems() names it
+        if isinstance(self.key_path, (str, Path)):
             object.__setattr__(self, "key_path", Path(self.key_path).expanduser())
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "AWSSpotConfig":
         """From a job config's ``aws:`` section (unknown keys are refused, naming the known ones)."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(str(k) for k in set(d) - known)
         if unknown:
             raise AWSConfigError(f"aws: unknown setting(s) {unknown}; known: {sorted(known)}")
         return cls(**dict(d))
 
-    def problems(self) -> list[str]:
-        """What is wrong without asking AWS (formats, ranges, files)."""
+    def type_problems(self) -> list[str]:
+        """Settings of the wrong type (a YAML file can hold anything), each saying what it must be."""
         out = []
-        if not _REGION.match(self.region or ""):
+        for name in ("region", "ami", "user", "python", "host_keys"):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                out.append(f"{name} {v!r} must be a string")
+        for name in ("key_name", "security_group", "workdir"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                out.append(f"{name} {v!r} must be a string (or left out)")
+        for name, eg in (("instance_types", "[g5.xlarge, g4dn.xlarge]"), ("subnets", "[subnet-aaaa1111]")):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
+                out.append(f"{name} {v!r} must be a list of names, e.g. {eg}")
+        for name in ("max_price", "on_demand_per_hour"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                out.append(f"{name} {v!r} must be a number > 0 of US $ per instance-hour, unquoted (or left out)")
+        if not isinstance(self.use_private_ip, bool):
+            out.append(f"use_private_ip {self.use_private_ip!r} must be true or false")
+        if self.key_path is not None and not isinstance(self.key_path, Path):
+            out.append(f"key_path {self.key_path!r} must be the path of a private key file")
+        return out
+
+    def problems(self) -> list[str]:
+        """What is wrong without asking AWS (types, formats, ranges, files)."""
+        out = self.type_problems()
+        if out:
+            return out
+        if not self.region:
+            out.append("region is missing: pass --region (or region: in the --aws file, or set AWS_DEFAULT_REGION)")
+        elif not _REGION.match(self.region):
             out.append(f"region {self.region!r} is not an AWS region name (e.g. us-east-1)")
         if not self.instance_types:
             out.append("instance_types is empty: name at least one (e.g. ['g5.xlarge', 'g4dn.xlarge'])")
@@ -134,12 +171,17 @@ class AWSSpotConfig:
         elif not _AMI.match(self.ami):
             out.append(f"ami {self.ami!r} is not an AMI id (ami- and 8 or 17 hex digits)")
         out += [f"subnet {s!r} is not a subnet id (subnet-...)" for s in self.subnets if not _SUBNET.match(str(s))]
-        if self.max_price is not None and not self.max_price > 0:
-            out.append(f"max_price {self.max_price!r} must be > 0 US $ an hour (or None)")
+        if self.security_group is not None and not _GROUP.match(self.security_group):
+            out.append(f"security_group {self.security_group!r}: give the group's id (sg-...), not its name")
         if self.host_keys not in ("console", "trust-on-first-use"):
             out.append(f"host_keys {self.host_keys!r}: use 'console' or 'trust-on-first-use'")
+        for name, what in (("user", "the SSH login on the AMI (e.g. ubuntu)"),
+                           ("python", "the Python workers run with on the AMI (e.g. /usr/bin/python3)")):
+            if not getattr(self, name).strip():
+                out.append(f"{name} is empty: give {what}")
         if self.key_path is not None and not self.key_path.is_file():
-            out.append(f"key_path {self.key_path} does not exist: the private key of key pair {self.key_name!r}")
+            of = f" of key pair {self.key_name!r}" if self.key_name else ""
+            out.append(f"key_path {self.key_path} is not a file: give the private key{of} that SSH logs in with")
         return out
 
 
@@ -235,13 +277,23 @@ class AWSSpotProvider(PoolProvider):
             raise AWSConfigError("AWS settings: " + "; ".join(problems))
         import boto3
 
-        session = self._session or boto3.session.Session()
-        regions = {r for part in ("aws", "aws-us-gov", "aws-cn")
-                   for r in session.get_available_regions("ec2", partition_name=part)}
+        try:
+            session = self._session or boto3.session.Session()
+            regions = {r for part in ("aws", "aws-us-gov", "aws-cn")
+                       for r in session.get_available_regions("ec2", partition_name=part)}
+        except BotoCoreError as e:   # a named profile that does not exist, an unreadable config file
+            raise AWSConfigError(f"AWS configuration: {_err(e)}; fix AWS_PROFILE / ~/.aws/config") from None
         if self.config.region not in regions:
             raise AWSConfigError(f"region {self.config.region!r} is not an EC2 region (known: "
                                  f"{', '.join(sorted(r for r in regions if r.startswith(('us-', 'eu-'))))}, ...)")
-        ec2 = self.client()
+        try:
+            ec2 = self.client()
+        except ValueError as e:      # botocore: "Invalid endpoint: ..."
+            raise AWSConfigError(f"endpoint_url {self.endpoint_url!r}: {e}; give a URL such as "
+                                 "https://ec2.us-east-1.amazonaws.com (or leave it out)") from None
+        except BotoCoreError as e:   # partial credentials, an unreadable credentials file
+            raise AWSConfigError(f"AWS credentials: {_err(e)}; set them the standard boto3 way (AWS_PROFILE / "
+                                 "~/.aws/credentials, SSO, or the instance role)") from None
         try:
             ec2.describe_regions(RegionNames=[self.config.region])
         except NoCredentialsError:
