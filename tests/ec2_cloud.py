@@ -61,10 +61,12 @@ class MotoServer:
 
 class CapacityFaults:
     """An HTTP proxy to ``upstream``: ``RunInstances`` for a type in ``no_capacity`` (a set the
-    test changes) answers EC2's ``InsufficientInstanceCapacity`` error; everything else passes."""
+    test changes) answers EC2's ``InsufficientInstanceCapacity`` error, for a type in ``errors``
+    (type -> error code, e.g. ``UnauthorizedOperation``) that error; everything else passes."""
 
     def __init__(self, upstream: str):
         self.upstream, self.no_capacity, self.refused = upstream, set(), []
+        self.errors: dict[str, str] = {}
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -72,12 +74,16 @@ class CapacityFaults:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 form = urllib.parse.parse_qs(body.decode())
                 itype = (form.get("InstanceType") or [""])[0]
-                if (form.get("Action") or [""])[0] == "RunInstances" and itype in proxy.no_capacity:
+                running = (form.get("Action") or [""])[0] == "RunInstances"
+                if running and (itype in proxy.no_capacity or itype in proxy.errors):
                     proxy.refused.append(itype)
+                    code = proxy.errors.get(itype, "InsufficientInstanceCapacity")
+                    said = (f"We currently do not have sufficient {itype} capacity in the Availability Zone you "
+                            "requested." if code == "InsufficientInstanceCapacity" else
+                            "You are not authorized to perform this operation.")
                     self._reply(400, {"Content-Type": "text/xml"}, (
                         "<?xml version='1.0' encoding='UTF-8'?><Response><Errors><Error>"
-                        "<Code>InsufficientInstanceCapacity</Code><Message>We currently do not have sufficient "
-                        f"{itype} capacity in the Availability Zone you requested.</Message></Error></Errors>"
+                        f"<Code>{code}</Code><Message>{said}</Message></Error></Errors>"
                         "<RequestID>fault-injected</RequestID></Response>").encode())
                     return
                 req = urllib.request.Request(proxy.upstream + self.path, data=body, method="POST",

@@ -144,6 +144,14 @@ def test_no_capacity_falls_back_to_the_next_type_and_then_says_what_was_tried(ec
             p.start()
         p.close()
         assert _live(ec2, "none") == []
+        # a refusal no retry helps (IAM lacks ec2:RunInstances): said at once, nothing left running
+        faults.no_capacity, faults.errors = {"g5.xlarge"}, {"g4dn.xlarge": "UnauthorizedOperation"}
+        p = AWSSpotProvider(_config(ec2), job_id="denied", target=2, endpoint_url=faults.url, reach=lambda inst: None)
+        with pytest.raises(AWSConfigError, match=r"EC2 refused to start a g4dn.xlarge spot instance "
+                                                 r"\(UnauthorizedOperation: .*\); check the IAM permissions"):
+            p.start()
+        p.close()
+        assert _live(ec2, "denied") == []
     finally:
         faults.close()
 

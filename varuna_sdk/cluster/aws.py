@@ -452,8 +452,9 @@ class AWSSpotProvider(PoolProvider):
                 inst = self.client().run_instances(**self._run_args(itype, subnet))["Instances"][0]
             except ClientError as e:
                 code = e.response.get("Error", {}).get("Code", "")
-                if code not in CAPACITY_CODES:
-                    raise
+                if code not in CAPACITY_CODES:   # permissions, a parameter EC2 refuses: no retry helps
+                    raise AWSConfigError(f"EC2 refused to start a {itype} spot instance ({_err(e)}); check the "
+                                         "IAM permissions (README: AWS EC2 spot VMs) and the settings") from None
                 tries.append(f"{itype}{' in ' + subnet if subnet else ''}: {code}")
                 log.info("no spot capacity for %s%s (%s): trying the next", itype, f" in {subnet}" if subnet else "", code)
                 pairs.pop(0)
@@ -591,7 +592,7 @@ class AWSSpotProvider(PoolProvider):
             try:
                 self._request(short)
                 self._backoff_s = 5.0
-            except CapacityError as e:
+            except (CapacityError, AWSConfigError) as e:
                 log.warning("%s; trying again in %g s", e, self._backoff_s)
                 self._next_request = now + self._backoff_s
                 self._backoff_s = min(300.0, self._backoff_s * 2)
