@@ -88,3 +88,22 @@ def test_a_log_tail_is_whole_lines_within_the_budget(tmp_path):
     assert lines[-1] == "line 09999 \ufffd" and len(tail.encode()) <= 1000 + 2 * len(lines)
     assert all(x.startswith("line ") and len(x) == 12 for x in lines), lines[:2]   # no cut first line
     assert log_tail(tmp_path / "missing.log") == "" and log_tail(f, 10**9).count("\n") == 10_000
+
+
+def test_a_job_is_alive_while_a_manager_holds_its_run_folder(tmp_path):
+    """``jobs_alive_beside``: the cloud provider's reaping asks whether a job of this owner still
+    runs; it does while a manager holds the lock of the run folder named after it (beside this
+    one), and not once the lock is released, nor for a job with no folder at all."""
+    import os
+
+    from varuna_sdk.manager.runs import acquire_run_lock, jobs_alive_beside
+
+    (tmp_path / "live").mkdir()
+    (tmp_path / "over").mkdir()
+    alive = jobs_alive_beside(tmp_path / "me")
+    fd = acquire_run_lock(tmp_path / "live")
+    try:
+        assert alive("live") and not alive("over") and not alive("never-ran")
+    finally:
+        os.close(fd)
+    assert not alive("live")

@@ -182,7 +182,6 @@ def _log_to_stderr(name: str) -> None:
         handler._varuna = True
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def _boto3_region() -> str:
