@@ -138,22 +138,24 @@ def test_no_capacity_falls_back_to_the_next_type_and_then_says_what_was_tried(ec
         assert types == ["g4dn.xlarge", "g4dn.xlarge"] and faults.refused == ["g5.xlarge"]
         assert _live(ec2, "fallback") == []          # close terminated both, found by tag
         faults.no_capacity = {"g5.xlarge", "g4dn.xlarge"}
-        p = AWSSpotProvider(_config(ec2), job_id="none", target=1, endpoint_url=faults.url, reach=lambda inst: None)
-        with pytest.raises(CapacityError, match=r"tried g5.xlarge: InsufficientInstanceCapacity; "
-                                                r"g4dn.xlarge: InsufficientInstanceCapacity\. Add instance types"):
-            p.start()
-        p.close()
-        assert _live(ec2, "none") == []
+        _refused_at_start(ec2, faults.url, "none", CapacityError, r"tried g5.xlarge: InsufficientInstanceCapacity; "
+                          r"g4dn.xlarge: InsufficientInstanceCapacity\. Add instance types")
         # a refusal no retry helps (IAM lacks ec2:RunInstances): said at once, nothing left running
         faults.no_capacity, faults.errors = {"g5.xlarge"}, {"g4dn.xlarge": "UnauthorizedOperation"}
-        p = AWSSpotProvider(_config(ec2), job_id="denied", target=2, endpoint_url=faults.url, reach=lambda inst: None)
-        with pytest.raises(AWSConfigError, match=r"EC2 refused to start a g4dn.xlarge spot instance "
-                                                 r"\(UnauthorizedOperation: .*\); check the IAM permissions"):
-            p.start()
-        p.close()
-        assert _live(ec2, "denied") == []
+        _refused_at_start(ec2, faults.url, "denied", AWSConfigError, r"EC2 refused to start a g4dn.xlarge spot "
+                          r"instance \(UnauthorizedOperation: .*\); check the IAM permissions")
     finally:
         faults.close()
+
+
+def _refused_at_start(ec2, url: str, job: str, error: type, match: str) -> None:
+    """A provider for ``job`` whose start raises ``error`` (message matching ``match``) leaves no
+    instance of the job running."""
+    p = AWSSpotProvider(_config(ec2), job_id=job, target=1, endpoint_url=url, reach=lambda inst: None)
+    with pytest.raises(error, match=match):
+        p.start()
+    p.close()
+    assert _live(ec2, job) == []
 
 
 def test_a_restarted_provider_adopts_its_jobs_instances_and_instances_of_a_finished_job_are_reaped(ec2, moto):
