@@ -6,7 +6,7 @@ with plain numbers.
 
 Owns ``worker_slots``, ``pool_prices``, ``GrowRule``, ``StragglerRule``, ``find_stragglers``, ``steps_lost``,
 ``DriftRule``, ``step_time_drift``, ``compute_ratios``, ``segment_factors``.
-Imports ``cluster.hosts`` only; never torch.
+Imports ``cluster.hosts`` and ``manager.billing.price`` (a label's US $ per hour); never torch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from ..cluster.hosts import Host
+from .billing import price
 
 
 def worker_slots(host: Host) -> int:
@@ -38,14 +39,13 @@ def pool_prices(hosts: Iterable[Host]) -> dict | None:
     spot = on_demand = 0.0
     slots, types, example = 0, [], False
     for h in hosts:
-        price = _label_price(h, "price_per_hour")
-        if price is None:
+        vm_spot = price(h.labels.get("price_per_hour"))
+        if vm_spot is None:
             continue
-        n = worker_slots(h)
-        spot += price
-        od = _label_price(h, "on_demand_per_hour")
-        on_demand += price if od is None else od
-        slots += n
+        spot += vm_spot
+        od = price(h.labels.get("on_demand_per_hour"))
+        on_demand += vm_spot if od is None else od
+        slots += worker_slots(h)
         kind = h.labels.get("instance_type") or h.labels.get("kind") or "VM"
         if kind not in types:
             types.append(str(kind))
@@ -54,14 +54,6 @@ def pool_prices(hosts: Iterable[Host]) -> dict | None:
         return None
     return {"spot_per_gpu_hour": spot / slots, "on_demand_per_gpu_hour": on_demand / slots,
             "vm_type": ", ".join(types), "example": example}
-
-
-def _label_price(h: Host, key: str) -> float | None:
-    try:
-        v = float(h.labels.get(key, ""))
-    except (TypeError, ValueError):
-        return None
-    return v if v >= 0 and v != float("inf") else None
 
 
 @dataclass(frozen=True)
