@@ -20,7 +20,7 @@ namespace py = pybind11;
 
 namespace {
 
-using ActionTuple = std::tuple<int, int>;  // (kind: 0=F 1=R 2=B, micro-batch)
+using ActionTuple = std::tuple<int, int>;  // (kind: 0=F 1=R 2=B 3=W, micro-batch)
 
 ActionTuple to_tuple(const varuna::Action& a) { return {static_cast<int>(a.kind), a.mb}; }
 
@@ -252,6 +252,7 @@ PYBIND11_MODULE(_core, m) {
     m.attr("FORWARD") = static_cast<int>(varuna::ActionKind::Forward);
     m.attr("RECOMPUTE") = static_cast<int>(varuna::ActionKind::Recompute);
     m.attr("BACKWARD") = static_cast<int>(varuna::ActionKind::Backward);
+    m.attr("WEIGHT") = static_cast<int>(varuna::ActionKind::Weight);
     m.attr("POLICIES") = py::make_tuple("varuna", "gpipe", "1f1b");
 
     m.def(
@@ -261,33 +262,38 @@ PYBIND11_MODULE(_core, m) {
 
     m.def(
         "stage_schedule",
-        [](const std::string& policy, int P, int mb, int stage, std::optional<bool> recompute) {
+        [](const std::string& policy, int P, int mb, int stage, std::optional<bool> recompute,
+           bool split_backward) {
             const auto p = varuna::parse_policy(policy);
-            return to_tuples(varuna::stage_schedule(p, P, mb, stage, resolve_recompute(p, recompute)));
+            return to_tuples(
+                varuna::stage_schedule(p, P, mb, stage, resolve_recompute(p, recompute), split_backward));
         },
         py::arg("policy"), py::arg("P"), py::arg("m"), py::arg("stage"),
-        py::arg("recompute") = py::none(),
-        "Static action list of one stage as [(kind, mb)], kind 0=F 1=R 2=B.");
+        py::arg("recompute") = py::none(), py::arg("split_backward") = false,
+        "Static action list of one stage as [(kind, mb)], kind 0=F 1=R 2=B 3=W.");
 
     m.def(
         "pipeline_schedule",
-        [](const std::string& policy, int P, int mb, std::optional<bool> recompute) {
+        [](const std::string& policy, int P, int mb, std::optional<bool> recompute, bool split_backward) {
             const auto p = varuna::parse_policy(policy);
             std::vector<std::vector<ActionTuple>> out;
-            for (const auto& v : varuna::pipeline_schedule(p, P, mb, resolve_recompute(p, recompute)))
+            for (const auto& v :
+                 varuna::pipeline_schedule(p, P, mb, resolve_recompute(p, recompute), split_backward))
                 out.push_back(to_tuples(v));
             return out;
         },
         py::arg("policy"), py::arg("P"), py::arg("m"), py::arg("recompute") = py::none(),
+        py::arg("split_backward") = false,
         "Static action lists of all stages.");
 
     py::class_<varuna::StageScheduler>(m, "StageScheduler")
-        .def(py::init([](const std::string& policy, int P, int mb, int stage, std::optional<bool> recompute) {
+        .def(py::init([](const std::string& policy, int P, int mb, int stage, std::optional<bool> recompute,
+                         bool split_backward) {
                  const auto p = varuna::parse_policy(policy);
-                 return varuna::StageScheduler(p, P, mb, stage, resolve_recompute(p, recompute));
+                 return varuna::StageScheduler(p, P, mb, stage, resolve_recompute(p, recompute), split_backward);
              }),
              py::arg("policy"), py::arg("P"), py::arg("m"), py::arg("stage"),
-             py::arg("recompute") = py::none())
+             py::arg("recompute") = py::none(), py::arg("split_backward") = false)
         .def(
             "next",
             [](varuna::StageScheduler& s, int acts_arrived, int grads_arrived) -> std::optional<ActionTuple> {
@@ -305,7 +311,9 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("P", &varuna::StageScheduler::num_stages)
         .def_property_readonly("m", &varuna::StageScheduler::num_microbatches)
         .def_property_readonly("stage", &varuna::StageScheduler::stage)
-        .def_property_readonly("recompute", &varuna::StageScheduler::recompute);
+        .def_property_readonly("recompute", &varuna::StageScheduler::recompute)
+        .def_property_readonly("split_backward", &varuna::StageScheduler::split_backward)
+        .def_property_readonly("max_deferred", &varuna::StageScheduler::max_deferred);
 
     bind_simulator(m);
     bind_search(m);

@@ -16,6 +16,18 @@ constexpr const char* kValidPolicies = "varuna, gpipe, 1f1b";
 Action F(int i) { return {ActionKind::Forward, i}; }
 Action R(int i) { return {ActionKind::Recompute, i}; }
 Action B(int i) { return {ActionKind::Backward, i}; }
+Action W(int i) { return {ActionKind::Weight, i}; }
+
+// The static list with W(i) placed right after every B(i).
+std::vector<Action> with_weight_actions(const std::vector<Action>& v) {
+    std::vector<Action> out;
+    out.reserve(v.size() + v.size() / 2);
+    for (const Action& a : v) {
+        out.push_back(a);
+        if (a.kind == ActionKind::Backward) out.push_back(W(a.mb));
+    }
+    return out;
+}
 
 // Varuna static schedule (paper §3.2; original generate_schedule.cc).
 //
@@ -165,6 +177,13 @@ const char* valid_policy_names() { return kValidPolicies; }
 
 bool default_recompute(Policy p) { return p == Policy::Varuna; }
 
+void validate_split(Policy p, bool split_backward) {
+    if (split_backward && p != Policy::Varuna)
+        throw std::invalid_argument(std::string("split_backward applies to the varuna policy only (") +
+                                    policy_name(p) +
+                                    " runs its backward whole, as published); pass split_backward=False");
+}
+
 void validate_shape(int P, int m) {
     if (P < 1)
         throw std::invalid_argument("P (number of pipeline stages) must be >= 1, got " +
@@ -182,8 +201,11 @@ void validate_stage(int P, int m, int stage) {
                                     std::to_string(stage));
 }
 
-std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool recompute) {
+std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool recompute,
+                                   bool split_backward) {
     validate_stage(P, m, stage);
+    validate_split(policy, split_backward);
+    if (split_backward) return with_weight_actions(stage_schedule(policy, P, m, stage, recompute, false));
     switch (policy) {
         case Policy::GPipe: return gpipe_stage(P, m, stage, recompute);
         case Policy::OneFOneB: return one_f_one_b_stage(P, m, stage, recompute);
@@ -196,10 +218,15 @@ std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool 
                                 kValidPolicies);
 }
 
-std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, bool recompute) {
+std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, bool recompute,
+                                                   bool split_backward) {
     validate_shape(P, m);
+    validate_split(policy, split_backward);
     if (policy == Policy::Varuna) {
-        return varuna_all_stages(P, m, recompute);
+        auto all = varuna_all_stages(P, m, recompute);
+        if (split_backward)
+            for (auto& v : all) v = with_weight_actions(v);
+        return all;
     }
     std::vector<std::vector<Action>> all;
     all.reserve(static_cast<std::size_t>(P));
@@ -210,28 +237,31 @@ std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, 
 // ---------------------------------------------------------------------------------
 // StageScheduler
 
-StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute)
-    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute) {
-    list_ = stage_schedule(policy, P, m, stage, recompute);
+StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute,
+                               bool split_backward)
+    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute), split_(split_backward) {
+    list_ = stage_schedule(policy, P, m, stage, recompute, split_backward);
     taken_.assign(list_.size(), 0);
     remaining_ = list_.size();
     skip_taken();
 }
 
 StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute,
-                               std::vector<Action> list)
-    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute), list_(std::move(list)) {
+                               bool split_backward, std::vector<Action> list)
+    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute), split_(split_backward),
+      list_(std::move(list)) {
     taken_.assign(list_.size(), 0);
     remaining_ = list_.size();
     skip_taken();
 }
 
-std::vector<StageScheduler> StageScheduler::for_pipeline(Policy policy, int P, int m, bool recompute) {
-    auto lists = pipeline_schedule(policy, P, m, recompute);  // validates P, m
+std::vector<StageScheduler> StageScheduler::for_pipeline(Policy policy, int P, int m, bool recompute,
+                                                         bool split_backward) {
+    auto lists = pipeline_schedule(policy, P, m, recompute, split_backward);  // validates
     std::vector<StageScheduler> out;
     out.reserve(lists.size());
     for (int s = 0; s < P; ++s)
-        out.push_back(StageScheduler(policy, P, m, s, recompute,
+        out.push_back(StageScheduler(policy, P, m, s, recompute, split_backward,
                                      std::move(lists[static_cast<std::size_t>(s)])));
     return out;
 }
@@ -244,13 +274,14 @@ void StageScheduler::skip_taken() {
         ++f_cursor_;
 }
 
-std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) {
-    if (acts_arrived < 0 || grads_arrived < 0)
-        throw std::invalid_argument("acts_arrived and grads_arrived must be >= 0, got " +
-                                    std::to_string(acts_arrived) + " and " +
-                                    std::to_string(grads_arrived));
-    if (pos_ >= list_.size()) return std::nullopt;
+bool StageScheduler::would_wait(const Action& a, int acts_arrived, int grads_arrived) const {
+    if (a.kind == ActionKind::Forward) return stage_ > 0 && acts_arrived <= a.mb;
+    if (a.kind == ActionKind::Backward || a.kind == ActionKind::Recompute)
+        return stage_ < P_ - 1 && grads_arrived <= a.mb;
+    return false;
+}
 
+std::size_t StageScheduler::pick(int acts_arrived, int grads_arrived) const {
     std::size_t idx = pos_;
     const Action& head = list_[pos_];
     // Varuna's opportunistic rule: the next action would wait for a gradient that has not
@@ -264,9 +295,34 @@ std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) 
         const int j = list_[f_cursor_].mb;
         if (stage_ == 0 || acts_arrived > j) idx = f_cursor_;
     }
+    return idx;
+}
+
+std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) {
+    if (acts_arrived < 0 || grads_arrived < 0)
+        throw std::invalid_argument("acts_arrived and grads_arrived must be >= 0, got " +
+                                    std::to_string(acts_arrived) + " and " +
+                                    std::to_string(grads_arrived));
+    if (remaining_ == 0) return std::nullopt;
+    std::size_t idx = list_.size();
+    if (pos_ < list_.size()) idx = pick(acts_arrived, grads_arrived);
+    // zero-bubble split: deferred weight work fills the wait, or runs when it must
+    if (!pending_w_.empty() &&
+        (idx == list_.size() || static_cast<int>(pending_w_.size()) > max_deferred() ||
+         would_wait(list_[idx], acts_arrived, grads_arrived))) {
+        const Action w = list_[static_cast<std::size_t>(pending_w_.front())];
+        pending_w_.pop_front();
+        --remaining_;
+        return w;
+    }
     const Action a = list_[idx];
     taken_[idx] = 1;
     --remaining_;
+    if (split_ && a.kind == ActionKind::Backward) {
+        // its W (right after it in the static list) is pending from now on
+        taken_[idx + 1] = 1;
+        pending_w_.push_back(static_cast<int>(idx + 1));
+    }
     skip_taken();
     return a;
 }
@@ -274,6 +330,7 @@ std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) 
 std::vector<Action> StageScheduler::remaining() const {
     std::vector<Action> v;
     v.reserve(remaining_);
+    for (int k : pending_w_) v.push_back(list_[static_cast<std::size_t>(k)]);
     for (std::size_t k = pos_; k < list_.size(); ++k)
         if (!taken_[k]) v.push_back(list_[k]);
     return v;

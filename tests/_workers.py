@@ -213,7 +213,7 @@ def run_job(rank: int, job: dict) -> dict:
 
     history = [snapshot()] if keep_history else []
     losses, norms, skipped, scales = [], [], [], []
-    spent = {"time_s": 0.0, "compute_s": 0.0, "wait_F": 0.0, "wait_B": 0.0}   # summed over the steps
+    spent = {"time_s": 0.0, "compute_s": 0.0, "wait_F": 0.0, "wait_B": 0.0, "W": 0.0}   # summed over the steps
     for step in range(job["steps"]):
         handle = None
         if inject and inject[0] == step and inject[1] == eng.stage:
@@ -226,6 +226,7 @@ def run_job(rank: int, job: dict) -> dict:
         spent["compute_s"] += sum(r.compute_s.values())
         spent["wait_F"] += r.wait_s.get("F", 0.0)
         spent["wait_B"] += r.wait_s.get("B", 0.0)
+        spent["W"] += r.compute_s.get("W", 0.0)
         losses.append(r.loss)
         norms.append(r.grad_norm)
         skipped.append(r.skipped)

@@ -29,10 +29,15 @@ RTOL, ATOL = 1e-5, 1e-7
 CLIP = 0.05  # far below the tiny model's gradient norm (~0.5-1), so clipping is active every step
 
 
-def job(name, P, D=1, *, b, G, steps=3, kind="gpt2", model=None, policy="varuna", shared_params=None, **opts):
+def job(name, P, D=1, *, b, G, steps=3, kind="gpt2", model=None, policy="varuna", shared_params=None,
+        split=None, recompute=None, **opts):
     par = dict(P=P, D=D, global_batch=G, micro_batch_size=b, policy=policy)
     if shared_params is not None:
         par["shared_params"] = shared_params
+    if split is not None:
+        par["split_backward"] = split
+    if recompute is not None:
+        par["recompute"] = recompute
     return {"name": name, "kind": kind, "par": par, "model": model or {}, "steps": steps, "opts": opts}
 
 
@@ -54,16 +59,28 @@ EQUIV_JOBS = [
     job("mixed_p3_xms", 3, b=1, G=4, kind="mixed", model={"order": "xms"}),
     job("nested_p3", 3, b=2, G=4, kind="nested"),         # cut-points inside sub-modules
     job("nested_p4", 4, b=1, G=4, kind="nested"),
+    # the zero-bubble split (B = input gradient, W = weight gradients, deferred): same numbers
+    job("zb_p1_m2", 1, b=2, G=4, split=True),
+    job("zb_p2_m4", 2, b=1, G=4, split=True),
+    job("zb_p2_m4_norc", 2, b=1, G=4, split=True, recompute=False),
+    job("zb_p3_m5", 3, b=1, G=5, split=True),
+    job("zb_p4_m3_norc", 4, b=1, G=3, split=True, recompute=False),
+    job("zb_p2d2_m2", 2, 2, b=2, G=8, split=True),
+    job("zb_mixed_p3_mxs", 3, b=2, G=4, kind="mixed", model={"order": "mxs"}, split=True),
+    job("zb_nested_p3", 3, b=2, G=4, kind="nested", split=True),
 ]
 CLIP_JOBS = [
     job("clip_p1", 1, b=2, G=4, clip=CLIP),
     job("clip_p2", 2, b=2, G=4, clip=CLIP),
     job("clip_p4", 4, b=2, G=4, clip=CLIP),
+    job("zb_clip_p2", 2, b=2, G=4, clip=CLIP, split=True),
 ]
 OTHER_JOBS = [
     job("tied_p3", 3, b=1, G=4, steps=10),
     job("inf_fp16", 2, b=2, G=4, steps=4, precision="fp16", loss_scale=1024.0, inject_inf=(2, 0), history=True),
     job("inf_fp32", 2, b=2, G=4, steps=3, inject_inf=(1, 1), history=True),
+    job("zb_inf_fp16", 2, b=2, G=4, steps=4, precision="fp16", loss_scale=1024.0, inject_inf=(2, 0), history=True,
+        split=True),
     job("bf16", 2, b=2, G=4, steps=6, model={"dropout": 0.0}, precision="bf16", repeat_batch=True, lr=1e-2),
     {**job("err_leaky", 2, b=2, G=4, kind="leaky"), "expect_error": True},
     {**job("err_declared", 2, b=2, G=4, shared_params=[]), "expect_error": True},
@@ -171,6 +188,16 @@ def test_waiting_for_a_neighbour_is_timed_apart_from_compute(results):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["zb_p2_m4", "zb_p3_m5", "eq_p2_m4"])
+def test_split_backward_runs_weight_work_apart(name, results):
+    """With split_backward every rank spends time in W actions (the deferred weight gradients);
+    without it none does — the equivalence above is then the split's, not a silent fallback."""
+    split = ALL_JOBS[name]["par"].get("split_backward", False)
+    for r in results(name):
+        assert (r["spent"]["W"] > 0) == split, (name, r["stage"], r["spent"])
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", [j["name"] for j in CLIP_JOBS])
 def test_clipped_grad_norm_is_clip_grad_norm_total(name, results, reference):
     """With clipping active, the reported norm is ``clip_grad_norm_``'s pre-clip total norm."""
@@ -228,11 +255,12 @@ def _assert_skipped_everywhere(ranks: list[dict], bad_step: int) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_fp16_inf_in_one_stage_skips_step_everywhere_and_halves_scale(results):
-    """An inf injected into stage 0's gradient at step 2 (fp16, P=2): both ranks report
-    skipped=True for that step only, no parameter on any stage changes in it, and the shared loss
-    scale halves (1024 → 512) on every rank, then training continues."""
-    ranks = results("inf_fp16")
+@pytest.mark.parametrize("name", ["inf_fp16", "zb_inf_fp16"])
+def test_fp16_inf_in_one_stage_skips_step_everywhere_and_halves_scale(name, results):
+    """An inf injected into stage 0's gradient at step 2 (fp16, P=2; whole and split backward):
+    both ranks report skipped=True for that step only, no parameter on any stage changes in it,
+    and the shared loss scale halves (1024 → 512) on every rank, then training continues."""
+    ranks = results(name)
     _assert_skipped_everywhere(ranks, bad_step=2)
     for r in ranks:
         assert r["scales"].tolist() == [1024.0, 1024.0, 512.0, 512.0]

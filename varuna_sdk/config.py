@@ -260,8 +260,10 @@ class ParallelConfig:
     optimizer step (fixed, never changed by morphing) = ``micro_batch_size`` × m × ``D``.
     ``boundaries`` optionally gives the segment indices of each stage (``[[0, 1], [2, 3]]``);
     ``None`` balances stages on estimated cost. ``recompute`` ``None`` = the policy's default
-    (Varuna: on; GPipe, 1F1B: off). ``P``/``D`` ``None`` = let the planner choose for
-    ``launch.gpus`` workers from a calibration (paper §4.4)."""
+    (Varuna: on; GPipe, 1F1B: off). ``split_backward`` (Varuna only) splits each backward into
+    the input gradient (B, sent upstream at once) and the weight gradients (W, deferred into the
+    stage's waits; the zero-bubble split); ``None`` = the policy's default. ``P``/``D`` ``None`` =
+    let the planner choose for ``launch.gpus`` workers from a calibration (paper §4.4)."""
 
     P: int | None = 1
     D: int | None = 1
@@ -271,6 +273,7 @@ class ParallelConfig:
     recompute: bool | None = None
     boundaries: list[list[int]] | None = None
     shared_params: list[str] | None = None
+    split_backward: bool | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -460,7 +463,7 @@ RULES: dict[type, dict[str, Any]] = {
                  "seed": Int(0, 2 ** 63 - 1)},
     ParallelConfig: {"P": Int(1, 4096, True), "D": Int(1, 1 << 20, True), "global_batch": Int(1, 1 << 30),
                      "micro_batch_size": Int(1, 1 << 20), "policy": Text(POLICIES), "recompute": Flag(True),
-                     "boundaries": Plain("index_lists"), "shared_params": Plain("names")},
+                     "split_backward": Flag(True), "boundaries": Plain("index_lists"), "shared_params": Plain("names")},
     TrainConfig: {"steps": Int(1, BIG), "lr": Num(0.0, 10.0, lo_open=True), "min_lr": Num(0.0, 10.0),
                   "weight_decay": Num(0.0, 10.0), "warmup_steps": Int(0, BIG),
                   "grad_clip": Num(0.0, 1e9, lo_open=True, optional=True), "precision": Text(PRECISIONS),
@@ -659,6 +662,11 @@ def validate_parallel(p: ParallelConfig) -> None:
     by ``micro_batch_size × D`` (so m is a whole number; P plays no part).
     """
     check_fields("parallel", p)   # P and D may be null: chosen by the planner
+    if p.split_backward and p.policy != "varuna":
+        raise ConfigError(
+            f"parallel.split_backward=true applies to the varuna policy only (policy={p.policy!r} runs its "
+            "backward whole, as published); set split_backward to false or null, or policy to 'varuna'"
+        )
     if p.planned:
         return
     if p.boundaries is not None and len(p.boundaries) != p.P:

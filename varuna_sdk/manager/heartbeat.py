@@ -1107,8 +1107,8 @@ class HeartbeatClient:
                     step_time_s: float | None = None, mem_bytes: int | None = None,
                     wait_s: Mapping[str, float] | None = None) -> None:
         """Store the latest step's numbers (sent with the next heartbeat). ``compute_s``: this
-        stage's total seconds per action kind over the step (``{"F", "R", "B"}``, as in
-        ``StepResult.compute_s``); divided by ``micro_batches`` for per-micro-batch times.
+        stage's total seconds per action kind over the step (``{"F", "R", "B", "W"}``, as in
+        ``StepResult.compute_s``; a split backward's B and W are sent as one backward); divided by ``micro_batches`` for per-micro-batch times.
         ``wait_s``: seconds the stage was blocked on an input over the step (``StepResult.wait_s``),
         sent as one total per step (``wait_s``), never counted as compute."""
         m = max(1, int(micro_batches))
@@ -1116,7 +1116,7 @@ class HeartbeatClient:
         state = {"step": int(step), "loss": None if loss is None else float(loss),
                  "fwd_s": c["F"] / m if "F" in c else None,
                  "recompute_s": c["R"] / m if "R" in c else None,
-                 "bwd_s": c["B"] / m if "B" in c else None,
+                 "bwd_s": (c["B"] + c.get("W", 0.0)) / m if "B" in c else None,  # split: B + W
                  "micro_batches": m, "step_time_s": step_time_s}
         if wait_s is not None:
             state["wait_s"] = float(sum(float(v) for v in wait_s.values()))

@@ -46,6 +46,7 @@ from .comm import Channel, Receiver
 from .groups import Topology, build_groups
 from .scaler import LossScaler
 from .schedule import StageScheduler, default_recompute
+from .split_backward import WeightWork, backward_input
 
 LossFn = Callable[[object, object], torch.Tensor]  # (model output, targets) -> scalar mean loss
 
@@ -219,6 +220,7 @@ class Varuna:
         self.timeout_s = timeout_s
         self.policy = parallel.policy
         self.recompute = default_recompute(self.policy) if parallel.recompute is None else parallel.recompute
+        self.split_backward = bool(parallel.split_backward)
         if device is None:
             backend = dist.get_backend() if distributed else "gloo"
             device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
@@ -434,11 +436,12 @@ class Varuna:
         self._begin_step()
         acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
         grads = Receiver(self.ch_grad_in, self.m, self.timeout_s) if self.ch_grad_in else None
-        sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute)
+        sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute, self.split_backward)
         stash: dict[int, tuple] = {}  # mb -> received inputs (recompute) or (leaves, outputs)
         live: dict[int, tuple] = {}  # mb -> (leaves, outputs) with a graph
+        deferred: dict[int, WeightWork] = {}  # mb -> its weight-gradient work (split backward)
         loss_sum = torch.zeros((), device=self.device)
-        timing = {"F": 0.0, "R": 0.0, "B": 0.0}
+        timing = {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0}
         waited = {"F": 0.0, "B": 0.0}   # blocked on an input, taken out of the action's time
         recv_flags = [c["requires_grad"] for c in self.structure.crossings[self.start_cut]] if not self.is_first else []
         while True:
@@ -473,10 +476,12 @@ class Varuna:
                 leaves = self._leaves(received, recv_flags, True)
                 out = self._forward(mb_in[i], leaves, base + i, grad=True)
                 live[i] = (leaves, _as_tuple(out))
+            elif kind == "W":
+                deferred.pop(i).run()
             else:  # "B"
                 leaves, outs = live.pop(i)
                 if self.is_last:
-                    (outs[0] * (scale / self.m)).backward()
+                    roots, gouts = [outs[0] * (scale / self.m)], [None]
                 else:
                     tw = time.perf_counter()
                     g_tensors, _ = grads.get(i)
@@ -486,8 +491,11 @@ class Varuna:
                     # so pair them with the flagged outputs, not positionally with all outputs.
                     flagged = [o for o, f in zip(outs, self.send_flags) if f]
                     pairs = [(o, g) for o, g in zip(flagged, g_tensors) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    roots, gouts = [o for o, _ in pairs], [g for _, g in pairs]
+                if self.split_backward:
+                    deferred[i] = self._backward_input(roots, gouts, leaves)
+                elif roots:
+                    torch.autograd.backward(roots, gouts if not self.is_last else None)
                 if not self.is_first:
                     self.ch_grad_out.send(self._input_grads(leaves, recv_flags))
             timing[kind] += time.perf_counter() - ta - w
@@ -511,6 +519,16 @@ class Varuna:
         for ch in (self.ch_act_out, self.ch_act_in, self.ch_grad_out, self.ch_grad_in):
             if ch is not None:
                 ch.begin_step()
+
+    def _backward_input(self, roots: list, gouts: list, leaves: tuple | None) -> WeightWork:
+        """B of the split backward: the input gradients into the leaves' ``.grad`` (what
+        ``_input_grads`` sends), the weight-gradient work returned for a later W."""
+        inputs = list(leaves) if leaves is not None else []
+        got, work = backward_input(roots, gouts, inputs, self.parameters())
+        for t, g in zip(inputs, got):
+            if g is not None:
+                t.grad = g
+        return work
 
     def _leaves(self, received: tuple | None, flags: Sequence[bool], with_grad: bool) -> tuple | None:
         if received is None:
@@ -617,4 +635,5 @@ class Varuna:
         a, b = self.stage_map.ranges[self.stage]
         nparam = sum(p.numel() for _, p in self.params)
         return (f"rank {self.rank}: stage {self.stage}/{self.P} replica {self.replica}/{self.D} "
-                f"segments {a}..{b - 1} params {nparam:,} policy {self.policy} recompute {self.recompute}")
+                f"segments {a}..{b - 1} params {nparam:,} policy {self.policy} recompute {self.recompute}"
+                f"{' split backward' if self.split_backward else ''}")

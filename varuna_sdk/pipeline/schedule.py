@@ -1,7 +1,8 @@
 """Pipeline schedules as data.
 
-This module owns the per-stage order of forward (``F``), recompute (``R``) and
-backward (``B``) actions for one mini-batch, for the policies ``varuna`` (paper
+This module owns the per-stage order of forward (``F``), recompute (``R``),
+backward (``B``) and — with ``split_backward`` — weight-gradient (``W``) actions for one
+mini-batch, for the policies ``varuna`` (paper
 arXiv 2111.04007 §3.2), ``gpipe`` and ``1f1b`` (PipeDream-Flush), plus the
 run-time :class:`StageScheduler` that applies Varuna's opportunistic reordering.
 The pipeline runtime and the simulator both consume it.  The policies themselves
@@ -12,7 +13,10 @@ It must never import torch: schedules are plain data, usable without a GPU stack
 
 Conventions: ``P`` is the number of pipeline stages, ``m`` the number of
 micro-batches per mini-batch, ``stage`` a 0-based stage index and micro-batch
-indices are 0-based.  The last stage never recomputes.
+indices are 0-based.  The last stage never recomputes.  With ``split_backward``
+(Varuna only; the zero-bubble split of arXiv 2401.10241) ``B`` computes the input gradient
+only and ``W`` the weight gradients, deferred at run time into the gaps where the stage
+would wait for a message (see :class:`StageScheduler`).
 """
 
 from __future__ import annotations
@@ -35,15 +39,16 @@ __all__ = [
 
 POLICIES: tuple[str, ...] = ("varuna", "gpipe", "1f1b")
 
-_KINDS = ("F", "R", "B")  # index = C++ ActionKind value
-_TOKEN = re.compile(r"([FRB])(\d+)\Z")
+_KINDS = ("F", "R", "B", "W")  # index = C++ ActionKind value
+_TOKEN = re.compile(r"([FRBW])(\d+)\Z")
 
 
 class Action(NamedTuple):
-    """One scheduled action: ``kind`` is ``'F'`` (forward), ``'R'`` (recompute) or
-    ``'B'`` (backward); ``mb`` is the 0-based micro-batch index."""
+    """One scheduled action: ``kind`` is ``'F'`` (forward), ``'R'`` (recompute), ``'B'``
+    (backward; with ``split_backward`` its input gradient only) or ``'W'`` (weight gradients);
+    ``mb`` is the 0-based micro-batch index."""
 
-    kind: str  # 'F' | 'R' | 'B'
+    kind: str  # 'F' | 'R' | 'B' | 'W'
     mb: int
 
     def __str__(self) -> str:
@@ -60,6 +65,17 @@ def _check_policy(policy: object) -> str:
             f"unknown schedule policy {policy!r}; valid policies are: {', '.join(POLICIES)}"
         )
     return policy
+
+
+def _check_split(policy: str, split_backward: object) -> bool:
+    if not isinstance(split_backward, bool):
+        raise TypeError(f"split_backward must be a bool, got {type(split_backward).__name__} {split_backward!r}")
+    if split_backward and policy != "varuna":
+        raise ValueError(
+            f"split_backward applies to the varuna policy only ({policy} runs its backward whole, as "
+            "published); pass split_backward=False or policy='varuna'"
+        )
+    return split_backward
 
 
 def _check_ints(**values: object) -> None:
@@ -81,7 +97,8 @@ def default_recompute(policy: str) -> bool:
 
 
 def stage_schedule(
-    policy: str, P: int, m: int, stage: int, recompute: bool | None = None
+    policy: str, P: int, m: int, stage: int, recompute: bool | None = None,
+    split_backward: bool = False,
 ) -> list[Action]:
     """Static action list of one pipeline stage for one mini-batch.
 
@@ -95,30 +112,37 @@ def stage_schedule(
         stage: 0-based stage index, ``0 <= stage < P``.
         recompute: emit ``R(i)`` before ``B(i)`` on non-last stages.  ``None``
             uses :func:`default_recompute`.  The last stage never recomputes.
+        split_backward: ``varuna`` only: ``W(i)`` follows every ``B(i)`` in the static
+            list (the run-time scheduler defers it; zero-bubble split).
 
     Returns:
         The actions in execution order, e.g. ``[F0, F1, R0, B0, ...]``.
 
     Raises:
-        ValueError: unknown policy, ``P < 1``, ``m < 1`` or ``stage`` out of range;
-            the message names the valid values.
-        TypeError: ``P``, ``m`` or ``stage`` is not an int.
+        ValueError: unknown policy, ``P < 1``, ``m < 1``, ``stage`` out of range or
+            ``split_backward`` with a policy other than ``varuna``; the message names the
+            valid values.
+        TypeError: ``P``, ``m`` or ``stage`` is not an int, ``split_backward`` not a bool.
     """
     _check_ints(P=P, m=m, stage=stage)
-    return [_action(t) for t in _core.stage_schedule(_check_policy(policy), P, m, stage, recompute)]
+    policy = _check_policy(policy)
+    split = _check_split(policy, split_backward)
+    return [_action(t) for t in _core.stage_schedule(policy, P, m, stage, recompute, split)]
 
 
 def pipeline_schedule(
-    policy: str, P: int, m: int, recompute: bool | None = None
+    policy: str, P: int, m: int, recompute: bool | None = None, split_backward: bool = False
 ) -> list[list[Action]]:
     """Static action lists of all ``P`` stages (index = stage).
 
     Same arguments, units and errors as :func:`stage_schedule` (paper §3.2).
     """
     _check_ints(P=P, m=m)
+    policy = _check_policy(policy)
+    split = _check_split(policy, split_backward)
     return [
         [_action(t) for t in stage]
-        for stage in _core.pipeline_schedule(_check_policy(policy), P, m, recompute)
+        for stage in _core.pipeline_schedule(policy, P, m, recompute, split)
     ]
 
 
@@ -133,7 +157,7 @@ def parse_schedule(text: str) -> list[Action]:
     Commas are accepted as separators too.  An empty string gives ``[]``.
 
     Raises:
-        ValueError: a token is not ``F``, ``R`` or ``B`` followed by a
+        ValueError: a token is not ``F``, ``R``, ``B`` or ``W`` followed by a
             non-negative integer; the message quotes the token and its position.
     """
     actions: list[Action] = []
@@ -141,7 +165,7 @@ def parse_schedule(text: str) -> list[Action]:
         match = _TOKEN.match(tok)
         if match is None:
             raise ValueError(
-                f"bad schedule token {tok!r} at position {pos}; expected F<i>, R<i> or B<i> "
+                f"bad schedule token {tok!r} at position {pos}; expected F<i>, R<i>, B<i> or W<i> "
                 "with a non-negative micro-batch index, e.g. 'F0 F1 R0 B0'"
             )
         actions.append(Action(match.group(1), int(match.group(2))))
@@ -159,18 +183,26 @@ class StageScheduler:
     being fed instead of the stage waiting on a gradient.  Otherwise the next
     static action is returned (the caller then blocks on its input if needed).
 
+    With ``split_backward``, ``W(i)`` becomes pending when ``B(i)`` is handed out and is
+    returned only when the action chosen above would wait for a message that has not
+    arrived, when only ``W`` work is left, or when more than :attr:`max_deferred`
+    (``P - stage``) are pending — each pending ``W`` keeps its micro-batch's activations.
+
     Args:
-        policy, P, m, stage, recompute: as in :func:`stage_schedule`.
+        policy, P, m, stage, recompute, split_backward: as in :func:`stage_schedule`.
 
     Raises:
         ValueError, TypeError: as in :func:`stage_schedule`.
     """
 
     def __init__(
-        self, policy: str, P: int, m: int, stage: int, recompute: bool | None = None
+        self, policy: str, P: int, m: int, stage: int, recompute: bool | None = None,
+        split_backward: bool = False,
     ) -> None:
         _check_ints(P=P, m=m, stage=stage)
-        self._impl = _core.StageScheduler(_check_policy(policy), P, m, stage, recompute)
+        policy = _check_policy(policy)
+        split = _check_split(policy, split_backward)
+        self._impl = _core.StageScheduler(policy, P, m, stage, recompute, split)
 
     def next(self, acts_arrived: int, grads_arrived: int) -> Action | None:
         """Pop and return the next action to execute, or ``None`` when done.
@@ -217,8 +249,17 @@ class StageScheduler:
     def recompute(self) -> bool:
         return self._impl.recompute
 
+    @property
+    def split_backward(self) -> bool:
+        return self._impl.split_backward
+
+    @property
+    def max_deferred(self) -> int:
+        """Most ``W`` actions kept pending (``P - stage``)."""
+        return self._impl.max_deferred
+
     def __repr__(self) -> str:
         return (
             f"StageScheduler(policy={self.policy!r}, P={self.P}, m={self.m}, "
-            f"stage={self.stage}, recompute={self.recompute}, remaining={self._impl.remaining_count()})"
+            f"stage={self.stage}, recompute={self.recompute}, split_backward={self.split_backward}, remaining={self._impl.remaining_count()})"
         )

@@ -1,0 +1,225 @@
+"""The backward split into input-gradient (B) and weight-gradient (W) work — the zero-bubble idea.
+
+A stage's backward does two jobs: the gradient of its *inputs*, which the stage before waits for,
+and the gradients of its *weights*, which nobody needs until the optimizer step. Splitting them lets
+a stage send the input gradient upstream as soon as it is known and run the weight gradients later,
+in a gap where it would otherwise wait for a message (Qi et al., "Zero Bubble Pipeline
+Parallelism", arXiv 2401.10241; the same split torch.distributed.pipelining's zero-bubble
+schedules make). :func:`backward_input` is the B: one ``torch.autograd.grad`` to the stage's input
+leaves that also records, through hooks, the gradient flowing out of every autograd node where a
+weight's subgraph joins the input path. :class:`WeightWork` is the W: for each group of weights
+sharing such nodes, one ``torch.autograd.grad`` from those nodes (with the recorded gradients) to
+the weights, so no input-path work is done twice. The sum B + W equals the full backward to the
+float rounding of the order of accumulation (tests compare with 1e-5).
+
+Only public autograd API is used (``Node.register_prehook``, ``GradientEdge``,
+``torch.autograd.grad``). Must never import anything above ``pipeline``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightWork", "backward_input"]
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """The autograd node a gradient for ``t`` enters: its ``grad_fn``, or for a leaf that requires
+    grad its accumulator (made on demand through a throw-away view)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return t.view_as(t).grad_fn.next_functions[0][0]
+    return None
+
+
+def _parents(roots: Iterable[Node]) -> dict[Node, list[Node]]:
+    """Reverse edges of the autograd graph below ``roots``: node -> the nodes that feed it a
+    gradient. Every reachable node is a key (roots with an empty list)."""
+    parents: dict[Node, list[Node]] = {}
+    todo = deque()
+    for r in roots:
+        if r not in parents:
+            parents[r] = []
+            todo.append(r)
+    while todo:
+        n = todo.popleft()
+        for child, _ in n.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                todo.append(child)
+            parents[child].append(n)
+    return parents
+
+
+def _upward(starts: Iterable[Node], parents: dict[Node, list[Node]],
+            stop: set[Node] | frozenset = frozenset()) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable from ``starts`` towards the outputs, not expanding past ``stop`` nodes:
+    returns (visited nodes not in ``stop``, the ``stop`` nodes met)."""
+    seen: set[Node] = set()
+    met: set[Node] = set()
+    todo = deque()
+    for s in starts:
+        if s not in seen:
+            seen.add(s)
+            todo.append(s)
+    while todo:
+        for p in parents.get(todo.popleft(), ()):
+            if p in stop:
+                met.add(p)
+            elif p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return seen, met
+
+
+class _Group:
+    """Weights whose gradients all flow out of the same input-path nodes (``joins``)."""
+
+    def __init__(self, params: set[Node], joins: set[Node]):
+        self.params, self.joins = params, joins
+
+
+def _groups(param_nodes: Sequence[Node], joinable: set[Node],
+            parents: dict[Node, list[Node]]) -> list[_Group]:
+    """Group weights by the nodes where their subgraphs join the input path or reach an output
+    directly (``joinable``); weights sharing a join node share a group."""
+    by_join: dict[Node, _Group] = {}
+    groups: list[_Group] = []
+    for pn in param_nodes:
+        seen, joins = _upward([pn], parents, joinable)
+        if pn in joinable:  # the weight is itself an output
+            joins.add(pn)
+        if not joins:
+            continue
+        g = _Group({pn}, set(joins))
+        for other in {id(o): o for o in (by_join.get(j) for j in joins) if o is not None}.values():
+            g.params |= other.params
+            g.joins |= other.joins
+            groups.remove(other)
+        for j in g.joins:
+            by_join[j] = g
+        groups.append(g)
+    return groups
+
+
+class WeightWork:
+    """The deferred weight-gradient (W) work of one micro-batch on one stage.
+
+    Holds the retained autograd graph and the gradients recorded at the join nodes during
+    :func:`backward_input`; :meth:`run` accumulates every weight's gradient into ``.grad`` (as
+    ``backward()`` would) and releases them. Memory held until then: the stage's saved activations
+    of this micro-batch plus one gradient per join node (about one activation each).
+    """
+
+    def __init__(self, params: dict[Node, torch.Tensor], groups: list[_Group],
+                 captured: dict[Node, list]):
+        self._params, self._groups, self._captured = params, groups, captured
+        self.done = False
+
+    def run(self) -> None:
+        """Compute and accumulate the weight gradients (once; a second call does nothing).
+
+        Raises ``RuntimeError`` from autograd if the graph was freed (a caller bug)."""
+        if self.done:
+            return
+        self.done = True
+        for n, g in enumerate(self._groups):
+            edges, gouts = [], []
+            for j in g.joins:
+                for k, gr in enumerate(self._captured.get(j, ())):
+                    if gr is not None:
+                        edges.append(GradientEdge(j, k))
+                        gouts.append(gr)
+            if not edges:
+                continue  # no gradient reached this group (its output was unused)
+            hooks = []
+            if len(g.joins) > 1:
+                # one join may feed another (a weight used twice): its recorded gradient is already
+                # complete, so whatever flows into it again here is replaced, not added
+                hooks = [j.register_prehook(lambda _gin, saved=tuple(self._captured[j]): saved)
+                         for j in g.joins if j in self._captured]
+            params = list(g.params)
+            try:
+                dws = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in params], gouts,
+                                          retain_graph=n < len(self._groups) - 1, allow_unused=True)
+            finally:
+                for h in hooks:
+                    h.remove()
+            for p, dw in zip(params, dws):
+                if dw is None:
+                    continue
+                w = self._params[p]
+                if w.grad is None:
+                    w.grad = dw
+                else:
+                    w.grad += dw
+        self._captured.clear()
+        self._groups = []
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], params: Iterable[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """B: the gradients of ``inputs`` only, and the W work left for ``params``.
+
+    Args:
+        outputs: the stage's outputs (or its scalar loss); those without a graph are skipped.
+        grads: one gradient per output, same shape (``None``: ones, for a scalar loss).
+        inputs: the stage's input leaves (those with ``requires_grad`` get a gradient, the others
+            ``None``).
+        params: the stage's weights; those outside the graph are left untouched.
+
+    Returns ``(input gradients aligned with inputs, WeightWork)``. When no input requires a
+    gradient (the first stage) the input path is empty: the whole backward then happens in
+    :meth:`WeightWork.run`. Weights whose subgraph reaches an output without touching the input
+    path (an output computed from weights only) take that output's gradient as given — an output
+    that is itself computed from another output is not supported there (it would miss the
+    gradient flowing through the other output).
+    """
+    outs, gouts = [], []
+    for o, g in zip(outputs, grads):
+        if o.requires_grad:
+            outs.append(o)
+            gouts.append(torch.ones_like(o) if g is None else g)
+    out_nodes = [_node(o) for o in outs]
+    parents = _parents(out_nodes)
+    want = [i for i, t in enumerate(inputs) if t.requires_grad]
+    input_nodes = [n for n in (_node(inputs[i]) for i in want) if n in parents]
+    on_input_path, _ = _upward(input_nodes, parents)
+    captured: dict[Node, list] = {}
+    for o, n, g in zip(outs, out_nodes, gouts):
+        if n not in on_input_path:  # never run by the input backward: its gradient is the given one
+            slot = 0 if o.grad_fn is None else o.output_nr
+            got = captured.setdefault(n, [])
+            got.extend([None] * (slot + 1 - len(got)))
+            got[slot] = g if got[slot] is None else got[slot] + g
+    params_by_node: dict[Node, torch.Tensor] = {}
+    for p in params:
+        if p.requires_grad:
+            n = _node(p)
+            if n in parents:
+                params_by_node[n] = p
+    groups = _groups(list(params_by_node), on_input_path | set(captured), parents)
+    hooks = []
+    for j in {j for g in groups for j in g.joins} - set(captured):
+        def record(gout, j=j):
+            captured[j] = [None if t is None else t.detach() for t in gout]
+        hooks.append(j.register_prehook(record))
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    try:
+        if want and outs:
+            got = torch.autograd.grad(outs, [inputs[i] for i in want], gouts,
+                                      retain_graph=True, allow_unused=True)
+            for i, g in zip(want, got):
+                result[i] = g
+    finally:
+        for h in hooks:
+            h.remove()
+    return result, WeightWork(params_by_node, groups, captured)
