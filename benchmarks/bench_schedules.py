@@ -49,11 +49,31 @@ from torch import nn  # noqa: E402
 
 SEED = 11
 LR = 1e-3
+N_LAYER = 8  # 2 chunks per rank at P = 4 for the interleaved schedules: 8 chunks of one block
 T, MICRO = common.T, common.MICRO
-MAX_MSGS_PER_MB = 4  # jitter table: messages per link and step, per micro-batch
-SYSTEMS = ("varuna_rc", "varuna_norc", "torch_1f1b", "torch_gpipe")
-LABEL = {"varuna_rc": "Varuna (recompute)", "varuna_norc": "Varuna (no recompute)",
-         "torch_1f1b": "torch Schedule1F1B", "torch_gpipe": "torch ScheduleGPipe"}
+MAX_MSGS_PER_MB = 8  # jitter table: messages per link and step, per micro-batch (2 chunks per rank)
+VARUNA = ("varuna_zb", "varuna_norc", "varuna_rc")
+TORCH = ("torch_1f1b", "torch_gpipe", "torch_interleaved1f1b", "torch_loopedbfs", "torch_interleavedzb",
+         "torch_zbv", "torch_dualpipev")
+SYSTEMS = VARUNA + TORCH
+PLANNED = "varuna_zb"  # what the planner runs by default: split backward, recompute only for memory
+LABEL = {"varuna_zb": "Varuna (split backward)", "varuna_rc": "Varuna (recompute)",
+         "varuna_norc": "Varuna (no recompute)", "torch_1f1b": "torch Schedule1F1B",
+         "torch_gpipe": "torch ScheduleGPipe", "torch_interleaved1f1b": "torch ScheduleInterleaved1F1B",
+         "torch_loopedbfs": "torch ScheduleLoopedBFS", "torch_interleavedzb": "torch ScheduleInterleavedZeroBubble",
+         "torch_zbv": "torch ScheduleZBVZeroBubble", "torch_dualpipev": "torch ScheduleDualPipeV"}
+# torch schedule class name and how the 2P (or P) stages sit on the ranks: rank r holds stages
+# [r] ("single"), [r, r + P] ("loop") or [r, 2P - 1 - r] ("v")
+TORCH_SCHEDULES = {"torch_1f1b": ("Schedule1F1B", "single"), "torch_gpipe": ("ScheduleGPipe", "single"),
+                   "torch_interleaved1f1b": ("ScheduleInterleaved1F1B", "loop"),
+                   "torch_loopedbfs": ("ScheduleLoopedBFS", "loop"),
+                   "torch_interleavedzb": ("ScheduleInterleavedZeroBubble", "loop"),
+                   "torch_zbv": ("ScheduleZBVZeroBubble", "v"), "torch_dualpipev": ("ScheduleDualPipeV", "v")}
+
+
+def stages_of(layout: str, rank: int, P: int) -> list[int]:
+    """Stage indices rank ``rank`` holds under a layout (see TORCH_SCHEDULES)."""
+    return {"single": [rank], "loop": [rank, rank + P], "v": [rank, 2 * P - 1 - rank]}[layout]
 
 
 # ---- torch stages ---------------------------------------------------------------------------
@@ -81,12 +101,12 @@ class TorchStage(nn.Module):
 
 
 # ---- the systems, inside one worker -----------------------------------------------------------
-PHASES = ("F", "R", "B", "opt", "wait")
+PHASES = ("F", "R", "B", "W", "opt", "wait")
 
 
 class System:
-    """Seconds of this rank's last step in compute (``F``, ``R``, ``B``), in the optimizer and,
-    for Varuna, blocked on a message inside an action (``wait``)."""
+    """Seconds of this rank's last step in compute (``F``, ``R``, ``B``, ``W``), in the optimizer
+    and, for Varuna, blocked on a message inside an action (``wait``)."""
 
     def __init__(self):
         self.phase: dict[str, float] = {}
@@ -98,9 +118,9 @@ class System:
 
 
 class VarunaSystem(System):
-    def __init__(self, cfg, P: int, m: int, recompute: bool):
+    def __init__(self, cfg, P: int, m: int, recompute: bool, split_backward: bool = False):
         super().__init__()
-        self.eng = common.varuna_engine(cfg, P, m, SEED, recompute=recompute)
+        self.eng = common.varuna_engine(cfg, P, m, SEED, recompute=recompute, split_backward=split_backward)
         self.opt = torch.optim.AdamW(self.eng.parameters(), lr=LR)
         common.timed_optimizer(self.opt, self.phase)
 
@@ -113,39 +133,47 @@ class VarunaSystem(System):
 
 
 class TorchSystem(System):
-    def __init__(self, cfg, P: int, m: int, blocks, rank: int, schedule_cls, tied_group):
-        from torch.distributed.pipelining import PipelineStage
+    """One torch.distributed.pipelining schedule on this rank: its stage modules (one, or two
+    chunks for the interleaved and V schedules), the same AdamW and the tied embedding / LM-head
+    gradient summed between the ranks holding the first and the last stage (one rank for V)."""
+
+    def __init__(self, cfg, P: int, m: int, rank: int, schedule: str, tied_group):
+        from torch.distributed.pipelining import PipelineStage, schedules
 
         from varuna_sdk.model import lm_loss
 
         super().__init__()
+        cls_name, layout = TORCH_SCHEDULES[schedule]
+        n_stages = P if layout == "single" else 2 * P
+        blocks = common.block_split(cfg.n_layer, n_stages)
         full = common.full_model(cfg, SEED)
         self.rank, self.P = rank, P
-        self.module = TorchStage(full, blocks[rank], rank == 0, rank == P - 1)
-        self.stage = PipelineStage(self.module, rank, P, torch.device("cpu"))
-        self.sched = schedule_cls(self.stage, n_microbatches=m, loss_fn=lm_loss)
-        self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
+        self.held = stages_of(layout, rank, P)
+        self.modules = [TorchStage(full, blocks[s], s == 0, s == n_stages - 1) for s in self.held]
+        self.stages = [PipelineStage(mod, s, n_stages, torch.device("cpu")) for mod, s in zip(self.modules, self.held)]
+        cls = getattr(schedules, cls_name)
+        self.sched = (cls(self.stages[0], n_microbatches=m, loss_fn=lm_loss) if layout == "single"
+                      else cls(self.stages, n_microbatches=m, loss_fn=lm_loss))
+        params = list({id(p): p for mod in self.modules for p in mod.parameters()}.values())
+        self.opt = torch.optim.AdamW(params, lr=LR)
         common.timed_optimizer(self.opt, self.phase)
-        common.timed_method(self.stage, "forward_one_chunk", self.phase, "F")
+        for st in self.stages:
+            common.timed_method(st, "forward_one_chunk", self.phase, "F")
+            common.timed_method(st, "backward_one_chunk", self.phase, "B")
+            common.timed_method(st, "backward_weight_one_chunk", self.phase, "W")
         common.timed_method(self.sched, "_compute_loss", self.phase, "F")  # Varuna's F includes the loss
-        common.timed_method(self.stage, "backward_one_chunk", self.phase, "B")
-        self.tied_group = tied_group
-        self.tied = None
-        if rank == 0:
-            self.tied = self.module.wte.weight
-        elif rank == P - 1:
-            self.tied = self.module.lm_head.weight
+        self.first, self.last = 0 in self.held, n_stages - 1 in self.held
+        # the tied weight is summed across ranks only when the first and last stage sit apart
+        self.tied_group = tied_group if self.first != self.last else None
+        self.tied = full.wte.weight if (self.first or self.last) else None
 
     def step(self, batch) -> float | None:
         x, y = batch
         losses: list = []
-        if self.rank == 0:
-            self.sched.step(x)
-        elif self.rank == self.P - 1:
-            self.sched.step(target=y, losses=losses)
-        else:
-            self.sched.step()
-        if self.tied is not None:  # tied embedding / LM head: sum the two stages' gradients
+        args = (x,) if self.first else ()
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        self.sched.step(*args, **kwargs)
+        if self.tied is not None and self.tied_group is not None:
             torch.distributed.all_reduce(self.tied.grad, group=self.tied_group)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -176,24 +204,28 @@ def stage_compute_per_mb(module: nn.Module, rank: int, P: int, cfg, reps: int = 
 def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     """Build every system on this rank, calibrate the jitter, run interleaved rounds, write times."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     from varuna_sdk.pipeline import comm
 
     P, m = world, opts["m"]
-    cfg = common.bench_gpt2_cfg()
-    blocks = common.block_split(cfg.n_layer, P)
+    cfg = common.bench_gpt2_cfg(n_layer=N_LAYER)
     gate = jitter.JitterGate(opts["ts_path"], world, rank, max_msgs=MAX_MSGS_PER_MB * m, seed=opts["seed"])
     comm.set_delivery_gate(gate)
     jitter.install_torch_gate(gate)
 
     tied_group = dist.new_group([0, P - 1])
-    systems = {
-        "varuna_rc": VarunaSystem(cfg, P, m, recompute=True),
+    systems: dict[str, System] = {
+        "varuna_zb": VarunaSystem(cfg, P, m, recompute=False, split_backward=True),
         "varuna_norc": VarunaSystem(cfg, P, m, recompute=False),
-        "torch_1f1b": TorchSystem(cfg, P, m, blocks, rank, Schedule1F1B, tied_group),
-        "torch_gpipe": TorchSystem(cfg, P, m, blocks, rank, ScheduleGPipe, tied_group),
+        "varuna_rc": VarunaSystem(cfg, P, m, recompute=True),
     }
+    cannot: dict[str, str] = {}
+    for name in TORCH:
+        try:
+            systems[name] = TorchSystem(cfg, P, m, rank, name, tied_group)
+        except Exception as e:  # noqa: BLE001 - a schedule torch refuses here is reported, not fatal
+            cannot[name] = f"{type(e).__name__}: {e}"
+    blocks = common.block_split(cfg.n_layer, P)
     B = m * MICRO
     counters = {(s, j): 0 for s in systems for j in (False, True)}
     spans = {f"{s}|{int(j)}": [] for s in systems for j in (False, True)}
@@ -222,7 +254,7 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
         for _ in range(opts["warmup"]):
             one_step(name, False, record=False)
     # jitter mean = frac x the slowest stage's pure forward+backward compute per micro-batch
-    per_mb = torch.tensor([stage_compute_per_mb(systems["torch_1f1b"].module, rank, P, cfg)], dtype=torch.float64)
+    per_mb = torch.tensor([stage_compute_per_mb(systems["torch_1f1b"].modules[0], rank, P, cfg)], dtype=torch.float64)
     dist.all_reduce(per_mb, op=dist.ReduceOp.MAX)
     gate.mean_s = opts["jitter_frac"] * float(per_mb)
 
@@ -238,7 +270,7 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
         "rank": rank, "spans": spans, "phases": phases, "first_loss": first_loss, "per_mb_compute_s": float(per_mb),
         "jitter_mean_s": gate.mean_s, "applied_delays": gate.delays,
         "gloo_supports_coalescing": bool(getattr(pg_cpu, "supports_coalescing", False)),
-        "blocks": blocks,
+        "blocks": blocks, "cannot_run": cannot,
     })
 
 

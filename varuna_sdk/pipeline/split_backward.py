@@ -58,12 +58,9 @@ def _parents(roots: Iterable[Node]) -> dict[Node, list[Node]]:
     return parents
 
 
-def _upward(starts: Iterable[Node], parents: dict[Node, list[Node]],
-            stop: set[Node] | frozenset = frozenset()) -> tuple[set[Node], set[Node]]:
-    """Nodes reachable from ``starts`` towards the outputs, not expanding past ``stop`` nodes:
-    returns (visited nodes not in ``stop``, the ``stop`` nodes met)."""
+def _upward(starts: Iterable[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """``starts`` and every node reachable from them towards the outputs: the input path."""
     seen: set[Node] = set()
-    met: set[Node] = set()
     todo = deque()
     for s in starts:
         if s not in seen:
@@ -71,12 +68,10 @@ def _upward(starts: Iterable[Node], parents: dict[Node, list[Node]],
             todo.append(s)
     while todo:
         for p in parents.get(todo.popleft(), ()):
-            if p in stop:
-                met.add(p)
-            elif p not in seen:
+            if p not in seen:
                 seen.add(p)
                 todo.append(p)
-    return seen, met
+    return seen
 
 
 class _Group:
@@ -89,24 +84,34 @@ class _Group:
 def _groups(param_nodes: Sequence[Node], joinable: set[Node],
             parents: dict[Node, list[Node]]) -> list[_Group]:
     """Group weights by the nodes where their subgraphs join the input path or reach an output
-    directly (``joinable``); weights sharing a join node share a group."""
-    by_join: dict[Node, _Group] = {}
-    groups: list[_Group] = []
+    directly (``joinable``): one union-find pass over the edges leaving nodes off the input path
+    (O(graph), not O(weights x graph)); weights whose subgraphs touch, or meet at a join node,
+    share a group."""
+    up: dict[Node, Node] = {}
+
+    def find(n: Node) -> Node:
+        root = n
+        while up.get(root, root) is not root:
+            root = up[root]
+        while n is not root:  # path compression
+            n, up[n] = up[n], root
+        return root
+
+    for n, ps in parents.items():
+        if n in joinable:
+            continue  # a join's own parents lie on the input path: never followed
+        for p in ps:
+            a, b = find(n), find(p)
+            if a is not b:
+                up[a] = b
+    by_root: dict[Node, _Group] = {}
     for pn in param_nodes:
-        seen, joins = _upward([pn], parents, joinable)
-        if pn in joinable:  # the weight is itself an output
-            joins.add(pn)
-        if not joins:
-            continue
-        g = _Group({pn}, set(joins))
-        for other in {id(o): o for o in (by_join.get(j) for j in joins) if o is not None}.values():
-            g.params |= other.params
-            g.joins |= other.joins
-            groups.remove(other)
-        for j in g.joins:
-            by_join[j] = g
-        groups.append(g)
-    return groups
+        by_root.setdefault(find(pn), _Group(set(), set())).params.add(pn)
+    for j in joinable:
+        g = by_root.get(find(j))
+        if g is not None:
+            g.joins.add(j)
+    return [g for g in by_root.values() if g.joins]
 
 
 class WeightWork:
@@ -192,7 +197,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     parents = _parents(out_nodes)
     want = [i for i, t in enumerate(inputs) if t.requires_grad]
     input_nodes = [n for n in (_node(inputs[i]) for i in want) if n in parents]
-    on_input_path, _ = _upward(input_nodes, parents)
+    on_input_path = _upward(input_nodes, parents)
     captured: dict[Node, list] = {}
     for o, n, g in zip(outs, out_nodes, gouts):
         if n not in on_input_path:  # never run by the input backward: its gradient is the given one
