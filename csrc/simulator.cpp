@@ -153,7 +153,7 @@ private:
         double done = 0.0;
         double last_send_arrival = 0.0;
         double busy = 0.0;
-        double dur[3] = {0.0, 0.0, 0.0};  // F, R, B without jitter (incl. overheads)
+        double dur[4] = {0.0, 0.0, 0.0, 0.0};  // F, R, B, W without jitter (incl. overheads)
         double lat_act = 0.0, lat_grad = 0.0;  // outgoing fixed transfer times
         int stashed = 0, live = 0;
         int peak_stashed = 0, peak_live = 0, peak_inflight = 0;
@@ -245,7 +245,7 @@ void Engine::setup() {
     slots_ = c_.compute_slots_per_host > 0;
 
     // schedulers: one prototype per stage, copied for replicas beyond the first
-    auto proto = StageScheduler::for_pipeline(c_.policy, P_, m_, c_.recompute);
+    auto proto = StageScheduler::for_pipeline(c_.policy, P_, m_, c_.recompute, c_.split_backward);
     if (nrep_ == 1) {
         sched_ = std::move(proto);
     } else {
@@ -268,8 +268,9 @@ void Engine::setup() {
         const int s = k.stage;
         const auto us = static_cast<std::size_t>(s);
         const double scale = c_.rank_compute_scale.empty() ? 1.0 : c_.rank_compute_scale[static_cast<std::size_t>(r)];
-        const double base[3] = {c_.fwd[us], c_.rec.empty() ? c_.fwd[us] : c_.rec[us], c_.bwd[us]};
-        for (int a = 0; a < 3; ++a) k.dur[a] = base[a] * scale + c_.action_overhead;
+        const double base[4] = {c_.fwd[us], c_.rec.empty() ? c_.fwd[us] : c_.rec[us], c_.bwd[us],
+                                c_.split_backward ? c_.wgt[us] : 0.0};
+        for (int a = 0; a < 4; ++a) k.dur[a] = base[a] * scale + c_.action_overhead;
         if (s < P_ - 1) k.dur[0] += c_.send_overhead;
         if (s > 0) k.dur[2] += c_.send_overhead;
         if (s < P_ - 1) {
@@ -522,7 +523,8 @@ double Engine::begin_action(int r, double t) {
             --k.stashed;
             ++k.live;
             break;
-        case ActionKind::Backward: break;
+        case ActionKind::Backward:
+        case ActionKind::Weight: break;
     }
     k.peak_stashed = std::max(k.peak_stashed, k.stashed);
     k.peak_live = std::max(k.peak_live, k.live);
@@ -539,7 +541,7 @@ double Engine::begin_action(int r, double t) {
     }
     if (timeline_)
         timeline_v_[static_cast<std::size_t>(r)].push_back(
-            Segment{static_cast<SegmentKind>(ak), a.mb, t, end});
+            Segment{a.kind == ActionKind::Weight ? SegmentKind::Weight : static_cast<SegmentKind>(ak), a.mb, t, end});
     return end;
 }
 
@@ -549,9 +551,10 @@ void Engine::complete_action(int r, double t) {
     const Action a = k.cur;
     if (a.kind == ActionKind::Forward && s < P_ - 1) send(r, r + 1, 0, a.mb, t);
     if (a.kind == ActionKind::Backward) {
-        --k.live;
+        if (!c_.split_backward) --k.live;  // split: the graph lives until W
         if (s > 0) send(r, r - 1, 1, a.mb, t);
     }
+    if (a.kind == ActionKind::Weight) --k.live;
 }
 
 void Engine::send(int src, int dst, int kind, int mb, double t) {
@@ -1043,6 +1046,13 @@ void validate(const SimConfig& c) {
     check_vec(c.bwd, "bwd", P, false, "seconds per micro-batch, one per stage", "seconds");
     check_vec(c.rec, "rec", P, true, "seconds per micro-batch, one per stage", "seconds");
     check_vec(c.opt, "opt", P, true, "optimizer step seconds, one per stage", "seconds");
+    validate_split(c.policy, c.split_backward);
+    if (c.split_backward)
+        check_vec(c.wgt, "wgt", P, false, "weight-gradient (W) seconds per micro-batch, one per stage, with "
+                  "split_backward", "seconds");
+    else if (!c.wgt.empty())
+        bad("wgt (weight-gradient seconds) is only used with split_backward=true; leave it empty or set "
+            "split_backward");
     if (c.P > 1) {
         check_vec(c.act_bytes, "act_bytes", P - 1, true, "bytes per micro-batch sent s -> s+1; P-1 boundaries, "
                   "or P with the last ignored", "bytes", P);

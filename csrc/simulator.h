@@ -19,7 +19,10 @@
 //     at max(t, arrival of that input, a free compute slot on the host);
 //   * duration = base * rank_compute_scale[rank] * jitter + action_overhead
 //               (+ send_overhead when the action sends a message),
-//     base = fwd[s] (F), rec[s] (R), bwd[s] (B); jitter = max(0, 1 + N(0, rel_sigma));
+//     base = fwd[s] (F), rec[s] (R), bwd[s] (B), wgt[s] (W); jitter = max(0, 1 + N(0, rel_sigma));
+//   * split_backward (Varuna only, the zero-bubble split): bwd[s] is then the input-gradient
+//     part B alone and wgt[s] the weight-gradient part W, which the stage's scheduler defers into
+//     its waits (StageScheduler); W needs no input and sends nothing;
 //   * compute slots: with compute_slots_per_host = k > 0 at most k actions run at once
 //     on a host (workers sharing cores or one GPU); a rank whose input is ready but
 //     finds no slot waits (FIFO by request time, then rank) - recorded as WAIT.
@@ -64,7 +67,8 @@
 //   Memory: per micro-batch a stage holds either its stashed input only (forward
 //   done without autograd, waiting for recompute) or a live graph (input + full
 //   activations: after F without recompute or on the last stage, or after R) until
-//   its B ends.  A state is counted from the start of the action that creates it.
+//   its B ends (with split_backward: its W ends).  A state is counted from the start of the
+//   action that creates it.
 //   peak_stashed[s], peak_live[s], peak_inflight[s] (= stashed + live) are maxima
 //   over time and replicas, so memory(s) <= peak_stashed * input_bytes
 //   + peak_live * (input + activation bytes) (the planner's business).
@@ -133,10 +137,12 @@ struct SimConfig {
     int m = 1;  // micro-batches per mini-batch (per replica)
     Policy policy = Policy::Varuna;
     bool recompute = true;
+    bool split_backward = false;  // B (input gradient) and W (weight gradients) apart
 
     // Per stage, seconds per micro-batch.  fwd, bwd: size P.  rec: size P or empty
-    // (= fwd).  opt: optimizer step seconds, size P or empty (= 0).
-    std::vector<double> fwd, bwd, rec, opt;
+    // (= fwd).  opt: optimizer step seconds, size P or empty (= 0).  wgt: the W part
+    // (split_backward only, then size P; bwd is then the B part alone).
+    std::vector<double> fwd, bwd, rec, opt, wgt;
     // Bytes per micro-batch across boundary s -> s+1: size P-1 or P (last entry
     // ignored) or empty (= 0).  grad_bytes (s+1 -> s): same, empty = act_bytes.
     std::vector<double> act_bytes, grad_bytes;
@@ -162,7 +168,7 @@ struct SimConfig {
     bool time_share_slots = false;
 
     // Fixed costs (seconds).
-    double action_overhead = 0.0;  // added to every F/R/B
+    double action_overhead = 0.0;  // added to every F/R/B/W
     double send_overhead = 0.0;    // added to an action that sends a message
 
     // Noise, reproducible for a given seed.
@@ -191,6 +197,7 @@ enum class SegmentKind : int {
     Tied = 5,      // tied-weight gradient all-reduce (one per group)
     Consensus = 6, // world-wide consensus all-reduce
     Optimizer = 7,
+    Weight = 8,    // W: weight gradients of a split backward
 };
 
 struct Segment {

@@ -836,17 +836,18 @@ class PlanView:
                    title=f"simulated mini-batch: P={row.P} x D={row.D}, micro-batch {row.micro_batch_size}, "
                          f"m={row.m}, {row.time_s:.3f} s, bubble {row.bubble_fraction:.0%}",
                    tools="pan,wheel_zoom,box_zoom,reset,save")
-        names = {"F": "forward", "R": "recompute", "B": "backward", "AR": "all-reduce", "WAIT": "waiting for a core",
+        names = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradients (split backward)",
+                 "AR": "all-reduce", "WAIT": "waiting for a core",
                  "TIED": "tied-weight all-reduce", "SYNC": "consensus", "OPT": "optimizer step"}
-        extra = {"AR": "#B279A2", "WAIT": "#EEEEEE", "TIED": "#9D755D", "SYNC": "#72B7B2", "OPT": "#BAB0AC"}
+        extra = {"W": "#88D27A", "AR": "#B279A2", "WAIT": "#EEEEEE", "TIED": "#9D755D", "SYNC": "#72B7B2", "OPT": "#BAB0AC"}
         for kind, g in tl.groupby("kind", sort=False):
             src = ColumnDataSource(dict(y=[lanes[s] for s in g["stage"]], left=g["start_s"], right=g["end_s"],
-                                        mb=[str(m) if m >= 0 and kind in ("F", "R", "B") else "" for m in g["micro_batch"]],
+                                        mb=[str(m) if m >= 0 and kind in ("F", "R", "B", "W") else "" for m in g["micro_batch"]],
                                         mid=(g["start_s"] + g["end_s"]) / 2, kind=[names.get(kind, kind)] * len(g)))
             color = ACTION_COLORS.get(kind) if kind in ("F", "R", "B") else extra.get(kind, ACTION_COLORS["other"])
             f.hbar(y="y", left="left", right="right", height=0.7, source=src, color=color, line_color="white",
                    legend_label=names.get(kind, kind))
-            if kind in ("F", "R", "B"):
+            if kind in ("F", "R", "B", "W"):
                 f.text(x="mid", y="y", text="mb", source=src, text_align="center", text_baseline="middle",
                        text_font_size="9px", text_color="white")
         f.add_tools(HoverTool(tooltips=[("", "@kind @mb"), ("stage", "@y"), ("start", "@left{0.0000} s"),

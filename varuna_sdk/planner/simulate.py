@@ -55,7 +55,7 @@ __all__ = [
 #: WAIT: input ready but no free compute slot; AR: data-parallel all-reduce of the
 #: stage; TIED: tied-weight all-reduce (``mb`` = group index); SYNC: world-wide
 #: consensus all-reduce; OPT: optimizer step.
-SEGMENT_KINDS: tuple[str, ...] = ("F", "R", "B", "WAIT", "AR", "TIED", "SYNC", "OPT")
+SEGMENT_KINDS: tuple[str, ...] = ("F", "R", "B", "WAIT", "AR", "TIED", "SYNC", "OPT", "W")
 
 Floats = float | Sequence[float]
 
@@ -111,7 +111,8 @@ class SimInput:
     fwd: Floats
     """Forward seconds per micro-batch, per stage."""
     bwd: Floats
-    """Backward seconds per micro-batch, per stage (excluding recompute)."""
+    """Backward seconds per micro-batch, per stage (excluding recompute); with
+    ``split_backward`` the input-gradient part (B) alone."""
     D: int = 1
     """Data-parallel replicas, >= 1."""
     policy: str = "varuna"
@@ -121,6 +122,11 @@ class SimInput:
     policy's default (varuna: True, gpipe/1f1b: False)."""
     rec: Floats | None = None
     """Recompute seconds per micro-batch, per stage; ``None`` = ``fwd``."""
+    split_backward: bool = False
+    """Varuna only: the backward split into B (input gradient, ``bwd``) and W (weight
+    gradients, ``wgt``), W deferred into the stage's waits (zero-bubble split)."""
+    wgt: Floats | None = None
+    """Weight-gradient (W) seconds per micro-batch, per stage; required with ``split_backward``."""
     opt: Floats | None = None
     """Optimizer step seconds, per stage; ``None`` = 0."""
     act_bytes: Floats | None = None
@@ -194,6 +200,9 @@ class SimInput:
         c.bwd = _per(self.bwd, P, "bwd")
         if self.rec is not None:
             c.rec = _per(self.rec, P, "rec")
+        c.split_backward = bool(self.split_backward)
+        if self.wgt is not None:
+            c.wgt = _per(self.wgt, P, "wgt")
         if self.opt is not None:
             c.opt = _per(self.opt, P, "opt")
         if self.act_bytes is not None:
