@@ -147,31 +147,49 @@ class Channel:
 
 
 class Receiver:
-    """Receives ``count`` messages on a background thread into an ordered inbox.
+    """Receives a channel's messages on one long-lived background thread into an ordered inbox.
 
-    ``arrived`` is how many have landed (the schedule's ``acts_arrived``/``grads_arrived``);
-    ``get(i)`` blocks for message ``i`` and raises ``PeerLost`` if the channel broke or
-    ``timeout_s`` passed.
+    ``start(count)`` opens a step's batch of ``count`` messages (the thread is created once, at
+    the first ``start``, not every step); ``arrived`` is how many of them have landed (the
+    schedule's ``acts_arrived``/``grads_arrived``); ``get(i)`` blocks for message ``i``;
+    ``join()`` waits for the whole batch. ``get``/``join`` raise ``PeerLost`` if the channel broke
+    or ``timeout_s`` passed; after a failure every later call raises it too.
     """
 
-    def __init__(self, channel: Channel, count: int, timeout_s: float):
-        self.channel, self.count, self.timeout_s = channel, count, timeout_s
+    def __init__(self, channel: Channel, timeout_s: float):
+        self.channel, self.timeout_s = channel, timeout_s
+        self.count = 0
         self.inbox: list[tuple[list[torch.Tensor], list[bool]]] = []
         self.error: BaseException | None = None
         self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"varuna-recv-{channel.peer}")
-        self.thread.start()
+        self.thread: threading.Thread | None = None
+
+    def start(self, count: int) -> None:
+        """Begin receiving the next ``count`` messages (the previous batch must be complete)."""
+        with self.cond:
+            if len(self.inbox) < self.count and self.error is None:
+                raise RuntimeError(f"receiver from rank {self.channel.peer}: {self.count - len(self.inbox)} "
+                                   "messages of the previous step are still outstanding")
+            self.inbox = []
+            self.count = count
+            self.cond.notify_all()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, daemon=True, name=f"varuna-recv-{self.channel.peer}")
+            self.thread.start()
 
     def _run(self) -> None:
         try:
-            for _ in range(self.count):
+            while True:
+                with self.cond:
+                    while len(self.inbox) >= self.count:
+                        self.cond.wait()
                 msg = self.channel.recv()
                 if _delivery_gate is not None:
                     _delivery_gate.on_recv(self.channel.peer)
                 with self.cond:
                     self.inbox.append(msg)
                     self.cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - surfaced to the compute thread in get()
+        except BaseException as e:  # noqa: BLE001 - surfaced to the compute thread in get()/join()
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
@@ -180,16 +198,19 @@ class Receiver:
     def arrived(self) -> int:
         return len(self.inbox)
 
-    def get(self, i: int) -> tuple[list[torch.Tensor], list[bool]]:
+    def _wait_for(self, n: int) -> None:
         deadline = time.monotonic() + self.timeout_s
+        while len(self.inbox) < n:
+            if self.error is not None:
+                raise PeerLost(f"stage neighbour rank {self.channel.peer} was lost: {self.error}") from self.error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerLost(f"no message from rank {self.channel.peer} within {self.timeout_s:.0f} s")
+            self.cond.wait(timeout=min(left, 1.0))
+
+    def get(self, i: int) -> tuple[list[torch.Tensor], list[bool]]:
         with self.cond:
-            while len(self.inbox) <= i:
-                if self.error is not None:
-                    raise PeerLost(f"stage neighbour rank {self.channel.peer} was lost: {self.error}") from self.error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerLost(f"no message from rank {self.channel.peer} within {self.timeout_s:.0f} s")
-                self.cond.wait(timeout=min(left, 1.0))
+            self._wait_for(i + 1)
             return self.inbox[i]
 
     def release(self, i: int) -> None:
@@ -198,6 +219,6 @@ class Receiver:
             self.inbox[i] = ([], [])
 
     def join(self) -> None:
-        self.thread.join(timeout=self.timeout_s)
-        if self.error is not None:
-            raise PeerLost(f"stage neighbour rank {self.channel.peer} was lost: {self.error}") from self.error
+        """Wait until every message of the batch has arrived."""
+        with self.cond:
+            self._wait_for(self.count)

@@ -253,6 +253,9 @@ class Varuna:
         self.ch_act_in = Channel(self.topo.rank(self.stage - 1, self.replica), g.act_recv, self.device) if not self.is_first else None
         self.ch_grad_out = Channel(self.topo.rank(self.stage - 1, self.replica), g.grad_send, self.device) if not self.is_first else None
         self.ch_grad_in = Channel(self.topo.rank(self.stage + 1, self.replica), g.grad_recv, self.device) if not self.is_last else None
+        # one long-lived receiving thread per incoming channel (not one per step)
+        self.rx_acts = Receiver(self.ch_act_in, timeout_s) if self.ch_act_in else None
+        self.rx_grads = Receiver(self.ch_grad_in, timeout_s) if self.ch_grad_in else None
 
         self.scaler = LossScaler(scale=loss_scale, enabled=precision == "fp16")
         self.step_count = 0
@@ -434,8 +437,10 @@ class Varuna:
         base = self.replica * self.m
         scale = self.scaler.scale
         self._begin_step()
-        acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
-        grads = Receiver(self.ch_grad_in, self.m, self.timeout_s) if self.ch_grad_in else None
+        acts, grads = self.rx_acts, self.rx_grads
+        for rx in (acts, grads):
+            if rx is not None:
+                rx.start(self.m)
         sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute, self.split_backward)
         stash: dict[int, tuple] = {}  # mb -> received inputs (recompute) or (leaves, outputs)
         live: dict[int, tuple] = {}  # mb -> (leaves, outputs) with a graph
@@ -604,7 +609,9 @@ class Varuna:
         targets = to_device(targets, self.device)
         b = self.parallel.micro_batch_size
         self._begin_step()
-        acts = Receiver(self.ch_act_in, self.m, self.timeout_s) if self.ch_act_in else None
+        acts = self.rx_acts
+        if acts is not None:
+            acts.start(self.m)
         recv_flags = [False] * (len(self.structure.crossings[self.start_cut]) if not self.is_first else 0)
         total = torch.zeros((), device=self.device)
         self.model.eval()
