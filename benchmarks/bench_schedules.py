@@ -229,8 +229,9 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
             cannot[name] = f"{type(e).__name__}: {e}"
     blocks = common.block_split(cfg.n_layer, P)
     B = m * MICRO
-    counters = {(s, j): 0 for s in systems for j in (False, True)}
-    spans = {f"{s}|{int(j)}": [] for s in systems for j in (False, True)}
+    settings = [bool(j) for j in opts.get("jitter_settings", (False, True))]
+    counters = {(s, j): 0 for s in systems for j in settings}
+    spans = {f"{s}|{int(j)}": [] for s in systems for j in settings}
     phases = {k: [] for k in spans}  # per recorded step: this rank's PHASES seconds
     first_loss = {}
 
@@ -262,7 +263,7 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
 
     names = list(systems)
     for r in range(opts["rounds"]):  # one step of every system per round and jitter setting
-        for jit in ((False, True) if r % 2 == 0 else (True, False)):
+        for jit in (settings if r % 2 == 0 else settings[::-1]):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 one_step(name, jit, record=True)
@@ -277,13 +278,20 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
 
 
 # ---- parent ---------------------------------------------------------------------------------
-def run_P(P: int, opts: dict, timeout_s: float) -> dict:
+def run_P(P: int, opts: dict, timeout_s: float, bandwidth_Bps: float | None = None) -> dict:
+    """One (P, m) run: every system on P local processes, or with ``bandwidth_Bps`` on P
+    namespace hosts whose links carry that many bytes/s each way (``netbed``)."""
     def prepare(tmp: Path) -> dict:
         ts_path = str(tmp / "send_times.f64")
         jitter.create_send_time_table(ts_path, P, MAX_MSGS_PER_MB * opts["m"])
         return {"ts_path": ts_path}
 
-    ranks, wall = common.spawn_collect(worker, P, opts, timeout_s, prepare)
+    if bandwidth_Bps is None:
+        ranks, wall = common.spawn_collect(worker, P, opts, timeout_s, prepare)
+    else:
+        import netbed
+
+        ranks, wall = netbed.run_on_slow_links(worker, P, opts, bandwidth_Bps, timeout_s, prepare)
     out = {"wall_s": wall, "per_mb_compute_s": ranks[0]["per_mb_compute_s"], "jitter_mean_s": ranks[0]["jitter_mean_s"],
            "blocks": ranks[0]["blocks"], "gloo_supports_coalescing": ranks[0]["gloo_supports_coalescing"],
            "cannot_run": {k: v for r in ranks for k, v in r["cannot_run"].items()},

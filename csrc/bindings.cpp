@@ -165,16 +165,20 @@ void bind_search(py::module_& m) {
         .def_readwrite("fwd", &SegmentTable::fwd)
         .def_readwrite("rec", &SegmentTable::rec)
         .def_readwrite("bwd", &SegmentTable::bwd)
+        .def_readwrite("bwd_in", &SegmentTable::bwd_in)
+        .def_readwrite("wgt", &SegmentTable::wgt)
         .def_readwrite("out_bytes", &SegmentTable::out_bytes)
         .def_readwrite("act_bytes", &SegmentTable::act_bytes);
     py::class_<SearchInput>(m, "SearchInput", "Inputs of search(); see csrc/search.h.")
         .def(py::init<>())
+        .def("__copy__", [](const SearchInput& s) { return SearchInput(s); })
         .def_readwrite("gpus", &SearchInput::gpus)
         .def_readwrite("global_batch", &SearchInput::global_batch)
         .def_property(
             "policy", [](const SearchInput& c) { return std::string(varuna::policy_name(c.policy)); },
             [](SearchInput& c, const std::string& p) { c.policy = varuna::parse_policy(p); })
         .def_readwrite("recompute", &SearchInput::recompute)
+        .def_readwrite("split_backward", &SearchInput::split_backward)
         .def_readwrite("tables", &SearchInput::tables)
         .def_readwrite("param_bytes", &SearchInput::param_bytes)
         .def_readwrite("tied_segments", &SearchInput::tied_segments)

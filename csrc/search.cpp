@@ -26,10 +26,17 @@ void stash_bound(const SearchInput& in, int P, int m, int s, int& stashed, int& 
         stashed = 0;
         live = last && in.policy != Policy::GPipe ? 1 : inflight;
     }
+    if (in.split_backward) live += std::min(m, P - s);  // graphs kept until their deferred W
 }
 
-double seg_cost(const SearchInput& in, const SegmentTable& t, int k, bool last) {
-    double c = t.rec[k] + t.bwd[k];
+// Backward seconds of segment k on a stage: the whole bwd, or with the split B + W, except on
+// the first stage (no input gradient: its W is the whole backward).
+double seg_bwd(const SearchInput& in, const SegmentTable& t, int k, bool first) {
+    return in.split_backward && !first ? t.bwd_in[k] + t.wgt[k] : t.bwd[k];
+}
+
+double seg_cost(const SearchInput& in, const SegmentTable& t, int k, bool last, bool first = false) {
+    double c = t.rec[k] + seg_bwd(in, t, k, first);
     if (in.recompute && !last) c += t.fwd[k];
     return c;
 }
@@ -208,14 +215,16 @@ std::vector<int> balance_split(const SearchInput& in, const SegmentTable& t, int
     // prefix sums of seg_cost() on a stage that is not the last / on the last: a stage [a, b)
     // costs pre[b] - pre[a] (non-increasing in a: the costs are >= 0)
     std::vector<double> mid_pre(static_cast<std::size_t>(n) + 1, 0.0), last_pre(static_cast<std::size_t>(n) + 1, 0.0);
+    std::vector<double> head_pre(static_cast<std::size_t>(n) + 1, 0.0);  // the first stage (split: W whole)
     for (int k = 0; k < n; ++k) {
         const double c = seg_cost(in, t, k, false);
         mid_pre[k + 1] = mid_pre[k] + c;
         last_pre[k + 1] = last_pre[k] + seg_cost(in, t, k, true);
-        lo = std::max(lo, c);
-        hi += c;
+        head_pre[k + 1] = head_pre[k] + seg_cost(in, t, k, P == 1, true);
+        lo = std::max(lo, std::min(c, seg_cost(in, t, k, false, true)));
+        hi += std::max(c, seg_cost(in, t, k, P == 1, true));
     }
-    const std::vector<double>& first_pre = P == 1 ? last_pre : mid_pre;
+    const std::vector<double>& first_pre = head_pre;
     // stage_memory() in O(1 + tied groups): prefix sums of parameter and activation bytes
     const bool limited = in.memory_limit > 0;
     std::vector<double> wsum, asum;
@@ -331,9 +340,11 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
     cfg.m = c.m;
     cfg.policy = in.policy;
     cfg.recompute = in.recompute;
+    cfg.split_backward = in.split_backward;
     cfg.fwd.assign(P, 0.0);
     cfg.rec.assign(P, 0.0);
     cfg.bwd.assign(P, 0.0);
+    cfg.wgt.assign(in.split_backward ? P : 0, 0.0);
     cfg.opt.assign(P, 0.0);
     cfg.dp_bytes.assign(P, 0.0);
     cfg.act_bytes.assign(P > 1 ? P - 1 : 0, 0.0);
@@ -353,7 +364,14 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
             stage_of[k] = s;
             cfg.fwd[s] += grad_forward ? t.rec[k] : t.fwd[k];
             cfg.rec[s] += t.rec[k];
-            cfg.bwd[s] += t.bwd[k];
+            if (!in.split_backward) {
+                cfg.bwd[s] += t.bwd[k];
+            } else if (s == 0) {  // no input gradient on the first stage: W is the whole backward
+                cfg.wgt[s] += t.bwd[k];
+            } else {
+                cfg.bwd[s] += t.bwd_in[k];
+                cfg.wgt[s] += t.wgt[k];
+            }
             cfg.dp_bytes[s] += in.param_bytes[k];
         }
         if (s + 1 < P) cfg.act_bytes[s] = t.out_bytes[b - 1];
@@ -376,7 +394,8 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
             if (std::find(g.stages.begin(), g.stages.end(), s) != g.stages.end()) w += g.bytes;
         cfg.dp_bytes[s] = std::max(0.0, cfg.dp_bytes[s]);
         cfg.opt[s] = in.opt_s_per_param_byte * w;
-        c.stage_compute.push_back(cfg.rec[s] + cfg.bwd[s] + (in.recompute && s + 1 < P ? cfg.fwd[s] : 0.0));
+        c.stage_compute.push_back(cfg.rec[s] + cfg.bwd[s] + (in.split_backward ? cfg.wgt[s] : 0.0) +
+                                  (in.recompute && s + 1 < P ? cfg.fwd[s] : 0.0));
     }
     share_sync_phase(in, cfg);
     return cfg;
@@ -464,9 +483,9 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
         const int rph = std::max(1, cfg.ranks_per_host);
         for (int s = 0; s < P; ++s) {
             const bool last = s == P - 1;
-            const int acts = (fwd_twice && !last) ? 3 : 2;
+            const int acts = ((fwd_twice && !last) ? 3 : 2) + (cfg.split_backward ? 1 : 0);
             const double work = cfg.fwd[s] + cfg.bwd[s] + ((fwd_twice && !last) ? cfg.rec[s] : 0.0) +
-                                acts * cfg.action_overhead;
+                                (cfg.split_backward ? cfg.wgt[s] : 0.0) + acts * cfg.action_overhead;
             rate = std::max(rate, work);
             if (s + 1 < P) {
                 const bool local = (s / rph) == ((s + 1) / rph);
@@ -552,7 +571,8 @@ double time_lower_bound(const SimConfig& cfg) {
         F[sz(s)] = cfg.fwd[sz(s)] + ov + (last ? 0.0 : so);
         Rc[sz(s)] = rec ? rbase + ov : 0.0;
         B[sz(s)] = cfg.bwd[sz(s)] + ov + (s > 0 ? so : 0.0);
-        work[sz(s)] = cfg.fwd[sz(s)] + cfg.bwd[sz(s)] + (rec ? rbase : 0.0) + (rec ? 3 : 2) * ov;
+        work[sz(s)] = cfg.fwd[sz(s)] + cfg.bwd[sz(s)] + (rec ? rbase : 0.0) + (rec ? 3 : 2) * ov +
+                      (cfg.split_backward ? cfg.wgt[sz(s)] + ov : 0.0);
         if (!last) {
             const bool local = (s / rph) == ((s + 1) / rph);
             const double a = local ? cfg.local_alpha : cfg.p2p_alpha;
@@ -563,21 +583,31 @@ double time_lower_bound(const SimConfig& cfg) {
             glat[sz(s)] = a + gb / beta;
         }
     }
-    std::vector<double> E(sz(P));
+    // E[s]: stage s's busy time ends (all its work); A[s]: its last micro-batch's F, R and B end
+    std::vector<double> E(sz(P)), A(sz(P), 0.0);
     double pre = 0.0;
     for (int s = 0; s < P; ++s) {
         E[sz(s)] = std::max(E[sz(s)], pre + m * work[sz(s)]);
         if (s + 1 < P) {
             const double last_arrival = pre + F[sz(s)] + m * lat[sz(s)];
-            E[sz(s + 1)] = last_arrival + F[sz(s + 1)] + Rc[sz(s + 1)] + B[sz(s + 1)];
+            A[sz(s + 1)] = last_arrival + F[sz(s + 1)] + Rc[sz(s + 1)] + B[sz(s + 1)];
+            E[sz(s + 1)] = A[sz(s + 1)];
             pre += F[sz(s)] + lat[sz(s)];
         }
     }
     std::vector<double> cur(sz(P));
     double X = 0.0;
     for (int s = P - 1; s >= 0; --s) {
-        X = s == P - 1 ? E[sz(s)] : std::max(E[sz(s)], X + glat[sz(s)] + B[sz(s)]);
-        const double done = X + (s > 0 ? glat[sz(s - 1)] : 0.0);
+        double done;
+        if (!cfg.split_backward) {
+            X = s == P - 1 ? E[sz(s)] : std::max(E[sz(s)], X + glat[sz(s)] + B[sz(s)]);
+            done = X + (s > 0 ? glat[sz(s - 1)] : 0.0);
+        } else {
+            // the last B (which sends the last gradient) need not be the last action: a W may
+            // follow it, so the chain of B's and the busy time bound the end separately
+            X = s == P - 1 ? A[sz(s)] : std::max(A[sz(s)], X + glat[sz(s)] + B[sz(s)]);
+            done = std::max(E[sz(s)], X + (s > 0 ? glat[sz(s - 1)] : 0.0));
+        }
         const double dp = cfg.dp_bytes.empty() ? 0.0 : cfg.dp_bytes[sz(s)];
         cur[sz(s)] = done + allreduce_time(dp, D, cfg.ar_alpha, cfg.ar_beta);
     }
@@ -618,10 +648,16 @@ struct TableSums {
 TableSums table_sums(const SearchInput& in, const SegmentTable& t) {
     TableSums z;
     for (std::size_t k = 0; k < t.fwd.size(); ++k) {
-        const double v = t.rec[k] + t.bwd[k];
+        // split backward: a segment's backward costs bwd on the first stage and B + W elsewhere,
+        // and only B stands between an upstream stage and its neighbour (W may wait): the bound
+        // takes the smaller figures, valid wherever the segment lands
+        const int kk = static_cast<int>(k);
+        const double bw = in.split_backward ? std::min(t.bwd[k], seg_bwd(in, t, kk, false)) : t.bwd[k];
+        const double v = t.rec[k] + bw;
         const double w = in.recompute ? t.fwd[k] + v : v;
         z.v += v;
-        z.u += std::min(t.fwd[k], t.rec[k]) + t.bwd[k];
+        // the drain runs each stage's B; split, the first stage's is empty (its W may follow)
+        z.u += std::min(t.fwd[k], t.rec[k]) + (in.split_backward ? 0.0 : t.bwd[k]);
         z.w += w;
         z.f += t.fwd[k];
         z.v_max = std::max(z.v_max, v);
@@ -879,7 +915,13 @@ std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
             static_cast<int>(t.bwd.size()) != n || static_cast<int>(t.out_bytes.size()) != n ||
             static_cast<int>(t.act_bytes.size()) != n || t.micro_batch_size < 1)
             throw std::invalid_argument("every micro-batch table needs fwd/rec/bwd/out_bytes/act_bytes of one length");
+        if (in.split_backward &&
+            (static_cast<int>(t.bwd_in.size()) != n || static_cast<int>(t.wgt.size()) != n))
+            throw std::invalid_argument("split_backward needs bwd_in and wgt (the split backward's B and W per "
+                                        "segment) in every micro-batch table; calibrate the split or pass "
+                                        "split_backward=false");
     }
+    validate_split(in.policy, in.split_backward);
     if (static_cast<int>(in.param_bytes.size()) != n)
         throw std::invalid_argument("param_bytes must have one entry per segment");
     if (in.fixed_replicas < 0 || in.fixed_replicas > in.gpus ||

@@ -48,6 +48,10 @@ namespace varuna {
 struct SegmentTable {
     int micro_batch_size = 1;
     std::vector<double> fwd, rec, bwd;       // seconds per micro-batch
+    // The split backward (zero-bubble): bwd_in = the input-gradient part B, wgt = the weight-
+    // gradient part W, per segment; empty when not measured (SearchInput::split_backward then
+    // refused).  The first stage has no input gradient: there B = 0 and W = its whole bwd.
+    std::vector<double> bwd_in, wgt;
     std::vector<double> out_bytes;           // bytes crossing the cut-point after segment k
     std::vector<double> act_bytes;           // bytes saved for backward by segment k
 };
@@ -57,6 +61,7 @@ struct SearchInput {
     int global_batch = 1;
     Policy policy = Policy::Varuna;
     bool recompute = true;
+    bool split_backward = false;             // Varuna only: B and W apart (tables need bwd_in, wgt)
     std::vector<SegmentTable> tables;        // one per candidate micro-batch size
     std::vector<double> param_bytes;         // per segment (first use)
     // Tied parameters: bytes and the segments that use them.

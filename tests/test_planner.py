@@ -254,6 +254,13 @@ def _random_search_input(rng: random.Random, big: bool = False):
         kw["recompute"] = rng.random() < 0.5
     inp = plan(prof, G, B, **kw)._search
     inp.sim_cap = rng.choice([0, 0, 4, 8, 12])  # 0: max(P + 8, 64)
+    if inp.policy == "varuna" and rng.random() < 0.4:  # the split backward: B and W of each segment
+        tables = inp.tables
+        for t in tables:
+            t.bwd_in = [b * rng.uniform(0.3, 0.9) for b in t.bwd]
+            t.wgt = [b * rng.uniform(0.2, 0.8) for b in t.bwd]
+        inp.tables = tables
+        inp.split_backward = True
     return inp, n
 
 
@@ -263,7 +270,7 @@ def test_lower_bounds_never_exceed_the_simulated_time():
     hosts, interference, steady-state extension, tied weights, all policies). The full bound is
     also tight where it matters: median >= 0.99 of the simulated time."""
     rng = random.Random(1234)
-    ratios, checked = [], 0
+    ratios, checked, split_checked = [], 0, 0
     for _ in range(250):
         inp, n = _random_search_input(rng)
         G, B = inp.gpus, inp.global_batch
@@ -282,7 +289,8 @@ def test_lower_bounds_never_exceed_the_simulated_time():
                     assert 0 < lb0 <= c.minibatch_time, (P, D, t.micro_batch_size, lb0, c.minibatch_time)
                     ratios.append(lb / c.minibatch_time)
                     checked += 1
-    assert checked > 3000
+                    split_checked += inp.split_backward
+    assert checked > 3000 and split_checked > 500, (checked, split_checked)
     ratios.sort()
     assert ratios[len(ratios) // 2] >= 0.99, ratios[len(ratios) // 2]
 
@@ -1030,3 +1038,56 @@ def test_idle_note_says_why_gpus_are_left_idle():
     assert (bnd.best.P, bnd.best.D) == (3, 2)
     assert any(n.endswith("because P=3 does not divide G=7; no configuration tried that uses all 7 GPUs is faster "
                           "(boundaries fix P=3)") for n in bnd.notes), bnd.notes
+
+
+# ---- the split backward (zero-bubble B / W) -----------------------------------------------------
+def _with_split_costs(prof: Profile, b_frac: float, w_frac: float) -> Profile:
+    for sg in prof.segments:
+        sg.bwd_in_s = [b_frac * x for x in sg.bwd_s]
+        sg.wgt_s = [w_frac * x for x in sg.bwd_s]
+    return prof
+
+
+@pytest.mark.parametrize("b_frac,w_frac", [(0.5, 0.5), (0.55, 0.6), (0.9, 0.9)])
+def test_split_backward_is_chosen_per_row_where_the_simulator_finds_it_faster(b_frac, w_frac):
+    """plan(split_backward=None) searches with the backward whole and split: every row is the
+    faster of the two searches' rows for its depth (each a brute-force optimum of its own
+    search), flagged ``split_backward`` exactly when the split one is strictly faster; a split
+    that costs 80 % more than the whole backward is never chosen."""
+    prof = _with_split_costs(synthetic_profile(HEAVY, out_bytes=1e5), b_frac, w_frac)
+    auto = plan(prof, 8, 64, recompute=False)
+    whole = plan(prof, 8, 64, recompute=False, split_backward=False)
+    split = plan(prof, 8, 64, recompute=False, split_backward=True)
+    assert auto.split_backward is None and whole.split_backward is False and split.split_backward is True
+    assert_rows_are_brute_force(whole, 8)
+    assert_rows_are_brute_force(split, 8)
+    chosen = 0
+    for r in auto.feasible:
+        a, b = row_for(whole, r.P), row_for(split, r.P)
+        assert r.time_s == min(a.time_s, b.time_s)
+        assert r.split_backward == (b.time_s < a.time_s)
+        chosen += r.split_backward
+    if b_frac + w_frac >= 1.8:
+        assert chosen == 0
+    else:
+        assert chosen > 0
+    assert ("B|W" in auto.table().split("\n", 1)[1]) == (chosen > 0)   # the rows, not the title
+    assert auto.parallel_config().split_backward == auto.best.split_backward
+
+
+def test_split_row_simulates_with_w_actions_and_the_choice_is_validated():
+    prof = _with_split_costs(synthetic_profile(HEAVY, out_bytes=1e5), 0.5, 0.5)
+    pl = plan(prof, 4, 32, recompute=False, split_backward=True, max_depth=4, replicas=1)
+    row = row_for(pl, 4)
+    assert row.split_backward
+    out = pl.simulate(row)
+    kinds = {seg.kind for rank in out.timeline for seg in rank}
+    assert "W" in kinds and out.minibatch_time == pytest.approx(row.time_s, rel=1e-9)
+    with pytest.raises(ProfileError, match="lacks"):
+        plan(synthetic_profile(HEAVY), 4, 32, split_backward=True)
+    with pytest.raises(ConfigError, match="varuna policy only"):
+        plan(prof, 4, 32, policy="1f1b", split_backward=True)
+    with pytest.raises(ConfigError, match="True, False or None"):
+        plan(prof, 4, 32, split_backward="yes")
+    # a profile without the split's times: never split, whatever the mode None says
+    assert not any(r.split_backward for r in plan(synthetic_profile(HEAVY), 4, 32).rows)

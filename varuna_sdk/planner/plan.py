@@ -61,7 +61,8 @@ class PlanRow:
     only for the excluded row of a depth that a best-only search (``plan(exhaustive=False)``)
     ruled out without simulating or checking memory; its ``lower_bound_s`` (seconds per
     mini-batch, NaN on every other row) is the smallest lower bound of its candidates, at least
-    the best row's time."""
+    the best row's time. ``split_backward``: the row runs the zero-bubble split (B and W apart;
+    ``pipeline.split_backward``) because the simulator found it faster there."""
 
     P: int
     D: int
@@ -81,6 +82,7 @@ class PlanRow:
     cost_to_target_spot: float = math.nan
     pruned: bool = False
     lower_bound_s: float = math.nan
+    split_backward: bool = False
 
     def __repr__(self) -> str:
         """Fields as in the dataclass, floats to 4 significant digits (not 15)."""
@@ -93,9 +95,11 @@ class PlanRow:
         return "PlanRow(" + ", ".join(f"{f.name}={show(getattr(self, f.name))}" for f in fields(self)) + ")"
 
     def parallel_config(self, global_batch: int, policy: str = "varuna", recompute: bool | None = None) -> ParallelConfig:
-        """This row as a ``ParallelConfig`` (explicit stage boundaries, so the run uses this split)."""
+        """This row as a ``ParallelConfig`` (explicit stage boundaries, so the run uses this split,
+        and the row's choice of the split backward)."""
         return ParallelConfig(P=self.P, D=self.D, global_batch=global_batch, micro_batch_size=self.micro_batch_size,
-                              policy=policy, recompute=recompute, boundaries=self.stages)
+                              policy=policy, recompute=recompute, boundaries=self.stages,
+                              split_backward=self.split_backward)
 
 
 @dataclass
@@ -119,7 +123,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     search_stats: dict = field(default_factory=dict)
     exhaustive: bool = True
+    split_backward: bool | None = False
     _search: object = field(default=None, repr=False, compare=False)
+    _search_split: object = field(default=None, repr=False, compare=False)
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
 
     @property
@@ -150,11 +156,12 @@ class Plan:
             raise ValueError(f"top={top!r} must be an integer >= 1 (how many feasible rows to show); "
                              "top=len(plan.feasible) shows them all")
         top = int(top)
-        head = ["rank", "P", "D", "mbs", "m", "idle", "time/step", "ex/s", "bubble", "max mem/GPU", "$/1k ex spot",
-                "$/1k ex od"] + (["to target", "$ to target"] if self.target_examples else [])
+        head = ["rank", "P", "D", "mbs", "m", "idle", "bwd", "time/step", "ex/s", "bubble", "max mem/GPU",
+                "$/1k ex spot", "$/1k ex od"] + (["to target", "$ to target"] if self.target_examples else [])
         rows = []
         for i, r in enumerate(self.feasible[:top]):
             cells = [str(i + 1), str(r.P), str(r.D), str(r.micro_batch_size), str(r.m), str(r.idle_gpus),
+                     "B|W" if r.split_backward else "whole",
                      _dur(r.time_s), f"{r.examples_per_s:.2f}", f"{r.bubble_fraction:.1%}",
                      _bytes(max(r.stage_memory_bytes)), f"{r.cost_per_1k_spot:.4f}", f"{r.cost_per_1k_on_demand:.4f}"]
             if self.target_examples:
@@ -183,8 +190,9 @@ class Plan:
         return head, rows, notes
 
     def _title(self) -> str:
+        split = {None: " (backward split per row: B|W)", True: " + split backward (B|W)", False: ""}[self.split_backward]
         return (f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
-                f"{' + recompute' if self.recompute else ''} (searched in {self.search_s * 1e3:.1f} ms"
+                f"{' + recompute' if self.recompute else ''}{split} (searched in {self.search_s * 1e3:.1f} ms"
                 f"{'' if self.exhaustive else _BEST_ONLY_NOTE})")
 
     def table(self, top: int = 12) -> str:
@@ -243,7 +251,8 @@ class Plan:
         scale = [float(x) for x in rank_scale] if rank_scale is not None else []
         if scale and len(scale) != row.P * row.D:
             raise ValueError(f"rank_scale has {len(scale)} entries; P*D = {row.P * row.D} needed")
-        r = _core.simulate_candidate(self._search, row.P, row.D, self._sizes.index(row.micro_batch_size),
+        search = self._search_split if row.split_backward else self._search
+        r = _core.simulate_candidate(search, row.P, row.D, self._sizes.index(row.micro_batch_size),
                                      [st[0] for st in row.stages], scale, bool(record_timeline))
         return SimOutput.from_core(r, bool(record_timeline))
 
@@ -300,6 +309,7 @@ def _bytes(b: float, digits: int = 1) -> str:
 
 _TABLE_KEYS = (("fwd", "fwd_s"), ("rec", "rec_s"), ("bwd", "bwd_s"), ("out_bytes", "out_bytes"),
                ("act_bytes", "act_bytes"))
+_SPLIT_KEYS = (("bwd_in", "bwd_in_s"), ("wgt", "wgt_s"))  # only in a profile with the split backward
 
 
 def _checked(profile: Profile) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -311,7 +321,7 @@ def _checked(profile: Profile) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     if not xs or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in xs) or xs != sorted(set(xs)):
         raise ProfileError(f"profile micro_batch_sizes={xs} must be increasing positive integers; re-run calibrate()")
     out = {}
-    for _, attr in _TABLE_KEYS:
+    for _, attr in _TABLE_KEYS + (_SPLIT_KEYS if profile.has_split_backward else ()):
         try:
             a = np.array([getattr(seg, attr) for seg in profile.segments], dtype=float)
         except (TypeError, ValueError) as e:
@@ -358,8 +368,9 @@ def _tables(profile: Profile, sizes: Sequence[int], checked: tuple | None = None
     for b in sizes:
         t = _core.SegmentTable()
         t.micro_batch_size = int(b)
-        for name, attr in _TABLE_KEYS:
-            setattr(t, name, _interp(arrays[attr], xs, int(b)).tolist())
+        for name, attr in _TABLE_KEYS + _SPLIT_KEYS:
+            if attr in arrays:
+                setattr(t, name, _interp(arrays[attr], xs, int(b)).tolist())
         out.append(t)
     return out
 
@@ -533,6 +544,7 @@ def plan(
     max_depth: int | None = None,
     replicas: int | None = None,
     exhaustive: bool = True,
+    split_backward: bool | None = None,
 ) -> Plan:
     """Rank every configuration of ``gpus`` GPUs for a fixed ``global_batch`` (paper §4.4).
 
@@ -571,6 +583,11 @@ def plan(
             beat the fastest found, so it costs about linearly in G; the best row is the same,
             other rows are the fastest candidate simulated for their depth (not necessarily its
             fastest), and depths never simulated are excluded as pruned (``PlanRow.pruned``).
+        split_backward: the zero-bubble split of the backward (Varuna only; B = input gradient,
+            W = weight gradients deferred into waits). None (default): searched both ways where
+            the profile holds the split's B and W times, each row taking the faster (its
+            ``split_backward`` says which); True: always (the profile must hold them); False:
+            never.
 
     Raises ``ConfigError`` for bad arguments (each checked before any work, the message saying
     what to pass instead) and ``ProfileError`` naming what the profile lacks.
@@ -616,6 +633,14 @@ def plan(
                           "or None for the example prices")
     if not isinstance(exhaustive, (bool, np.bool_)):
         raise ConfigError(f"exhaustive={exhaustive!r} must be True (simulate every depth's row) or False (best only)")
+    if split_backward is not None and not isinstance(split_backward, (bool, np.bool_)):
+        raise ConfigError(f"split_backward={split_backward!r} must be True, False or None (try both per row)")
+    if split_backward and policy != "varuna":
+        raise ConfigError(f"split_backward=True applies to the varuna policy only (policy={policy!r} runs its backward "
+                          "whole); pass split_backward=None or False, or policy='varuna'")
+    if split_backward and not profile.has_split_backward:
+        raise ProfileError("split_backward=True needs the split backward's B and W times per segment (bwd_in_s, "
+                           "wgt_s), which this profile lacks; re-run calibrate(), or pass split_backward=None")
     if target_examples is not None:
         _positive("target_examples", target_examples,
                   "pass the examples to train on, e.g. 10**7, or None for no time/cost-to-target columns")
@@ -675,9 +700,20 @@ def plan(
     sim.compute_slots_per_host = compute_slots_per_vm
     sim.action_overhead = profile.per_action_s
     inp.sim = sim
-    cands, stats = _core.search_with_stats(inp)
+    modes = [False]
+    if split_backward or (split_backward is None and policy == "varuna" and profile.has_split_backward):
+        modes = [True] if split_backward else [False, True]
+    searches: dict[bool, object] = {}
+    results: dict[bool, list] = {}
+    stats: dict[str, int] = {}
+    for split in modes:
+        si = inp if split is False else _with_split(inp)
+        searches[split] = si
+        results[split], st = _core.search_with_stats(si)
+        for k, v in dict(st).items():
+            stats[k] = stats.get(k, 0) + v
     rows = []
-    for c in cands:
+    for c, split in _per_depth(results):
         stages = []
         if c.starts:
             ends = list(c.starts[1:]) + [n]
@@ -686,8 +722,9 @@ def plan(
         row = PlanRow(P=c.P, D=c.D, micro_batch_size=c.micro_batch_size, m=c.m, idle_gpus=c.idle_gpus, stages=stages,
                       time_s=c.minibatch_time if c.feasible else math.nan, examples_per_s=eps,
                       bubble_fraction=c.bubble_fraction, stage_memory_bytes=list(c.stage_memory) or [0.0],
-                      feasible=c.feasible, reason="" if c.feasible else _reason(c, inp, sizes),
-                      pruned=not c.simulated, lower_bound_s=math.nan if c.simulated else c.minibatch_time)
+                      feasible=c.feasible, reason="" if c.feasible else _reason(c, searches[split], sizes),
+                      pruned=not c.simulated, lower_bound_s=math.nan if c.simulated else c.minibatch_time,
+                      split_backward=split and c.feasible)
         if c.feasible and eps > 0:
             used = c.P * c.D
             hours_per_1k = 1000.0 / eps / 3600.0
@@ -707,7 +744,33 @@ def plan(
         notes.append(_idle_note(best, gpus, global_batch, replicas, limits))
     return Plan(gpus=gpus, global_batch=global_batch, policy=policy, recompute=rec, rows=rows, prices=prices,
                 target_examples=target_examples, search_s=time.perf_counter() - t0, notes=notes,
-                search_stats=dict(stats), exhaustive=bool(exhaustive), _search=inp, _sizes=list(sizes))
+                search_stats=stats, exhaustive=bool(exhaustive), split_backward=None if len(modes) == 2 else modes[0],
+                _search=searches.get(False) or searches[True], _search_split=searches.get(True), _sizes=list(sizes))
+
+
+def _with_split(inp):
+    """A copy of a search input that splits the backward (the tables hold B and W)."""
+    import copy
+
+    out = copy.copy(inp)
+    out.split_backward = True
+    return out
+
+
+def _per_depth(results: dict[bool, list]) -> list[tuple[object, bool]]:
+    """One candidate per depth from the whole-backward and split searches: the faster feasible one
+    (a tie keeps the whole backward), else the whole backward's excluded row; ranked as the C++
+    search ranks (feasible by time, then the shallower pipeline; excluded rows after)."""
+    by_p: dict[int, tuple[object, bool]] = {}
+    for split in sorted(results):  # False first: ties keep the whole backward
+        for c in results[split]:
+            had = by_p.get(c.P)
+            if had is None or (c.feasible and (not had[0].feasible or c.minibatch_time < had[0].minibatch_time)):
+                by_p[c.P] = (c, split)
+    feasible = sorted((x for x in by_p.values() if x[0].feasible), key=lambda x: (x[0].minibatch_time, x[0].P))
+    order = {c.P: i for i, c in enumerate(next(iter(results.values())))}
+    excluded = sorted((x for x in by_p.values() if not x[0].feasible), key=lambda x: order.get(x[0].P, 0))
+    return feasible + excluded
 
 
 def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, gpus_per_vm: int | None = None,

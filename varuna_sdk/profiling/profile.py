@@ -30,7 +30,10 @@ class SegmentProfile:
     ``fwd_s``: forward without grad (what a recomputing stage runs first); ``rec_s``: forward
     with grad (recompute, or the forward of a non-recomputing stage); ``bwd_s``: backward;
     ``out_bytes``: bytes of the tensors crossing the cut-point after it; ``act_bytes``: bytes
-    autograd saves for backward; ``param_bytes``: parameters first used here.
+    autograd saves for backward; ``param_bytes``: parameters first used here. ``bwd_in_s`` and
+    ``wgt_s``: the backward split in two (``pipeline.split_backward``): the input-gradient part
+    B and the weight-gradient part W, each timed on its own (their sum exceeds ``bwd_s`` by what
+    the split costs); empty in a profile calibrated without them (the planner then never splits).
     """
 
     fwd_s: list[float]
@@ -39,6 +42,8 @@ class SegmentProfile:
     out_bytes: list[int]
     act_bytes: list[int]
     param_bytes: int
+    bwd_in_s: list[float] = field(default_factory=list)
+    wgt_s: list[float] = field(default_factory=list)
 
 
 def ring_allreduce_s(nbytes: float, n: int, alpha: float, beta: float) -> float:
@@ -105,8 +110,8 @@ class Profile:
     live_scale: list[float] = field(default_factory=list)
 
     def scaled(self, segment_factors: Sequence[float]) -> "Profile":
-        """A copy whose per-segment compute (``fwd_s``, ``rec_s``, ``bwd_s``, at every micro-batch
-        size) is multiplied by ``segment_factors[i]`` (one positive factor per segment; 1.25 = 25 %
+        """A copy whose per-segment compute (``fwd_s``, ``rec_s``, ``bwd_s``, ``bwd_in_s``, ``wgt_s``,
+        at every micro-batch size) is multiplied by ``segment_factors[i]`` (one positive factor per segment; 1.25 = 25 %
         slower than calibrated). Memory, network and per-action costs are kept. Used to plan from
         what a running job measured (``manager``, issue "honest estimates"). Raises ``ValueError``
         for a wrong length or a factor that is not a positive finite number."""
@@ -116,11 +121,19 @@ class Profile:
         if not all(math.isfinite(x) and x > 0.0 for x in f):
             raise ValueError(f"segment factors must be positive finite numbers, got {f}")
         segs = [replace(sg, fwd_s=[x * k for x in sg.fwd_s], rec_s=[x * k for x in sg.rec_s],
-                        bwd_s=[x * k for x in sg.bwd_s]) for sg, k in zip(self.segments, f)]
+                        bwd_s=[x * k for x in sg.bwd_s], bwd_in_s=[x * k for x in sg.bwd_in_s],
+                        wgt_s=[x * k for x in sg.wgt_s]) for sg, k in zip(self.segments, f)]
         base = self.live_scale or [1.0] * len(f)
         return replace(self, segments=segs, live_scale=[round(a * b, 6) for a, b in zip(base, f)])
 
     # ---- JSON -----------------------------------------------------------------------------
+    @property
+    def has_split_backward(self) -> bool:
+        """True when every segment holds the split backward's B and W times (``bwd_in_s``,
+        ``wgt_s``) at every micro-batch size: the planner may then split the backward."""
+        n = len(self.micro_batch_sizes)
+        return bool(self.segments) and all(len(sg.bwd_in_s) == n and len(sg.wgt_s) == n for sg in self.segments)
+
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(asdict(self), indent=1)
         if path is not None:

@@ -1,0 +1,100 @@
+"""Varuna vs every torch.distributed.pipelining schedule across slow links: the bandwidth-limited
+testbed (``netbed``: one network namespace per rank, ``tc`` token buckets on every link).
+
+Same model, stages, weights, batches and systems as ``bench_schedules`` (its worker runs here, on
+the testbed instead of loopback), without injected jitter: the slow link is the only disturbance.
+Two bandwidths per P, chosen from this CPU's speed so that sending one micro-batch's activation
+across a cut-point takes 35 % and 150 % of that micro-batch's forward + backward compute on one
+stage (measured here, one process, one thread, before the run): bandwidth = activation bytes /
+(fraction x compute). P in {2, 4}, m = 2P. Figure: the throughput of Varuna as the planner runs it
+over the fastest torch schedule on the same links, the median of paired per-round ratios; target
+>= 1.1 (issue 18).
+
+Run: ``.venv/bin/python benchmarks/bench_slow_network.py [--quick] [--P 2 4]`` (root: namespaces).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_schedules as bs  # noqa: E402
+import common  # noqa: E402
+import netbed  # noqa: E402
+
+common.setup_path()
+
+import torch  # noqa: E402
+
+FRACTIONS = (0.35, 1.5)  # communication of one micro-batch / its compute on one stage
+
+
+def per_mb_compute(P: int) -> float:
+    """Median seconds of one micro-batch's forward + backward through the heaviest stage of a
+    P-stage split, alone in this process (one thread)."""
+    torch.set_num_threads(1)
+    cfg = common.bench_gpt2_cfg(n_layer=bs.N_LAYER)
+    full = common.full_model(cfg, bs.SEED)
+    blocks = common.block_split(cfg.n_layer, P)
+    times = [bs.stage_compute_per_mb(bs.TorchStage(full, blocks[s], s == 0, s == P - 1), s, P, cfg, reps=5)
+             for s in range(P)]
+    return max(times)
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0], lambda ap: common.add_pipeline_args(ap, timeout_s=900.0))
+    why = netbed.skip_reason()
+    if why:
+        sys.exit(f"bench_slow_network: {why}")
+    opts = {"jitter_frac": 0.0, "seed": 5, "warmup": 1, "rounds": 2 if args.quick else 5, "jitter_settings": [False]}
+    cfg = common.bench_gpt2_cfg(n_layer=bs.N_LAYER)
+    act_bytes = common.MICRO * common.T * cfg.n_embd * 4
+    load0 = common.load_average()
+    figures, runs = [], {}
+    for P in args.P:
+        m = 2 * P
+        compute = per_mb_compute(P)
+        for frac in FRACTIONS:
+            bw = act_bytes / (frac * compute)
+            tag = f"P={P} m={m} link {bw / 1e6:.1f} MB/s (comm {frac:.0%} of compute)"
+            res = bs.run_P(P, {**opts, "m": m}, args.timeout, bandwidth_Bps=bw)
+            res["bandwidth_Bps"], res["fraction"], res["per_mb_compute_alone_s"] = bw, frac, compute
+            runs[tag] = res
+            print(f"\n{tag}: one micro-batch's activation {act_bytes / 1e3:.0f} kB, its compute alone "
+                  f"{compute * 1e3:.1f} ms")
+            bs.print_run(P, m, res)
+            st = res["stats"]
+            for name in bs.SYSTEMS:
+                if f"{name}|0" in st:
+                    figures.append(common.Figure(f"{tag}: time per mini-batch, {bs.LABEL[name]}",
+                                                 st[f"{name}|0"]["median"], "s",
+                                                 detail={**st[f"{name}|0"], "per_rank_split_s": res["split"][f"{name}|0"]}))
+            best = bs.best_torch(st, 0)
+            for name in bs.VARUNA:
+                rob = bs.robustness(res["times"], name, best, 0)
+                figures.append(common.Figure(
+                    f"{tag}: throughput {bs.LABEL[name]} / best torch ({bs.LABEL[best].replace('torch ', '')})",
+                    1.0 / st[f"{name}|0"]["median"], "mb/s", baseline=1.0 / st[f"{best}|0"]["median"],
+                    ratio=rob["median_paired_ratio"], target=">= 1.1" if name == bs.PLANNED else None, detail=rob))
+    load1 = common.load_average()
+    common.print_table("Slow links: Varuna vs every torch.distributed.pipelining schedule (value/baseline: median "
+                       "mini-batches per second; ratio: median of per-round paired throughput ratios)",
+                       [f for f in figures if f.unit == "mb/s"])
+    targeted = [f for f in figures if f.target]
+    notes = (
+        "Each rank in its own network namespace (a TestHosts namespace host), every veth limited by tc tbf in both "
+        "directions, so traffic between two ranks crosses two limited links; gloo over TCP on eth0. Bandwidths per P: "
+        f"activation bytes ({act_bytes}) / (fraction x the heaviest stage's forward+backward per micro-batch measured "
+        f"alone), fractions {FRACTIONS}. Systems, model and pairing as in bench_schedules; no injected jitter. "
+        f"Targets (>= 1.1) met {sum(bool(f.met) for f in targeted)}/{len(targeted)}: "
+        + "; ".join(f"{f.name.split(': ')[0]} {f.ratio:.3f} vs {f.name.split('best torch (')[1][:-1]}" for f in targeted)
+        + f". Load average {load0} -> {load1}."
+    )
+    common.write_results("slow_network", figures, notes,
+                         machine=common.machine_info(load_average=[load0, load1], worker_threads=1),
+                         extra={"runs": runs, "quick": args.quick, "fractions": FRACTIONS}, out=args.out)
+
+
+if __name__ == "__main__":
+    main()
