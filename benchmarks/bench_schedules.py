@@ -58,7 +58,10 @@ VARUNA = ("varuna_zb", "varuna_norc", "varuna_rc")
 TORCH = ("torch_1f1b", "torch_gpipe", "torch_interleaved1f1b", "torch_loopedbfs", "torch_interleavedzb",
          "torch_zbv", "torch_dualpipev")
 SYSTEMS = VARUNA + TORCH
-PLANNED = "varuna_zb"  # what the planner runs by default: split backward, recompute only for memory
+# what the planner runs, decided per (P, m) before measuring: plan() on a calibration of this model
+# (in this run) with the benchmark's boundaries picks the split backward or the whole one; no
+# recompute (memory allows it: no limit on this CPU)
+PLANNED = {True: "varuna_zb", False: "varuna_norc"}
 LABEL = {"varuna_zb": "Varuna (split backward)", "varuna_rc": "Varuna (recompute)",
          "varuna_norc": "Varuna (no recompute)", "torch_1f1b": "torch Schedule1F1B",
          "torch_gpipe": "torch ScheduleGPipe", "torch_interleaved1f1b": "torch ScheduleInterleaved1F1B",
@@ -338,6 +341,37 @@ def robustness(times: dict, v: str, base: str, jit: int) -> dict:
             "ratio_of_minima": min(b) / min(a)}
 
 
+def calibrate_bench_model():
+    """The planner's view of the benchmark model: one calibration (micro-batch MICRO, network
+    probes included) in this run."""
+    from functools import partial
+
+    from varuna_sdk.model import gpt2, init_gpt2, lm_loss
+    from varuna_sdk.profiling.calibrate import calibrate
+
+    cfg = common.bench_gpt2_cfg(n_layer=N_LAYER)
+
+    def make_batch(b: int):
+        x, y = common.make_batch(0, b, T, cfg.vocab_size, seed=9)
+        return (x,), y
+
+    return calibrate(lambda: gpt2(cfg), lm_loss, make_batch, (MICRO,), seed=SEED,
+                     init_fn=partial(init_gpt2, n_layer=cfg.n_layer), repeats=5, warmup=1)
+
+
+def planned_split(profile, P: int, m: int, bandwidth_Bps: float | None = None) -> tuple[bool, float]:
+    """The planner's choice for the benchmark's split into P stages (D = 1, m micro-batches of
+    MICRO, P workers sharing this machine's cores, optionally a slow network): whether it splits
+    the backward, and the predicted seconds per mini-batch."""
+    from varuna_sdk.planner.plan import plan
+
+    bnd = common.varuna_boundaries(common.block_split(N_LAYER, P)) if P > 1 else None
+    pl = plan(profile, P, m * MICRO, boundaries=bnd, replicas=1, recompute=False, micro_batch_sizes=[MICRO],
+              gpus_per_vm=1 if bandwidth_Bps else P, compute_slots_per_vm=0 if bandwidth_Bps else common.cpu_count(),
+              network_bandwidth_Bps=bandwidth_Bps)
+    return pl.best.split_backward, pl.best.time_s
+
+
 def best_torch(stats: dict, jit: int) -> str:
     """The torch schedule with the lowest median time per mini-batch at this jitter setting."""
     ran = [t for t in TORCH if f"{t}|{jit}" in stats]
@@ -380,12 +414,17 @@ def main() -> None:
           f"P in {args.P}, m in {factors} x P; 1 torch thread per process; {opts['rounds']} rounds, each one timed "
           "step per system and jitter setting")
     load0 = common.load_average()
+    profile = calibrate_bench_model()
     figures, runs, idle, cannot = [], {}, {}, {}
     for P in args.P:
         for f in factors:
             m = f * P
+            split, predicted = planned_split(profile, P, m)
+            planned = PLANNED[split]
+            print(f"P={P} m={m}: the planner runs {LABEL[planned]} (predicted {predicted * 1e3:.0f} ms per mini-batch)")
             idle[f"{P}x{m}"] = common.wait_for_idle(args.wait_idle)
             res = run_P(P, {**opts, "m": m}, args.timeout)
+            res["planned"], res["predicted_s"] = planned, predicted
             runs[f"P={P} m={m}"] = res
             cannot.update({f"P={P} m={m} {LABEL[k]}": v for k, v in res["cannot_run"].items()})
             print_run(P, m, res)
@@ -400,13 +439,15 @@ def main() -> None:
                                                              "per_rank_split_s": res["split"][f"{name}|{jit}"],
                                                              "cpu_all_ranks": res["cpu"][f"{name}|{jit}"]}))
                 best = best_torch(st, jit)
-                for name in VARUNA:
-                    rob = robustness(res["times"], name, best, jit)
+                for name in ("planned",) + VARUNA:
+                    sys_name = planned if name == "planned" else name
+                    label = f"Varuna as planned ({LABEL[planned]})" if name == "planned" else LABEL[name]
+                    rob = robustness(res["times"], sys_name, best, jit)
                     figures.append(common.Figure(
-                        f"{tag}: throughput {LABEL[name]} / best torch ({LABEL[best].replace('torch ', '')})",
-                        1.0 / st[f"{name}|{jit}"]["median"], "mb/s", baseline=1.0 / st[f"{best}|{jit}"]["median"],
+                        f"{tag}: throughput {label} / best torch ({LABEL[best].replace('torch ', '')})",
+                        1.0 / st[f"{sys_name}|{jit}"]["median"], "mb/s", baseline=1.0 / st[f"{best}|{jit}"]["median"],
                         ratio=rob["median_paired_ratio"],
-                        target=(">= 1.15" if jit else ">= 1.0") if name == PLANNED else None, detail=rob))
+                        target=(">= 1.15" if jit else ">= 1.0") if name == "planned" else None, detail=rob))
     load1 = common.load_average()
     common.print_table("Pipeline schedules: Varuna vs every torch.distributed.pipelining schedule (value/baseline: "
                        "median mini-batches per second; ratio: median of per-round paired throughput ratios)",
@@ -419,9 +460,12 @@ def main() -> None:
         "interleaved (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) and V (ZBVZeroBubble, DualPipeV) schedules "
         "into 2P chunks, 2 per rank on the same P ranks (rank r holds r and r+P, or r and 2P-1-r). Tied embedding / "
         "LM-head gradient summed between the ranks holding the first and last stage. AdamW; gloo on CPU, one torch "
-        "thread per process; systems interleaved round by round in the same processes. Varuna (split backward) = "
-        "what the planner runs: the backward split into B (input gradient, sent at once) and W (weight gradients, "
-        "deferred into waits), no recompute (memory allows it here). "
+        "thread per process; systems interleaved round by round in the same processes. Varuna as planned = the "
+        "Varuna system plan() picks for that (P, m) from a calibration of this model made in this run (same "
+        "boundaries, D = 1, P workers on this machine's cores), before measuring: the backward split into B (input "
+        "gradient, sent at once) and W (weight gradients, deferred into waits) or whole; no recompute (no memory "
+        "limit here). Planner's choices: " + "; ".join(f"{k} {LABEL[r['planned']]} (predicted {r['predicted_s'] * 1e3:.0f}"
+                                                       " ms)" for k, r in runs.items()) + ". "
         f"Jitter: seeded exponential delivery delays, mean {args.jitter_frac} x the slowest stage's pure "
         "forward+backward time per micro-batch, identical per message for every system (jitter.py). Ratio = median "
         "over rounds of the paired per-round throughput ratio against the torch schedule fastest at that (P, m, "

@@ -18,8 +18,9 @@ Only public autograd API is used (``Node.register_prehook``, ``GradientEdge``,
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -128,14 +129,21 @@ class WeightWork:
         self._params, self._groups, self._captured = params, groups, captured
         self.done = False
 
-    def run(self) -> None:
+    def run(self, on_group: Callable[[list[torch.Tensor], float], None] | None = None,
+            sync: Callable[[], None] | None = None) -> None:
         """Compute and accumulate the weight gradients (once; a second call does nothing).
 
-        Raises ``RuntimeError`` from autograd if the graph was freed (a caller bug)."""
+        ``on_group(weights, seconds)``, when given, is told each group's time (calibration
+        attributes W to segments with it); ``sync`` (e.g. a CUDA synchronize) runs around each
+        group then. Raises ``RuntimeError`` from autograd if the graph was freed (a caller bug)."""
         if self.done:
             return
         self.done = True
         for n, g in enumerate(self._groups):
+            if on_group is not None:
+                if sync is not None:
+                    sync()
+                t0 = time.perf_counter()
             edges, gouts = [], []
             for j in g.joins:
                 for k, gr in enumerate(self._captured.get(j, ())):
@@ -165,13 +173,17 @@ class WeightWork:
                     w.grad = dw
                 else:
                     w.grad += dw
+            if on_group is not None:
+                if sync is not None:
+                    sync()
+                on_group([self._params[p] for p in params], time.perf_counter() - t0)
         self._captured.clear()
         self._groups = []
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], params: Iterable[torch.Tensor]
-                   ) -> tuple[list[torch.Tensor | None], WeightWork]:
+                   inputs: Sequence[torch.Tensor], params: Iterable[torch.Tensor],
+                   timing: dict[str, float] | None = None) -> tuple[list[torch.Tensor | None], WeightWork]:
     """B: the gradients of ``inputs`` only, and the W work left for ``params``.
 
     Args:
@@ -181,6 +193,9 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             ``None``).
         params: the stage's weights; those outside the graph are left untouched.
 
+    ``timing``, when given, receives ``"analysis_s"``: the seconds spent reading the autograd
+    graph (grouping the weights, placing the hooks) before the input gradients are computed.
+
     Returns ``(input gradients aligned with inputs, WeightWork)``. When no input requires a
     gradient (the first stage) the input path is empty: the whole backward then happens in
     :meth:`WeightWork.run`. Weights whose subgraph reaches an output without touching the input
@@ -188,6 +203,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     that is itself computed from another output is not supported there (it would miss the
     gradient flowing through the other output).
     """
+    t0 = time.perf_counter()
     outs, gouts = [], []
     for o, g in zip(outputs, grads):
         if o.requires_grad:
@@ -218,6 +234,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             captured[j] = [None if t is None else t.detach() for t in gout]
         hooks.append(j.register_prehook(record))
     result: list[torch.Tensor | None] = [None] * len(inputs)
+    if timing is not None:
+        timing["analysis_s"] = time.perf_counter() - t0
     try:
         if want and outs:
             got = torch.autograd.grad(outs, [inputs[i] for i in want], gouts,

@@ -55,12 +55,15 @@ class _Clock:
         self.segment = 0
         self.hook_grads = hook_grads
         self.grad_times: dict[int, float] = {}
+        self.first_crossing: tuple = ()  # the tensors crossing cut-point 0 (a stage's input)
 
     def at_cutpoint(self, tensors):
         self.times.append(time.perf_counter())
         self.out_bytes.append(sum(t.numel() * t.element_size() for t in tensors))
         k = self.segment
         self.segment += 1
+        if k == 0:
+            self.first_crossing = tuple(tensors)
         if self.hook_grads:
             for t in tensors:
                 if t.requires_grad:
@@ -104,10 +107,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_segments(model: nn.Module, loss_fn, inputs: tuple, targets, n: int,
-                   device: torch.device, autocast, count_saved: bool = False) -> dict[str, list[float] | list[int]]:
+                   device: torch.device, autocast, count_saved: bool = False,
+                   segment_of: dict[int, int] | None = None) -> dict[str, list[float] | list[int]]:
     """One forward without grad, one with grad and its backward, timed per segment.
     ``count_saved``: also attribute the bytes autograd saves to segments (``act_bytes``) — a
-    hook on every saved tensor, which slows the forward: use it on an untimed pass."""
+    hook on every saved tensor, which slows the forward: use it on an untimed pass.
+    ``segment_of`` (``id(parameter) -> segment``): also one forward and the backward split into
+    B and W (``bwd_in_s``, ``wgt_s``; see ``_time_split_backward``)."""
     out: dict = {}
     # forward without grad (first forward of a recomputing stage)
     clock = _Clock()
@@ -139,7 +145,48 @@ def _time_segments(model: nn.Module, loss_fn, inputs: tuple, targets, n: int,
     bwd_rev = _diffs(tb0, marks, tb1)
     out["bwd_s"] = list(reversed(bwd_rev))
     model.zero_grad(set_to_none=True)
+    if segment_of is not None:
+        out.update(_time_split_backward(model, loss_fn, inputs, targets, n, device, autocast, segment_of))
     return out
+
+
+def _time_split_backward(model: nn.Module, loss_fn, inputs: tuple, targets, n: int, device: torch.device,
+                         autocast, segment_of: dict[int, int]) -> dict[str, list[float]]:
+    """The backward split as the engine runs it (``pipeline.split_backward``), timed per segment:
+    ``bwd_in_s`` — B, the input gradient from the loss down to cut-point 0, one segment per
+    crossing (segment 0 has none: it always sits on the first stage, whose B is empty), the time
+    spent reading the autograd graph before it shared among the segments in proportion to their
+    backward (a stage reads only its own part); ``wgt_s`` — W, each weight group's time given to
+    the first segment using its weights (the group of segment 0's weights runs segment 0's whole
+    backward, and a weight used twice, as a tied embedding and LM head in one graph, repeats the
+    path between its uses, which stages split apart do not). ``segment_of``: ``id(parameter) ->
+    segment of its first use``."""
+    from ..pipeline.split_backward import backward_input
+
+    clock = _Clock(hook_grads=True)
+    with observe_cutpoints(clock), autocast():
+        loss = loss_fn(call_model(model, inputs), targets)
+    first = [t for t in clock.first_crossing if t.requires_grad]
+    _sync(device)
+    tb0 = time.perf_counter()
+    timing: dict[str, float] = {}
+    _, work = backward_input([loss], [None], first, [p for p in model.parameters() if p.requires_grad], timing)
+    _sync(device)
+    tb1 = time.perf_counter()
+    analysis = timing.get("analysis_s", 0.0)
+    marks = [clock.grad_times.get(k, tb0) for k in range(n - 2, 0, -1)]  # crossings n-2 .. 1
+    bwd_in = [0.0] + list(reversed(_diffs(tb0 + analysis, marks, tb1))) if n > 1 else [0.0]
+    total = sum(bwd_in[1:])
+    if total > 0:
+        bwd_in = [0.0] + [b + analysis * b / total for b in bwd_in[1:]]
+    wgt = [0.0] * n
+
+    def charge(weights: list[torch.Tensor], seconds: float) -> None:
+        wgt[min(segment_of.get(id(w), 0) for w in weights)] += seconds
+
+    work.run(on_group=charge, sync=lambda: _sync(device))
+    model.zero_grad(set_to_none=True)
+    return {"bwd_in_s": bwd_in, "wgt_s": wgt}
 
 
 def _median_lists(runs: list[list[float]]) -> list[float]:
@@ -212,6 +259,8 @@ def calibrate(
             saved = {b: _time_segments(model, loss_fn, *batches[b], n, device, autocast, count_saved=True)["act_bytes"]
                      for b in sizes}  # untimed: the accounting hooks slow the forward
             runs: dict[int, list[dict]] = {b: [] for b in sizes}
+            segment_of = {id(q): min(structure.state_segments[nm]) for nm, q in model.named_parameters()
+                          if nm in structure.state_segments}
 
             def probe_host():
                 return _probe_host(model_fn, loss_fn, init_fn, seed, batches[sizes[len(sizes) // 2]], precision,
@@ -224,12 +273,13 @@ def calibrate(
                     for b in sizes:  # untimed: caches and heap back after the probe processes
                         _time_segments(model, loss_fn, *batches[b], n, device, autocast)
                 for b in sizes:
-                    r = _time_segments(model, loss_fn, *batches[b], n, device, autocast)
+                    r = _time_segments(model, loss_fn, *batches[b], n, device, autocast, segment_of=segment_of)
                     if i >= warmup:
                         runs[b].append(r)
-            per_size: dict[str, list[list]] = {k: [] for k in ("fwd_s", "rec_s", "bwd_s", "out_bytes", "act_bytes")}
+            per_size: dict[str, list[list]] = {k: [] for k in ("fwd_s", "rec_s", "bwd_s", "out_bytes", "act_bytes",
+                                                               "bwd_in_s", "wgt_s")}
             for b in sizes:
-                for key in ("fwd_s", "rec_s", "bwd_s"):
+                for key in ("fwd_s", "rec_s", "bwd_s", "bwd_in_s", "wgt_s"):
                     per_size[key].append(_median_lists([r[key] for r in runs[b]]))
                 per_size["out_bytes"].append(runs[b][-1]["out_bytes"])
                 per_size["act_bytes"].append(saved[b])
