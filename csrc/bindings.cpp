@@ -58,6 +58,7 @@ void bind_simulator(py::module_& m) {
         .def_readwrite("bwd", &SimConfig::bwd)
         .def_readwrite("rec", &SimConfig::rec)
         .def_readwrite("wgt", &SimConfig::wgt)
+        .def_readwrite("bucket_bytes", &SimConfig::bucket_bytes)
         .def_readwrite("split_backward", &SimConfig::split_backward)
         .def_readwrite("opt", &SimConfig::opt)
         .def_readwrite("act_bytes", &SimConfig::act_bytes)

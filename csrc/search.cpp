@@ -552,8 +552,9 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
 //  * stage s's last action is a B; its gradient reaches stage s-1, whose B follows:
 //      X[s] = max(E[s], X[s+1] + glink_s + B_s);  done[s] >= X[s] + glink_{s-1} (the
 //    runtime waits for its sends);
-//  * then, as the simulator: the stage's data-parallel all-reduce, the tied groups in order,
-//    the consensus, the largest optimizer step;
+//  * then, as the simulator: the stage's data-parallel all-reduce (its last bucket at least;
+//    the rest may overlap the backward), each tied group once its members are done, the
+//    consensus, the largest optimizer step;
 //  * on hosts with k compute slots (> 0) all the host's ranks' work (m * sum work) needs
 //    >= its total / k (at most k actions progress at full speed at once).
 // The result is shrunk by 1e-12 (relative) against rounding.
@@ -584,10 +585,14 @@ double time_lower_bound(const SimConfig& cfg) {
         }
     }
     // E[s]: stage s's busy time ends (all its work); A[s]: its last micro-batch's F, R and B end
-    std::vector<double> E(sz(P)), A(sz(P), 0.0);
+    std::vector<double> E(sz(P)), A(sz(P), 0.0), gstart(sz(P), 0.0);
     double pre = 0.0;
     for (int s = 0; s < P; ++s) {
         E[sz(s)] = std::max(E[sz(s)], pre + m * work[sz(s)]);
+        // the last gradient-producing action (the last B, split: the last W) is the stage's final
+        // action: it starts after every other one, each at least its base time plus overhead
+        const double final_action = cfg.split_backward ? cfg.wgt[sz(s)] + ov : cfg.bwd[sz(s)] + ov;
+        gstart[sz(s)] = std::max(0.0, pre + m * work[sz(s)] - final_action);
         if (s + 1 < P) {
             const double last_arrival = pre + F[sz(s)] + m * lat[sz(s)];
             A[sz(s + 1)] = last_arrival + F[sz(s + 1)] + Rc[sz(s + 1)] + B[sz(s + 1)];
@@ -595,7 +600,7 @@ double time_lower_bound(const SimConfig& cfg) {
             pre += F[sz(s)] + lat[sz(s)];
         }
     }
-    std::vector<double> cur(sz(P));
+    std::vector<double> cur(sz(P)), done_lb(sz(P));
     double X = 0.0;
     for (int s = P - 1; s >= 0; --s) {
         double done;
@@ -609,13 +614,16 @@ double time_lower_bound(const SimConfig& cfg) {
             done = std::max(E[sz(s)], X + (s > 0 ? glat[sz(s - 1)] : 0.0));
         }
         const double dp = cfg.dp_bytes.empty() ? 0.0 : cfg.dp_bytes[sz(s)];
-        cur[sz(s)] = done + allreduce_time(dp, D, cfg.ar_alpha, cfg.ar_beta);
+        // bucketed DP all-reduce: its last bucket follows the end of the pipeline phase, and the
+        // whole of it the start of the final action (dp_allreduce_end with lower bounds of both)
+        done_lb[sz(s)] = done;
+        cur[sz(s)] = dp_allreduce_end(dp, D, done, gstart[sz(s)], cfg);
     }
-    for (const auto& g : cfg.tied) {
+    for (const auto& g : cfg.tied) {  // beside the DP all-reduce, once every member is done
         double start = 0.0;
-        for (int s : g.stages) start = std::max(start, cur[sz(s)]);
+        for (int s : g.stages) start = std::max(start, done_lb[sz(s)]);
         const double end = start + allreduce_time(g.bytes, static_cast<int>(g.stages.size()) * D, cfg.ar_alpha, cfg.ar_beta);
-        for (int s : g.stages) cur[sz(s)] = end;
+        for (int s : g.stages) cur[sz(s)] = std::max(cur[sz(s)], end);
     }
     double tail = static_cast<long long>(P) * D > 1 ? cfg.consensus_latency : 0.0;
     double opt = 0.0;

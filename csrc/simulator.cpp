@@ -93,6 +93,7 @@ struct PipelineRun {
     std::vector<double> done;  // per simulated rank
     std::vector<double> busy;
     std::vector<int> peak_stashed, peak_live, peak_inflight;
+    std::vector<double> grad_start;  // per simulated rank: start of its last B (split: W)
     // Only for extrapolation (replica 0, [stage * m + i]): start of F(i) and of B(i), and
     // the in-flight count at the start of F(i).
     std::vector<double> f_start, b_start;
@@ -153,6 +154,7 @@ private:
         double done = 0.0;
         double last_send_arrival = 0.0;
         double busy = 0.0;
+        double grad_start = 0.0;  // start of the last gradient-producing action (B, split: W)
         double dur[4] = {0.0, 0.0, 0.0, 0.0};  // F, R, B, W without jitter (incl. overheads)
         double lat_act = 0.0, lat_grad = 0.0;  // outgoing fixed transfer times
         int stashed = 0, live = 0;
@@ -322,6 +324,7 @@ void Engine::collect(PipelineRun& out) {
     out.peak_stashed.resize(static_cast<std::size_t>(R));
     out.peak_live.resize(static_cast<std::size_t>(R));
     out.peak_inflight.resize(static_cast<std::size_t>(R));
+    out.grad_start.resize(static_cast<std::size_t>(R));
     for (int r = 0; r < R; ++r) {
         const auto& k = ranks_[static_cast<std::size_t>(r)];
         if (!k.finished)
@@ -333,6 +336,7 @@ void Engine::collect(PipelineRun& out) {
         out.peak_stashed[ur] = k.peak_stashed;
         out.peak_live[ur] = k.peak_live;
         out.peak_inflight[ur] = k.peak_inflight;
+        out.grad_start[ur] = k.grad_start;
     }
     out.f_start = std::move(f_start_);
     out.b_start = std::move(b_start_);
@@ -513,6 +517,7 @@ double Engine::begin_action(int r, double t) {
     }
     k.busy += dur;
     ++actions_;
+    if (a.kind == (c_.split_backward ? ActionKind::Weight : ActionKind::Backward)) k.grad_start = t;
     // memory states, counted from the start of the creating action
     switch (a.kind) {
         case ActionKind::Forward:
@@ -698,6 +703,18 @@ double mean_exact(const std::vector<double>& v, int s, int P, int nrep) {
     return same ? first : sum / nrep;
 }
 
+}  // namespace
+
+double dp_allreduce_end(double bytes, int D, double done, double grad_start, const SimConfig& c) {
+    const double whole = allreduce_time(bytes, D, c.ar_alpha, c.ar_beta);
+    if (!(c.bucket_bytes > 0.0) || bytes <= c.bucket_bytes) return done + whole;
+    const double n = std::ceil(bytes / c.bucket_bytes);
+    const double last = bytes - (n - 1.0) * c.bucket_bytes;
+    return std::max(done + allreduce_time(last, D, c.ar_alpha, c.ar_beta), grad_start + whole);
+}
+
+namespace {
+
 // Sync phase + per-stage statistics.
 SimResult finish(const SimConfig& c, PipelineRun&& run) {
     const int P = c.P, D = c.D, nrep = run.nrep;
@@ -717,29 +734,34 @@ SimResult finish(const SimConfig& c, PipelineRun&& run) {
         if (tl && b > a) res.timeline[static_cast<std::size_t>(r)].push_back(Segment{k, mb, a, b});
     };
 
-    // data-parallel all-reduce per stage
+    // data-parallel all-reduce per stage, in buckets launched during the last backward
     for (int s = 0; s < P; ++s) {
-        double start = 0.0;
-        for (int rep = 0; rep < nrep; ++rep) start = std::max(start, cur[static_cast<std::size_t>(rep * P + s)]);
-        const double bytes = c.dp_bytes.empty() ? 0.0 : c.dp_bytes[static_cast<std::size_t>(s)];
-        const double end = start + allreduce_time(bytes, D, c.ar_alpha, c.ar_beta);
+        double done = 0.0, gstart = 0.0;
         for (int rep = 0; rep < nrep; ++rep) {
-            seg(rep * P + s, SegmentKind::AllReduce, -1, start, end);
-            cur[static_cast<std::size_t>(rep * P + s)] = end;
+            const auto ur = static_cast<std::size_t>(rep * P + s);
+            done = std::max(done, cur[ur]);
+            gstart = std::max(gstart, run.grad_start.empty() ? cur[ur] : run.grad_start[ur]);
+        }
+        const double bytes = c.dp_bytes.empty() ? 0.0 : c.dp_bytes[static_cast<std::size_t>(s)];
+        const double end = dp_allreduce_end(bytes, D, done, gstart, c);
+        for (int rep = 0; rep < nrep; ++rep) {
+            seg(rep * P + s, SegmentKind::AllReduce, -1, done, end);
+            cur[static_cast<std::size_t>(rep * P + s)] = std::max(done, end);
         }
     }
-    // tied-weight groups, in list order
+    // tied-weight groups: each starts when its member ranks are done (beside the DP all-reduce)
     for (std::size_t g = 0; g < c.tied.size(); ++g) {
         const auto& grp = c.tied[g];
         double start = 0.0;
         for (int rep = 0; rep < nrep; ++rep)
-            for (int s : grp.stages) start = std::max(start, cur[static_cast<std::size_t>(rep * P + s)]);
+            for (int s : grp.stages) start = std::max(start, run.done[static_cast<std::size_t>(rep * P + s)]);
         const int n = static_cast<int>(grp.stages.size()) * D;
         const double end = start + allreduce_time(grp.bytes, n, c.ar_alpha, c.ar_beta);
         for (int rep = 0; rep < nrep; ++rep)
             for (int s : grp.stages) {
                 seg(rep * P + s, SegmentKind::Tied, static_cast<int>(g), start, end);
-                cur[static_cast<std::size_t>(rep * P + s)] = end;
+                auto& x = cur[static_cast<std::size_t>(rep * P + s)];
+                x = std::max(x, end);
             }
     }
     // consensus, then optimizer
@@ -1080,6 +1102,7 @@ void validate(const SimConfig& c) {
     check_nonneg(c.local_alpha, "local_alpha", "seconds");
     check_nonneg(c.ar_alpha, "ar_alpha", "seconds");
     check_nonneg(c.consensus_latency, "consensus_latency", "seconds");
+    check_nonneg(c.bucket_bytes, "bucket_bytes", "bytes");
     check_beta(c.p2p_beta, "p2p_beta");
     check_beta(c.local_beta, "local_beta");
     check_beta(c.ar_beta, "ar_beta");

@@ -43,11 +43,15 @@
 // Synchronisation after the pipeline phase (as engine.py's _sync_and_step):
 //   done[r]  = when rank r finished its last action and its last outgoing message
 //              arrived (the runtime waits for its sends);
-//   DP       : stage s all-reduce starts when all D replicas of s are done,
-//              lasts allreduce_time(dp_bytes[s], D);
-//   tied     : then, per tied group in list order, the all-reduce over all member
-//              ranks (its stages x all replicas) starts when all of them are ready,
-//              lasts allreduce_time(bytes, |stages| * D);
+//   DP       : stage s's gradient all-reduce over its D replicas runs in buckets of
+//              bucket_bytes launched during the stage's last gradient-producing action (the
+//              last B, or with split_backward the last W; as pipeline/grad_sync.py): it ends at
+//              max(done + allreduce_time(last bucket), last action's start +
+//              allreduce_time(dp_bytes[s], D)) over the replicas; bucket_bytes = 0 (or one
+//              bucket) = after done: done + allreduce_time(dp_bytes[s], D);
+//   tied     : each tied group's all-reduce over all member ranks (its stages x all
+//              replicas) starts when all of them are done (concurrently with the DP
+//              all-reduce), lasts allreduce_time(bytes, |stages| * D);
 //   consensus: one small world-wide all-reduce (overflow / grad norm) after every
 //              rank's collectives: consensus_latency (0 when P*D == 1);
 //   optimizer: stage s then steps for opt[s].
@@ -158,6 +162,9 @@ struct SimConfig {
     double ar_alpha = 0.0;
     double ar_beta = std::numeric_limits<double>::infinity();
     double consensus_latency = 0.0;
+    // Gradient all-reduce bucket (bytes): buckets start during the last backward (see above);
+    // 0 = one all-reduce after the pipeline phase.
+    double bucket_bytes = 4194304.0;
 
     // Placement.
     int ranks_per_host = 1;          // >= 1
@@ -235,6 +242,11 @@ struct SimResult {
 
 // Ring all-reduce alpha-beta time; 0 when n <= 1 or bytes <= 0.
 double allreduce_time(double bytes, int n, double ar_alpha, double ar_beta);
+
+// When a stage's bucketed gradient all-reduce of `bytes` over D replicas ends, its pipeline
+// phase done at `done` and its last gradient-producing action started at `grad_start` (see
+// the DP rule above; cfg gives ar_alpha, ar_beta, bucket_bytes).
+double dp_allreduce_end(double bytes, int D, double done, double grad_start, const SimConfig& cfg);
 
 // Throws std::invalid_argument with a message naming the offending field.
 void validate(const SimConfig& cfg);

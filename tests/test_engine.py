@@ -198,6 +198,19 @@ def test_split_backward_runs_weight_work_apart(name, results):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["eq_p2d2_m2", "zb_p2d2_m2", "tied_p3"])
+def test_gradient_all_reduce_starts_during_the_last_backward(name, results):
+    """Every collective of the gradient sync (data-parallel buckets over the replicas, the tied
+    embedding / LM-head sum over its stages) is launched from inside the step's last backward (or
+    last W with the split backward) — none is left to start after it — and the numbers still
+    match the single-process reference (test_matches_single_process, tied bit-identity)."""
+    for r in results(name):
+        steps = len(r["losses"])
+        assert r["overlapped"] == steps * r["buckets"], (name, r["stage"], r["overlapped"], r["buckets"])
+        assert r["buckets"] >= 1
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", [j["name"] for j in CLIP_JOBS])
 def test_clipped_grad_norm_is_clip_grad_norm_total(name, results, reference):
     """With clipping active, the reported norm is ``clip_grad_norm_``'s pre-clip total norm."""

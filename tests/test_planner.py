@@ -192,9 +192,11 @@ def test_choice_matches_enumeration_with_the_same_simulator(G, B):
     t, P, D, b, _ = min(enumerate_configs(prof, G, B, lambda P: [splits[P]]))
     assert best.time_s <= t * (1 + 1e-9), (best, (P, D, b, t))
     # ... and enumerating every contiguous split too finds at most a few percent more: the split is
-    # balanced on compute, while all-reduce and p2p can favour another (measured gap <= 1.8 %)
+    # balanced on compute, while all-reduce and p2p can favour another — with 400 MB of parameters
+    # per segment and the all-reduce overlapped with the last backward, heavier later stages
+    # (whose last backward starts earlier) can win: measured gap <= 7.3 %
     t_all = min(enumerate_configs(prof, G, B, lambda P: all_splits(8, P)))[0]
-    assert best.time_s <= t_all * 1.05
+    assert best.time_s <= t_all * 1.08
 
 
 @pytest.mark.parametrize("costs,param_bytes,G,B,expect", [
@@ -202,7 +204,9 @@ def test_choice_matches_enumeration_with_the_same_simulator(G, B):
     # size with m >= 2P chose
     ([1] * 8, 4e8, 8, 256, {8: (1, 8)}),
     ([1] * 8, 4e8, 4, 64, {4: (1, 4)}),  # P=4: micro-batch 4 (m=16) 0.8 % faster than 8 (m=8)
-    (HEAVY, 1e9, 8, 64, {4: (1, None)}),  # P=4 D=1 (4 GPUs idle) beats every plan that uses all 8
+    # P=4 D=1 (4 GPUs idle) beats every plan that uses all 8 (2 GB of parameters: even with the
+    # all-reduce overlapped with the last backward, a second replica costs more than it gives)
+    (HEAVY, 2e9, 8, 64, {4: (1, None)}),
     (HEAVY, 4e8, 8, 36, {}),  # 36 = 4 x 9: D in {1, 2, 3, 4, 6}
     ([1, 2, 1, 3, 1, 1], 2e9, 12, 96, {}),  # huge all-reduce: few replicas
     ([1] * 8, 1e6, 16, 128, {}),  # free all-reduce: every GPU busy
@@ -650,7 +654,9 @@ def test_plan_job_fills_parallel_and_keeps_a_fixed_P_or_D():
         e = brute_force_rows(pl._search, 8)[P]
         assert (job.parallel.P, job.parallel.D, job.parallel.micro_batch_size) == (P, e.D, e.micro_batch_size)
     job, pl = plan_job(_job(D=2), prof)
-    assert (job.parallel.P, job.parallel.D) == (2, 2)  # only P <= 2 fits D=2 on 4 GPUs; P=2 is faster
+    fastest = min((c for c in brute_force_rows(pl._search, 8).values() if c is not None),
+                  key=lambda c: c.minibatch_time)
+    assert (job.parallel.P, job.parallel.D) == (fastest.P, 2)  # only P <= 2 fits D=2 on 4 GPUs
     assert {(r.P, r.D) for r in pl.rows} == {(1, 2), (2, 2)}  # D=2 honoured: the only D tried
     # a fixed D that a faster plan would not use is still honoured
     heavy = synthetic_profile(HEAVY, param_bytes=1e9)

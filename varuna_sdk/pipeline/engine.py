@@ -43,6 +43,7 @@ from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_
 from ..model.rng import forked_rng, seed_segment
 from ..model.tracer import ModelStructure, segment_costs, trace_model
 from .comm import Channel, Receiver
+from .grad_sync import GradSync
 from .groups import Topology, build_groups
 from .scaler import LossScaler
 from .schedule import StageScheduler, default_recompute
@@ -259,8 +260,26 @@ class Varuna:
 
         self.scaler = LossScaler(scale=loss_scale, enabled=precision == "fp16")
         self.step_count = 0
+        self.grad_sync = self._build_grad_sync()
 
     # ------------------------------------------------------------------------------------------
+    def _build_grad_sync(self) -> GradSync:
+        """The stage's gradient all-reduce, bucketed and started during the last backward: its
+        data-parallel parameters (those of the last segments first, whose gradients are final
+        first) over the replica group, each tied set over its stages' group."""
+        last_use = {nm: max(segs) for nm, segs in self.structure.state_segments.items()}
+        dp = [p for nm, p in sorted(self.params, key=lambda x: (-last_use.get(x[0], 0), x[0]))
+              if nm not in self.shared]
+        tied: dict[tuple, list[nn.Parameter]] = {}
+        for nm, p in self.params:
+            if nm in self.shared:
+                tied.setdefault(tuple(self.shared[nm]), []).append(p)
+        sets = [(self.groups.dp, dp)] + [(self.groups.tied.get(k), ps) for k, ps in sorted(tied.items())]
+        sync = GradSync(sets, split=[True] + [False] * len(tied))
+        for _, p in self.params:  # the whole backward accumulates through autograd: its hook
+            p.register_post_accumulate_grad_hook(sync.ready)
+        return sync
+
     def _find_pre_stage_params(self, canonical: dict[str, nn.Parameter]) -> list[tuple[nn.Module, str, nn.Parameter]]:
         """Local parameters also used by segments *before* this stage (tied weights): they are
         swapped for meta stand-ins while those segments run on the meta device."""
@@ -449,11 +468,17 @@ class Varuna:
         timing = {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0}
         waited = {"F": 0.0, "B": 0.0}   # blocked on an input, taken out of the action's time
         recv_flags = [c["requires_grad"] for c in self.structure.crossings[self.start_cut]] if not self.is_first else []
+        grad_kind = "W" if self.split_backward else "B"  # the actions that accumulate weight gradients
+        grad_actions = 0
         while True:
             action = sched.next(acts.arrived if acts else 0, grads.arrived if grads else 0)
             if action is None:
                 break
             i, kind = action.mb, action.kind
+            if kind == grad_kind:
+                grad_actions += 1
+                if grad_actions == self.m:  # gradients turn final in this action: start their all-reduce
+                    self.grad_sync.arm()
             ta = time.perf_counter()
             w = 0.0
             if kind == "F":
@@ -482,7 +507,7 @@ class Varuna:
                 out = self._forward(mb_in[i], leaves, base + i, grad=True)
                 live[i] = (leaves, _as_tuple(out))
             elif kind == "W":
-                deferred.pop(i).run()
+                deferred.pop(i).run(on_group=self._weights_final if grad_actions == self.m else None)
             else:  # "B"
                 leaves, outs = live.pop(i)
                 if self.is_last:
@@ -525,6 +550,10 @@ class Varuna:
             if ch is not None:
                 ch.begin_step()
 
+    def _weights_final(self, weights: list, _seconds: float) -> None:
+        for w in weights:
+            self.grad_sync.ready(w)
+
     def _backward_input(self, roots: list, gouts: list, leaves: tuple | None) -> WeightWork:
         """B of the split backward: the input gradients into the leaves' ``.grad`` (what
         ``_input_grads`` sends), the weight-gradient work returned for a later W."""
@@ -551,28 +580,9 @@ class Varuna:
 
     # ------------------------------------------------------------------------------------------
     def _sync_and_step(self, optimizer: torch.optim.Optimizer, loss_local: torch.Tensor) -> StepResult:
-        """Tied-weight sum, DP all-reduce (mean over replicas), consensus, clipping, step."""
-        unscale = 1.0 / self.scaler.scale
-        buckets: dict[object, list[torch.Tensor]] = {}
-        for name, p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            key = tuple(self.shared[name]) if name in self.shared else "dp"
-            buckets.setdefault(key, []).append(p.grad)
-        for key, grads in buckets.items():
-            group = self.groups.dp if key == "dp" else self.groups.tied.get(key)
-            if group is None:  # nothing to reduce (D = 1): only unscale, in place
-                if unscale / self.D != 1.0:
-                    torch._foreach_mul_(grads, unscale / self.D)
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if group is not None:
-                dist.all_reduce(flat, group=group)
-            flat.mul_(unscale / self.D)
-            off = 0
-            for g in grads:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
+        """Tied-weight sum and DP all-reduce (mean over replicas; started during the last backward,
+        finished here), consensus, clipping, step."""
+        self.grad_sync.finish(1.0 / (self.scaler.scale * self.D))
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         finite = torch.ones((), dtype=torch.float32, device=self.device)
         counted = [p.grad for name, p in self.params

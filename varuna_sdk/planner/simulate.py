@@ -151,6 +151,10 @@ class SimInput:
     """All-reduce bandwidth, bytes/s."""
     consensus_latency: float = 0.0
     """World-wide consensus all-reduce at the end of each step, seconds (0 when P*D == 1)."""
+    bucket_bytes: float = 4 * 2**20
+    """Gradient all-reduce bucket, bytes (the engine's ``pipeline.grad_sync.DEFAULT_BUCKET_BYTES``):
+    a stage's buckets start during its last backward, so only the last one must follow it;
+    0 = one all-reduce after the pipeline phase."""
     ranks_per_host: int = 1
     """Ranks per host (VM); rank = replica*P + stage, host = rank // ranks_per_host."""
     compute_slots_per_host: int = 0
@@ -214,7 +218,7 @@ class SimInput:
         c.tied = [(list(g[0]), float(g[1])) for g in self.tied]
         for name in (
             "p2p_alpha", "p2p_beta", "local_alpha", "local_beta", "ar_alpha", "ar_beta",
-            "consensus_latency", "action_overhead", "send_overhead", "p2p_jitter_sigma",
+            "consensus_latency", "bucket_bytes", "action_overhead", "send_overhead", "p2p_jitter_sigma",
             "compute_jitter_rel",
         ):
             setattr(c, name, float(getattr(self, name)))
