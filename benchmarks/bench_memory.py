@@ -41,106 +41,14 @@ LABEL = {"varuna_rc": "Varuna, recompute", "varuna_norc": "Varuna, no recompute"
          "1f1b_norc": "1F1B (engine), no recompute", "gpipe_norc": "GPipe (engine), no recompute"}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-class ActivationMeter:
-    """Live bytes of saved-for-backward tensors (+ stashed stage inputs) and their peak."""
-
-    def __init__(self, param_ptrs: set[int]):
-        self.param_ptrs = param_ptrs
-        self.storages: dict[int, list[int]] = {}  # data_ptr -> [nbytes, refcount]
-        self.saved = 0
-        self.stash = 0
-        self.stashed: dict[int, int] = {}
-        self.peak = 0
-        self.peak_saved = 0
-        self.peak_stash = 0
-        self.rss_peak = 0
-        self.sample_rss = False
-
-    def _update(self) -> None:
-        total = self.saved + self.stash
-        if total > self.peak:
-            self.peak = total
-        self.peak_saved = max(self.peak_saved, self.saved)
-        self.peak_stash = max(self.peak_stash, self.stash)
-        if self.sample_rss:
-            self.rss_peak = max(self.rss_peak, _rss_bytes())
-
-    def reset_peak(self) -> None:
-        self.peak = self.peak_saved = self.peak_stash = self.saved + self.stash
-
-    # saved_tensors_hooks ---------------------------------------------------------------------
-    def pack(self, t: torch.Tensor):
-        if t.device.type == "meta":
-            return t
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr in self.param_ptrs or st.nbytes() == 0:
-            return t
-        e = self.storages.get(ptr)
-        if e is None:
-            self.storages[ptr] = [st.nbytes(), 1]
-            self.saved += st.nbytes()
-            self._update()
-        else:
-            e[1] += 1
-        return _Saved(self, ptr, t)
-
-    @staticmethod
-    def unpack(h):
-        return h.t if isinstance(h, _Saved) else h
-
-    def release(self, ptr: int) -> None:
-        e = self.storages[ptr]
-        e[1] -= 1
-        if e[1] == 0:
-            self.saved -= e[0]
-            del self.storages[ptr]
-
-    # stash of received stage inputs (recompute) ----------------------------------------------
-    def stash_add(self, mb: int, tensors) -> None:
-        n = sum(t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta")
-        self.stashed[mb] = n
-        self.stash += n
-        self._update()
-
-    def stash_pop(self, mb: int) -> None:
-        self.stash -= self.stashed.pop(mb, 0)
-
-
-class _Saved:
-    __slots__ = ("meter", "ptr", "t")
-
-    def __init__(self, meter: ActivationMeter, ptr: int, t: torch.Tensor):
-        self.meter, self.ptr, self.t = meter, ptr, t
-
-    def __del__(self):
-        self.meter.release(self.ptr)
-
-
 def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     P, m = world, opts["m"]
     policy, recompute = CONFIGS[opts["config"]]
     cfg = common.bench_gpt2_cfg()
     eng = common.varuna_engine(cfg, P, m, SEED, policy=policy, recompute=recompute)
     opt = torch.optim.AdamW(eng.parameters(), lr=1e-3)
-    meter = ActivationMeter({p.untyped_storage().data_ptr() for p in eng.parameters()})
-
-    orig_forward = eng._forward
-
-    def counted_forward(inputs, received, mb, grad):
-        if received is not None:
-            if not grad:  # forward of the recompute policy: the stage input waits in the stash
-                meter.stash_add(mb, received)
-            else:  # recompute (or a normal forward): from now on autograd holds the input
-                meter.stash_pop(mb)
-        return orig_forward(inputs, received, mb, grad)
-
-    eng._forward = counted_forward
+    meter = common.ActivationMeter({p.untyped_storage().data_ptr() for p in eng.parameters()})
+    common.count_stash(meter, eng)
     B = m * MICRO
     peaks, rss_delta = [], None
     for step in range(opts["steps"]):
@@ -148,7 +56,7 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
         meter.reset_peak()
         first = step == 0
         meter.sample_rss = first
-        rss0 = _rss_bytes()
+        rss0 = common.rss_bytes()
         meter.rss_peak = rss0
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             eng.step(batch, opt)

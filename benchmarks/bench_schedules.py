@@ -270,9 +270,32 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 one_step(name, jit, record=True)
+    # peak activation memory per stage, in untimed steps (the meter's hooks cost time)
+    params = {p.untyped_storage().data_ptr() for sys_ in systems.values()
+              for p in (sys_.eng.parameters() if isinstance(sys_, VarunaSystem) else sys_.opt.param_groups[0]["params"])}
+    meter = common.ActivationMeter(params)
+    for sys_ in systems.values():
+        if isinstance(sys_, VarunaSystem):
+            common.count_stash(meter, sys_.eng)
+    act_peak = {}
+    for name in names:
+        peak = 0
+        for _ in range(2):
+            key = counters[(name, False)]
+            counters[(name, False)] += 1
+            gate.begin(key=key, enabled=False)
+            dist.barrier()
+            meter.reset_peak()
+            base = meter.peak  # still held from earlier steps (of any system): not this step's
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                systems[name].step(common.make_batch(key, B, T, cfg.vocab_size, seed=3))
+            systems[name].take_phases()
+            peak = max(peak, meter.peak - base)
+        act_peak[name] = peak
     dist.barrier()
     pg_cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
     common.write_rank(out_dir, rank, {
+        "activation_peak_bytes": act_peak,
         "rank": rank, "spans": spans, "phases": phases, "first_loss": first_loss, "per_mb_compute_s": float(per_mb),
         "jitter_mean_s": gate.mean_s, "applied_delays": gate.delays,
         "gloo_supports_coalescing": bool(getattr(pg_cpu, "supports_coalescing", False)),
@@ -298,6 +321,8 @@ def run_P(P: int, opts: dict, timeout_s: float, bandwidth_Bps: float | None = No
     out = {"wall_s": wall, "per_mb_compute_s": ranks[0]["per_mb_compute_s"], "jitter_mean_s": ranks[0]["jitter_mean_s"],
            "blocks": ranks[0]["blocks"], "gloo_supports_coalescing": ranks[0]["gloo_supports_coalescing"],
            "cannot_run": {k: v for r in ranks for k, v in r["cannot_run"].items()},
+           "activation_peak_bytes": {name: [r["activation_peak_bytes"][name] for r in ranks]
+                                     for name in ranks[0]["activation_peak_bytes"]},
            "first_loss": ranks[-1]["first_loss"], "times": {}, "stats": {}, "split": {}, "cpu": {},
            "applied_delay_mean_s": common.median([d for r in ranks for d in r["applied_delays"]] or [0.0])}
     for key in ranks[0]["spans"]:
@@ -389,6 +414,8 @@ def print_run(P: int, m: int, res: dict) -> None:
         order = sorted((k.split("|")[0] for k in st if k.endswith(f"|{jit}")), key=lambda k: st[f"{k}|{jit}"]["median"])
         print(f"  {'jitter' if jit else 'no jitter'} (median ms per mini-batch, fastest first): " + ", ".join(
             f"{LABEL[k]} {st[f'{k}|{jit}']['median'] * 1e3:.0f}" for k in order))
+    print("  peak activation memory per rank (MB: saved for backward + stashed inputs): " + "; ".join(
+        f"{LABEL[k]} {'/'.join(f'{b / 1e6:.1f}' for b in v)}" for k, v in res["activation_peak_bytes"].items()))
     print("  per rank, no jitter (median ms): step = compute [F R B W] + optimizer + rest")
     for name in SYSTEMS:
         if f"{name}|0" not in res["split"]:
@@ -437,7 +464,9 @@ def main() -> None:
                                                      st[f"{name}|{jit}"]["median"], "s",
                                                      detail={**st[f"{name}|{jit}"],
                                                              "per_rank_split_s": res["split"][f"{name}|{jit}"],
-                                                             "cpu_all_ranks": res["cpu"][f"{name}|{jit}"]}))
+                                                             "cpu_all_ranks": res["cpu"][f"{name}|{jit}"],
+                                                             "activation_peak_bytes_per_stage":
+                                                                 res["activation_peak_bytes"].get(name)}))
                 best = best_torch(st, jit)
                 for name in ("planned",) + VARUNA:
                     sys_name = planned if name == "planned" else name
@@ -472,6 +501,11 @@ def main() -> None:
         f"jitter). Targets (issue: >= 1.0 without jitter, >= 1.15 with) met {len(met)}/{len(targeted)}: "
         + "; ".join(f"{f.name.split(': ')[0]} {f.ratio:.3f} vs {f.name.split('best torch (')[1][:-1]}"
                     f" ({'met' if f.met else 'not met'})" for f in targeted)
+        + ". Peak activation memory (MB, the largest rank; bytes autograd saves for backward plus a recomputing "
+        "stage's stashed inputs, counted by saved-tensor hooks in 2 untimed steps per system after the timed rounds; "
+        "the split backward's gradients held for W are not counted, in Varuna or torch): "
+        + "; ".join(f"{k}: " + ", ".join(f"{LABEL[n]} {max(v) / 1e6:.1f}" for n, v in r["activation_peak_bytes"].items())
+                    for k, r in runs.items())
         + (". Torch schedules that cannot run here: " + "; ".join(f"{k}: {v}" for k, v in cannot.items())
            if cannot else ". Every torch schedule ran at every (P, m).")
         + "".join(f" P={P} runs {P} processes on {common.cpu_count()} cores (oversubscribed)." for P in args.P

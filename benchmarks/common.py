@@ -118,6 +118,109 @@ def timed_method(obj: object, name: str, sink: dict, key: str) -> None:
     setattr(obj, name, wrapper)
 
 
+# ---- activation memory ----------------------------------------------------------------------
+def rss_bytes() -> int:
+    """This process's resident set size, bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class ActivationMeter:
+    """Live bytes of saved-for-backward tensors (+ stashed stage inputs) and their peak: use
+    ``pack``/``unpack`` as ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted
+    once, while autograd holds it; parameters — ``param_ptrs``, their storages' addresses — and
+    meta-device stand-ins excluded) and ``stash_add``/``stash_pop`` for stage inputs a
+    recomputing stage keeps between its no-grad forward and its recompute."""
+
+    def __init__(self, param_ptrs: set[int]):
+        self.param_ptrs = param_ptrs
+        self.storages: dict[int, list[int]] = {}  # data_ptr -> [nbytes, refcount]
+        self.saved = 0
+        self.stash = 0
+        self.stashed: dict[int, int] = {}
+        self.peak = 0
+        self.peak_saved = 0
+        self.peak_stash = 0
+        self.rss_peak = 0
+        self.sample_rss = False
+
+    def _update(self) -> None:
+        total = self.saved + self.stash
+        if total > self.peak:
+            self.peak = total
+        self.peak_saved = max(self.peak_saved, self.saved)
+        self.peak_stash = max(self.peak_stash, self.stash)
+        if self.sample_rss:
+            self.rss_peak = max(self.rss_peak, rss_bytes())
+
+    def reset_peak(self) -> None:
+        self.peak = self.peak_saved = self.peak_stash = self.saved + self.stash
+
+    # saved_tensors_hooks ---------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        if t.device.type == "meta":
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self.param_ptrs or st.nbytes() == 0:
+            return t
+        e = self.storages.get(ptr)
+        if e is None:
+            self.storages[ptr] = [st.nbytes(), 1]
+            self.saved += st.nbytes()
+            self._update()
+        else:
+            e[1] += 1
+        return _Saved(self, ptr, t)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Saved) else h
+
+    def release(self, ptr: int) -> None:
+        e = self.storages[ptr]
+        e[1] -= 1
+        if e[1] == 0:
+            self.saved -= e[0]
+            del self.storages[ptr]
+
+    # stash of received stage inputs (recompute) ----------------------------------------------
+    def stash_add(self, mb: int, tensors) -> None:
+        n = sum(t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta")
+        self.stashed[mb] = n
+        self.stash += n
+        self._update()
+
+    def stash_pop(self, mb: int) -> None:
+        self.stash -= self.stashed.pop(mb, 0)
+
+
+class _Saved:
+    __slots__ = ("meter", "ptr", "t")
+
+    def __init__(self, meter: ActivationMeter, ptr: int, t: torch.Tensor):
+        self.meter, self.ptr, self.t = meter, ptr, t
+
+    def __del__(self):
+        self.meter.release(self.ptr)
+
+
+
+def count_stash(meter: "ActivationMeter", eng) -> None:
+    """Count a ``Varuna`` engine's stashed stage inputs (recompute) in ``meter`` from now on."""
+    orig_forward = eng._forward
+
+    def counted_forward(inputs, received, mb, grad):
+        if received is not None:
+            if not grad:  # forward of the recompute policy: the stage input waits in the stash
+                meter.stash_add(mb, received)
+            else:  # recompute (or a normal forward): from now on autograd holds the input
+                meter.stash_pop(mb)
+        return orig_forward(inputs, received, mb, grad)
+
+    eng._forward = counted_forward
+
+
 # ---- machine --------------------------------------------------------------------------------
 def machine_info(**extra) -> dict:
     """CPU count, torch/python versions, platform and thread settings (+ ``extra``)."""

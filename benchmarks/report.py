@@ -52,7 +52,10 @@ def _idle_note(idle) -> str:
     if not idle:
         return ""
     if "waited_s" not in idle:
-        return "; ".join(f"P={k}: {_idle_note(v)}" for k, v in sorted(idle.items(), key=lambda kv: int(kv[0])))
+        def order(kv):  # "4" (per P) or "4x8" (per P and m)
+            return tuple(int(x) for x in kv[0].split("x")) if kv[0].replace("x", "").isdigit() else (0,)
+        return "; ".join(f"{'P=' + k if k.isdigit() else 'P x m=' + k}: {_idle_note(v)}"
+                         for k, v in sorted(idle.items(), key=order))
     if idle.get("idle_frac_seen") is None:
         return "no wait for idle CPUs"
     state = "quiet" if idle.get("quiet") else "still busy"
