@@ -384,17 +384,25 @@ def calibrate_bench_model():
                      init_fn=partial(init_gpt2, n_layer=cfg.n_layer), repeats=5, warmup=1)
 
 
-def planned_split(profile, P: int, m: int, bandwidth_Bps: float | None = None) -> tuple[bool, float]:
-    """The planner's choice for the benchmark's split into P stages (D = 1, m micro-batches of
-    MICRO, P workers sharing this machine's cores, optionally a slow network): whether it splits
-    the backward, and the predicted seconds per mini-batch."""
+def predicted(profile, P: int, m: int, bandwidth_Bps: float | None = None,
+              split_backward: bool | None = None):
+    """The planner's row for the benchmark's split into P stages (D = 1, m micro-batches of
+    MICRO, P workers sharing this machine's cores, or with ``bandwidth_Bps`` one per namespace
+    host behind links of that speed), with the backward as ``split_backward`` says (None: the
+    faster as simulated)."""
     from varuna_sdk.planner.plan import plan
 
     bnd = common.varuna_boundaries(common.block_split(N_LAYER, P)) if P > 1 else None
-    pl = plan(profile, P, m * MICRO, boundaries=bnd, replicas=1, recompute=False, micro_batch_sizes=[MICRO],
-              gpus_per_vm=1 if bandwidth_Bps else P, compute_slots_per_vm=0 if bandwidth_Bps else common.cpu_count(),
-              network_bandwidth_Bps=bandwidth_Bps)
-    return pl.best.split_backward, pl.best.time_s
+    return plan(profile, P, m * MICRO, boundaries=bnd, replicas=1, recompute=False, micro_batch_sizes=[MICRO],
+                gpus_per_vm=1 if bandwidth_Bps else P, compute_slots_per_vm=0 if bandwidth_Bps else common.cpu_count(),
+                network_bandwidth_Bps=bandwidth_Bps, split_backward=split_backward).best
+
+
+def planned_split(profile, P: int, m: int, bandwidth_Bps: float | None = None) -> tuple[bool, float]:
+    """Whether the planner splits the backward for that setup, and its predicted seconds per
+    mini-batch."""
+    row = predicted(profile, P, m, bandwidth_Bps)
+    return row.split_backward, row.time_s
 
 
 def best_torch(stats: dict, jit: int) -> str:

@@ -42,6 +42,15 @@ def per_mb_compute(P: int) -> float:
     return max(times)
 
 
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two equally long lists (1: same order, -1: reversed)."""
+    n, score = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            score += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
+    return score / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], lambda ap: common.add_pipeline_args(ap, timeout_s=900.0))
     why = netbed.skip_reason()
@@ -52,7 +61,7 @@ def main() -> None:
     act_bytes = common.MICRO * common.T * cfg.n_embd * 4
     load0 = common.load_average()
     profile = bs.calibrate_bench_model()
-    figures, runs = [], {}
+    figures, runs, accuracy = [], {}, []
     for P in args.P:
         m = 2 * P
         compute = per_mb_compute(P)
@@ -84,11 +93,17 @@ def main() -> None:
                     f"{tag}: throughput {label} / best torch ({bs.LABEL[best].replace('torch ', '')})",
                     1.0 / st[f"{sys_name}|0"]["median"], "mb/s", baseline=1.0 / st[f"{best}|0"]["median"],
                     ratio=rob["median_paired_ratio"], target=">= 1.1" if name == "planned" else None, detail=rob))
-            figures.append(common.Figure(f"{tag}: simulator's prediction for Varuna as planned vs measured",
-                                         predicted, "s", baseline=st[f"{planned}|0"]["median"], target="<= 1.05",
-                                         ratio=max(predicted, st[f"{planned}|0"]["median"])
-                                         / min(predicted, st[f"{planned}|0"]["median"])))
+            for split, name in ((False, "varuna_norc"), (True, "varuna_zb")):
+                pred = bs.predicted(profile, P, m, bw, split_backward=split).time_s
+                meas = st[f"{name}|0"]["median"]
+                accuracy.append((pred, meas))
+                figures.append(common.Figure(f"{tag}: simulator's prediction vs measured, {bs.LABEL[name]}",
+                                             pred, "s", baseline=meas, target="<= 1.05",
+                                             ratio=max(pred, meas) / min(pred, meas)))
     load1 = common.load_average()
+    tau = kendall_tau([p for p, _ in accuracy], [m for _, m in accuracy])
+    figures.append(common.Figure("simulator ranking of the measured configurations: Kendall tau (predicted vs measured)",
+                                 tau, "", detail={"pairs": accuracy}))
     common.print_table("Slow links: Varuna vs every torch.distributed.pipelining schedule (value/baseline: median "
                        "mini-batches per second; ratio: median of per-round paired throughput ratios)",
                        [f for f in figures if f.unit == "mb/s"])
@@ -100,9 +115,13 @@ def main() -> None:
         f"alone), fractions {FRACTIONS}. Systems, model and pairing as in bench_schedules; no injected jitter. "
         "Varuna as planned: plan() on a calibration made in this run, told the link's bandwidth, picks the split or "
         "the whole backward per (P, link) before measuring; its prediction is compared with the measured time "
-        "(ratio = larger / smaller, target <= 1.05). "
+        "(ratio = larger / smaller, target <= 1.05), for the whole and the split backward, and the simulator's "
+        f"ranking of all {2 * len(FRACTIONS) * len(args.P)} measured Varuna configurations is compared with the measured "
+        "one by Kendall's tau. "
         f"Targets (>= 1.1) met {sum(bool(f.met) for f in targeted)}/{len(targeted)}: "
         + "; ".join(f"{f.name.split(': ')[0]} {f.ratio:.3f} vs {f.name.split('best torch (')[1][:-1]}" for f in targeted)
+        + f". Simulator vs measured: Kendall tau {tau:.2f}; errors "
+        + ", ".join(f"{p / m - 1:+.1%}" for p, m in accuracy)
         + f". Load average {load0} -> {load1}."
     )
     common.write_results("slow_network", figures, notes,
