@@ -353,8 +353,11 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
     cfg.record_timeline = false;
     cfg.extrapolate = false;
     // ranks sharing a host's compute slots (workers on one machine's cores) are time-sliced,
-    // as the OS does, rather than queued for a free slot
+    // as the OS does, rather than queued for a free slot; there an all-reduce started during
+    // the backward competes with it for the cores, so no overlap is credited (one all-reduce
+    // after the pipeline phase, stretched by its CPU share: share_sync_phase)
     cfg.time_share_slots = cfg.compute_slots_per_host > 0;
+    if (cfg.compute_slots_per_host > 0) cfg.bucket_bytes = 0.0;
     std::vector<int> stage_of(n, 0);
     for (int s = 0; s < P; ++s) {
         const int a = c.starts[s], b = s + 1 < P ? c.starts[s + 1] : n;
