@@ -45,8 +45,9 @@ PRICE = 0.92  # $ per VM-hour of a 1-GPU VM (example spot price)
 def profile(costs: list[float] = COSTS) -> Profile:
     """A GPT-2-like profile of ``len(costs)`` segments: per segment, forward
     ``cost * UNIT_S * (0.5 + 0.5 b)`` seconds at micro-batch b, recompute 1.1x, backward 2x;
-    1 MB per example across cut-points; 60 MB of parameters per segment; 2 GB per GPU (4 GPUs
-    plan P=2 x D=2, 3 GPUs P=3 x D=1)."""
+    1 MB per example across cut-points; 60 MB of parameters per segment; 1.2 GB per GPU, which
+    the whole model with its optimizer state does not fit (4 GPUs plan P=2 x D=2, 3 GPUs
+    P=3 x D=1)."""
     segs = []
     for c in costs:
         f = [c * UNIT_S * (0.5 + 0.5 * b) for b in SIZES]
@@ -56,7 +57,7 @@ def profile(costs: list[float] = COSTS) -> Profile:
     net = NetworkProfile(p2p_alpha_s=50e-6, p2p_beta_Bps=1.25e9, ar_alpha_s=50e-6, ar_beta_Bps=1.25e9,
                          consensus_s=1e-4)
     return Profile(model={"num_segments": len(costs), "shared": []},
-                   hardware={"device": "synthetic", "memory_bytes": 2e9},
+                   hardware={"device": "synthetic", "memory_bytes": 1.2e9},
                    software={}, micro_batch_sizes=list(SIZES), segments=segs, network=net,
                    per_action_s=1e-4, per_step_s=0.0, opt_s_per_param_byte=0.0)
 
