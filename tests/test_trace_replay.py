@@ -109,14 +109,17 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog):
     assert not [r for r in caplog.records if "emulator action failed" in r.getMessage()], caplog.text
     # ... and the job survived each: a morph per event that hit a VM in use
     causes = [m["cause"] for m in morphs]
-    # the loss's recovery may still be starting when the last VM comes back: then that VM joins it
-    assert causes in (["notice", "loss", "grow"], ["notice", "loss"]), morphs
-    notice, loss = morphs[0], morphs[1]
+    # the loss's recovery may still be starting when the last VM comes back: then that VM joins it;
+    # the VM back before the loss is grown onto first when the planner finds 4 VMs >= 1.1x faster
+    assert causes in (["notice", "loss", "grow"], ["notice", "loss"], ["notice", "grow", "loss", "grow"],
+                      ["notice", "grow", "loss"]), morphs
+    notice, loss = morphs[0], morphs[causes.index("loss")]
     assert notice["host"] == "vm2" and notice["steps_lost"] == 0 and notice["old"]["gpus"] == 4
     assert "vm2" not in notice["new"]["hosts"]
     assert loss["host"] in ("vm1", "vm3", "vm2") and set(loss["old"]["hosts"]) & {"vm1", "vm2", "vm3"}
     assert 0 <= loss["steps_lost"] <= EVERY
-    assert loss["resume_step"] % EVERY == 0 or loss["resume_step"] == notice["resume_step"]
+    earlier = {m["resume_step"] for m in morphs[:causes.index("loss")]}  # checkpointed at those morphs
+    assert loss["resume_step"] % EVERY == 0 or loss["resume_step"] in earlier
     assert morphs[-1]["new"]["hosts"] == ["vm0", "vm1"]   # grown back onto the returned VM
     for m in morphs:
         assert m["downtime_s"] is not None and 0 < m["downtime_s"] < 120, m
