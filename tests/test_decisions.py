@@ -40,6 +40,10 @@ def test_grow_needs_the_gain_and_the_cooldown():
     assert not rule.worth_it(10.0, 10.9, 31.0)          # 9 % faster: not worth a morph
     assert not rule.worth_it(10.0, 20.0, 29.0)          # too soon after the last morph
     assert rule.worth_it(0.0, 1.0, 100.0)
+    # a "grow" onto no more workers than the running plan is none (seen: P=1 x D=2 -> P=1 x D=2
+    # on the same VMs, predicted faster only because the running plan's estimate had drifted)
+    assert not rule.worth_it(10.0, 20.0, 100.0, current_workers=2, new_workers=2)
+    assert rule.worth_it(10.0, 20.0, 100.0, current_workers=2, new_workers=4)
     with pytest.raises(ValueError, match="min_gain"):
         GrowRule(min_gain=0.9)
     with pytest.raises(ValueError, match="cooldown_s"):

@@ -76,9 +76,15 @@ class GrowRule:
             raise ValueError(f"GrowRule.cooldown_s={self.cooldown_s} must be >= 0 seconds")
 
     def worth_it(self, current_examples_per_s: float, new_examples_per_s: float,
-                 seconds_since_last_morph: float) -> bool:
-        """True when the new plan is ``min_gain`` x faster and the cooldown has passed."""
+                 seconds_since_last_morph: float, current_workers: int | None = None,
+                 new_workers: int | None = None) -> bool:
+        """True when the new plan is ``min_gain`` x faster, the cooldown has passed and, when the
+        worker counts (P x D) are given, the new plan uses more workers: a plan on no more
+        workers than the running one is no grow, however its prediction compares (the two
+        predictions may come from different yardsticks)."""
         if seconds_since_last_morph < self.cooldown_s:
+            return False
+        if current_workers is not None and new_workers is not None and new_workers <= current_workers:
             return False
         if not current_examples_per_s > 0.0:
             return new_examples_per_s > 0.0

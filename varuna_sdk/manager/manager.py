@@ -957,7 +957,8 @@ class Manager:
         # the running plan as the profile the new one was planned from predicts it (re-simulated
         # from heartbeats once the estimate drifted): the same yardstick for both
         current = run.recalibrated_examples_per_s or run.row.examples_per_s
-        grow = self.grow.worth_it(current, row.examples_per_s, since)
+        grow = self.grow.worth_it(current, row.examples_per_s, since,
+                                  run.job.parallel.P * run.job.parallel.D, row.P * row.D)
         if quiet and not grow:
             return
         self.log.append("grow_decision", job_id=self.job_id, payload={
