@@ -17,6 +17,7 @@ demo: setup
 	$(VENV)/bin/varuna demo
 
 test: setup
+	$(VENV)/bin/ruff check --no-cache .
 	$(PY) -m pytest -q
 
 bench: setup

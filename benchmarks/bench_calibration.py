@@ -1,7 +1,7 @@
 """Calibration time of the demo model, and that it does not depend on G (paper §4.3).
 
 Calibrates the demo job (``varuna_sdk.cli.demo_config()``: GPT-2, 4 blocks, d=128, real 50,257-token
-BPE, T=128) from scratch with ``varuna_sdk.trainer.calibrate_job(job, cache_dir=<temp>,
+BPE, T=128) from scratch with ``varuna_sdk.profiling.job.calibrate_job(job, cache_dir=<temp>,
 refresh=True)`` — every segment at micro-batch sizes 1, 2, 4, the engine's fixed costs, and p2p /
 all-reduce probes between spawned processes — and reports its wall time against the 60 s target
 (DESIGN.md); ``--network-split`` also times the network probes alone, to show where the time goes.
@@ -29,7 +29,7 @@ common.setup_path()
 
 from varuna_sdk.cli import demo_config  # noqa: E402
 from varuna_sdk.planner.plan import plan  # noqa: E402
-from varuna_sdk.trainer import calibrate_job, profile_key  # noqa: E402
+from varuna_sdk.profiling.job import calibrate_job, profile_key  # noqa: E402
 
 TARGET_S = 60.0
 PLAN_GPUS = (4, 64, 1024)
@@ -58,7 +58,7 @@ def main() -> None:
     load1 = common.load_average()
     net_s = None
     if args.network_split:
-        from varuna_sdk.profiling.calibrate import measure_network
+        from varuna_sdk.profiling.network import measure_network
 
         t1 = time.perf_counter()
         measure_network(threads=job.launch.threads_per_worker)

@@ -3,9 +3,9 @@ stay the uninterrupted run's.
 
 The job: the tests' tiny GPT-2 (4 blocks, d=128, byte vocabulary, dropout 0.1, fp32, global batch 8
 in micro-batches of 2, checkpoint every 5 steps), first generation P=2 x D=1, on 3 sshd test hosts
-of this machine, each in its **own network namespace** (``TestHosts.add(netns=True)``), checkpoints
+of this machine, each in its **own network namespace** (``SSHDHosts.add(netns=True)``), checkpoints
 in a **tmpfs** mounted for the run. The manager is **a separate process**: ``varuna launch``'s own
-code path (``launch.launch_job`` with a watched host file, ``cluster.provider.HostFileProvider``),
+code path (``launch.launch_job`` with a watched host file, ``cluster.hostfile.HostFileProvider``),
 started by this script with ``--child-manager`` so that it can be SIGKILLed and started again with
 the same command, like ``varuna launch --hosts FILE`` (which builds the provider without
 ``SSHOptions``: the test hosts' ``known_hosts`` must be given, hence the child mode). A host file
@@ -22,7 +22,7 @@ random fraction of a second), on a random VM of the current plan:
 - ``worker_kill9``: SIGKILL of the VM's worker process (its VM and sshd stay);
 - ``worker_sigstop``: SIGSTOP of the VM's worker process (it hangs, its sockets stay open; the
   manager must notice the silence and kill it); SIGCONT afterwards if it were still alive;
-- ``network_cut``: the VM's link taken down (``TestHosts.cut``: processes run on, TCP stays open,
+- ``network_cut``: the VM's link taken down (``SSHDHosts.cut``: processes run on, TCP stays open,
   no packet passes); restored once the job runs again without it;
 - ``manager_kill9``: SIGKILL of the manager process, then the same command started again (the
   orphaned workers stop at a boundary with a checkpoint, the new manager waits for them);
@@ -75,11 +75,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # ssh_hosts: procs_left
 import common  # noqa: E402
 
 common.setup_path()
 
-from varuna_sdk.cluster.provider import HostFileProvider  # noqa: E402
+from varuna_sdk.cluster.hostfile import HostFileProvider  # noqa: E402
 from varuna_sdk.config import DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 
 EVERY = 5            # checkpoint interval (steps)
@@ -131,7 +132,7 @@ class NoticeHostFileProvider(HostFileProvider):
 
 def child_main(argv: list[str]) -> int:
     from varuna_sdk.cluster.ssh import SSHOptions
-    from varuna_sdk.launch import launch_job
+    from varuna_sdk.runner import launch_job
 
     ap = argparse.ArgumentParser()
     for a in ("--config", "--run-dir", "--hosts", "--notices", "--known-hosts", "--job-id", "--summary"):
@@ -161,7 +162,7 @@ class JobGone(RuntimeError):
 
 class Chaos:
     def __init__(self, root: Path, steps: int, notice_s: float, max_failures: int):
-        from varuna_sdk.cluster.testhosts import TestHosts
+        from varuna_sdk.cluster.sshd_hosts import SSHDHosts
 
         self.root, self.steps, self.notice_s, self.max_failures = root, steps, notice_s, max_failures
         self.run = root / "run"
@@ -174,7 +175,7 @@ class Chaos:
                        check=True, capture_output=True, text=True)
         self.mounted = True
         self.filler = self.store / "filler.bin"
-        self.th = TestHosts(root / "vms")
+        self.th = SSHDHosts(root / "vms")
         self.up: dict[str, object] = {}
         self.cfg = root / "job.yaml"
         chaos_job(steps, str(self.store)).to_yaml(self.cfg)
@@ -339,7 +340,7 @@ class Chaos:
 
     # --------------------------------------------------------------------------- processes
     def worker_pids(self, host: str) -> list[int]:
-        from varuna_sdk.cluster.testhosts import _is_zombie
+        from varuna_sdk.cluster.sshd_procs import _is_zombie
 
         out = []   # the Python process itself, not the session's ``setsid sh -c`` wrapper
         for p in self.th.pids(host):
@@ -506,7 +507,7 @@ class Chaos:
         """After the job runs again: bring back what the fault took (a VM, a link, the disk)."""
         kind = rec["kind"]
         if kind in ("worker_sigstop", "network_cut"):
-            from varuna_sdk.cluster.testhosts import _is_zombie, _pid_alive
+            from varuna_sdk.cluster.sshd_procs import _is_zombie, _pid_alive
 
             alive = lambda p: _pid_alive(p) and not _is_zombie(p)  # noqa: E731
             # the hung (or cut off) worker of the old generation: did the morph end it?
@@ -621,7 +622,7 @@ class Chaos:
 
     def close(self) -> dict:
         """Stop everything; report what was left before and after."""
-        from varuna_sdk.cluster.testhosts import procs_left
+        from ssh_hosts import procs_left
 
         out: dict = {}
         self._stop_verifier.set()
@@ -651,7 +652,7 @@ class Chaos:
                                   if line.startswith(f"varuna-th-{os.getpid()}-")]
         links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
         mine = ("vvb", "vvh")
-        from varuna_sdk.cluster.testhosts import _b36
+        from varuna_sdk.cluster.sshd_procs import _b36
 
         out["links_left"] = [ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()
                              if len(ln.split(":")) > 1 and ln.split(":")[1].strip().startswith(
@@ -696,7 +697,7 @@ def reference_losses(steps: int, out: Path) -> dict[int, float]:
     """The uninterrupted run: P=2 x D=1 in 2 spawned gloo processes, the same job and schedule,
     stopped at ``steps`` (``spawn_workers`` + ``run_worker`` + ``StopAtStep``, as
     ``tests/test_trace_replay.py`` trains its reference)."""
-    from varuna_sdk.cluster.local import spawn_workers
+    from varuna_sdk.pipeline.spawn import spawn_workers
     from varuna_sdk.trainer import StopAtStep, run_worker
 
     out.mkdir(parents=True, exist_ok=True)
@@ -782,7 +783,8 @@ def main() -> None:
         ap.add_argument("--keep", action="store_true", help="keep the work folder (printed) for inspection")
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
-    from varuna_sdk.cluster.testhosts import netns_skip_reason, reap_stale
+    from varuna_sdk.cluster.sshd_hosts import netns_skip_reason
+    from varuna_sdk.cluster.sshd_procs import reap_stale
 
     reason = netns_skip_reason()
     if reason:
@@ -795,7 +797,7 @@ def main() -> None:
     idle = common.wait_for_idle(args.wait_idle)
     load0 = common.load_average()
     from varuna_sdk.data.loader import tokenize_corpus
-    from varuna_sdk.trainer import calibrate_job
+    from varuna_sdk.profiling.job import calibrate_job
 
     job = chaos_job(steps, None)
     tokenize_corpus(job.data.corpus, job.data.tokenizer)

@@ -47,7 +47,7 @@ common.setup_path()
 import torch  # noqa: E402
 
 from varuna_sdk.cli import demo_config  # noqa: E402
-from varuna_sdk.cluster.local import spawn_workers  # noqa: E402
+from varuna_sdk.pipeline.spawn import spawn_workers  # noqa: E402
 from varuna_sdk.config import JobConfig  # noqa: E402
 from varuna_sdk.trainer import StopFile, run_worker  # noqa: E402
 
@@ -231,9 +231,10 @@ def main() -> None:
         job.train.eval_batches = 1
         for k, v in over.items():
             setattr(job.model, k, v)
-        from varuna_sdk.trainer import model_config
+        from varuna_sdk.jobspec import resolve_job
 
-        n_params = model_config(job).num_parameters()
+        with torch.device("meta"):
+            n_params = sum(q.numel() for q in resolve_job(job).spec.factory().parameters())
         res = save_load(job.validate(), repeats=2 if args.quick else 3, timeout_s=args.timeout)
         size_detail[label] = {"parameters": n_params, **res}
         print(f"{label}: {n_params / 1e6:.1f} M parameters, checkpoint {res['bytes'] / 2**20:.1f} MiB; training "

@@ -328,7 +328,7 @@ def main() -> int:
     common.print_table("Dashboard: first render, update latency, server CPU", figures)
     notes = ("Absolute targets (ratio = value / target). Refresh period 1 s: an appended row waits on average "
              "half a period for the server's next read, then one websocket message and a redraw. The big job "
-             f"is drawn as at most 2000 min/max-downsampled points per series (points_in_browser). Chromium "
+             "is drawn as at most 2000 min/max-downsampled points per series (points_in_browser). Chromium "
              "headless, software rendering, on the same 2 CPUs as the server, the job and playwright.")
     common.write_results("dashboard", figures, notes,
                          machine=common.machine_info(load_average=load, idle_before=idle),

@@ -4,7 +4,7 @@ test hosts vs 4 local processes, and how fast a lost VM is noticed (killed, and 
 1. **Launch → first step.** The tiny GPT-2 of the tests (3 blocks, byte vocabulary, P=2 x D=2,
    global batch 8) is launched by ``manager.generation.Generation`` on 4 local slots (workers as
    local subprocesses: the embedded default) and on 4 sshd test hosts on this machine
-   (``cluster.testhosts``: bootstrap = version probe + config upload over SFTP, workers started
+   (``cluster.sshd_hosts``: bootstrap = version probe + config upload over SFTP, workers started
    over SSH with the venv's Python). The time is from ``start()`` to rank 0's first metrics row
    arriving in the event log through the heartbeat channel (interpreter + torch import, process
    group, model build, the held-out evaluation, one optimizer step). Rounds alternate local/SSH;
@@ -16,8 +16,8 @@ test hosts vs 4 local processes, and how fast a lost VM is noticed (killed, and 
    test host (started over SSH, a real ``HeartbeatClient`` in its own process; no torch, so runs
    are cheap), wired as ``Generation`` wires it (the SSH channel's end reported to the server):
    *killed* — the host's sshd and every process it started are SIGKILLed
-   (``TestHosts.remove``), measured from the removal call; *network cut* — a host in its own
-   network namespace has its link taken down (``TestHosts.cut``): its processes keep running and
+   (``SSHDHosts.remove``), measured from the removal call; *network cut* — a host in its own
+   network namespace has its link taken down (``SSHDHosts.cut``): its processes keep running and
    only the silence tells. Cut times are spread over the heartbeat phase (random delay).
 
 Run: ``.venv/bin/python benchmarks/bench_launch.py [--quick] [--rounds 2] [--runs 5]``.
@@ -42,20 +42,21 @@ common.setup_path()
 
 from varuna_sdk.cluster.hosts import Secret  # noqa: E402
 from varuna_sdk.cluster.localproc import local_host  # noqa: E402
-from varuna_sdk.cluster.remote import WorkerSpec, launch  # noqa: E402
+from varuna_sdk.cluster.remote import WorkerSpec, start_workers  # noqa: E402
 from varuna_sdk.cluster.ssh import SSHPool  # noqa: E402
-from varuna_sdk.cluster.testhosts import TestHosts, netns_skip_reason, skip_reason  # noqa: E402
+from varuna_sdk.cluster.sshd_hosts import SSHDHosts, netns_skip_reason, skip_reason  # noqa: E402
 from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from varuna_sdk.data.loader import tokenize_corpus  # noqa: E402
 from varuna_sdk.manager.events import EventLog, Kind  # noqa: E402
-from varuna_sdk.manager.generation import Generation, _route_source  # noqa: E402
-from varuna_sdk.manager.heartbeat import HeartbeatServer  # noqa: E402
+from varuna_sdk.manager.generation import Generation  # noqa: E402
+from varuna_sdk.manager.startup import route_source  # noqa: E402
+from varuna_sdk.manager.heartbeat_server import HeartbeatServer  # noqa: E402
 
 INTERVAL = 1.0
 
 HB_WORKER = textwrap.dedent("""
     import time
-    from varuna_sdk.manager.heartbeat import HeartbeatClient
+    from varuna_sdk.manager.heartbeat_client import HeartbeatClient
     c = HeartbeatClient.from_env()
     c.start()
     step = 0
@@ -74,7 +75,7 @@ def tiny_job(root: Path, steps: int) -> JobConfig:
                                        run_dir=str(root / "runs")))
 
 
-def launch_once(root: Path, hosts, tag: str, th: TestHosts | None, kill_after_first: bool = False) -> dict:
+def launch_once(root: Path, hosts, tag: str, th: SSHDHosts | None, kill_after_first: bool = False) -> dict:
     """One generation; seconds from start() to the first metrics row (and, optionally, the
     detection latency of removing the rank-3 VM mid-training)."""
     run = root / f"run-{tag}"
@@ -111,7 +112,7 @@ def launch_once(root: Path, hosts, tag: str, th: TestHosts | None, kill_after_fi
     return out
 
 
-def detection_runs(th: TestHosts, mode: str, runs: int) -> list[dict]:
+def detection_runs(th: SSHDHosts, mode: str, runs: int) -> list[dict]:
     """``runs`` loss-detection measurements with one heartbeat worker per fresh host."""
     out = []
     with tempfile.TemporaryDirectory(prefix="varuna-bench-hb-") as tmp:
@@ -123,8 +124,8 @@ def detection_runs(th: TestHosts, mode: str, runs: int) -> list[dict]:
         try:
             for i in range(runs):
                 h = th.add(f"{mode}{i}", netns=(mode == "cut"))
-                addr = _route_source(h.address, h.port)
-                job = launch([WorkerSpec(h, 0, [h.python, "-c", HB_WORKER])], pool=pool,
+                addr = route_source(h.address, h.port)
+                job = start_workers([WorkerSpec(h, 0, [h.python, "-c", HB_WORKER])], pool=pool,
                              master_addr=h.address, master_port=1, job_id="bench-hb", token=token,
                              env={"VARUNA_HEARTBEAT_ADDR": f"{addr}:{server.address[1]}",
                                   "VARUNA_HEARTBEAT_INTERVAL": repr(INTERVAL)}, sink=None,
@@ -179,7 +180,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="varuna-bench-launch-") as tmp:
         root = Path(tmp)
         tokenize_corpus("shakespeare", "byte")
-        th = TestHosts(root / "hosts")
+        th = SSHDHosts(root / "hosts")
         try:
             local_rounds, ssh_rounds = [], []
             for r in range(rounds):

@@ -41,7 +41,7 @@ from varuna_sdk.demo import demo_config, morph_table  # noqa: E402
 from varuna_sdk.manager.decisions import GrowRule  # noqa: E402
 from varuna_sdk.manager.events import EventLog, Kind  # noqa: E402
 from varuna_sdk.manager.manager import Manager  # noqa: E402
-from varuna_sdk.trainer import calibrate_job  # noqa: E402
+from varuna_sdk.profiling.job import calibrate_job  # noqa: E402
 
 TARGET_S = 30.0
 EVERY = 5          # checkpoint interval (steps)

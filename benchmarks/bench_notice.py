@@ -38,7 +38,7 @@ from varuna_sdk.demo import demo_config  # noqa: E402
 from varuna_sdk.manager.decisions import GrowRule  # noqa: E402
 from varuna_sdk.manager.events import EventLog, Kind  # noqa: E402
 from varuna_sdk.manager.manager import Manager  # noqa: E402
-from varuna_sdk.trainer import calibrate_job  # noqa: E402
+from varuna_sdk.profiling.job import calibrate_job  # noqa: E402
 
 CHECKPOINT_TARGET_S = 30.0
 

@@ -43,7 +43,8 @@ import common  # noqa: E402
 common.setup_path()
 
 from varuna_sdk import _core  # noqa: E402
-from varuna_sdk.planner.plan import candidate_micro_batch_sizes, plan  # noqa: E402
+from varuna_sdk.planner.plan import plan  # noqa: E402
+from varuna_sdk.planner.request import candidate_micro_batch_sizes  # noqa: E402
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile  # noqa: E402
 
 GLOBAL_BATCH = 8192

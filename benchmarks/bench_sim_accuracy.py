@@ -86,7 +86,8 @@ def demo_job(P: int, D: int, mbs: int, B: int):
 def _worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     """One rank: the demo job's engine and AdamW, ``warmup + steps`` steps on random tokens."""
     from varuna_sdk.config import JobConfig
-    from varuna_sdk.trainer import build_engine, model_config
+    from varuna_sdk.jobspec import resolve_job
+    from varuna_sdk.trainer import build_engine
 
     job = JobConfig.from_dict(opts["job"]).validate()
     p, t = job.parallel, job.train
@@ -98,7 +99,7 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     sink: dict = {}
     common.timed_optimizer(opt, sink, "opt")
     common.timed_method(engine, "_sync_and_step", sink, "sync")
-    vocab = model_config(job).vocab_size
+    vocab = resolve_job(job).spec.vocab_size
     steps = []
     for i in range(opts["warmup"] + opts["steps"]):
         x, y = common.make_batch(i, p.global_batch, job.data.seq_len, vocab=vocab, seed=3)
@@ -232,7 +233,7 @@ def calibrate_once(path: str | None):
     """One calibration of the demo model, the same for every configuration: measured afresh, or
     loaded from ``path`` (a profile JSON, e.g. from ``varuna calibrate -o``)."""
     from varuna_sdk.profiling.profile import Profile
-    from varuna_sdk.trainer import calibrate_job
+    from varuna_sdk.profiling.job import calibrate_job
 
     if path:
         return Profile.load(path)

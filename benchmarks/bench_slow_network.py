@@ -109,7 +109,7 @@ def main() -> None:
                        [f for f in figures if f.unit == "mb/s"])
     targeted = [f for f in figures if f.target and "throughput" in f.name]
     notes = (
-        "Each rank in its own network namespace (a TestHosts namespace host), every veth limited by tc tbf in both "
+        "Each rank in its own network namespace (an SSHDHosts namespace host), every veth limited by tc tbf in both "
         "directions, so traffic between two ranks crosses two limited links; gloo over TCP on eth0. Bandwidths per P: "
         f"activation bytes ({act_bytes}) / (fraction x the heaviest stage's forward+backward per micro-batch measured "
         f"alone), fractions {FRACTIONS}. Systems, model and pairing as in bench_schedules; no injected jitter. "

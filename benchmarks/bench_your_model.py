@@ -12,7 +12,7 @@ loaded with the engine's initial weights, gradient accumulation over the same m 
 alternating rounds (rotating order); the figure is the median time per optimizer step, target
 engine / plain <= 1.05 (DESIGN.md). Loss trajectories must agree (fp32, no dropout).
 
-Calibration: ``trainer.calibrate_job`` of the same job from scratch (fresh cache folder): every
+Calibration: ``profiling.job.calibrate_job`` of the same job from scratch (fresh cache folder): every
 segment at micro-batch sizes 1, 2, 4, the engine's fixed costs and the p2p / all-reduce probes;
 target < 60 s.
 
@@ -36,7 +36,8 @@ import torch  # noqa: E402
 from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from varuna_sdk.jobspec import hf_causal_lm  # noqa: E402
 from varuna_sdk.model.materialize import build_on_meta, materialize  # noqa: E402
-from varuna_sdk.trainer import build_engine, calibrate_job, resolve  # noqa: E402
+from varuna_sdk.profiling.job import calibrate_job  # noqa: E402
+from varuna_sdk.trainer import build_engine, resolve  # noqa: E402
 
 SEED = 7
 LR = 1e-3

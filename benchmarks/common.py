@@ -323,7 +323,7 @@ def spawn_collect(worker: Callable, P: int, opts: dict, timeout_s: float, prepar
     share) before they start. Returns the ranks' documents in rank order and the wall seconds."""
     import tempfile
 
-    from varuna_sdk.cluster.local import spawn_workers
+    from varuna_sdk.pipeline.spawn import spawn_workers
 
     with tempfile.TemporaryDirectory(prefix="varuna-bench-") as tmp:
         opts = {**opts, **(prepare(Path(tmp)) if prepare else {})}

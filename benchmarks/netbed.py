@@ -1,7 +1,7 @@
 """The bandwidth-limited network testbed for the benchmarks: P test hosts, each its own network
-namespace with a veth link into a bridge (``cluster.testhosts.TestHosts.add(netns=True)``), every
+namespace with a veth link into a bridge (``cluster.sshd_hosts.SSHDHosts.add(netns=True)``), every
 link limited to the same bandwidth by ``tc`` token buckets in both directions
-(``TestHosts.limit``; ``netem`` does not exist on these machines). One benchmark worker process
+(``SSHDHosts.limit``; ``netem`` does not exist on these machines). One benchmark worker process
 runs per host, started inside the host's namespace with ``ip netns exec`` (the namespace the
 host's sshd serves), so activations, gradients and all-reduces between ranks cross two limited
 links, as between two VMs on a slow network. Rendezvous is gloo over TCP on the hosts' ``eth0``.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 
 def skip_reason() -> str | None:
     """Why this machine cannot host the testbed, or ``None``."""
-    from varuna_sdk.cluster.testhosts import netns_skip_reason
+    from varuna_sdk.cluster.sshd_hosts import netns_skip_reason
 
     if os.geteuid() != 0:
         return "the slow-network testbed needs root (network namespaces, tc)"
@@ -52,13 +52,13 @@ def run_on_slow_links(worker: Callable, P: int, opts: dict, bandwidth_Bps: float
     Returns the ranks' documents in rank order and the wall seconds. Raises ``RuntimeError`` with
     the failing rank's output when a worker fails or ``timeout_s`` passes (every worker and host
     is removed either way)."""
-    from varuna_sdk.cluster.testhosts import TestHosts
+    from varuna_sdk.cluster.sshd_hosts import SSHDHosts
 
     with tempfile.TemporaryDirectory(prefix="varuna-netbed-") as tmp:
         tmpp = Path(tmp)
         opts = {**opts, **(prepare(tmpp) if prepare else {})}
         (tmpp / "opts.json").write_text(json.dumps(opts))
-        th = TestHosts(tmpp / "hosts")
+        th = SSHDHosts(tmpp / "hosts")
         procs: list[subprocess.Popen] = []
         try:
             hosts = [th.add(netns=True) for _ in range(P)]
@@ -98,7 +98,7 @@ def _main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from varuna_sdk.cluster.local import retain_freed_memory
+    from varuna_sdk.pipeline.spawn import retain_freed_memory
 
     retain_freed_memory()
     torch.set_num_threads(1)

@@ -257,23 +257,22 @@ class LoginThrottle:
             self._all.append(now)
 
 
-def _login_classes(credentials: Credentials, *, tls: bool = False, sessions: Sessions | None = None,
-                   throttle: LoginThrottle | None = None):
-    """The Panel auth provider class bound to ``credentials`` (imports panel lazily), with
-    server-side ``sessions`` and a login ``throttle``; cookies ``Secure`` when ``tls``."""
-    from panel.auth import BasicAuthProvider, BasicLoginHandler, LogoutHandler
+def _session_id(handler) -> str | None:
+    """The server-side session id in ``handler``'s signed ``user`` cookie (None: none, or not ASCII)."""
+    raw = handler.get_secure_cookie("user", max_age_days=max(1, SESSION_TTL_S / 86400))
+    try:
+        return raw.decode("ascii") if raw else None
+    except UnicodeDecodeError:
+        return None
+
+
+def _login_handler_class(credentials: Credentials, sessions: Sessions, throttle: LoginThrottle,
+                         cookie_flags: dict):
+    """Panel's login page handler bound to ``credentials``: refuses a throttled address (HTTP 429
+    with ``Retry-After``), slows a failed sign-in by ``FAILED_LOGIN_DELAY_S`` seconds, and on
+    success puts a new server-side session id (never the user name) in the cookie."""
+    from panel.auth import BasicLoginHandler
     from panel.config import config as pn_config
-
-    sessions = Sessions() if sessions is None else sessions      # (an empty table is falsy)
-    throttle = LoginThrottle() if throttle is None else throttle
-    cookie_flags = {"httponly": True, "samesite": "Strict", "secure": tls}
-
-    def _session_id(handler) -> str | None:
-        raw = handler.get_secure_cookie("user", max_age_days=max(1, SESSION_TTL_S / 86400))
-        try:
-            return raw.decode("ascii") if raw else None
-        except UnicodeDecodeError:
-            return None
 
     class LoginHandler(BasicLoginHandler):
         _login_template = LOGIN_PAGE
@@ -308,6 +307,20 @@ def _login_classes(credentials: Credentials, *, tls: bool = False, sessions: Ses
 
         def set_secure_cookie(self, name, value, expires_days=30, version=None, **kwargs):
             return super().set_secure_cookie(name, value, expires_days, version, **{**kwargs, **cookie_flags})
+
+    return LoginHandler
+
+
+def _login_classes(credentials: Credentials, *, tls: bool = False, sessions: Sessions | None = None,
+                   throttle: LoginThrottle | None = None):
+    """The Panel auth provider class bound to ``credentials`` (imports panel lazily), with
+    server-side ``sessions`` and a login ``throttle``; cookies ``Secure`` when ``tls``."""
+    from panel.auth import BasicAuthProvider, LogoutHandler
+
+    sessions = Sessions() if sessions is None else sessions      # (an empty table is falsy)
+    throttle = LoginThrottle() if throttle is None else throttle
+    cookie_flags = {"httponly": True, "samesite": "Strict", "secure": tls}
+    LoginHandler = _login_handler_class(credentials, sessions, throttle, cookie_flags)
 
     class Logout(LogoutHandler):
         _logout_template = LOGOUT_PAGE

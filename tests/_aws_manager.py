@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ec2_cloud import REGION, registry_reach  # noqa: E402
 from varuna_sdk.cluster.aws import AWSSpotConfig, AWSSpotProvider  # noqa: E402
 from varuna_sdk.config import JobConfig  # noqa: E402
-from varuna_sdk.launch import launch_job  # noqa: E402
+from varuna_sdk.runner import launch_job  # noqa: E402
 from varuna_sdk.manager.runs import check_run_free, jobs_alive_beside  # noqa: E402
 
 

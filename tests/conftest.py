@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 import torch
 
-from varuna_sdk.cluster.local import spawn_workers
+from varuna_sdk.pipeline.spawn import spawn_workers
 
 _counter = itertools.count()
 
@@ -39,7 +39,7 @@ def run_suite(tmp_path_factory) -> Callable[..., dict]:
 
 @pytest.fixture
 def ssh_hosts(request, tmp_path_factory):
-    """``TestHosts`` (tests/ssh_hosts.py): real sshd "VMs" on loopback addresses; ``.add()`` a
+    """``SSHDHosts`` (tests/ssh_hosts.py): real sshd "VMs" on loopback addresses; ``.add()`` a
     host, ``.remove(host)`` pre-empts it (kills its sshd and everything it started). Every host
     is removed by a finalizer, even when the test fails. Skips when sshd is not installed."""
     from ssh_hosts import test_hosts_fixture

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.planner.plan import Prices, plan
+from varuna_sdk.planner.plan import plan
+from varuna_sdk.planner.rows import Prices
 from varuna_sdk.planner.simulate import simulate
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile
 

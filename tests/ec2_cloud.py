@@ -23,7 +23,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from varuna_sdk.cluster.aws import Reach
-from varuna_sdk.cluster.local import free_port
+from varuna_sdk.pipeline.spawn import free_port
 from varuna_sdk.cluster.metadata import MetadataServer
 
 REGION = "us-east-1"

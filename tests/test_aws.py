@@ -195,13 +195,14 @@ def test_host_keys_are_read_from_the_console_output():
 @pytest.mark.timeout(420)
 def test_a_job_on_spot_instances_morphs_on_imds_notice_loss_and_new_capacity(ec2, moto, tmp_path, caplog):
     from test_manager import EVERY, steps_redone, tiny_job, wait_morphs, wait_step
-    from varuna_sdk.cluster.testhosts import TestHosts, procs_left
+    from ssh_hosts import SSHDHosts, procs_left
     from varuna_sdk.manager.decisions import GrowRule
-    from varuna_sdk.manager.manager import JobState, Manager
+    from varuna_sdk.manager.manager import Manager
+    from varuna_sdk.manager.state import JobState
 
     caplog.set_level(logging.INFO)
     run = tmp_path / "run"
-    hosts = TestHosts(tmp_path / "vms")
+    hosts = SSHDHosts(tmp_path / "vms")
     backing = Backing(hosts, ec2)
     cfg = _config(ec2, instance_types=("c5.large",), user=hosts.user, python=sys.executable,
                   key_path=hosts.client_key, on_demand_per_hour=0.085)
@@ -289,13 +290,13 @@ def test_a_sigkilled_manager_restarted_adopts_its_instances_none_leaked_none_dup
     import subprocess
 
     from test_manager import steps_redone, tiny_job, wait_step
-    from varuna_sdk.cluster.testhosts import TestHosts, procs_left
+    from ssh_hosts import SSHDHosts, procs_left
     from varuna_sdk.manager.events import EventLog, Kind
 
     run = tmp_path / "ec2-restart"
     job = tmp_path / "job.yaml"
     tiny_job(50, P=1, D=2).to_yaml(job)
-    hosts = TestHosts(tmp_path / "vms")
+    hosts = SSHDHosts(tmp_path / "vms")
     backing = Backing(hosts, ec2, registry=tmp_path / "reach.json")
     cmd = [sys.executable, str(Path(__file__).with_name("_aws_manager.py")), str(job), str(run), moto.url,
            str(tmp_path / "reach.json"), _ami(ec2), str(hosts.client_key), hosts.user, "2"]

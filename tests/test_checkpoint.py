@@ -2,7 +2,7 @@
 never loaded, loss trajectory preserved across stop/resume morphs and a sudden loss, fsspec URL
 stores, keep-last-K, weights_only loading, and the config fields.
 
-Multi-process cases run real spawned gloo workers (``cluster.local.spawn_workers``) on a tiny
+Multi-process cases run real spawned gloo workers (``pipeline.spawn.spawn_workers``) on a tiny
 8-block GPT-2 (fp32, dropout 0.1); results come back as files loaded with ``weights_only=True``.
 """
 
@@ -23,7 +23,7 @@ from varuna_sdk.checkpoint import (CheckpointError, StageCheckpointer, Store, co
                                    latest_complete, load_verified)
 from varuna_sdk.checkpoint.store import MANIFEST, manifest_checksum
 from varuna_sdk.checkpoint.writer import PHASES
-from varuna_sdk.cluster.local import WorkerFailure, spawn_workers
+from varuna_sdk.pipeline.spawn import WorkerFailure, spawn_workers
 from varuna_sdk.config import ConfigError, JobConfig
 from varuna_sdk.trainer import StopAtStep, build_training, run_worker
 
@@ -61,7 +61,7 @@ def test_reshard_round_trip_is_bitwise(tmp_path):
     at (4, 2): every parameter, AdamW state tensor, step and data position identical to the state
     that was saved; every rank shares the writing (no file written twice). The hops run one after
     another in one set of 8 spawned gloo processes, each hop with its own process group."""
-    from varuna_sdk.cluster.local import free_port
+    from varuna_sdk.pipeline.spawn import free_port
 
     chain = [(4, 2), (2, 3), (8, 1), (1, 1), (4, 2)]
     urls = [str(tmp_path / "store0"), (tmp_path / "store1").as_uri()] + [str(tmp_path / f"store{i}") for i in range(2, 5)]

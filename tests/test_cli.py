@@ -101,7 +101,7 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
 
     from test_manager import steps_redone
     from varuna_sdk.cli import main
-    from varuna_sdk.cluster.testhosts import procs_left
+    from ssh_hosts import procs_left
     from varuna_sdk.manager.events import EventLog, Kind
     from varuna_sdk.manager.runs import read_run
 

@@ -15,8 +15,8 @@ import pytest
 from varuna_sdk import _core
 from varuna_sdk.planner.plan import plan
 from varuna_sdk.planner.simulate import SimInput, SimOutput, allreduce_time
-from varuna_sdk.profiling.calibrate import (compute_interference, crowded_mean, crowded_share, fit_alpha_beta,
-                                           oversubscription)
+from varuna_sdk.profiling.network import (compute_interference, crowded_mean, crowded_share, fit_alpha_beta,
+                                         oversubscription)
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, SegmentProfile
 
 
@@ -180,7 +180,7 @@ def test_measure_host_averages_every_crowded_process(monkeypatch, world):
     import torch
 
     from varuna_sdk.model.gpt2 import gpt2, init_gpt2, lm_loss, preset
-    from varuna_sdk.profiling import calibrate as cal
+    from varuna_sdk.profiling import network as cal
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no crowded compute probe")

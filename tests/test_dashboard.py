@@ -344,7 +344,8 @@ def real_run(tmp_path_factory):
 
     from varuna_sdk.cluster.provider import LocalProvider
     from varuna_sdk.config import DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig, TrainConfig
-    from varuna_sdk.manager.manager import JobState, Manager
+    from varuna_sdk.manager.manager import Manager
+    from varuna_sdk.manager.state import JobState
 
     run = tmp_path_factory.mktemp("realjob")
     cfg = JobConfig(name="dash-real", model=ModelConfig(preset="tiny"), data=DataConfig(tokenizer="byte", seq_len=64),
@@ -783,7 +784,7 @@ def test_a_drifted_estimate_is_flagged_from_the_metrics_when_no_manager_recalibr
 
 
 def test_the_smoothed_loss_continues_where_it_stopped():
-    from dashboard.app import ema
+    from dashboard.format import ema
 
     x = np.array([np.nan, 4.0, 3.0, np.nan, 2.0, 1.0, 1.5])
     full = ema(x, 5)

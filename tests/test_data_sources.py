@@ -184,7 +184,7 @@ class _Bare(torch.nn.Module):
 def test_the_dry_run_finds_the_vocabulary_and_context_of_a_model_that_does_not_say(tmp_path):
     from functools import partial
 
-    from varuna_sdk.launch import JobObjects
+    from varuna_sdk.runner import JobObjects
 
     f = tmp_path / "t.txt"
     f.write_text("bytes up to 255: \u00ff\u00fe and plain text " * 80)
@@ -208,7 +208,7 @@ def test_a_dataset_factory_trains_through_the_pipeline_as_plain_pytorch_does(tmp
     trained at P=2 by ``varuna train``'s path (real processes, the manager), every step's loss
     equals plain PyTorch on the same examples from the same initial weights."""
     from varuna_sdk.config import TrainConfig
-    from varuna_sdk.launch import train_local
+    from varuna_sdk.runner import train_local
     from varuna_sdk.model.materialize import build_on_meta, materialize
     from varuna_sdk.trainer import resolve
 
@@ -252,9 +252,9 @@ def test_a_replica_whose_data_fails_mid_mini_batch_is_named_at_once_and_not_retr
     "connection closed" of gloo. The job fails within seconds of the last good step, naming the
     failing rank, the example, the step, the replica and the cause (never the peer's gloo error),
     and is not retried although the manager has retries left (the same step reads the same examples)."""
-    from varuna_sdk.cluster.local import WorkerFailure
+    from varuna_sdk.pipeline.spawn import WorkerFailure
     from varuna_sdk.config import TrainConfig
-    from varuna_sdk.launch import train_local
+    from varuna_sdk.runner import train_local
     from varuna_sdk.manager.events import EventLog, Kind
     from tests.thirdparty.user_data import make_dataset
 

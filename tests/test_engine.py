@@ -1,6 +1,6 @@
 """Multi-process tests of the training engine (``Varuna.step``) against single-process PyTorch.
 
-Every multi-process job runs in real ``spawn``-ed processes over gloo (``cluster.local.
+Every multi-process job runs in real ``spawn``-ed processes over gloo (``pipeline.spawn.
 spawn_workers``). To pay the torch import once per world size, all jobs of one world size run
 one after another in the same workers (``_workers.suite_worker``); each test reads its job's
 per-rank results. Rank layout: ``rank = replica * P + stage``.
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import _workers as W
-from varuna_sdk.cluster.local import WorkerFailure, spawn_workers
-from varuna_sdk.config import ConfigError, ParallelConfig
+from varuna_sdk.pipeline.spawn import WorkerFailure, spawn_workers
+from varuna_sdk.config import ParallelConfig
 from varuna_sdk.pipeline.engine import Varuna, split_batch
 
 RTOL, ATOL = 1e-5, 1e-7

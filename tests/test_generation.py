@@ -24,7 +24,7 @@ from varuna_sdk.data.loader import tokenize_corpus
 from varuna_sdk.manager.events import EventLog, Kind
 from varuna_sdk.manager.generation import Generation, place
 
-I = 1.0  # heartbeat interval (s)
+HB_S = 1.0  # heartbeat interval (s)
 
 
 def tiny_job(tmp_path: Path, steps: int, P: int = 2, D: int = 2) -> JobConfig:
@@ -41,7 +41,7 @@ def _gen(tmp_path, job, hosts, **kw):
     events = EventLog(tmp_path / "events.db")
     sink = Lines()
     g = Generation(job, hosts, tmp_path / "run", events=events, job_id="gen-test",
-                   heartbeat_interval_s=I, sink=sink, kill_grace_s=1.0, **kw)
+                   heartbeat_interval_s=HB_S, sink=sink, kill_grace_s=1.0, **kw)
     return g, events, sink
 
 
@@ -210,13 +210,13 @@ def test_preempted_local_slot_is_lost_within_two_intervals(tmp_path):
             pids = [p for proc in victim for p in proc.pids()]
             t0 = time.monotonic()
             spot.remove_now("local2")
-            res = g.wait(timeout_s=10 * I)
+            res = g.wait(timeout_s=10 * HB_S)
         finally:
             g.close()
         (t_ev, ev), = lost
         latency = t_ev - t0
         assert res.status == "lost" and list(res.lost_hosts) == ["local2"], res
-        assert ev.payload["ranks"] == [2] and latency < 2 * I, (ev, latency)
+        assert ev.payload["ranks"] == [2] and latency < 2 * HB_S, (ev, latency)
         assert pids and all(_is_zombie(p) for p in pids)  # every process of the slot is dead
         assert "local2" not in [h.name for h in spot.hosts()]
         removed = EventLog.reader(tmp_path / "pool.db").events(kind=Kind.HOST_REMOVED)
@@ -230,7 +230,7 @@ def test_orphaned_workers_stop_by_themselves_when_the_manager_dies(tmp_path):
     """The manager's heartbeat server disappears mid-training (its process died): after
     ``orphan_after_s`` every worker agrees to stop at a mini-batch boundary, checkpoints and
     exits 0; a restarted manager's ``wait_for_orphans`` sees them gone."""
-    from varuna_sdk.manager.generation import wait_for_orphans
+    from varuna_sdk.manager.orphans import wait_for_orphans
 
     hosts = [local_host(i) for i in range(4)]
     g, events, sink = _gen(tmp_path, tiny_job(tmp_path, steps=5000), hosts, orphan_after_s=3.0)

@@ -1,4 +1,4 @@
-"""Heartbeats (``varuna_sdk.manager.heartbeat``) over real TCP sockets between real processes:
+"""Heartbeats (``varuna_sdk.manager.heartbeat_server`` / ``heartbeat_client``) over real TCP sockets between real processes:
 heartbeats recorded in the event log, bad MACs / malformed / replayed messages rejected and
 logged, a worker that freezes or dies declared lost within 2 intervals, clean and failed exits
 not mistaken for losses, and the job secret never written anywhere."""
@@ -21,16 +21,17 @@ import pytest
 
 from varuna_sdk.cluster.hosts import Secret
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.heartbeat import (ENV_TOKEN, HeartbeatClient, HeartbeatServer, RefusalBudget,
-                                          derive_key, encode)
+from varuna_sdk.manager.heartbeat_client import HeartbeatClient
+from varuna_sdk.manager.heartbeat_server import HeartbeatServer, RefusalBudget
+from varuna_sdk.manager.wire import ENV_TOKEN, derive_key, encode
 
 pytestmark = pytest.mark.timeout(60)
 
-I = 0.5  # heartbeat interval of these tests (s)
+HB_S = 0.5  # heartbeat interval of these tests (s)
 
 CLIENT = textwrap.dedent("""
     import os, sys, time
-    from varuna_sdk.manager.heartbeat import HeartbeatClient
+    from varuna_sdk.manager.heartbeat_client import HeartbeatClient
     c = HeartbeatClient.from_env()
     c.start()
     step = 0
@@ -51,7 +52,7 @@ CLIENT = textwrap.dedent("""
 def job(tmp_path):
     secret = Secret(secrets.token_urlsafe(24))
     log = EventLog(tmp_path / "events.db")
-    server = HeartbeatServer("job-hb", secret, log, interval_s=I).start()
+    server = HeartbeatServer("job-hb", secret, log, interval_s=HB_S).start()
     procs: list[subprocess.Popen] = []
 
     def spawn(host: str, rank: int, mode: str = "run", token: str | None = None) -> subprocess.Popen:
@@ -89,7 +90,7 @@ def test_heartbeats_are_recorded(job):
     spawn("vm0", 0)
     spawn("vm1", 1)
     assert server.wait_heartbeats(2, timeout_s=20, min_step=2)
-    time.sleep(3.2 * I)
+    time.sleep(3.2 * HB_S)
     rows = log.heartbeats(job_id="job-hb", rank=1)
     assert len(rows) >= 2 and rows[-1].host == "vm1" and rows[-1].step >= 2
     r = rows[-1]
@@ -98,7 +99,7 @@ def test_heartbeats_are_recorded(job):
     assert r.mem_bytes > 10_000_000 and r.payload["peak_rss_bytes"] >= r.payload["rss_bytes"] > 0
     steady = rows[2:]  # after the hello and the at-once report of the first step
     gaps = [b.time - a.time for a, b in zip(steady, steady[1:])]
-    assert all(0.5 * I < g < 1.6 * I for g in gaps), gaps
+    assert all(0.5 * HB_S < g < 1.6 * HB_S for g in gaps), gaps
     joined = log.events(kind=Kind.WORKER_JOINED)
     assert {(e.host, e.rank) for e in joined} == {("vm0", 0), ("vm1", 1)}
     assert not server.lost_hosts()
@@ -180,20 +181,20 @@ def test_frozen_worker_is_lost_within_two_intervals(job):
     assert server.wait_heartbeats(2, timeout_s=20, min_step=1)
     p.send_signal(signal.SIGSTOP)  # the VM freezes: socket open, nothing sent
     t_stop = time.monotonic()
-    ev = server.wait_for(Kind.HOST_LOST, timeout_s=5 * I, host="vm1")
+    ev = server.wait_for(Kind.HOST_LOST, timeout_s=5 * HB_S, host="vm1")
     latency = time.monotonic() - t_stop
     p.kill()
     assert ev is not None, log.events()
     assert ev.payload["reason"] == "heartbeat_timeout" and ev.payload["ranks"] == [1]
     # never before 2 intervals; the slack above them only absorbs a loaded machine's scheduling
-    assert latency <= 2 * I + 1.0, latency
-    assert 2 * I - 0.05 <= ev.payload["since_last_heartbeat_s"] <= 2 * I + 1.0
+    assert latency <= 2 * HB_S + 1.0, latency
+    assert 2 * HB_S - 0.05 <= ev.payload["since_last_heartbeat_s"] <= 2 * HB_S + 1.0
     assert ev.payload["detection_latency_s"] == ev.payload["since_last_heartbeat_s"]
     assert log.events(kind=Kind.HOST_LOST)[0].payload == ev.payload
     assert set(server.lost_hosts()) == {"vm1"}  # vm0 keeps beating
-    time.sleep(2.5 * I)
+    time.sleep(2.5 * HB_S)
     assert set(server.lost_hosts()) == {"vm1"}
-    print(f"frozen worker: lost {latency:.3f}s after SIGSTOP (interval {I}s)")
+    print(f"frozen worker: lost {latency:.3f}s after SIGSTOP (interval {HB_S}s)")
 
 
 def test_killed_worker_is_lost_at_once_and_only_once(job):
@@ -202,22 +203,22 @@ def test_killed_worker_is_lost_at_once_and_only_once(job):
     assert server.wait_heartbeats(1, timeout_s=20, min_step=1)
     t_kill = time.monotonic()
     p.kill()  # the process dies: its socket closes without a goodbye
-    ev = server.wait_for(Kind.HOST_LOST, timeout_s=5 * I, host="vm1")
+    ev = server.wait_for(Kind.HOST_LOST, timeout_s=5 * HB_S, host="vm1")
     latency = time.monotonic() - t_kill
     assert ev is not None and ev.payload["reason"] == "connection_closed"
-    assert latency < 2 * I, latency
+    assert latency < 2 * HB_S, latency
     assert [e.kind for e in log.events(host="vm1")][-2:] == [Kind.WORKER_DISCONNECTED, Kind.HOST_LOST]
     server.report_exit("vm1", 1, -9)  # the launcher notices too: no second host_lost
-    time.sleep(2.5 * I)
+    time.sleep(2.5 * HB_S)
     assert len(log.events(kind=Kind.HOST_LOST)) == 1
-    print(f"killed worker: lost {latency:.3f}s after SIGKILL (interval {I}s)")
+    print(f"killed worker: lost {latency:.3f}s after SIGKILL (interval {HB_S}s)")
 
 
 def test_goodbyes_are_not_losses_reports_and_no_shows_are(job):
     server, log, secret, spawn = job
     ok, failed = spawn("vm0", 0, "ok"), spawn("vm1", 1, "failed")
     assert ok.wait(20) == 0 and failed.wait(20) == 1
-    time.sleep(3 * I)
+    time.sleep(3 * HB_S)
     assert not server.lost_hosts(), log.events()
     fin = log.events(kind=Kind.WORKER_FINISHED)
     bad = log.events(kind=Kind.WORKER_FAILED)
@@ -233,15 +234,15 @@ def test_goodbyes_are_not_losses_reports_and_no_shows_are(job):
     assert ev.payload["reason"] == "worker_process_died" and ev.payload["exit_code"] == -9
     assert ev.payload["detection_latency_s"] < 1.0   # at once: no heartbeat timeout waited for
     # a worker that never joins (its VM died during bootstrap) is lost after its allowance
-    server.expect("vm3", 3, within_s=2 * I)
-    ev = server.wait_for(Kind.HOST_LOST, timeout_s=4 * I, host="vm3")
+    server.expect("vm3", 3, within_s=2 * HB_S)
+    ev = server.wait_for(Kind.HOST_LOST, timeout_s=4 * HB_S, host="vm3")
     assert ev is not None and ev.payload["reason"] == "never_joined"
     # a job stopped on purpose: silence is not a loss
     q = spawn("vm4", 4)
     assert server.wait_heartbeats(1, timeout_s=20, min_step=1)
     server.stop_expecting()
     q.kill()
-    time.sleep(3 * I)
+    time.sleep(3 * HB_S)
     assert set(server.lost_hosts()) == {"vm2", "vm3"}
 
 
@@ -252,7 +253,7 @@ def test_secret_never_written_anywhere(job, tmp_path, caplog):
     spawn("vm-evil", 5, token="wrong-" + secret.reveal()[:6])
     assert server.wait_heartbeats(1, timeout_s=20, min_step=2)
     p.kill()
-    assert server.wait_for(Kind.HOST_LOST, timeout_s=5 * I)
+    assert server.wait_for(Kind.HOST_LOST, timeout_s=5 * HB_S)
     log.append("checkpoint", payload={"ok": True})  # flush some more through the WAL
     raw = b"".join(f.read_bytes() for f in tmp_path.glob("events.db*"))
     key = derive_key(secret)
@@ -267,7 +268,7 @@ def test_secret_never_written_anywhere(job, tmp_path, caplog):
 # --------------------------------------------------------------------- stop command and metrics
 STOPPER = textwrap.dedent("""
     import sys, time
-    from varuna_sdk.manager.heartbeat import HeartbeatClient
+    from varuna_sdk.manager.heartbeat_client import HeartbeatClient
     c = HeartbeatClient.from_env()
     c.start()
     step = 0
@@ -297,7 +298,7 @@ def test_stop_command_reaches_running_and_late_workers(job):
         took = time.monotonic() - t0
         out = early.stdout.read()
         assert "stopping after step" in out and out.strip().endswith(": notice"), out
-        assert took < 2 * I + 1.0, took  # sent at once, read at once (plus the interpreter's exit)
+        assert took < 2 * HB_S + 1.0, took  # sent at once, read at once (plus the interpreter's exit)
         late = start("vm1", 1)  # connects after the request: told on its first message
         assert late.wait(20) == 0, late.stderr.read()
         assert "stopping after step" in late.stdout.read()
@@ -430,7 +431,7 @@ class _Proxy:
 
 METRICS = textwrap.dedent("""
     import sys, time
-    from varuna_sdk.manager.heartbeat import HeartbeatClient
+    from varuna_sdk.manager.heartbeat_client import HeartbeatClient
     c = HeartbeatClient.from_env()
     c.start()
     n = int(sys.argv[1])
@@ -451,12 +452,12 @@ def test_every_metrics_row_arrives_once_across_dropped_connections(job):
     again on the next connection and de-duplicated by step)."""
     _, log, secret, spawn = job
     # a reconnect through the proxy takes a moment: not a loss here (this test is about rows)
-    server = HeartbeatServer("job-hb", secret, log, interval_s=I, reconnect_grace_s=5.0).start()
+    server = HeartbeatServer("job-hb", secret, log, interval_s=HB_S, reconnect_grace_s=5.0).start()
     proxy = _Proxy(server.address).start()
     n = 600
     env = {**os.environ, ENV_TOKEN: secret.reveal(), "VARUNA_JOB_ID": "job-hb", "VARUNA_HOST": "vm0",
            "RANK": "0", "VARUNA_HEARTBEAT_ADDR": f"{proxy.address[0]}:{proxy.address[1]}",
-           "VARUNA_HEARTBEAT_INTERVAL": repr(I)}
+           "VARUNA_HEARTBEAT_INTERVAL": repr(HB_S)}
     p = subprocess.Popen([sys.executable, "-c", METRICS, str(n)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -489,7 +490,7 @@ def test_metrics_queue_is_bounded_and_overflow_is_reported(job):
     server, log, secret, spawn = job
     proxy = _Proxy(server.address)  # not listening yet: the manager is unreachable
     client = HeartbeatClient(proxy.address, secret, job_id="job-hb", host="vm0", rank=0,
-                             interval_s=I, max_pending_metrics=5)
+                             interval_s=HB_S, max_pending_metrics=5)
     client.start()
     try:
         for step in range(8):
@@ -514,9 +515,9 @@ def test_metrics_queue_is_bounded_and_overflow_is_reported(job):
 def test_a_worker_cut_off_from_its_manager_stops_by_itself(tmp_path):
     secret = Secret(secrets.token_urlsafe(24))
     log = EventLog(tmp_path / "events.db")
-    server = HeartbeatServer("job-o", secret, log, interval_s=I).start()
+    server = HeartbeatServer("job-o", secret, log, interval_s=HB_S).start()
     client = HeartbeatClient(server.address, secret, job_id="job-o", host="vm0", rank=0,
-                             interval_s=I, orphan_after_s=1.5)
+                             interval_s=HB_S, orphan_after_s=1.5)
     client.start()
     try:
         assert server.wait_heartbeats(1, timeout_s=20)
@@ -532,3 +533,24 @@ def test_a_worker_cut_off_from_its_manager_stops_by_itself(tmp_path):
     finally:
         client.close(timeout_s=0.5)
         log.close()
+
+
+# ------------------------------------------------------------------------------- what workers load
+WORKER_IMPORTS = textwrap.dedent("""
+    import sys
+    import {module}
+    print(" ".join(sorted(m for m in sys.modules if m.startswith("varuna_sdk") or m == "torch")))
+""")
+
+
+@pytest.mark.parametrize("module", ["varuna_sdk.worker", "varuna_sdk.manager.heartbeat_client"])
+def test_workers_load_neither_the_heartbeat_server_nor_the_event_log(module):
+    """A worker imports the heartbeat client and the wire format before torch; the server side
+    (``heartbeat_server``, ``loss_detection``), the event log and the manager stay out of it."""
+    out = subprocess.run([sys.executable, "-c", WORKER_IMPORTS.format(module=module)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert "varuna_sdk.manager.heartbeat_client" in out and "varuna_sdk.manager.wire" in out, out
+    for absent in ("varuna_sdk.manager.heartbeat_server", "varuna_sdk.manager.loss_detection",
+                   "varuna_sdk.manager.events", "varuna_sdk.manager.manager",
+                   "varuna_sdk.manager.generation", "torch"):
+        assert absent not in out, (absent, out)

@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 
 from varuna_sdk.cluster.hosts import Secret
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.heartbeat import (HeartbeatClient, HeartbeatServer, RefusalBudget,
-                                          derive_key, encode)
+from varuna_sdk.manager.heartbeat_client import HeartbeatClient
+from varuna_sdk.manager.heartbeat_server import HeartbeatServer, RefusalBudget
+from varuna_sdk.manager.wire import derive_key, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -218,7 +219,8 @@ EXHAUST = textwrap.dedent("""
     import os, resource, secrets, socket, sys, tempfile, time
     from varuna_sdk.cluster.hosts import Secret
     from varuna_sdk.manager.events import EventLog
-    from varuna_sdk.manager.heartbeat import HeartbeatClient, HeartbeatServer
+    from varuna_sdk.manager.heartbeat_client import HeartbeatClient
+    from varuna_sdk.manager.heartbeat_server import HeartbeatServer
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))   # hard too: the server cannot raise it
     secret = Secret(secrets.token_urlsafe(24))
     log = EventLog(os.path.join(tempfile.mkdtemp(), "events.db"))

@@ -57,9 +57,9 @@ def test_secret_never_prints_or_pickles(monkeypatch):
 
 def test_ssh_tests_skip_with_a_clear_reason_without_sshd(monkeypatch):
     import ssh_hosts
-    from varuna_sdk.cluster import testhosts
+    from varuna_sdk.cluster import sshd_hosts
 
-    monkeypatch.setattr(testhosts, "sshd_path", lambda: None)
+    monkeypatch.setattr(sshd_hosts, "sshd_path", lambda: None)
     assert "apt-get install -y openssh-server" in ssh_hosts.skip_reason()
     with pytest.raises(pytest.skip.Exception, match="sshd is not installed"):
         ssh_hosts.test_hosts_fixture(None, None)

@@ -12,7 +12,7 @@ from torch import nn
 
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from varuna_sdk.jobspec import resolve_job
-from varuna_sdk.launch import JobObjects, launch_job, prepare_run
+from varuna_sdk.runner import JobObjects, launch_job, prepare_run
 from varuna_sdk.model.spec import ModelSpecError
 from varuna_sdk.shipping import ShippingError, pack_objects, read_objects, write_objects
 
@@ -206,8 +206,8 @@ def _nan_loss(out, targets):
 def test_a_job_whose_loss_is_never_finite_fails_instead_of_succeeding(tmp_path):
     """fp32 has no loss scaler to lower: 3 steps in a row with a non-finite loss end the job with a
     message saying so (none was applied), instead of SUCCEEDED with NaN everywhere."""
-    from varuna_sdk.cluster.local import WorkerFailure
-    from varuna_sdk.launch import train_local
+    from varuna_sdk.pipeline.spawn import WorkerFailure
+    from varuna_sdk.runner import train_local
 
     job = _job(tmp_path, ModelConfig(), P=1)
     job.train.steps = 8

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
-from varuna_sdk.launch import train_local
+from varuna_sdk.runner import train_local
 
 
 def tiny_job(tmp_path: Path, **parallel) -> JobConfig:

@@ -20,10 +20,11 @@ import pytest
 from ssh_hosts import procs_mentioning
 from varuna_sdk.cluster.spot import SpotEmulator
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig, TrainConfig
-from varuna_sdk.launch import train_local
+from varuna_sdk.runner import train_local
 from varuna_sdk.manager.decisions import GrowRule
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.manager import MORPH_PHASES, JobState, Manager
+from varuna_sdk.manager.manager import Manager
+from varuna_sdk.manager.state import MORPH_PHASES, JobState
 
 
 EVERY = 5       # checkpoint interval (steps)
@@ -310,7 +311,7 @@ def test_straggler_excluded_only_when_the_simulator_says_the_job_is_faster_witho
     it costs less than losing half the replicas -> kept. Both sides come from the simulator."""
     from test_planner import synthetic_profile
 
-    from varuna_sdk.manager.manager import judge_straggler
+    from varuna_sdk.manager.decisions import judge_straggler
     from varuna_sdk.planner.plan import plan
 
     prof = synthetic_profile([1, 1, 1, 1], network=True)
@@ -403,7 +404,7 @@ def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, referen
     import signal
 
     from varuna_sdk.cluster.provider import LocalProvider
-    from varuna_sdk.trainer import calibrate_job
+    from varuna_sdk.profiling.job import calibrate_job
 
     real = calibrate_job(tiny_job())
     optimistic = real.scaled([0.25] * len(real.segments))

@@ -1,9 +1,9 @@
 """A VM whose network is cut — not killed: every process keeps running and every TCP connection
 stays open, but no packet passes — is declared lost within 2 heartbeat intervals.
 
-The "VMs" are sshd test hosts in their own network namespaces (``TestHosts.add(netns=True)``: a
+The "VMs" are sshd test hosts in their own network namespaces (``SSHDHosts.add(netns=True)``: a
 veth pair into a bridge, gloo told ``GLOO_SOCKET_IFNAME=eth0``); the cut takes the bridge side of
-the victim's veth down (``TestHosts.cut``). A P=2 tiny GPT-2 job trains across the two namespaces
+the victim's veth down (``SSHDHosts.cut``). A P=2 tiny GPT-2 job trains across the two namespaces
 through ``manager.generation.Generation``; the worker of stage 1 loses its network mid-training.
 Needs root and iproute2 (skipped with the reason otherwise)."""
 
@@ -79,7 +79,8 @@ def test_network_cut_host_is_lost_within_two_intervals(ssh_hosts, tmp_path):
 def test_cut_and_restore_a_namespace_host(ssh_hosts):
     """``cut`` stops packets both ways without killing anything; ``cut(host, False)`` restores
     the link and the same SSH session works again."""
-    from varuna_sdk.cluster.ssh import HostUnreachableError, SSHConnection
+    from varuna_sdk.cluster.ssh import SSHConnection
+    from varuna_sdk.cluster.ssh_errors import HostUnreachableError
 
     h = ssh_hosts.add(netns=True)
     conn = SSHConnection(h, ssh_hosts.options())
@@ -129,7 +130,7 @@ def _rate(sink_ns: str | None, sink_addr: str, source_ns: str | None, nbytes: in
     byte to the last."""
     import sys
 
-    from varuna_sdk.cluster.local import free_port
+    from varuna_sdk.pipeline.spawn import free_port
 
     def inside(ns, *argv):
         return ["ip", "netns", "exec", ns, *argv] if ns else list(argv)

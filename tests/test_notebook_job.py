@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from _jupyter import Kernel, kernel_manager, kernel_session
-from varuna_sdk.cluster.testhosts import procs_left, procs_mentioning, skip_reason
+from ssh_hosts import procs_left, procs_mentioning, skip_reason
 
 STEPS = 80
 
@@ -199,7 +199,7 @@ def test_a_bar_of_a_job_stopped_on_request_is_amber_not_red():
     error (the job is checkpointed and continues), a failure is."""
     from tqdm.notebook import tqdm
 
-    from varuna_sdk.notebook import _colour_finished_bar
+    from varuna_sdk.notebook.views import colour_finished_bar as _colour_finished_bar
 
     for state, style in (("STOPPED", "warning"), ("SUCCEEDED", "success"), ("FAILED", "danger")):
         bar = tqdm(total=10, disable=False)

@@ -24,7 +24,7 @@ import nbformat
 import pytest
 
 from _jupyter import execute_notebook, kernel_manager
-from varuna_sdk.cluster.testhosts import procs_mentioning
+from ssh_hosts import procs_mentioning
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 TUTORIALS = ["01_quickstart.ipynb", "02_planning.ipynb", "03_spot_vms.ipynb", "04_your_own_model.ipynb"]

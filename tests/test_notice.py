@@ -20,12 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from varuna_sdk.cluster.hosts import Secret
-from varuna_sdk.cluster.local import free_port
+from varuna_sdk.pipeline.spawn import free_port
 from varuna_sdk.cluster.metadata import MetadataServer
 from varuna_sdk.cluster.notice import (NoticeWatcher, detect_cloud, parse_aws_instance_action, parse_aws_rebalance,
                                        parse_azure_events, parse_gcp_preempted)
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.heartbeat import HeartbeatClient, HeartbeatServer
+from varuna_sdk.manager.heartbeat_client import HeartbeatClient
+from varuna_sdk.manager.heartbeat_server import HeartbeatServer
 
 
 class Seen:

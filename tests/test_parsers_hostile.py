@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from varuna_sdk import cli
-from varuna_sdk.cluster.provider import HostFileError, HostFileProvider, parse_host_file
+from varuna_sdk.cluster.hostfile import HostFileError, HostFileProvider, parse_host_file
 from varuna_sdk.cluster.spot import TraceError, load_trace
-from varuna_sdk.config import (RULES, ConfigError, Flag, Int, JobConfig, Num, Plain, Text, load_yaml)
+from varuna_sdk.config import (RULES, ConfigError, Flag, Int, JobConfig, Num, Plain, Text)
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SECTIONS = {"model": "ModelConfig", "data": "DataConfig", "parallel": "ParallelConfig", "train": "TrainConfig",
@@ -209,7 +209,7 @@ def test_a_count_row_cannot_demand_unbounded_memory(tmp_path):
 
 
 def test_run_folders_stay_inside_run_dir(tmp_path):
-    from varuna_sdk.launch import prepare_run
+    from varuna_sdk.runner import prepare_run
     job = JobConfig(name="../escape")
     job.train.run_dir = str(tmp_path / "runs")
     with pytest.raises(ConfigError, match="name='../escape'"):

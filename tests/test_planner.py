@@ -28,7 +28,9 @@ import pytest
 
 from varuna_sdk import _core
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig
-from varuna_sdk.planner.plan import Plan, Prices, candidate_micro_batch_sizes, plan
+from varuna_sdk.planner.plan import plan
+from varuna_sdk.planner.request import candidate_micro_batch_sizes
+from varuna_sdk.planner.rows import Plan, Prices
 from varuna_sdk.planner.simulate import simulate
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, ProfileError, SegmentProfile
 
@@ -383,7 +385,7 @@ def test_best_only_plan_rows_and_table():
 
 def _row(c, n):
     """A PlanRow from a C++ Candidate (what plan() does, without prices)."""
-    from varuna_sdk.planner.plan import PlanRow
+    from varuna_sdk.planner.rows import PlanRow
 
     ends = list(c.starts[1:]) + [n]
     return PlanRow(P=c.P, D=c.D, micro_batch_size=c.micro_batch_size, m=c.m, idle_gpus=c.idle_gpus,
@@ -642,7 +644,7 @@ def _job(P=None, D=None, gpus=4) -> JobConfig:
 
 
 def test_plan_job_fills_parallel_and_keeps_a_fixed_P_or_D():
-    from varuna_sdk.launch import plan_job
+    from varuna_sdk.runner import plan_job
 
     prof = synthetic_profile(HEAVY, param_bytes=4e8)  # 8 segments = tiny GPT-2 with 6 blocks
     job, pl = plan_job(_job(), prof)
@@ -937,7 +939,7 @@ def test_bad_input_raises_config_error_before_any_work(kw, match, monkeypatch):
     """Each bad argument is a ConfigError naming it and what to pass, raised before the search
     runs (it used to be a pybind11 TypeError, a silently ignored value, a wrong plan, or an error
     naming an internal field)."""
-    import varuna_sdk.planner.plan as plan_mod
+    import varuna_sdk.planner.search as plan_mod
 
     def no_work(*a, **k):
         raise AssertionError("the search ran on bad input")

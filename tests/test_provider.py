@@ -14,8 +14,8 @@ import pytest
 
 from varuna_sdk.cluster.hosts import Host
 from varuna_sdk.cluster.localproc import is_local, local_processes, start_local
-from varuna_sdk.cluster.provider import (EVENT_KINDS, HostEvent, HostFileError, HostFileProvider,
-                                         LocalProvider, PoolProvider, parse_host_file)
+from varuna_sdk.cluster.hostfile import HostFileError, HostFileProvider, parse_host_file
+from varuna_sdk.cluster.provider import EVENT_KINDS, HostEvent, LocalProvider, PoolProvider
 from varuna_sdk.manager.events import EventLog, Kind
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import logging
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from ssh_hosts import Lines, skip_reason, worker_processes
 from varuna_sdk.cluster.hosts import Secret
-from varuna_sdk.cluster.local import free_port
-from varuna_sdk.cluster.remote import RemoteWorkerFailure, WorkerSpec, launch
+from varuna_sdk.pipeline.spawn import free_port
+from varuna_sdk.cluster.remote import RemoteWorkerFailure, WorkerSpec, start_workers
 from varuna_sdk.cluster.ssh import SSHPool
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
@@ -47,8 +46,8 @@ def test_two_workers_all_reduce_over_ssh(ssh_hosts, caplog):
     t0 = time.monotonic()
     with SSHPool(ssh_hosts.options()) as pool:
         specs = [WorkerSpec(h, r, [h.python, "-c", ALL_REDUCE]) for r, h in enumerate(hosts)]
-        job = launch(specs, pool=pool, master_addr=master, master_port=free_port(master),
-                     job_id="job-ar", token=token, sink=sink)
+        job = start_workers(specs, pool=pool, master_addr=master, master_port=free_port(master),
+                            job_id="job-ar", token=token, sink=sink)
         started = time.monotonic() - t0
         codes = job.wait(timeout_s=120)
     took = time.monotonic() - t0
@@ -76,7 +75,7 @@ def test_stop_leaves_no_process_behind(ssh_hosts):
     sink = Lines()
     with SSHPool(ssh_hosts.options(kill_grace_s=0.5)) as pool:
         specs = [WorkerSpec(h, r, [h.python, "-c", CHILDREN]) for r, h in enumerate(hosts)]
-        job = launch(specs, pool=pool, master_addr=hosts[0].address, master_port=1, sink=sink)
+        job = start_workers(specs, pool=pool, master_addr=hosts[0].address, master_port=1, sink=sink)
         assert sink.wait_for("ready", 2), sink.text()
         before = worker_processes(ssh_hosts, hosts)
         assert sum(c == "python" for _, c in before) == 4, before  # worker + child, per host
@@ -106,7 +105,7 @@ def test_worker_crash_reaches_the_user_and_stops_the_rest(ssh_hosts):
     sink = Lines()
     with SSHPool(ssh_hosts.options(kill_grace_s=0.5)) as pool:
         specs = [WorkerSpec(h, r, [h.python, "-c", CRASH]) for r, h in enumerate(hosts)]
-        job = launch(specs, pool=pool, master_addr=hosts[0].address, master_port=1, sink=sink)
+        job = start_workers(specs, pool=pool, master_addr=hosts[0].address, master_port=1, sink=sink)
         t0 = time.monotonic()
         with pytest.raises(RemoteWorkerFailure,
                            match=r"worker \[vm1 rank 1\] exited with 1: ValueError: boom at rank 1") as e:
@@ -124,9 +123,9 @@ def test_launch_checks_ranks_and_a_missing_workdir_fails_clearly(ssh_hosts):
     h = ssh_hosts.add()
     with SSHPool(ssh_hosts.options()) as pool:
         with pytest.raises(ValueError, match="ranks must be 0..1"):
-            launch([WorkerSpec(h, 0, ["true"]), WorkerSpec(h, 0, ["true"])], pool=pool,
-                   master_addr=h.address, master_port=1, sink=None)
-        job = launch([WorkerSpec(h, 0, ["true"], cwd="/nonexistent/dir")], pool=pool,
-                     master_addr=h.address, master_port=1, sink=None)
+            start_workers([WorkerSpec(h, 0, ["true"]), WorkerSpec(h, 0, ["true"])], pool=pool,
+                          master_addr=h.address, master_port=1, sink=None)
+        job = start_workers([WorkerSpec(h, 0, ["true"], cwd="/nonexistent/dir")], pool=pool,
+                            master_addr=h.address, master_port=1, sink=None)
         with pytest.raises(RemoteWorkerFailure, match=r"\[vm0 rank 0\] exited with 97: .*nonexistent"):
             job.wait(timeout_s=10)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from varuna_sdk.manager.events import Event, Kind
-from varuna_sdk.manager.manager import MORPH_PHASES, MorphRecord, morph_phases, plan_candidates
+from varuna_sdk.manager.state import MORPH_PHASES, MorphRecord, morph_phases, plan_candidates
 from varuna_sdk.manager.runs import event_sentence, morph_sentence
 
 

@@ -15,9 +15,9 @@ import random
 
 import pytest
 
+from varuna_sdk.config import POLICIES
 from varuna_sdk.pipeline import schedule as sch
 from varuna_sdk.pipeline.schedule import (
-    POLICIES,
     Action,
     StageScheduler,
     default_recompute,

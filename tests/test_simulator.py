@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from varuna_sdk.config import POLICIES
 from varuna_sdk.pipeline.schedule import StageScheduler
 from varuna_sdk.planner.simulate import (
     SimInput,
@@ -21,8 +22,6 @@ from varuna_sdk.planner.simulate import (
     bubble_fraction_gpipe,
     simulate,
 )
-
-POLICIES = ("varuna", "gpipe", "1f1b")
 
 
 def sim(**kw):

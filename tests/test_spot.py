@@ -18,7 +18,8 @@ from ssh_hosts import _is_zombie, skip_reason
 from varuna_sdk.cluster.localproc import local_processes, start_local
 from varuna_sdk.cluster.provider import HostEvent
 from varuna_sdk.cluster.spot import SpotEmulator, TraceError, load_trace
-from varuna_sdk.cluster.ssh import HostUnreachableError, SSHConnection
+from varuna_sdk.cluster.ssh import SSHConnection
+from varuna_sdk.cluster.ssh_errors import HostUnreachableError
 from varuna_sdk.demo import TRACES_DIR
 from varuna_sdk.manager.events import EventLog, Kind
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from ssh_hosts import TestHosts, _cgroup2_base, _is_zombie, skip_reason, procs_mentioning
+from ssh_hosts import SSHDHosts, _cgroup2_base, _is_zombie, skip_reason, procs_mentioning
 from varuna_sdk.cluster.hosts import Host, Secret
-from varuna_sdk.cluster.ssh import (AuthenticationError, CommandError, CommandTimeout,
-                                    HostKeyError, HostUnreachableError, SFTPError, SSHConnection,
-                                    SSHPool)
+from varuna_sdk.cluster.ssh import SSHConnection, SSHPool
+from varuna_sdk.cluster.ssh_errors import (AuthenticationError, CommandError, CommandTimeout, HostKeyError,
+                                           HostUnreachableError, SFTPError)
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
@@ -314,7 +314,7 @@ def test_removing_a_host_kills_all_its_processes(ssh_hosts):
 
 def test_removing_a_host_without_cgroups_kills_all_its_processes(tmp_path):
     """The fallback for machines without a writable cgroup v2: ancestry + SSH_CONNECTION."""
-    with TestHosts(tmp_path / "hosts", isolation="proc") as th:
+    with SSHDHosts(tmp_path / "hosts", isolation="proc") as th:
         assert th.isolation == "proc"
         _remove_kills_everything(th)
 
@@ -357,7 +357,7 @@ def _remove_kills_everything(ssh_hosts):
 # -------------------------------------------------------------------------------- cleanup
 def test_no_sshd_or_process_left_after_the_hosts_are_closed(tmp_path):
     root = tmp_path / "hosts"
-    with TestHosts(root) as th:
+    with SSHDHosts(root) as th:
         hosts = [th.add() for _ in range(3)]
         for h in hosts:
             SSHConnection(h, th.options()).start("sleep 60").wait_started()
@@ -425,13 +425,13 @@ def test_fixture_cleans_up_when_tests_fail(tmp_path):
 
 @pytest.mark.skipif(_cgroup2_base() is None, reason="needs a writable cgroup v2 hierarchy")
 def test_hosts_of_a_killed_test_run_are_reaped(tmp_path):
-    """A test process SIGKILLed mid-test cannot run finalizers: the next TestHosts reaps its
+    """A test process SIGKILLed mid-test cannot run finalizers: the next SSHDHosts reaps its
     hosts (cgroup named after the dead pid)."""
     code = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from ssh_hosts import TestHosts
-        th = TestHosts({str(tmp_path / 'dead')!r})
+        from ssh_hosts import SSHDHosts
+        th = SSHDHosts({str(tmp_path / 'dead')!r})
         th.add(); th.add()
         print(th.cgroup_root, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -441,6 +441,6 @@ def test_hosts_of_a_killed_test_run_are_reaped(tmp_path):
     assert r.returncode == -9 and cg.is_dir()
     orphans = procs_mentioning(str(tmp_path / "dead"))
     assert len(orphans) == 2  # two sshd survived their test process
-    with TestHosts(tmp_path / "next"):
+    with SSHDHosts(tmp_path / "next"):
         pass
     assert not cg.exists() and not [p for p in orphans if _alive(p)]

@@ -21,7 +21,7 @@ from ssh_hosts import Lines, _is_zombie, procs_mentioning, skip_reason, worker_p
 from varuna_sdk.cluster.ssh import SSHConnection
 from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from varuna_sdk.data.loader import tokenize_corpus
-from varuna_sdk.launch import train_local
+from varuna_sdk.runner import train_local
 from varuna_sdk.manager.events import EventLog, Kind
 from varuna_sdk.manager.generation import Generation
 

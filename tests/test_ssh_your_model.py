@@ -15,10 +15,10 @@ import pytest
 
 from ssh_hosts import skip_reason
 from test_manager import steps_redone
-from varuna_sdk.cluster.testhosts import procs_left
+from ssh_hosts import procs_left
 from varuna_sdk.cluster.spot import SpotEmulator
 from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
-from varuna_sdk.launch import launch_job, train_local
+from varuna_sdk.runner import launch_job, train_local
 from varuna_sdk.manager.events import EventLog, Kind
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import _thirdparty_workers as TW
-from varuna_sdk.cluster.local import spawn_workers
+from varuna_sdk.pipeline.spawn import spawn_workers
 from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "

@@ -27,7 +27,8 @@ from test_manager import EVERY, assert_same_trajectory, final_losses, steps_redo
 from varuna_sdk.demo import TraceSlice
 from varuna_sdk.manager.decisions import GrowRule
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.manager import JobState, Manager
+from varuna_sdk.manager.manager import Manager
+from varuna_sdk.manager.state import JobState
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -58,7 +59,7 @@ def reference(out, steps_done: int) -> dict[int, float]:
     """Per-step losses of the job trained without interruption on the same STEPS-step schedule,
     stopped at a boundary after ``steps_done`` steps, in one spawned process (P=1 x D=1: the losses
     of any P x D to 1e-5, dropout masks included)."""
-    from varuna_sdk.cluster.local import spawn_workers
+    from varuna_sdk.pipeline.spawn import spawn_workers
     from varuna_sdk.trainer import StopAtStep, run_worker
 
     spawn_workers(run_worker, 1, args=(tiny_job(STEPS, P=1, D=1).to_dict(), str(out), None, StopAtStep(steps_done)),

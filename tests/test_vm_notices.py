@@ -21,10 +21,11 @@ import pytest
 from ssh_hosts import skip_reason
 from test_manager import steps_redone, tiny_job, wait_morphs, wait_step
 from varuna_sdk.cluster.spot import SpotEmulator
-from varuna_sdk.cluster.testhosts import procs_left
+from ssh_hosts import procs_left
 from varuna_sdk.manager.decisions import GrowRule
 from varuna_sdk.manager.events import EventLog, Kind
-from varuna_sdk.manager.manager import JobState, Manager
+from varuna_sdk.manager.manager import Manager
+from varuna_sdk.manager.state import JobState
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from _jupyter import kernel_session
-from varuna_sdk.cluster.testhosts import procs_left
+from ssh_hosts import procs_left
 
 STEPS = 100
 

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import MAX_GPUS, ConfigError, JobConfig
+from .config import MAX_GPUS, ClusterConfig, ConfigError, JobConfig
 from .demo import demo_config  # re-exported: `from varuna_sdk.cli import demo_config`
 from .shipping import ShippingError
 
@@ -33,7 +33,7 @@ def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> JobConfig:
 
 
 def _calibrate_or_plan(args: argparse.Namespace) -> int:
-    from .trainer import calibrate_job
+    from .profiling.job import calibrate_job
 
     job = JobConfig.from_yaml(Path(args.config)) if args.config else demo_config()
     if args.cmd == "calibrate":
@@ -43,7 +43,8 @@ def _calibrate_or_plan(args: argparse.Namespace) -> int:
         print(f"[varuna] calibrated {prof.num_segments} segments at micro-batch sizes {prof.micro_batch_sizes} "
               f"in {prof.calibration_s:.1f} s" + (f"; wrote {args.output}" if args.output else ""))
         return 0
-    from .planner.plan import Prices, plan
+    from .planner.plan import plan
+    from .planner.rows import Prices
     from .profiling.profile import Profile
 
     if args.profile and not Path(args.profile).is_file():
@@ -194,56 +195,65 @@ def _boto3_region() -> str:
         return ""
 
 
-def _aws_provider(args: argparse.Namespace, job: JobConfig):
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """``varuna launch``'s options as a ``ClusterConfig`` (not yet validated)."""
+    aws = {"region": args.region, "instance_types": args.instance_type, "ami": args.ami, "subnets": args.subnet,
+           "security_group": args.security_group, "key_name": args.key_name, "key_path": args.key_path,
+           "max_price": args.max_price, "user": args.vm_user, "python": args.vm_python}
+    return ClusterConfig(local=args.local, hosts=args.hosts, provider=args.provider, aws_file=args.aws,
+                         aws={k: v for k, v in aws.items() if v not in (None, [])}, instances=args.instances,
+                         endpoint_url=args.endpoint_url, run_dir=args.run_dir, job_id=args.job_id,
+                         heartbeat_interval_s=args.heartbeat, orphan_after_s=args.orphan_after)
+
+
+def _aws_settings(path: str | None) -> dict:
+    """The mapping of AWS settings in the YAML file ``path`` ({} for none). Raises ``ConfigError``
+    saying why the file cannot be used."""
+    import yaml
+
+    if not path:
+        return {}
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"--aws {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--aws {path}: not a text file; give a YAML file of AWS settings") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"--aws {path}: not valid YAML{at} ({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of AWS settings (region, instance_types, ami, ...)")
+    return loaded
+
+
+def _aws_provider(cluster: ClusterConfig, job: JobConfig):
     """``--provider aws``: the settings of ``--aws FILE`` (a YAML mapping of
     ``cluster.aws.AWSSpotConfig`` fields) with the command line's flags over them; the job id is
     the run folder's name (the tag on every instance). Started here: every check runs and the
     first instances are requested before the manager starts."""
-    import yaml
-
     from .cluster.aws import AWSSpotConfig, AWSSpotProvider
-    from .launch import prepare_run
     from .manager.runs import check_run_free, jobs_alive_beside
+    from .runner import prepare_run
 
-    if not args.run_dir:
-        raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")
-    if args.instances is not None and args.instances < 1:
-        raise ConfigError(f"--instances {args.instances}: give the number of spot instances to keep (>= 1)")
-    settings = {}
-    if args.aws:
-        try:
-            loaded = yaml.safe_load(Path(args.aws).read_text())
-        except OSError as e:
-            raise ConfigError(f"--aws {args.aws}: cannot read it ({e.strerror or e})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"--aws {args.aws}: not a text file; give a YAML file of AWS settings") from None
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            at = f" at line {where.line + 1}" if where is not None else ""
-            raise ConfigError(f"--aws {args.aws}: not valid YAML{at} ({getattr(e, 'problem', None) or e})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{args.aws}: expected a mapping of AWS settings (region, instance_types, ami, ...)")
-        settings.update(loaded)
-    flags = {"region": args.region, "instance_types": args.instance_type, "ami": args.ami, "subnets": args.subnet,
-             "security_group": args.security_group, "key_name": args.key_name, "key_path": args.key_path,
-             "max_price": args.max_price, "user": args.vm_user, "python": args.vm_python}
-    settings.update({k: v for k, v in flags.items() if v not in (None, [])})
+    settings = {**_aws_settings(cluster.aws_file), **cluster.aws}
     if not settings.get("region"):   # boto3's own default: AWS_DEFAULT_REGION or the profile's region
         settings["region"] = _boto3_region()
     for k in ("region", "instance_types", "ami"):
         settings.setdefault(k, "" if k != "instance_types" else ())
     config = AWSSpotConfig.from_dict(settings)
-    run_dir = Path(args.run_dir).resolve()
+    run_dir = Path(cluster.run_dir).resolve()
     check_run_free(run_dir)   # a live job's instances are never adopted (nor terminated) by a second manager
 
-    if args.job_id and args.job_id != run_dir.name:
+    if cluster.job_id and cluster.job_id != run_dir.name:
         # reaping tells a live job by its run folder's lock, found by the job id on the tags
         raise ConfigError(f"--provider aws: the job id is the run folder's name ({run_dir.name!r}); drop "
-                          f"--job-id {args.job_id} or name the run folder {args.job_id}")
-    target = args.instances if args.instances is not None else job.launch.gpus
+                          f"--job-id {cluster.job_id} or name the run folder {cluster.job_id}")
+    target = cluster.instances if cluster.instances is not None else job.launch.gpus
     _log_to_stderr("varuna_sdk.cluster.aws")   # each request, adoption, reaping and termination: a line
     try:
-        provider = AWSSpotProvider(config, job_id=run_dir.name, target=target, endpoint_url=args.endpoint_url,
+        provider = AWSSpotProvider(config, job_id=run_dir.name, target=target, endpoint_url=cluster.endpoint_url,
                                    job_alive=jobs_alive_beside(run_dir))
     except ValueError as e:   # a run folder name that cannot be a tag value
         raise ConfigError(f"--run-dir {run_dir}: {e}") from None
@@ -252,39 +262,38 @@ def _aws_provider(args: argparse.Namespace, job: JobConfig):
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .launch import launch_job
+    from .runner import launch_job
 
     job = JobConfig.from_yaml(Path(args.config)).validate()
-    if args.heartbeat <= 0 or args.orphan_after <= 0:
-        raise ConfigError("--heartbeat and --orphan-after must be > 0 seconds")
+    cluster = _cluster_config(args).validate()
     provider = None
-    if args.local is not None:
+    if cluster.local is not None:
         from .cluster.provider import LocalProvider
 
-        provider = LocalProvider(args.local)
-    elif args.hosts:
-        from .cluster.provider import HostFileProvider
+        provider = LocalProvider(cluster.local)
+    elif cluster.hosts:
+        from .cluster.hostfile import HostFileProvider
 
         try:
-            provider = HostFileProvider(args.hosts)
+            provider = HostFileProvider(cluster.hosts)
         except FileNotFoundError as e:
             print(f"varuna: {e}", file=sys.stderr)
             return 2
-    elif args.provider == "aws":
+    elif cluster.provider == "aws":
         from .cluster.aws import AWSConfigError, CapacityError
         from .manager.runs import RunBusy
 
         try:
-            provider = _aws_provider(args, job)
+            provider = _aws_provider(cluster, job)
         except (AWSConfigError, CapacityError, ConfigError, RunBusy) as e:
             print(f"varuna: {e}", file=sys.stderr)
             return 2
-    from .manager.manager import ManagerError
+    from .manager.state import ManagerError
 
     try:
-        summary = launch_job(job, run_dir=args.run_dir, provider=provider, job_id=args.job_id,
-                             heartbeat_interval_s=args.heartbeat, signals=True,
-                             generation_options={"orphan_after_s": args.orphan_after})
+        summary = launch_job(job, run_dir=cluster.run_dir, provider=provider, job_id=cluster.job_id,
+                             heartbeat_interval_s=cluster.heartbeat_interval_s, signals=True,
+                             generation_options={"orphan_after_s": cluster.orphan_after_s})
     except ManagerError as e:   # another manager runs the folder; a job that cannot go on
         print(f"varuna: {e}", file=sys.stderr)
         return 2
@@ -411,7 +420,7 @@ def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
     """``varuna demo``: the job under the morph manager on the spot emulator (``demo.run_spot_demo``);
     0 when it succeeded."""
     from .demo import print_spot_result, run_spot_demo
-    from .launch import new_run_dir
+    from .runner import new_run_dir
 
     res = run_spot_demo(job, run_dir=Path(args.run_dir) if args.run_dir else new_run_dir(job))
     print_spot_result(res)
@@ -457,15 +466,8 @@ def _parallel_overrides(sp: argparse.ArgumentParser) -> None:
                     help="the job's own folder, as for `varuna launch` (default: a new train.run_dir/NAME-TIME)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``varuna`` command line: every subcommand with a description, examples and help for
-    every flag."""
-    from . import __version__
-
-    parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training of your own "
-                                     "PyTorch model on spot VMs that come and go (after Varuna, arXiv 2111.04007).")
-    parser.add_argument("--version", action="version", version=f"varuna-sdk {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+def _add_train_demo_config(sub) -> None:
+    """``varuna train``, ``varuna demo`` and ``varuna config``."""
     sp = _subcommand(sub, "train", "train a job from a YAML config on local workers",
                      "Train the job of a YAML config on P x D local worker processes (gloo on CPU, NCCL with GPUs), "
                      "under the manager; with P or D null the planner chooses them first.")
@@ -479,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train on a fixed set of local workers (no spot emulator, no morphs)")
     _subcommand(sub, "config", "print the demo job's YAML (a starting point for your own)",
                 "Print the demo job's YAML with every field: copy it and change the model, the data and the sizes.")
+
+
+def _add_calibrate_plan(sub) -> None:
+    """``varuna calibrate`` and ``varuna plan``."""
     sp = _subcommand(sub, "calibrate", "measure the job's model once and save its profile (JSON)",
                      "Measure each cut-point segment's forward, recompute and backward time and memory at a few "
                      "micro-batch sizes, and this machine's network, once (paper section 4.3); cached.")
@@ -507,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--best-only", dest="best_only", action="store_true",
                     help="stop once no candidate can beat the best found (about linear in --gpus; other depths are "
                          "not ranked exactly)")
+
+
+def _add_dashboard(sub) -> None:
+    """``varuna dashboard``."""
     sp = _subcommand(sub, "dashboard", "serve a job's live dashboard to the team (read-only, login required)",
                      "Serve the job's dashboard (jobs, partition map, simulator estimates, throughput, VM pool), "
                      "live from its event log, behind a login.")
@@ -523,17 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--refresh", type=float, default=1.0, help="seconds between reads of the event log")
     sp.add_argument("--certfile", help="serve HTTPS with this PEM certificate (with --keyfile); cookies become Secure")
     sp.add_argument("--keyfile", help="the PEM private key of --certfile")
-    sp = _subcommand(sub, "launch", "run a job under the morph manager (local slots or an SSH host file); "
-                     "run it again on the same --run-dir to continue the job",
-                     "Run a job under the morph manager on local slots or the SSH VMs of a watched host file; "
-                     "it re-plans and morphs when VMs are pre-empted or return. Run it again on the same --run-dir "
-                     "to continue the job.")
-    sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
-    sp.add_argument("--run-dir", dest="run_dir", help="the job's folder (an existing one is continued)")
-    where = sp.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="N local worker slots (default: launch.gpus)")
-    where.add_argument("--hosts", metavar="FILE", help="SSH host file (watched; see cluster.provider)")
-    where.add_argument("--provider", choices=["aws"], help="spot VMs from a cloud: aws (EC2, boto3; see cluster.aws)")
+
+
+def _aws_flags(sp: argparse.ArgumentParser) -> None:
+    """``varuna launch --provider aws``'s flags (``ClusterConfig.aws``)."""
     aws = sp.add_argument_group("AWS spot VMs (--provider aws); credentials come from boto3's standard chain only")
     aws.add_argument("--aws", metavar="FILE", help="YAML of AWS settings (region, instance_types, ami, subnets, ...)")
     aws.add_argument("--region", help="the EC2 region (e.g. us-east-1)")
@@ -550,10 +553,30 @@ def build_parser() -> argparse.ArgumentParser:
     aws.add_argument("--vm-user", dest="vm_user", help="SSH user on the AMI (default ubuntu)")
     aws.add_argument("--vm-python", dest="vm_python", help="Python on the AMI (default /usr/bin/python3)")
     aws.add_argument("--endpoint-url", dest="endpoint_url", help="another EC2 endpoint (an API emulator)")
+
+
+def _add_launch(sub) -> None:
+    """``varuna launch`` (its options become a ``ClusterConfig``)."""
+    sp = _subcommand(sub, "launch", "run a job under the morph manager (local slots or an SSH host file); "
+                     "run it again on the same --run-dir to continue the job",
+                     "Run a job under the morph manager on local slots or the SSH VMs of a watched host file; "
+                     "it re-plans and morphs when VMs are pre-empted or return. Run it again on the same --run-dir "
+                     "to continue the job.")
+    sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
+    sp.add_argument("--run-dir", dest="run_dir", help="the job's folder (an existing one is continued)")
+    where = sp.add_mutually_exclusive_group()
+    where.add_argument("--local", type=int, metavar="N", help="N local worker slots (default: launch.gpus)")
+    where.add_argument("--hosts", metavar="FILE", help="SSH host file (watched; see cluster.hostfile)")
+    where.add_argument("--provider", choices=["aws"], help="spot VMs from a cloud: aws (EC2, boto3; see cluster.aws)")
+    _aws_flags(sp)
     sp.add_argument("--job-id", dest="job_id", help="the job's id in the event log (default: made from the name)")
     sp.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval, seconds (default 2)")
     sp.add_argument("--orphan-after", dest="orphan_after", type=float, default=60.0,
                     help="workers that lose the manager this long stop at a boundary with a checkpoint (s)")
+
+
+def _add_run_folder_commands(sub) -> None:
+    """``varuna status``, ``varuna stop`` and ``varuna logs``."""
     sp = _subcommand(sub, "status", "show every job of a folder of runs, or one run: state, plan, progress, ETA",
                      "A table of the jobs in a folder of runs (default: runs/), or one run folder: state, plan, "
                      "step of the total, elapsed, ETA, morphs, the last event; for one run also every morph in a "
@@ -572,6 +595,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run", help="the job's run folder")
     sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
     sp.add_argument("--events", action="store_true", help="the event log in sentences instead of worker output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``varuna`` command line: every subcommand with a description, examples and help for
+    every flag."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training of your own "
+                                     "PyTorch model on spot VMs that come and go (after Varuna, arXiv 2111.04007).")
+    parser.add_argument("--version", action="version", version=f"varuna-sdk {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in (_add_train_demo_config, _add_calibrate_plan, _add_dashboard, _add_launch, _add_run_folder_commands):
+        add(sub)
     return parser
 
 
@@ -608,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         job = _apply_overrides(job, args).validate()
         if args.cmd == "demo" and not args.no_spot:
             return _spot_demo(job, args)
-        from .cluster.local import WorkerFailure
-        from .launch import JobStopped, train_local
+        from .pipeline.spawn import WorkerFailure
+        from .runner import JobStopped, train_local
 
         try:
             result = train_local(job, run_dir=args.run_dir, signals=True)

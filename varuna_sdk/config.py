@@ -1,7 +1,8 @@
 """Typed job configuration with YAML round-trip and eager validation.
 
 Owns the long-lived configuration types (``ModelConfig``, ``DataConfig``, ``ParallelConfig``,
-``TrainConfig``, ``LaunchConfig``, ``JobConfig``). Every check runs before any process starts
+``TrainConfig``, ``LaunchConfig``, ``JobConfig``) and ``ClusterConfig`` (``varuna launch``'s
+options: where the workers run, heartbeats). Every check runs before any process starts
 and every message says what is wrong and which values would work. The batch identity (paper
 §4.1–4.2, DESIGN.md) is::
 
@@ -338,6 +339,61 @@ class LaunchConfig:
     master_port: int = 0
     timeout_s: float = 120.0
     threads_per_worker: int = 1
+
+
+@dataclass
+class ClusterConfig:
+    """Where ``varuna launch`` runs a job's workers and how its manager watches them (the
+    command's options, typed; not part of the job's YAML). At most one of ``local``, ``hosts``
+    and ``provider`` is set; none means ``launch.gpus`` local worker slots.
+
+    Fields:
+        local: N local worker slots (``--local N``), each a worker process on this machine.
+        hosts: path of an SSH host file, watched: a VM added or removed there joins or leaves
+            the pool (``--hosts FILE``; ``cluster.hostfile``).
+        provider: a cloud of spot VMs: ``"aws"`` (EC2 through boto3; ``cluster.aws``).
+        aws_file: a YAML mapping of ``cluster.aws.AWSSpotConfig`` fields (``--aws FILE``).
+        aws: AWSSpotConfig fields given as flags (region, instance_types, ami, subnets, ...);
+            they override ``aws_file``'s.
+        instances: spot instances to keep (>= 1; default ``launch.gpus``).
+        endpoint_url: another EC2 endpoint (an API emulator).
+        run_dir: the job's own folder; an existing one is continued. Needed with a provider:
+            its name is the job id every instance is tagged with.
+        job_id: the job's id in the event log (default: made from the run folder's name).
+        heartbeat_interval_s: seconds between a worker's heartbeats (> 0).
+        orphan_after_s: seconds after which workers that lost the manager stop at a mini-batch
+            boundary with a checkpoint (> 0).
+    """
+
+    local: int | None = None
+    hosts: str | None = None
+    provider: str | None = None
+    aws_file: str | None = None
+    aws: dict[str, Any] = field(default_factory=dict)
+    instances: int | None = None
+    endpoint_url: str | None = None
+    run_dir: str | None = None
+    job_id: str | None = None
+    heartbeat_interval_s: float = 2.0
+    orphan_after_s: float = 60.0
+
+    def validate(self) -> "ClusterConfig":
+        """Check the options before any VM is asked for; returns ``self``. Raises ``ConfigError``
+        naming the option (as a ``varuna launch`` flag) and what would work."""
+        if self.heartbeat_interval_s <= 0 or self.orphan_after_s <= 0:
+            raise ConfigError("--heartbeat and --orphan-after must be > 0 seconds")
+        given = [f for f, v in (("--local", self.local), ("--hosts", self.hosts), ("--provider", self.provider))
+                 if v is not None]
+        if len(given) > 1:
+            raise ConfigError(f"{', '.join(given)}: each says where the workers run; give one of them")
+        if self.provider not in (None, "aws"):
+            raise ConfigError(f"--provider {self.provider!r} is not known; the providers are: aws")
+        if self.provider == "aws":
+            if not self.run_dir:
+                raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")
+            if self.instances is not None and self.instances < 1:
+                raise ConfigError(f"--instances {self.instances}: give the number of spot instances to keep (>= 1)")
+        return self
 
 
 @dataclass

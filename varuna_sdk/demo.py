@@ -234,10 +234,10 @@ def _trains_again(mgr, steps: int) -> bool:
 
 
 def example_vm_prices() -> dict[str, str]:
-    """Host labels that price an emulated VM as the trace's 1-GPU V100 spot VM (``planner.plan.Prices``'
+    """Host labels that price an emulated VM as the trace's 1-GPU V100 spot VM (``planner.rows.Prices``'
     example figures: spot and on-demand $ per hour), marked ``prices=example`` so that the dashboard's
     cost says they are an example."""
-    from .planner.plan import Prices
+    from .planner.rows import Prices
 
     p = Prices()
     return {"price_per_hour": f"{p.spot_per_gpu_hour:g}", "on_demand_per_hour": f"{p.on_demand_per_gpu_hour:g}",
@@ -292,26 +292,14 @@ class _DemoSink:
                     self.out(line)
 
 
-def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = None,
-                  trace_slice: TraceSlice = DEMO_SLICE, out: Callable[[str], None] | None = None,
-                  heartbeat_interval_s: float = 1.0, timeout_s: float = 900.0,
-                  checkpoint_every: int = 5) -> SpotDemoResult:
-    """Train ``job`` (default ``demo_config()``) under the morph manager on the spot emulator
-    replaying ``trace_slice`` with local slots, printing progress with ``out`` (default: print).
+def _prepare_demo(job: JobConfig, run_dir, trace_slice: TraceSlice, checkpoint_every: int, say):
+    """Everything before the replay: the job and the slice checked, the run folder made, the
+    model calibrated (a first calibration takes a while). Returns ``(job, run folder, resolved
+    job, profile)``; raises ``ConfigError`` before anything starts."""
+    from .profiling.job import calibrate_job
+    from .runner import prepare_run
 
-    ``run_dir``: the job's folder (default ``runs/<name>-<time>``); ``checkpoint_every``: steps
-    between periodic checkpoints when the job sets none (bounds the steps a sudden loss costs);
-    ``timeout_s``: the job is cancelled (checkpointed) after that many seconds.
-    Returns ``SpotDemoResult``. Raises ``ConfigError`` for a bad job or slice before anything
-    starts; every worker process is stopped and every emulated VM removed on return, error or
-    Ctrl-C."""
-    from .launch import job_labels, prepare_run
-    from .manager.decisions import GrowRule
-    from .manager.manager import JobState, Manager
-    from .trainer import calibrate_job
-
-    say = out or (lambda s: print(s, flush=True))
-    job = (job or demo_config()).validate()
+    job = job.validate()
     if job.train.checkpoint_every <= 0:
         job.train.checkpoint_every = checkpoint_every
     trace_slice.load()  # a bad slice fails here, before anything starts
@@ -319,7 +307,7 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     if p.P is not None and p.D is not None and p.P * p.D > trace_slice.capacity:
         raise ConfigError(f"P={p.P} x D={p.D} needs {p.P * p.D} workers but the spot demo holds at most "
                           f"{trace_slice.capacity} VMs; use --P/--D with P x D <= {trace_slice.capacity}")
-    job, run, resolved = prepare_run(job, run_dir)  # the one launch facade: checked, run folder made
+    job, run, resolved = prepare_run(job, run_dir)  # the one run façade (runner): checked, run folder made
     say(f"[demo] {job.name}: {resolved.spec.name}, global batch {p.global_batch}, {job.train.steps} steps, "
         f"checkpoint every {job.train.checkpoint_every} steps; first plan P={p.P} x D={p.D}, then whatever the "
         f"planner predicts fastest for the VMs left")
@@ -329,14 +317,13 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     t_cal = time.monotonic()
     profile = calibrate_job(job, resolved=resolved)  # before the replay starts: a first calibration takes a while
     say(f"[demo] calibration ready in {time.monotonic() - t_cal:.1f} s; starting the replay")
+    return job, run, resolved, profile
 
-    box: list = []   # the manager, once made (the emulator is made first: the manager needs it)
-    emu = trace_slice.emulator(backend="local", hold=True, labels=example_vm_prices(),
-                               pace=lambda: bool(box) and _trains_again(box[0], PACE_STEPS))
-    events: list[tuple[float, str, str, str]] = []
+
+def _vm_printer(emu, say, events: list, t0_box: list):
+    """The emulator's VM callback of the demo: records each event in ``events`` (seconds since
+    ``t0_box[0]``, kind, host, reason) and says it, a removal without a notice marked."""
     noticed: set[str] = set()
-    t_start = time.time()
-    t0_box = [t_start]
     lock = threading.Lock()
 
     def on_vm(ev) -> None:
@@ -356,15 +343,14 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
         else:
             say(f"[spot {t:6.1f} s] {ev.host.name} added ({reason or node or 'by hand'}); VMs up: {len(emu.all_hosts())}")
 
-    def on_state(state, reason: str) -> None:
-        say(f"[manager {time.time() - t0_box[0]:6.1f} s] {state.value}: {reason}")
+    return on_vm
 
-    mgr = Manager(job, emu, run_dir=run, profile=profile, heartbeat_interval_s=heartbeat_interval_s,
-                  grow=GrowRule(min_gain=1.10, cooldown_s=10.0), straggler=None, stop_timeout_s=60.0,
-                  generation_options={"sink": _DemoSink(say)}, on_state=on_state, labels=job_labels(resolved))
-    box.append(mgr)
-    t_wall = time.monotonic()
-    state = None
+
+def _drive(mgr, emu, on_vm, say, timeout_s: float, t_start: float, t0_box: list) -> None:
+    """Start the emulator and the manager, begin the trace replay once the job trains (sets
+    ``t0_box[0]``), wait up to ``timeout_s`` seconds, then stop the job (checkpointed) if it still
+    runs. Ctrl-C stops it at the next mini-batch boundary and re-raises; the emulator is closed
+    (every emulated VM removed) in every case."""
     try:
         emu.subscribe(on_vm)
         emu.start()
@@ -391,6 +377,45 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
             emu.close()
         except RuntimeError as e:
             say(f"[demo] cleanup: {e}")
+
+
+def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = None,
+                  trace_slice: TraceSlice = DEMO_SLICE, out: Callable[[str], None] | None = None,
+                  heartbeat_interval_s: float = 1.0, timeout_s: float = 900.0,
+                  checkpoint_every: int = 5) -> SpotDemoResult:
+    """Train ``job`` (default ``demo_config()``) under the morph manager on the spot emulator
+    replaying ``trace_slice`` with local slots, printing progress with ``out`` (default: print).
+
+    ``run_dir``: the job's folder (default ``runs/<name>-<time>``); ``checkpoint_every``: steps
+    between periodic checkpoints when the job sets none (bounds the steps a sudden loss costs);
+    ``timeout_s``: the job is cancelled (checkpointed) after that many seconds.
+    Returns ``SpotDemoResult``. Raises ``ConfigError`` for a bad job or slice before anything
+    starts; every worker process is stopped and every emulated VM removed on return, error or
+    Ctrl-C."""
+    from .manager.decisions import GrowRule
+    from .manager.manager import Manager
+    from .manager.state import JobState
+    from .runner import job_labels
+
+    say = out or (lambda s: print(s, flush=True))
+    job, run, resolved, profile = _prepare_demo(job or demo_config(), run_dir, trace_slice, checkpoint_every, say)
+    box: list = []   # the manager, once made (the emulator is made first: the manager needs it)
+    emu = trace_slice.emulator(backend="local", hold=True, labels=example_vm_prices(),
+                               pace=lambda: bool(box) and _trains_again(box[0], PACE_STEPS))
+    events: list[tuple[float, str, str, str]] = []
+    t_start = time.time()
+    t0_box = [t_start]
+    on_vm = _vm_printer(emu, say, events, t0_box)
+
+    def on_state(state, reason: str) -> None:
+        say(f"[manager {time.time() - t0_box[0]:6.1f} s] {state.value}: {reason}")
+
+    mgr = Manager(job, emu, run_dir=run, profile=profile, heartbeat_interval_s=heartbeat_interval_s,
+                  grow=GrowRule(min_gain=1.10, cooldown_s=10.0), straggler=None, stop_timeout_s=60.0,
+                  generation_options={"sink": _DemoSink(say)}, on_state=on_state, labels=job_labels(resolved))
+    box.append(mgr)
+    t_wall = time.monotonic()
+    _drive(mgr, emu, on_vm, say, timeout_s, t_start, t0_box)
     summary = mgr.summary()
     res = SpotDemoResult(state=summary["state"], morphs=summary["morphs"], run_dir=run, t0=t0_box[0],
                          vm_events=events, error=summary["error"], wall_s=time.monotonic() - t_wall)

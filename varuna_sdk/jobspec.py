@@ -298,6 +298,7 @@ class JobData:
 
     @property
     def fields(self) -> tuple[str, ...]:
+        """Names of an example's fields (``LM_FIELDS`` for token data)."""
         if self.tokens is not None:
             return LM_FIELDS
         return tuple(collate([self.examples.dataset[0]]))

@@ -4,14 +4,17 @@ Owns: building a rank's training from a config (the job's model spec and data re
 ``jobspec`` — any model, data and loss; this module never knows which — the engine, AdamW,
 warm-up + cosine learning rate), the per-step line and the JSON-lines metrics file
 (``metrics.jsonl`` in the run folder, one object per step, written by rank 0; the dashboard reads
-it), the held-out perplexity at start and end (``summary.json``), and the job's cached
-calibration (``calibrate_job``, keyed by the model's identity). Also the worker's side of
+it) and the held-out perplexity at start and end (``summary.json``). Also the worker's side of
 morphing (paper §4.2): resume from the newest complete per-layer checkpoint under the current
 stage map, periodic background checkpoints, and stopping all ranks after the same mini-batch
-when any one is asked (``should_stop``, agreed by one all-reduce), with a published checkpoint
-(``WorkerOutcome``). Sits above ``jobspec``, ``pipeline``, ``checkpoint``, ``data`` and
-``profiling``; never imports ``manager`` (heartbeats are fed through the ``on_step`` callback,
-stop requests through ``should_stop``).
+when any one is asked (``should_stop(progress)``, agreed by one all-reduce; the ``Progress`` it
+is given is the running worker's own, never a module global), with a published checkpoint
+(``WorkerOutcome``). The job's cached calibration is ``profiling.job.calibrate_job`` (the manager
+plans from it and never imports this module).
+
+Sits above ``jobspec``, ``pipeline``, ``checkpoint``, ``data`` and ``model``; never imports
+``manager``, ``cluster`` or ``planner`` (heartbeats are fed through the ``on_step`` callback, stop
+requests through ``should_stop``).
 """
 
 from __future__ import annotations
@@ -109,51 +112,6 @@ def model_structure(job: JobConfig, resolved: ResolvedJob | None = None):
     return trace_model(build_on_meta(r.spec.factory), sample)
 
 
-def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
-    """Cache key of a job's calibration: what the measurements depend on — the model's identity
-    (factory, arguments, code hash), the shape and type of each input field of an example, the
-    sequence length, precision, torch and threads per worker. Not the job's name: two jobs of the
-    same model and data shapes share one calibration."""
-    import hashlib
-
-    r = resolved or resolve(job)
-    example = {k: [list(v.shape[1:]), str(v.dtype)] if isinstance(v, torch.Tensor) else type(v).__name__
-               for k, v in r.data.sample(1, job.data.seq_len).items()}
-    text = json.dumps([r.spec.identity, example, job.data.seq_len, job.train.precision, torch.__version__,
-                       job.launch.threads_per_worker], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: bool = False,
-                  micro_batch_sizes: tuple[int, ...] = (1, 2, 4), resolved: ResolvedJob | None = None,
-                  run_dir: str | Path | None = None):
-    """Calibrate the job's model once (paper §4.3) on real micro-batches of its data and cache the
-    ``Profile`` JSON under ``cache_dir`` (default ``~/.cache/varuna_sdk/profiles``), keyed by
-    ``profile_key``; a cached profile is reused."""
-    from .data.loader import default_cache_dir
-    from .profiling.calibrate import calibrate
-    from .profiling.profile import Profile
-
-    r = resolved or resolve(job, run_dir)
-    cache = Path(cache_dir) if cache_dir else default_cache_dir() / "profiles"
-    cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{profile_key(job, r)}.json"
-    if path.exists() and not refresh:
-        prof = Profile.load(path)
-        if not prof.calibrated_at:   # a cache file from before the time was recorded: its own time
-            prof.calibrated_at = path.stat().st_mtime
-        return prof
-    T = job.data.seq_len
-    prof = calibrate(r.spec.factory, r.spec.loss_fn, lambda b: r.sample_inputs(b, T), micro_batch_sizes,
-                     seed=job.train.seed, init_fn=r.spec.init_fn, precision=job.train.precision,
-                     threads=job.launch.threads_per_worker,
-                     model_info={"name": job.name, "model": r.spec.name, "identity": r.spec.identity})
-    tmp = path.with_suffix(".tmp")
-    prof.to_json(tmp)
-    os.replace(tmp, path)
-    return prof
-
-
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -214,13 +172,15 @@ def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int:
 MAX_NONFINITE_STEPS = 3
 
 # ---- stopping at a mini-batch boundary ----------------------------------------------------------
-_progress = {"steps_done": 0, "rank": 0}
+@dataclass
+class Progress:
+    """Where the running ``run_worker`` stands, as its stop callback sees it: this process's
+    ``rank`` and the optimizer steps its job has completed so far (``steps_done``, including
+    steps restored from a checkpoint). Owned by one ``run_worker`` call and given to its
+    ``should_stop`` after every step."""
 
-
-def steps_done() -> int:
-    """Optimizer steps this process's job has completed so far (the running ``run_worker``'s
-    counter, including steps restored from a checkpoint); for ``should_stop`` callables."""
-    return _progress["steps_done"]
+    rank: int
+    steps_done: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,10 +192,10 @@ class StopAtStep:
     step: int
     ranks: tuple[int, ...] | None = None
 
-    def __call__(self) -> bool:
-        if self.ranks is not None and _progress["rank"] not in self.ranks:
+    def __call__(self, progress: Progress) -> bool:
+        if self.ranks is not None and progress.rank not in self.ranks:
             return False
-        return steps_done() >= self.step
+        return progress.steps_done >= self.step
 
 
 @dataclass(frozen=True)
@@ -245,7 +205,7 @@ class StopFile:
 
     path: str
 
-    def __call__(self) -> bool:
+    def __call__(self, progress: Progress) -> bool:
         return os.path.exists(self.path)
 
 
@@ -271,10 +231,10 @@ class WorkerOutcome:
     checkpoint_block_s: float = 0.0
 
 
-def _agree_stop(should_stop: Callable[[], bool], device: torch.device) -> bool:
-    """True on every rank when ``should_stop()`` is True on any rank (one MAX all-reduce of one
-    integer; the original relied on a signal reaching every worker)."""
-    flag = torch.tensor([1 if should_stop() else 0], dtype=torch.int32, device=device)
+def _agree_stop(should_stop: Callable[[Progress], bool], progress: Progress, device: torch.device) -> bool:
+    """True on every rank when ``should_stop(progress)`` is True on any rank (one MAX all-reduce of
+    one integer; the original relied on a signal reaching every worker)."""
+    flag = torch.tensor([1 if should_stop(progress) else 0], dtype=torch.int32, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
@@ -314,7 +274,7 @@ def _refuse_stale_store(url: str, lead: bool, device: torch.device) -> None:
 
 def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
                on_step: Callable[[int, StepResult, dict], None] | None = None,
-               should_stop: Callable[[], bool] | None = None, generation: int = 0,
+               should_stop: Callable[[Progress], bool] | None = None, generation: int = 0,
                secret: str | None = None) -> WorkerOutcome:
     """Entry point of one worker (``spawn_workers`` target): train ``job`` from its newest complete
     checkpoint (``train.resume``) or from scratch, under the job's current P, D and stage map.
@@ -328,9 +288,9 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
         on_step: ``on_step(step, result, metrics)`` called on every rank after each optimizer
             step; ``step`` is the 0-based index of the step just done, ``metrics`` the dict of its
             ``metrics.jsonl`` line (computed on every rank). Must be cheap and must not raise.
-        should_stop: ``should_stop() -> bool`` polled on every rank after every step; the ranks
-            agree through one MAX all-reduce, so a request seen by any one rank stops all of them
-            after the same step. Then a checkpoint is written at that boundary (even with
+        should_stop: ``should_stop(progress) -> bool`` polled on every rank after every step,
+            given this worker's ``Progress`` (rank, steps done); the ranks agree through one MAX
+            all-reduce, so a request seen by any one rank stops all of them after the same step. Then a checkpoint is written at that boundary (even with
             ``checkpoint_every`` 0) and published before returning ``status="stopped"``. Must be
             picklable to pass through ``spawn_workers`` (``StopAtStep``, ``StopFile``).
         generation: the manager's relaunch counter, written into each metrics line and manifest.
@@ -344,109 +304,167 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     Returns ``WorkerOutcome``. Raises ``CheckpointError`` if a checkpoint cannot be written or a
     resumed one does not fit the job, ``PeerLost`` if another rank dies.
     """
-    job = JobConfig.from_dict(job_dict).validate()
+    run = _start_run(rank, JobConfig.from_dict(job_dict).validate(), run_dir, generation, secret)
+    _resume(run)
+    p = run.job.parallel
+    tokens_per_step = p.global_batch * tokens_per_example(run.job, run.tr.job)
+    t_start = time.time()
+    r = None
+    with open(run.out / "metrics.jsonl", "a") if run.lead else open(os.devnull, "w") as mf:
+        for step in range(run.outcome.step, run.job.train.steps):
+            r = _train_step(run, step, tokens_per_step, on_step, mf)
+            if _stop_or_checkpoint(run, should_stop):
+                return run.outcome
+    return _finish(run, r, t_start)
+
+
+@dataclass
+class _WorkerRun:
+    """One ``run_worker`` call: the validated job, this rank's ``Training``, its checkpointer and
+    store ``url``, the run folder ``out``, the ``WorkerOutcome`` so far, the ``Progress`` its stop
+    callback sees, the held-out perplexity at start and the non-finite steps in a row."""
+
+    job: JobConfig
+    tr: Training
+    ckpt: StageCheckpointer
+    url: str
+    out: Path
+    generation: int
+    outcome: WorkerOutcome
+    progress: Progress
+    ppl0: float | None = None
+    skipped_in_a_row: int = 0
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: writes the metrics, summary and outcome files and the run's log lines."""
+        return self.progress.rank == 0
+
+
+def _start_run(rank: int, job: JobConfig, run_dir: str, generation: int, secret: str | None) -> _WorkerRun:
+    """Build this rank's training and checkpointer (checking the store takes a write) and log
+    the configuration."""
     p, t = job.parallel, job.train
-    _progress.update(steps_done=0, rank=rank)
     tr = build_training(job, rank, run_dir)
-    engine, opt, loader, val = tr.engine, tr.optimizer, tr.loader, tr.val
-    lead = rank == 0
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
     url = t.checkpoint_url or default_store_url(out)
     # rank 0 waits this long for every rank's files before giving a checkpoint up (large models, remote stores)
-    ckpt = StageCheckpointer(engine, opt, url, default_staging_dir(out, rank), keep=t.keep_checkpoints,
+    ckpt = StageCheckpointer(tr.engine, tr.optimizer, url, default_staging_dir(out, rank), keep=t.keep_checkpoints,
                              timeout_s=max(600.0, job.launch.timeout_s), generation=generation,
                              key=manifest_key(secret) if secret else None)
     ckpt.check_store()
-    if lead:
+    if rank == 0:
         _log(f"[varuna] {job.name}: P={p.P} x D={p.D}, global batch {p.global_batch} = micro-batch "
              f"{p.micro_batch_size} x m={p.num_micro_batches} x D={p.D}, policy {p.policy}, "
-             f"{sum(1 for _ in engine.named_parameters())} tensors on rank 0, generation {generation}")
-    _log(f"[rank {rank}] {engine.describe()}")
-    start, resumed_from, ppl0 = 0, None, None
-    if not t.resume:
-        _refuse_stale_store(url, lead, engine.device)
-    if t.resume:
-        info, common = ckpt.resume()
+             f"{sum(1 for _ in tr.engine.named_parameters())} tensors on rank 0, generation {generation}")
+    _log(f"[rank {rank}] {tr.engine.describe()}")
+    return _WorkerRun(job, tr, ckpt, url, out, generation,
+                      WorkerOutcome(status="completed", step=0, generation=generation), Progress(rank))
+
+
+def _resume(run: _WorkerRun) -> None:
+    """Resume from the store's newest complete checkpoint (``train.resume``; else refuse a store
+    holding an earlier run's), and measure the held-out perplexity at start unless resumed."""
+    engine, loader, lead = run.tr.engine, run.tr.loader, run.lead
+    if not run.job.train.resume:
+        _refuse_stale_store(run.url, lead, engine.device)
+    else:
+        info, common = run.ckpt.resume()
         if info is not None:
             try:
                 loader.load_state_dict(common["loader"])
             except ValueError as e:
-                raise CheckpointError(f"checkpoint {info.name!r} in {url!r} does not fit this job's data: {e}") from None
-            start = resumed_from = loader.position
-            ppl0 = common.get("ppl_start")
+                raise CheckpointError(f"checkpoint {info.name!r} in {run.url!r} does not fit this job's data: "
+                                      f"{e}") from None
+            run.outcome.step = run.outcome.resumed_from = loader.position
+            run.ppl0 = common.get("ppl_start")
             if lead:
-                _log(f"[varuna] resumed from {info.name} (saved at P={info.P} x D={info.D}): step {start}")
-    _progress["steps_done"] = start
-    if ppl0 is None:
-        ppl0 = math.exp(evaluate(engine, val))
+                _log(f"[varuna] resumed from {info.name} (saved at P={info.P} x D={info.D}): step {run.outcome.step}")
+    run.progress.steps_done = run.outcome.step
+    if run.ppl0 is None:
+        run.ppl0 = math.exp(evaluate(engine, run.tr.val))
         if lead:
-            _log(f"[varuna] held-out perplexity at start: {ppl0:.2f}")
-    tokens_per_step = p.global_batch * tokens_per_example(job, tr.job)
-    t_start = time.time()
-    r = None
-    outcome = WorkerOutcome(status="completed", step=start, generation=generation, resumed_from=resumed_from)
-    every = t.checkpoint_every
-    skipped_in_a_row = 0
-    with open(metrics_path, "a") if lead else open(os.devnull, "w") as mf:
-        for step in range(start, t.steps):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, job)
-            r = engine.step(tr.batch(step), opt)
-            skipped_in_a_row = skipped_in_a_row + 1 if r.skipped else 0
-            if skipped_in_a_row >= MAX_NONFINITE_STEPS and t.precision != "fp16":
-                raise FloatingPointError(
-                    f"steps {step - skipped_in_a_row + 2}..{step + 1}: the loss or the gradients were not finite "
-                    f"(loss {r.loss}, grad norm {r.grad_norm}) {skipped_in_a_row} steps in a row in {t.precision}, so "
-                    "no step was applied; check the loss function and the data, lower train.lr, or enable "
-                    "train.grad_clip")
-            done = step + 1
-            _progress["steps_done"] = done
-            outcome.step, outcome.steps_run = done, outcome.steps_run + 1
-            m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
-                            loss_scale=r.loss_scale, step_time_s=r.time_s,
-                            tokens_per_s=tokens_per_step / r.time_s, examples_per_s=p.global_batch / r.time_s,
-                            wall_time=time.time(), P=p.P, D=p.D, generation=generation)
-            md = asdict(m)
-            if on_step is not None:
-                on_step(step, r, md)
-            if lead:
-                mf.write(json.dumps(md) + "\n")
-                mf.flush()
-                _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {m.tokens_per_s:8.0f} tok/s | "
-                     f"{m.examples_per_s:6.2f} ex/s | {r.time_s:6.3f} s" + (" | skipped (overflow)" if r.skipped else ""))
-            stop = False
-            if should_stop is not None:
-                t0 = time.perf_counter()
-                stop = _agree_stop(should_stop, engine.device)
-                outcome.stop_poll_s += time.perf_counter() - t0
-            if stop or (every and done % every == 0):
-                loader_state = {**loader.state_dict(), "step": done}
-                outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "ppl_start": ppl0,
-                                                              "job": job.name} if lead else None)
-            if stop:
-                t0 = time.perf_counter()
-                _wait_published(ckpt, engine.device)
-                outcome.checkpoint_block_s += time.perf_counter() - t0
-                outcome.status, outcome.checkpoint = "stopped", checkpoint_name(done, ckpt.tag)
-                if lead:
-                    _log(f"[varuna] stopped after step {done}; checkpoint {outcome.checkpoint} published to {url}")
-                    _write_outcome(out, outcome)
-                sys.stdout.flush()
-                return outcome
+            _log(f"[varuna] held-out perplexity at start: {run.ppl0:.2f}")
+
+
+def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -> StepResult:
+    """One optimizer step (0-based ``step``) at its learning rate; then the progress, the metrics
+    line (``on_step``, and written to ``mf`` and logged on rank 0). Raises ``FloatingPointError``
+    after ``MAX_NONFINITE_STEPS`` non-finite steps in a row without loss scaling."""
+    job, p, t = run.job, run.job.parallel, run.job.train
+    for g in run.tr.optimizer.param_groups:
+        g["lr"] = lr_at(step, job)
+    r = run.tr.engine.step(run.tr.batch(step), run.tr.optimizer)
+    run.skipped_in_a_row = run.skipped_in_a_row + 1 if r.skipped else 0
+    if run.skipped_in_a_row >= MAX_NONFINITE_STEPS and t.precision != "fp16":
+        raise FloatingPointError(
+            f"steps {step - run.skipped_in_a_row + 2}..{step + 1}: the loss or the gradients were not finite "
+            f"(loss {r.loss}, grad norm {r.grad_norm}) {run.skipped_in_a_row} steps in a row in {t.precision}, so "
+            "no step was applied; check the loss function and the data, lower train.lr, or enable "
+            "train.grad_clip")
+    done = step + 1
+    run.progress.steps_done = done
+    run.outcome.step, run.outcome.steps_run = done, run.outcome.steps_run + 1
+    m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
+                    loss_scale=r.loss_scale, step_time_s=r.time_s,
+                    tokens_per_s=tokens_per_step / r.time_s, examples_per_s=p.global_batch / r.time_s,
+                    wall_time=time.time(), P=p.P, D=p.D, generation=run.generation)
+    md = asdict(m)
+    if on_step is not None:
+        on_step(step, r, md)
+    if run.lead:
+        mf.write(json.dumps(md) + "\n")
+        mf.flush()
+        _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {m.tokens_per_s:8.0f} tok/s | "
+             f"{m.examples_per_s:6.2f} ex/s | {r.time_s:6.3f} s" + (" | skipped (overflow)" if r.skipped else ""))
+    return r
+
+
+def _stop_or_checkpoint(run: _WorkerRun, should_stop: Callable[[Progress], bool] | None) -> bool:
+    """After a step: agree whether to stop; checkpoint when stopping or every
+    ``train.checkpoint_every`` steps; when stopping, wait for the checkpoint's publication and
+    record the outcome. True when the worker stops here."""
+    engine, ckpt, outcome, done = run.tr.engine, run.ckpt, run.outcome, run.outcome.step
+    stop = False
+    if should_stop is not None:
+        t0 = time.perf_counter()
+        stop = _agree_stop(should_stop, run.progress, engine.device)
+        outcome.stop_poll_s += time.perf_counter() - t0
+    every = run.job.train.checkpoint_every
+    if stop or (every and done % every == 0):
+        loader_state = {**run.tr.loader.state_dict(), "step": done}
+        outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "ppl_start": run.ppl0,
+                                                       "job": run.job.name} if run.lead else None)
+    if stop:
+        t0 = time.perf_counter()
+        _wait_published(ckpt, engine.device)
+        outcome.checkpoint_block_s += time.perf_counter() - t0
+        outcome.status, outcome.checkpoint = "stopped", checkpoint_name(done, ckpt.tag)
+        if run.lead:
+            _log(f"[varuna] stopped after step {done}; checkpoint {outcome.checkpoint} published to {run.url}")
+            _write_outcome(run.out, outcome)
+        sys.stdout.flush()
+    return stop
+
+
+def _finish(run: _WorkerRun, r: StepResult | None, t_start: float) -> WorkerOutcome:
+    """All steps done: publish a periodic checkpoint still in flight, measure the held-out
+    perplexity at the end and (rank 0) write ``summary.json`` and ``outcome.json``."""
+    outcome, t = run.outcome, run.job.train
     t0 = time.perf_counter()
-    ckpt.wait()  # a periodic checkpoint still in flight is published before the job ends
+    run.ckpt.wait()  # a periodic checkpoint still in flight is published before the job ends
     outcome.checkpoint_block_s += time.perf_counter() - t0
-    ppl1 = math.exp(evaluate(engine, val))
-    if lead:
-        _log(f"[varuna] held-out perplexity: start {ppl0:.2f} -> end {ppl1:.2f} "
+    ppl1 = math.exp(evaluate(run.tr.engine, run.tr.val))
+    if run.lead:
+        _log(f"[varuna] held-out perplexity: start {run.ppl0:.2f} -> end {ppl1:.2f} "
              f"({outcome.steps_run} steps in {time.time() - t_start:.1f} s)")
-        (out / "summary.json").write_text(_strict_json({
-            "name": job.name, "steps": t.steps, "P": p.P, "D": p.D, "ppl_start": ppl0, "ppl_end": ppl1,
-            "final_loss": r.loss if r is not None else None, "train_time_s": time.time() - t_start,
-            "generation": generation, "resumed_from": resumed_from}))
-        _write_outcome(out, outcome)
+        (run.out / "summary.json").write_text(_strict_json({
+            "name": run.job.name, "steps": t.steps, "P": run.job.parallel.P, "D": run.job.parallel.D,
+            "ppl_start": run.ppl0, "ppl_end": ppl1, "final_loss": r.loss if r is not None else None,
+            "train_time_s": time.time() - t_start, "generation": run.generation,
+            "resumed_from": outcome.resumed_from}))
+        _write_outcome(run.out, outcome)
     sys.stdout.flush()
     return outcome
 

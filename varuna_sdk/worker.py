@@ -5,10 +5,10 @@ Reads its rank, world size and rendezvous from the environment (``RANK``, ``WORL
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; ``VARUNA_GENERATION`` = which launch of the job
 this is, 0 first, +1 per morph), initialises torch.distributed (NCCL with a GPU, else gloo) and
 runs the training loop (``trainer.run_worker``). ``manager.generation.Generation`` starts it and
-sets that environment; ``cluster.local.spawn_workers`` calls the same ``run_worker`` in-process.
+sets that environment; ``pipeline.spawn.spawn_workers`` calls the same ``run_worker`` in-process.
 
 Heartbeats: when the launcher set ``VARUNA_HEARTBEAT_ADDR`` (and ``VARUNA_JOB_TOKEN``), a
-``manager.heartbeat.HeartbeatClient`` starts *before torch is imported* (the manager hears from
+``manager.heartbeat_client.HeartbeatClient`` starts *before torch is imported* (the manager hears from
 the worker while it is still starting) and reports this worker's step, loss, per-micro-batch
 compute times and memory every interval; rank 0 also hands it every step's metrics row (the
 ``metrics.jsonl`` line) for the manager's metrics table. The training loop polls the client's
@@ -20,8 +20,9 @@ Pre-emption notices: on the worker the launcher marks (``VARUNA_NOTICE_WATCH=1``
 VM reached over SSH) a ``cluster.notice.NoticeWatcher`` thread polls the cloud's metadata service
 and hands every notice to the heartbeat client, which tells the manager at once.
 
-Imports ``config``, ``cluster.local``, ``cluster.notice``, ``manager.heartbeat`` and ``trainer`` (torch lazily, after
-the heartbeat client started).
+Imports ``config``, ``pipeline.spawn``, ``cluster.notice``, ``manager.heartbeat_client``,
+``manager.wire`` and ``trainer`` (torch lazily, after the heartbeat client started); never
+``manager.heartbeat_server``, ``manager.events`` or ``manager.manager``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import traceback
 from pathlib import Path
 
 from .cluster.notice import NoticeWatcher
-from .manager.heartbeat import ENV_TOKEN, STOPPED, HeartbeatClient
+from .manager.heartbeat_client import HeartbeatClient
+from .manager.wire import ENV_TOKEN, STOPPED
 from .shipping import OBJECTS_DIR_ENV
 
 ENV_GENERATION = "VARUNA_GENERATION"
@@ -120,7 +122,7 @@ CODE_ERRORS = frozenset({"TypeError", "AttributeError", "NameError", "ImportErro
 
 
 def failure_cause(e: BaseException) -> str:
-    """Why a worker failed, for the manager (``manager.heartbeat.FAILURE_CAUSES``): ``"data"`` for a
+    """Why a worker failed, for the manager (``manager.wire.FAILURE_CAUSES``): ``"data"`` for a
     ``DataError`` (deterministic: retrying reads the same examples), ``"code"`` for a programming
     error in the code the job runs (``CODE_ERRORS``: a retry runs the same code into the same
     error), ``"peer"`` for a collective that failed because another rank died first (a
@@ -149,7 +151,7 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
     import torch
     import torch.distributed as dist
 
-    from .cluster.local import retain_freed_memory
+    from .pipeline.spawn import retain_freed_memory
     from .config import JobConfig
     from .trainer import run_worker
 
@@ -174,7 +176,7 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
                 hb.record_metrics(metrics)
 
         kwargs["on_step"] = on_step
-        kwargs["should_stop"] = lambda: hb.stop_requested  # every rank polls (agreed each step)
+        kwargs["should_stop"] = lambda progress: hb.stop_requested  # every rank polls (agreed each step)
     Path(argv[1]).mkdir(parents=True, exist_ok=True)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=job.launch.timeout_s))

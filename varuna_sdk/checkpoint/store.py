@@ -153,10 +153,12 @@ class CheckpointInfo:
 
     @property
     def P(self) -> int:
+        """Pipeline depth the checkpoint was saved under."""
         return int(self.manifest["P"])
 
     @property
     def D(self) -> int:
+        """Data-parallel width the checkpoint was saved under."""
         return int(self.manifest["D"])
 
     @property
@@ -187,6 +189,7 @@ class Store:
         self.local = isinstance(self.fs, LocalFileSystem)
 
     def path(self, *parts: str) -> str:
+        """The store path of ``parts`` under its root."""
         return "/".join([self.root, *parts])
 
     # ---- objects ----------------------------------------------------------------------------
@@ -246,6 +249,7 @@ class Store:
                                       "space or give train.checkpoint_url another location")
 
     def read_bytes(self, rel: str) -> bytes:
+        """The whole file at ``rel`` (relative to the root)."""
         return self.fs.cat_file(self.path(rel))
 
     def listdir(self, rel: str = "") -> dict[str, int]:

@@ -63,11 +63,13 @@ class _HashingFile:
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
 
     def write(self, data) -> int:
+        """Hash, count and write ``data``; returns bytes written."""
         self.sha.update(data)
         self.size += len(data)
         return self.f.write(data)
 
     def flush(self) -> None:
+        """Flush the wrapped file."""
         self.f.flush()
 
 
@@ -119,6 +121,7 @@ class CheckpointWriter:
 
     @property
     def busy(self) -> bool:
+        """True while the background thread is writing or publishing."""
         return self._thread is not None and self._thread.is_alive()
 
     def save(self, name: str, step: int, files: dict[str, Any], manifest: dict | None = None) -> float:

@@ -1,6 +1,9 @@
 """Spot VMs from AWS EC2 (boto3): a ``Provider`` (``cluster.provider``) that keeps ``target`` spot
 instances for one job, tagged with the job id, and never leaves one running behind it.
 
+It is the worked example of the provider contract (``cluster/provider.py``'s docstring): what a
+cloud provider does in ``start``, ``acquire``, ``release``, ``close`` and on its thread.
+
 ``AWSSpotProvider(AWSSpotConfig(region=..., instance_types=(...), ami=..., key_name=...,
 key_path=...), job_id=..., target=4).start()``:
 
@@ -39,7 +42,7 @@ instance backed by an sshd test host (``reach``); not against AWS itself.
 
 Owns ``AWSSpotConfig``, ``AWSSpotProvider``, ``AWSConfigError``, ``CapacityError``,
 ``Reach``, ``host_keys_from_console``. Imports ``cluster.hosts``, ``cluster.provider``,
-``cluster.ssh`` and boto3 (lazily); never torch or the manager.
+``cluster.ssh``, ``cluster.ssh_errors`` and boto3 (lazily); never torch or the manager.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .hosts import Host
 from .provider import PoolProvider
-from .ssh import SSHConnection, SSHError, SSHOptions
+from .ssh import SSHConnection, SSHOptions
+from .ssh_errors import SSHError
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +340,7 @@ class AWSSpotProvider(PoolProvider):
     def start(self) -> "AWSSpotProvider":
         """Check, reap instances of finished jobs, adopt this job's live ones, request the
         shortfall, and watch. ``AWSConfigError``/``CapacityError`` when nothing can start."""
-        if self.started:
+        if self._started:
             return self
         self.check()
         self.started = True
@@ -393,7 +397,7 @@ class AWSSpotProvider(PoolProvider):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30.0)
-        if not self.started:
+        if not self._started:
             return
         left = [i["InstanceId"] for i in self._describe() if i["State"]["Name"] not in ("terminated", "shutting-down")]
         if left:

@@ -21,7 +21,7 @@ names every VM concerned and what to change:
 
 ``bootstrap(...)`` runs the three in order for a set of hosts. Owns ``BootstrapError``,
 ``HostVersions``, ``VersionPolicy``, ``SyncReport``, ``BootstrapReport``, ``local_versions``,
-``manifest``. Imports ``cluster.hosts`` and ``cluster.ssh`` only; must never import torch (the
+``manifest``. Imports ``cluster.hosts``, ``cluster.ssh`` and ``cluster.ssh_errors`` only; must never import torch (the
 local torch version comes from package metadata) or the manager.
 """
 
@@ -46,7 +46,8 @@ from typing import Callable, Mapping, Sequence, TypeVar
 import paramiko
 
 from .hosts import Host, Secret
-from .ssh import CommandTimeout, SSHError, SSHPool
+from .ssh import SSHPool
+from .ssh_errors import CommandTimeout, SSHError
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class VersionPolicy:
 
 def _python_of(host: Host) -> str:
     if not host.python:
-        raise _HostProblem(f"Host.python is not set: give the absolute path of the venv's Python "
+        raise _HostProblem("Host.python is not set: give the absolute path of the venv's Python "
                            "on the VM (e.g. /opt/venv/bin/python)")
     return host.python
 

@@ -3,9 +3,9 @@
 
 A local host is an ordinary ``Host`` marked ``labels["kind"] == "local"`` (``local_host(i)``,
 ``is_local(host)``); its address is ``127.0.0.1`` and its Python is this one. Nothing reaches it
-over SSH: ``cluster.remote.launch`` starts its workers with ``start_local`` instead of an SSH
+over SSH: ``cluster.remote.start_workers`` starts its workers with ``start_local`` instead of an SSH
 channel, with the very same environment contract, and gets back a ``LocalProcess`` that behaves
-like ``ssh.RemoteProcess`` (``poll``, ``wait``, ``kill``, ``exit_code``, ``ended_at`` ...), so
+like ``ssh_process.RemoteProcess`` (``poll``, ``wait``, ``kill``, ``exit_code``, ``ended_at`` ...), so
 one ``RemoteJob`` manages local and remote workers alike.
 
 Every local worker runs in its own session (``setsid``); ``kill()`` signals the whole session —
@@ -84,7 +84,7 @@ def _signal_session(sid: int, sig: int) -> None:
 
 
 class LocalProcess:
-    """A command running here in its own session, with the interface of ``ssh.RemoteProcess``.
+    """A command running here in its own session, with the interface of ``ssh_process.RemoteProcess``.
     Output is delivered line by line to the callbacks from reader threads."""
 
     connection_lost = False  # there is no connection to lose
@@ -203,7 +203,7 @@ def start_local(host: Host, argv: Sequence[str], *, env: Mapping[str, str | Secr
     if ``cwd`` or the program does not exist."""
     if not is_local(host):
         raise ValueError(f"{host.name} is not a local host (labels kind={host.labels.get('kind')!r}); "
-                         "reach it over SSH with cluster.remote.launch")
+                         "reach it over SSH with cluster.remote.start_workers")
     if cwd is not None and not Path(cwd).is_dir():
         raise FileNotFoundError(f"{host.name}: working folder {cwd} does not exist")
     full = dict(os.environ)

@@ -13,12 +13,13 @@ The command is the caller's (normally ``[host.python, "-m", "varuna_sdk.worker",
 the venv's Python by absolute path, never a login shell's PATH).
 
 Local hosts (``cluster.localproc.is_local``: the embedded default's slots) take the same path
-without SSH: ``launch`` starts their workers with ``localproc.start_local`` — own session, same
+without SSH: ``start_workers`` starts their workers with ``localproc.start_local`` — own session, same
 environment, same prefixed output — and ``RemoteJob`` waits for and stops them like the others,
 so one job may mix both (all must reach rank 0's ``MASTER_ADDR``).
 
-Owns: ``WorkerSpec``, ``RemoteWorker``, ``RemoteJob``, ``launch``, ``RemoteWorkerFailure``.
-Imports ``cluster.hosts``, ``cluster.ssh`` and ``cluster.localproc`` only; must never import torch
+Owns: ``WorkerSpec``, ``RemoteWorker``, ``RemoteJob``, ``start_workers``, ``RemoteWorkerFailure``.
+Imports ``cluster.hosts``, ``cluster.ssh`` (and its ``ssh_errors`` / ``ssh_process``) and
+``cluster.localproc`` only; must never import torch
 or the manager.
 """
 
@@ -37,7 +38,9 @@ from typing import Callable, Collection, Mapping, Sequence
 
 from .hosts import Host, Secret
 from .localproc import LocalProcess, is_local, start_local
-from .ssh import RemoteProcess, SSHError, SSHPool
+from .ssh import SSHPool
+from .ssh_errors import SSHError
+from .ssh_process import RemoteProcess
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +184,11 @@ class RemoteJob:
             self.stop()
 
 
-def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool | None, master_addr: str, master_port: int,
-           job_id: str | None = None, token: Secret | None = None,
-           env: Mapping[str, str | Secret] | None = None, sink: LineSink | None = print_sink,
-           tail_lines: int = 50,
-           on_exit: Callable[[RemoteWorker], None] | None = None) -> RemoteJob:
+def start_workers(specs: Sequence[WorkerSpec], *, pool: SSHPool | None, master_addr: str, master_port: int,
+                  job_id: str | None = None, token: Secret | None = None,
+                  env: Mapping[str, str | Secret] | None = None, sink: LineSink | None = print_sink,
+                  tail_lines: int = 50,
+                  on_exit: Callable[[RemoteWorker], None] | None = None) -> RemoteJob:
     """Start every worker of ``specs`` (world size = len(specs), ranks 0..N-1 exactly once).
 
     Each gets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``,
@@ -193,65 +196,21 @@ def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool | None, master_addr: st
     one), then ``env`` and the spec's own ``env``. Output lines go to ``sink`` prefixed
     ``[host rank N]``. Workers of local hosts (``localproc.is_local``) start as subprocesses
     here (``pool`` may be None when every host is local). ``on_exit(worker)`` is called (from a
-    reader thread) when a worker's process ends or its connection is lost. If any worker cannot
-    be started, those already started are stopped and the error is raised.
+    reader thread) when a worker's process ends or its connection is lost. ``ValueError`` for
+    bad ranks, an empty command or an SSH host without ``pool``; if any worker cannot be
+    started, those already started are stopped and the error is raised.
     """
-    ranks = sorted(s.rank for s in specs)
-    if ranks != list(range(len(specs))):
-        raise ValueError(f"ranks must be 0..{len(specs) - 1} exactly once, got {ranks}")
-    for s in specs:
-        if not s.command:
-            raise ValueError(f"rank {s.rank}: empty command")
-        if pool is None and not is_local(s.host):
-            raise ValueError(f"rank {s.rank}: host {s.host.name} is reached over SSH: pass pool=SSHPool(...)")
+    _check_specs(specs, pool)
     job_id = job_id or uuid.uuid4().hex[:12]
     token = token or Secret(_secrets.token_urlsafe(24))
     workers = [RemoteWorker(s, tail_lines) for s in sorted(specs, key=lambda s: s.rank)]
     job = RemoteJob(job_id, workers, pool)
+    base_env: dict[str, str | Secret] = {
+        "WORLD_SIZE": str(len(specs)), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "VARUNA_JOB_ID": job_id, "VARUNA_JOB_TOKEN": token}
 
     def start(w: RemoteWorker) -> None:
-        s = w.spec
-        wenv: dict[str, str | Secret] = {
-            "RANK": str(s.rank), "WORLD_SIZE": str(len(specs)), "LOCAL_RANK": str(s.local_rank),
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-            "VARUNA_JOB_ID": job_id, "VARUNA_HOST": s.host.name, "VARUNA_JOB_TOKEN": token,
-            "PYTHONUNBUFFERED": "1"}
-        wenv.update(env or {})
-        wenv.update(s.env)
-
-        assigned = threading.Event()
-
-        def ended() -> None:
-            assigned.wait(30.0)  # (a process may end before start() returned it)
-            job._notify()
-            if on_exit is not None:
-                on_exit(w)
-
-        def line(stream: str, tail: collections.deque):
-            def on(text: str) -> None:
-                tail.append(text)
-                if sink is not None:
-                    sink(stream, w, f"{w.prefix} {text}")
-            return on
-
-        if is_local(s.host):
-            try:
-                w.process = start_local(
-                    s.host, list(s.command), env=wenv, cwd=s.cwd or s.host.workdir,
-                    on_stdout=line("stdout", w.stdout_tail), on_stderr=line("stderr", w.stderr_tail),
-                    on_exit=ended, kill_grace_s=pool.options.kill_grace_s if pool else 2.0)
-            finally:
-                assigned.set()
-            return
-        try:
-            w.process = pool.get(s.host).start(
-                list(s.command), env=wenv, cwd=s.cwd or s.host.workdir,
-                on_stdout=line("stdout", w.stdout_tail), on_stderr=line("stderr", w.stderr_tail),
-                collect=False, on_exit=ended)
-        finally:
-            assigned.set()
-        if w.process.wait_started(15.0) is None and not w.process.done():
-            raise SSHError(s.host, f"rank {s.rank}: the worker did not report its session id")
+        _start_worker(w, job, pool, base_env, env or {}, sink, on_exit)
 
     log.info("job %s: starting %d workers on %s", job_id, len(workers),
              sorted({w.host.name for w in workers}))
@@ -262,3 +221,66 @@ def launch(specs: Sequence[WorkerSpec], *, pool: SSHPool | None, master_addr: st
         job.stop()
         raise errors[0]
     return job
+
+
+def _check_specs(specs: Sequence[WorkerSpec], pool: SSHPool | None) -> None:
+    """``ValueError`` unless the ranks are 0..N-1 exactly once, every command is non-empty and
+    every SSH host has a ``pool`` to reach it."""
+    ranks = sorted(s.rank for s in specs)
+    if ranks != list(range(len(specs))):
+        raise ValueError(f"ranks must be 0..{len(specs) - 1} exactly once, got {ranks}")
+    for s in specs:
+        if not s.command:
+            raise ValueError(f"rank {s.rank}: empty command")
+        if pool is None and not is_local(s.host):
+            raise ValueError(f"rank {s.rank}: host {s.host.name} is reached over SSH: pass pool=SSHPool(...)")
+
+
+def _start_worker(w: RemoteWorker, job: RemoteJob, pool: SSHPool | None,
+                  base_env: Mapping[str, str | Secret], env: Mapping[str, str | Secret],
+                  sink: LineSink | None, on_exit: Callable[[RemoteWorker], None] | None) -> None:
+    """Start one worker (a local subprocess or an SSH session) and set ``w.process``; its
+    environment is ``base_env`` + its rank and host, then ``env`` and the spec's own ``env``.
+    ``SSHError`` when an SSH worker does not report its session id within 15 s."""
+    s = w.spec
+    wenv: dict[str, str | Secret] = {
+        "RANK": str(s.rank), "WORLD_SIZE": base_env["WORLD_SIZE"], "LOCAL_RANK": str(s.local_rank),
+        "MASTER_ADDR": base_env["MASTER_ADDR"], "MASTER_PORT": base_env["MASTER_PORT"],
+        "VARUNA_JOB_ID": base_env["VARUNA_JOB_ID"], "VARUNA_HOST": s.host.name,
+        "VARUNA_JOB_TOKEN": base_env["VARUNA_JOB_TOKEN"], "PYTHONUNBUFFERED": "1"}
+    wenv.update(env)
+    wenv.update(s.env)
+
+    assigned = threading.Event()
+
+    def ended() -> None:
+        assigned.wait(30.0)  # (a process may end before start() returned it)
+        job._notify()
+        if on_exit is not None:
+            on_exit(w)
+
+    def line(stream: str, tail: collections.deque):
+        def on(text: str) -> None:
+            tail.append(text)
+            if sink is not None:
+                sink(stream, w, f"{w.prefix} {text}")
+        return on
+
+    if is_local(s.host):
+        try:
+            w.process = start_local(
+                s.host, list(s.command), env=wenv, cwd=s.cwd or s.host.workdir,
+                on_stdout=line("stdout", w.stdout_tail), on_stderr=line("stderr", w.stderr_tail),
+                on_exit=ended, kill_grace_s=pool.options.kill_grace_s if pool else 2.0)
+        finally:
+            assigned.set()
+        return
+    try:
+        w.process = pool.get(s.host).start(
+            list(s.command), env=wenv, cwd=s.cwd or s.host.workdir,
+            on_stdout=line("stdout", w.stdout_tail), on_stderr=line("stderr", w.stderr_tail),
+            collect=False, on_exit=ended)
+    finally:
+        assigned.set()
+    if w.process.wait_started(15.0) is None and not w.process.done():
+        raise SSHError(s.host, f"rank {s.rank}: the worker did not report its session id")

@@ -14,7 +14,7 @@ going at each drop — without it a 64-VM trace on 4 slots would never touch the
 
 **Emulator.** ``SpotEmulator(trace, capacity=4, backend="ssh" | "local", notice_s=...)`` is a
 ``Provider`` (``cluster.provider``) that owns up to ``capacity`` hosts — real sshd test hosts
-(``cluster.testhosts.TestHosts``: loopback or, with ``netns=True``, network namespaces) or local
+(``cluster.sshd_hosts.SSHDHosts``: loopback or, with ``netns=True``, network namespaces) or local
 slots (``local0``...) — and replays the trace in real time on its own thread:
 
 - trace nodes are mapped to host slots (``vm0``.. or ``local0``..) first come, first served; a
@@ -33,7 +33,7 @@ slots (``local0``...) — and replays the trace in real time on its own thread:
   (``cluster.notice``) must see it and tell the manager, and the host stays in ``hosts()``
   until it is removed, as a cloud API would list it;
 - a removal really removes the host: a test host's sshd and every process it started are
-  killed (``TestHosts.remove``), a local slot's worker processes are killed
+  killed (``SSHDHosts.remove``), a local slot's worker processes are killed
   (``localproc.kill_host``); then ``removed`` is emitted.
 
 ``remove_now(name, notice_s=None)`` and ``add_now(name=None)`` drive it by hand (tests,
@@ -41,8 +41,8 @@ tutorials), with or without a trace. ``labels`` go on every host it brings up (e
 an emulated VM stands for: ``price_per_hour``, ``on_demand_per_hour``, ``prices="example"``). Host events go to the job's event log when one is given.
 
 Owns ``TraceEvent``, ``Trace``, ``TraceError``, ``load_trace``, ``SpotEmulator``. Imports
-``cluster.hosts``, ``cluster.localproc``, ``cluster.metadata``, ``cluster.provider`` and
-``cluster.testhosts`` only;
+``cluster.hostfile`` (the bounded file read), ``cluster.hosts``, ``cluster.localproc``,
+``cluster.metadata``, ``cluster.provider``, ``cluster.ssh`` and ``cluster.sshd_hosts`` only;
 never torch or the manager.
 """
 
@@ -63,9 +63,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .hostfile import read_small_text
 from .hosts import Host
 from .localproc import kill_host, local_host
-from .provider import PoolProvider, read_small_text
+from .provider import PoolProvider
 from .ssh import SSHOptions
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,31 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace file {p} does not exist (the shipped traces are in varuna_sdk/data/spot-traces/)")
+    _check_window(start_s, end_s, compress, scale_to)
+    fmt, raw, counts = _read_rows(p)
+    note = ""
+    if counts:
+        raw, note = _count_events(counts, p, scale_to, seed)
+    lo, hi = start_s * 1000.0, None if end_s is None else end_s * 1000.0
+    events: list[TraceEvent] = []
+    up_at_start: dict[str, tuple[int, int]] = {}
+    for ms, kind, node, no in raw:
+        if ms < lo:
+            if kind == "add":
+                up_at_start[node] = (ms, no)
+            else:
+                up_at_start.pop(node, None)
+            continue
+        if hi is not None and ms >= hi:
+            break
+        events.append(TraceEvent((ms - lo) / 1000.0 / compress, kind, node, ms, no))
+    initial = [TraceEvent(0.0, "add", n, ms, 0) for n, (ms, _) in up_at_start.items()]
+    return Trace(initial + events, str(p), start_s, end_s, float(compress), len(raw), note, fmt)
+
+
+def _check_window(start_s: float, end_s: float | None, compress: float, scale_to: int | None) -> None:
+    """``TraceError`` unless ``compress`` > 0, ``0 <= start_s < end_s`` (finite seconds) and
+    ``scale_to`` is None or an integer >= 1."""
     if not (isinstance(compress, (int, float)) and math.isfinite(compress) and compress > 0):
         raise TraceError(f"compress={compress!r} must be a finite number > 0 (60: an hour of trace in a minute)")
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (start_s, 0.0 if end_s is None else end_s)):
@@ -163,8 +189,14 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
         raise TraceError(f"window start_s={start_s}, end_s={end_s}: need 0 <= start_s < end_s (seconds)")
     if scale_to is not None and (not isinstance(scale_to, int) or isinstance(scale_to, bool) or scale_to < 1):
         raise TraceError(f"scale_to={scale_to!r} must be an integer >= 1 (the emulator's capacity) or None")
+
+
+def _read_rows(p: Path) -> tuple[str, list[tuple[int, str, str, int]], list[tuple[int, int, int]]]:
+    """The rows of trace file ``p``: its format (``"events"``, ``"counts"`` or ``"dated
+    counts"``), its events ``(ms, kind, node, line)`` and its counts ``(ms, count, line)`` (one of
+    the two lists is empty). ``TraceError`` naming the line for anything malformed."""
     raw: list[tuple[int, str, str, int]] = []  # (ms, kind, node, line)
-    counts: list[tuple[int, int, int]] = []    # count traces: (ms, count, line), turned into events below
+    counts: list[tuple[int, int, int]] = []    # count traces: (ms, count, line), turned into events later
     fmt = None
     last_ms = -1
     alive: set[str] = set()
@@ -193,60 +225,59 @@ def load_trace(path: str | os.PathLike, *, start_s: float = 0.0, end_s: float | 
                                  "(HH:MM[:SS])") from None
             t0_dated = at if t0_dated is None else t0_dated
             parts = [str(int(round((at - t0_dated) * 1000))), parts[2]]
-        try:
-            ms = int(parts[0])
-        except ValueError:
-            raise TraceError(f"{where}: time {parts[0]!r} is not a whole number of milliseconds") from None
-        if ms < 0:
-            raise TraceError(f"{where}: time {ms} ms is negative")
-        if ms < last_ms:
-            raise TraceError(f"{where}: time {ms} ms goes backwards (previous row: {last_ms} ms); "
-                             "sort the trace by time")
-        last_ms = ms
+        last_ms = ms = _row_ms(parts[0], last_ms, where)
         if fmt == "events":
-            kind, node = parts[1], parts[2]
-            if kind not in ("add", "remove"):
-                raise TraceError(f"{where}: event {kind!r} must be 'add' or 'remove'")
-            if not _NODE.match(node):
-                raise TraceError(f"{where}: node name {node!r} must be letters, digits, '.', '_' or '-'")
-            if kind == "add":
-                if node in alive:
-                    raise TraceError(f"{where}: node {node} added while already up")
-                alive.add(node)
-            else:
-                if node not in alive:
-                    raise TraceError(f"{where}: node {node} removed but it is not up (never added, "
-                                     "or removed twice)")
-                alive.discard(node)
-            raw.append((ms, kind, node, no))
+            raw.append(_event_row(ms, parts[1], parts[2], alive, no, where))
         else:
-            try:
-                count = int(parts[1])
-            except ValueError:
-                raise TraceError(f"{where}: count {parts[1]!r} is not a whole number") from None
-            if not 0 <= count <= MAX_TRACE_NODES:
-                raise TraceError(f"{where}: count {count} must be in 0..{MAX_TRACE_NODES} (nodes up at once)")
-            counts.append((ms, count, no))
+            counts.append((ms, _row_count(parts[1], where), no))
     if fmt is None:
         raise TraceError(f"{p}: no events (expected rows 'ms,add|remove,node' or 'ms,count')")
-    note = ""
-    if counts:
-        raw, note = _count_events(counts, p, scale_to, seed)
-    lo, hi = start_s * 1000.0, None if end_s is None else end_s * 1000.0
-    events: list[TraceEvent] = []
-    up_at_start: dict[str, tuple[int, int]] = {}
-    for ms, kind, node, no in raw:
-        if ms < lo:
-            if kind == "add":
-                up_at_start[node] = (ms, no)
-            else:
-                up_at_start.pop(node, None)
-            continue
-        if hi is not None and ms >= hi:
-            break
-        events.append(TraceEvent((ms - lo) / 1000.0 / compress, kind, node, ms, no))
-    initial = [TraceEvent(0.0, "add", n, ms, 0) for n, (ms, _) in up_at_start.items()]
-    return Trace(initial + events, str(p), start_s, end_s, float(compress), len(raw), note, fmt)
+    return fmt, raw, counts
+
+
+def _row_ms(text: str, last_ms: int, where: str) -> int:
+    """A row's time (whole milliseconds, not before ``last_ms``); ``TraceError`` at ``where``."""
+    try:
+        ms = int(text)
+    except ValueError:
+        raise TraceError(f"{where}: time {text!r} is not a whole number of milliseconds") from None
+    if ms < 0:
+        raise TraceError(f"{where}: time {ms} ms is negative")
+    if ms < last_ms:
+        raise TraceError(f"{where}: time {ms} ms goes backwards (previous row: {last_ms} ms); "
+                         "sort the trace by time")
+    return ms
+
+
+def _event_row(ms: int, kind: str, node: str, alive: set[str], no: int,
+               where: str) -> tuple[int, str, str, int]:
+    """An ``add``/``remove`` row as ``(ms, kind, node, line)``, updating ``alive`` (the nodes up);
+    ``TraceError`` for a bad kind or node name, a node added twice or removed while down."""
+    if kind not in ("add", "remove"):
+        raise TraceError(f"{where}: event {kind!r} must be 'add' or 'remove'")
+    if not _NODE.match(node):
+        raise TraceError(f"{where}: node name {node!r} must be letters, digits, '.', '_' or '-'")
+    if kind == "add":
+        if node in alive:
+            raise TraceError(f"{where}: node {node} added while already up")
+        alive.add(node)
+    else:
+        if node not in alive:
+            raise TraceError(f"{where}: node {node} removed but it is not up (never added, "
+                             "or removed twice)")
+        alive.discard(node)
+    return (ms, kind, node, no)
+
+
+def _row_count(text: str, where: str) -> int:
+    """A count row's count (nodes up, 0..``MAX_TRACE_NODES``); ``TraceError`` at ``where``."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise TraceError(f"{where}: count {text!r} is not a whole number") from None
+    if not 0 <= count <= MAX_TRACE_NODES:
+        raise TraceError(f"{where}: count {count} must be in 0..{MAX_TRACE_NODES} (nodes up at once)")
+    return count
 
 
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -301,7 +332,7 @@ class SpotEmulator(PoolProvider):
     """A ``Provider`` of up to ``capacity`` emulated spot VMs replaying ``trace`` (see the module
     docstring).
 
-    ``backend``: ``"ssh"`` (sshd test hosts; ``test_hosts``: a ``TestHosts`` to use — default:
+    ``backend``: ``"ssh"`` (sshd test hosts; ``test_hosts``: an ``SSHDHosts`` to use — default:
     one of its own under ``root`` or a temporary folder, closed by ``close()``; ``netns=True``:
     network-namespace hosts) or ``"local"`` (local slots, workers as subprocesses).
     ``notice_s``: wall-clock seconds of pre-emption notice before each removal (0 or None: none).
@@ -350,7 +381,7 @@ class SpotEmulator(PoolProvider):
         self._own_root: Path | None = None
         self.test_hosts = test_hosts
         if backend == "ssh" and test_hosts is None:
-            from .testhosts import TestHosts, skip_reason
+            from .sshd_hosts import SSHDHosts, skip_reason
 
             reason = skip_reason()
             if reason:
@@ -358,7 +389,7 @@ class SpotEmulator(PoolProvider):
             if root is None:
                 self._own_root = Path(tempfile.mkdtemp(prefix="varuna-spot-"))
                 root = self._own_root
-            self.test_hosts = TestHosts(root)
+            self.test_hosts = SSHDHosts(root)
             self._own_hosts = True
         else:
             self._own_hosts = False
@@ -383,7 +414,7 @@ class SpotEmulator(PoolProvider):
     def start(self) -> "SpotEmulator":
         """Bring up the initial hosts (trace events at time 0, else ``initial`` slots), then
         replay the rest of the trace on a thread."""
-        if self.started:
+        if self._started:
             return self
         self.started = True
         self._t0_mono = time.monotonic()

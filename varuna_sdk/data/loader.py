@@ -444,6 +444,7 @@ class ExampleLoader:
 
     @property
     def position(self) -> int:
+        """The next step the iterator yields (= number of steps consumed)."""
         return self._step
 
     def state_dict(self) -> dict[str, int]:

@@ -73,12 +73,14 @@ class Billing:
 
     @classmethod
     def of(cls, events: Iterable[Event]) -> "Billing":
+        """The billing of a job's ``host_added``/``host_removed`` events (oldest first)."""
         b = cls()
         for e in events:
             b.feed(e)
         return b
 
     def feed(self, e: Event) -> None:
+        """Account one event (events of other kinds, or without a VM, are ignored)."""
         if not e.host or e.kind not in BILLED_KINDS:
             return
         m = self.meters.setdefault(e.host, Meter())

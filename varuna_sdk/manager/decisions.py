@@ -1,16 +1,36 @@
 """The morph manager's decisions as small pure functions (paper §4.2, §4.6): how many worker
 slots a pool offers, whether growing onto returned VMs is worth a morph, which workers are
-stragglers, how many steps a morph lost. No processes, sockets or clocks here — the state
-machine in ``manager.manager`` feeds these with what it observed, so every rule is testable
-with plain numbers.
+stragglers and whether the job is faster without one, whether the plan's estimate still holds,
+how many steps a morph lost. No processes, sockets or clocks here — the state machine in
+``manager.manager`` feeds these with what it observed, so every rule is testable with plain
+numbers.
 
-Owns ``worker_slots``, ``pool_prices``, ``GrowRule``, ``StragglerRule``, ``find_stragglers``, ``steps_lost``,
-``DriftRule``, ``step_time_drift``, ``compute_ratios``, ``segment_factors``.
-Imports ``cluster.hosts`` and ``manager.billing.price`` (a label's US $ per hour); never torch.
+**Adding a morph rule? This module is where it lives.** The contract:
+
+1. A rule's thresholds are a frozen dataclass here (``GrowRule``, ``StragglerRule``,
+   ``DriftRule``): one docstring line per field with its unit, checked in ``__post_init__``
+   (``ValueError`` naming the field).
+2. Its judgement is a pure function (or method) here of plain observations — numbers, ``Host``
+   lists, per-rank histories, a ``planner`` plan and row to simulate — returning the decision
+   (a bool, the ranks concerned, a number or None); it never reads a clock, a socket or the
+   event log, and never starts or stops anything.
+3. Wiring (outside this module, a few lines): a field for the rule in
+   ``manager.options.ManagerOptions`` (``None``: the rule is off); a ``MorphCause`` for it in
+   ``manager.state``; a call in the supervision loop (``manager.supervision``: on a queue message
+   in ``_on_message``, or periodically in ``_periodic_checks``) that records the decision as an
+   event (a ``Kind`` in ``manager.events``) and, when it says morph, calls
+   ``self._request_stop(run, cause, host)`` — the workers stop at the next mini-batch boundary,
+   checkpoint, and the manager re-plans for the VMs it may use.
+
+Owns ``worker_slots``, ``pool_slots``, ``pool_prices``, ``GrowRule``, ``StragglerRule``,
+``find_stragglers``, ``judge_straggler``, ``steps_lost``, ``DriftRule``, ``step_time_drift``,
+``compute_ratios``, ``segment_factors``. Imports ``cluster.hosts`` and ``manager.billing.price`` (a
+label's US $ per hour); never torch, never the rest of the manager.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
@@ -202,6 +222,20 @@ def segment_factors(ratios: Mapping[int, float], stages: Sequence[Sequence[int]]
     return f
 
 
+def judge_straggler(plan, row, rank: int, slowdown: float, without) -> tuple[bool, float, float]:
+    """Is the job faster without a slow worker? (paper §4.6, fail-stutter.) ``plan``/``row``:
+    the running configuration; ``rank`` runs ``slowdown`` x slower than predicted; ``without``:
+    the best ``PlanRow`` for the pool minus its VM (None: no VM would be left). Simulates the
+    running configuration with that rank slowed (``Plan.simulate(rank_scale=...)``) and
+    compares mini-batch times. Returns ``(exclude, seconds_with, seconds_without)``."""
+    scale = [1.0] * (row.P * row.D)
+    scale[rank] = float(slowdown)
+    with_it = plan.simulate(row, rank_scale=scale, record_timeline=False).minibatch_time
+    t_without = math.inf if without is None else float(without.time_s)
+    return t_without < with_it, with_it, t_without
+
+
+
 def steps_lost(last_step_done: int | None, resume_step: int) -> int:
     """Optimizer steps trained but not in the checkpoint the job resumes from: with a notice 0
     (the checkpoint is taken at the boundary), after a sudden loss at most the checkpoint
@@ -212,5 +246,6 @@ def steps_lost(last_step_done: int | None, resume_step: int) -> int:
     return max(0, int(last_step_done) + 1 - int(resume_step))
 
 
-__all__ = ["worker_slots", "pool_slots", "GrowRule", "StragglerRule", "find_stragglers", "steps_lost", "DriftRule",
+__all__ = ["worker_slots", "pool_slots", "pool_prices", "GrowRule", "StragglerRule", "find_stragglers",
+           "judge_straggler", "steps_lost", "DriftRule",
            "step_time_drift", "compute_ratios", "segment_factors"]

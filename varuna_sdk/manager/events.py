@@ -26,6 +26,7 @@ must never import torch, ``cluster`` or anything above the manager.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import sqlite3
@@ -77,11 +78,16 @@ CREATE INDEX IF NOT EXISTS metrics_job_step ON metrics (job_id, step);
 """
 
 
-class Kind:
-    """Event kinds the SDK writes (free strings are allowed too; these are the shared names)."""
+class Kind(enum.StrEnum):
+    """Every event kind the SDK writes: one name per kind, the value the exact string stored in the
+    ``events`` table (the dashboard and ``varuna logs`` read those strings). A ``str`` enum, so a
+    member equals, hashes and formats as its value: ``Kind.HOST_LOST == "host_lost"``, and a kind
+    read back from the log (a plain string) finds the member's entry in a dict. ``EventLog.append``
+    also stores other non-empty strings (tools and tests may), but the SDK writes only these."""
 
     JOB_STARTED = "job_started"
     JOB_STOPPED = "job_stopped"
+    # Heartbeat channel (``manager.heartbeat_server``)
     HEARTBEAT_SERVER_STARTED = "heartbeat_server_started"
     HEARTBEAT_SERVER_STOPPED = "heartbeat_server_stopped"
     WORKER_JOINED = "worker_joined"          # first authenticated message of a worker
@@ -90,11 +96,19 @@ class Kind:
     WORKER_FINISHED = "worker_finished"      # clean goodbye (training done)
     WORKER_FAILED = "worker_failed"          # goodbye with an error (its traceback summary)
     WORKER_EXITED = "worker_exited"          # the launcher saw the process end
+    WORKER_AFTER_LOSS = "worker_after_loss"  # a message from a worker whose host was declared lost
     HOST_LOST = "host_lost"                  # heartbeats stopped / process died / VM gone
     AUTH_FAILED = "auth_failed"              # a message with a bad MAC, malformed, replayed
     AUTH_FAILED_SUPPRESSED = "auth_failed_suppressed"  # refusals over the per-minute row budget
     PREEMPTION_NOTICE = "preemption_notice"  # payload: {"deadline": unix s, "lead_s": s}
+    STOP_REQUESTED = "stop_requested"        # the signed stop command went out: {"reason", ...}
+    METRICS_DROPPED = "metrics_dropped"      # a worker's metrics buffer overflowed: {"rows": n}
+    # One generation of workers (``manager.generation``)
     BOOTSTRAP = "bootstrap"
+    GENERATION_STARTED = "generation_started"  # {"generation", "P", "D", "world_size", "hosts", ...}
+    GENERATION_ENDED = "generation_ended"      # {"generation", "status", "lost_hosts", "last_step", ...}
+    STALE_WORKER_REAPED = "stale_worker_reaped"  # a worker on a VM lost by heartbeats killed: {"stopped"}
+    ORPHANS = "orphans"                      # a restarted manager waited for its predecessor's workers
     # Provider / VM pool (``host`` column names the VM; payload may carry {"gpus": n, "price_per_hour": $})
     HOST_ADDED = "host_added"                # a VM joined the pool (acquired, returned by the cloud)
     HOST_REMOVED = "host_removed"            # the provider took a VM away (pre-empted, released)
@@ -115,10 +129,21 @@ class Kind:
                                              #  "calibrated_at", "load_1min", "cpu_count", "workers_here"}
     CHECKPOINT = "checkpoint"                # {"step", "path", "bytes", "seconds", "remote": url|None}
     STRAGGLER = "straggler"                  # {"rank", "slowdown": x vs peers' median, "action": "excluded"|"kept"}
+    GROW_DECISION = "grow_decision"          # {"current_examples_per_s", "new_examples_per_s", "decision", ...}
+    GENERATION_FAILED = "generation_failed"  # a generation did not start: {"generation", "error"}
+    STOP_TIMEOUT = "stop_timeout"            # workers did not stop at a boundary in time: {"generation", "timeout_s"}
+    CALIBRATION_STARTED = "calibration_started"  # {"message"}
+    METRICS_BACKFILLED = "metrics_backfilled"    # steps copied from metrics.jsonl after a restart: {"steps", ...}
+    STOP_REQUEST_RECEIVED = "stop_request_received"  # ``varuna stop`` / a stop file: {"by", "time"}
+    WARNING = "warning"                      # something the user should know; the job goes on: {"message"}
 
 
 @dataclass(frozen=True)
 class Event:
+    """One row of the ``events`` table: ``id`` (grows), ``time`` (Unix s), ``kind`` (a ``Kind``
+    value, as a plain string when read back), the VM (``host``) and ``rank`` it is about, if any,
+    and its JSON ``payload``."""
+
     id: int
     time: float
     job_id: str | None
@@ -130,6 +155,9 @@ class Event:
 
 @dataclass(frozen=True)
 class HeartbeatRow:
+    """One row of the ``heartbeats`` table: a worker's step, loss, per-micro-batch forward /
+    recompute / backward compute and step time (seconds), memory (bytes), and the message."""
+
     id: int
     time: float
     job_id: str | None
@@ -255,16 +283,18 @@ class EventLog:
             return self._db.execute(sql, tuple(args)).fetchall()
 
     # -------------------------------------------------------------------------------- writing
-    def append(self, kind: str, *, job_id: str | None = None, host: str | None = None,
+    def append(self, kind: Kind | str, *, job_id: str | None = None, host: str | None = None,
                rank: int | None = None, payload: Mapping[str, Any] | None = None,
                time_s: float | None = None) -> int:
-        """Record one event; returns its id (ids grow: readers poll with ``since_id``)."""
+        """Record one event of ``kind`` (a ``Kind``; any other non-empty string is stored too);
+        returns its id (ids grow: readers poll with ``since_id``). Raises ``ValueError`` for an
+        empty or non-string kind."""
         if not isinstance(kind, str) or not kind:
             raise ValueError("event kind must be a non-empty string")
         with self._tx():
             cur = self._db.execute(
                 "INSERT INTO events (time, job_id, kind, host, rank, payload) VALUES (?,?,?,?,?,?)",
-                (time.time() if time_s is None else time_s, job_id, kind, host, rank, _json(payload)))
+                (time.time() if time_s is None else time_s, job_id, str(kind), host, rank, _json(payload)))
             return cur.lastrowid
 
     def append_heartbeat(self, message: Mapping[str, Any], *, job_id: str | None = None,
@@ -305,16 +335,21 @@ class EventLog:
         kinds = None if kind is None else [kind] if isinstance(kind, str) else list(kind)
         if job_id is not None:  # the (job_id, kind, id) index: in id order for one kind; else sorted once
             by_index = kinds is not None and (len(kinds) == 1 or not (limit or last))
-            where.append(_job_term(by_index)); args.append(job_id)
+            where.append(_job_term(by_index))
+            args.append(job_id)
         for op, vals in (("IN", kinds), ("NOT IN", None if not_kind is None else list(not_kind))):
             if vals is not None:
-                where.append(f"kind {op} ({','.join('?' * len(vals))})"); args += vals
+                where.append(f"kind {op} ({','.join('?' * len(vals))})")
+                args += vals
         if host is not None:
-            where.append("host = ?"); args.append(host)
+            where.append("host = ?")
+            args.append(host)
         if since_time is not None:
-            where.append("time >= ?"); args.append(since_time)
+            where.append("time >= ?")
+            args.append(since_time)
         if until_id is not None:
-            where.append("id <= ?"); args.append(until_id)
+            where.append("id <= ?")
+            args.append(until_id)
         sql = "SELECT id, time, job_id, kind, host, rank, payload FROM events WHERE " + " AND ".join(where)
         if last is not None:
             sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT {int(last)})"
@@ -324,12 +359,15 @@ class EventLog:
     def heartbeats(self, *, job_id: str | None = None, host: str | None = None,
                    rank: int | None = None, since_id: int = 0,
                    limit: int | None = None) -> list[HeartbeatRow]:
+        """Heartbeat rows matching every given filter, oldest first (``since_id``: a reader's cursor)."""
         where, args = ["id > ?"], [since_id]
         if job_id is not None:
-            where.append(_job_term(by_index=rank is not None)); args.append(job_id)
+            where.append(_job_term(by_index=rank is not None))
+            args.append(job_id)
         for col, v in (("host", host), ("rank", rank)):
             if v is not None:
-                where.append(f"{col} = ?"); args.append(v)
+                where.append(f"{col} = ?")
+                args.append(v)
         sql = ("SELECT id, time, job_id, host, rank, step, loss, fwd_s, recompute_s, bwd_s, "
                "step_time_s, mem_bytes, payload FROM heartbeats WHERE " + " AND ".join(where)
                + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""))
@@ -352,7 +390,8 @@ class EventLog:
         the newest that many (still oldest first)."""
         where, args = ["id > ?"], [since_id]
         if job_id is not None:
-            where.append(_job_term(by_index=False)); args.append(job_id)
+            where.append(_job_term(by_index=False))
+            args.append(job_id)
         sql = "SELECT id, time, job_id, payload FROM metrics WHERE " + " AND ".join(where)
         if last is not None:
             sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT {int(last)})"
@@ -379,18 +418,21 @@ class EventLog:
         paths = [p for f in fields for p in (f'$."{f}"',) * 2]
         where, args = ["id > ?"], [since_id]
         if job_id is not None:
-            where.append(_job_term(by_index=False)); args.append(job_id)
+            where.append(_job_term(by_index=False))
+            args.append(job_id)
         sql = ("SELECT id, time, step, loss" + "".join(", " + pick for _ in fields) + " FROM metrics WHERE "
                + " AND ".join(where) + " ORDER BY id" + (f" LIMIT {int(limit)}" if limit else ""))
         return self._query(sql, paths + args)
 
     def count(self, table: str = "events") -> int:
+        """Rows in ``table`` (events, heartbeats or metrics); ``ValueError`` for another name."""
         if table not in ("events", "heartbeats", "metrics"):
             raise ValueError(f"unknown table {table!r}")
         return self._query(f"SELECT COUNT(*) FROM {table}")[0][0]
 
     # -------------------------------------------------------------------------------- closing
     def close(self) -> None:
+        """Close the connection (idempotent)."""
         with self._lock:
             if not self._closed:
                 self._closed = True

@@ -29,41 +29,45 @@ changes, plans (with the simulated timeline), morphs (time, cause, old → new p
 steps lost), stragglers. A manager restarted on the same run folder and job id reads its
 state back from there and continues the job.
 
-Owns ``Manager``, ``JobState``, ``MorphRecord``, ``ManagerError``. Imports ``cluster`` (hosts,
-provider), ``planner``, ``checkpoint``, ``manager.events|generation|decisions``; never imported
-by them.
+Where the parts are: the state machine's types (``JobState``, ``MorphRecord``, the queue
+messages) in ``manager.state``; the settings (``ManagerOptions``, ``GenerationOptions``) in
+``manager.options``; the supervision loop of one generation in ``manager.supervision``; planning
+in ``manager.planning``; metrics, heartbeats, stragglers and drift in ``manager.telemetry``; the
+morph rules as pure functions in ``manager.decisions``. This module holds the job's lifecycle:
+construction and restart, the public face, and the loop that plans and launches generation
+after generation.
+
+Owns ``Manager``. Imports ``cluster`` (hosts, provider), ``config``, ``profiling`` (the job's
+calibration), ``checkpoint`` and ``manager.events|generation|options|orphans|runs|state|
+supervision|telemetry|planning|decisions``; never imported by them.
 """
 
 from __future__ import annotations
 
 import copy
-import enum
-import json
+import dataclasses
 import logging
-import math
 import os
 import queue
-import re
-import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..cluster.hosts import Host, Secret
-from ..cluster.localproc import is_local
+from ..cluster.provider import HostEvent, Provider
 from ..config import ConfigError, JobConfig
-from .decisions import (DriftRule, GrowRule, StragglerRule, compute_ratios, find_stragglers, pool_prices, pool_slots,
-                        segment_factors, step_time_drift, steps_lost, worker_slots)
+from .decisions import pool_slots, steps_lost
 from .events import Event, EventLog, Kind
+from .options import ManagerOptions
+from .planning import ManagerPlanning
 from .runs import RunBusy, acquire_run_lock, clear_stop, watch_stop_requests
+from .state import (CalibrationFailed, CancelRequested, HostChanged, JobState, ManagerError, MorphRecord,
+                    RunningGeneration, WorkersLost, plan_candidates, plan_summary)
+from .supervision import ManagerSupervision
+from .telemetry import ManagerTelemetry
 
 _log = logging.getLogger(__name__)
-
-
-SUSPECT_S = 120.0  # a VM reported lost is not planned on for this long unless the provider re-adds it
-
 
 
 JOB_SECRET_FILE = ".job-secret"   # in the run folder, mode 0600
@@ -75,209 +79,40 @@ def _manifest_key(token: Secret) -> bytes:
     return manifest_key(token.reveal())
 
 
-def _answers(h: Host, timeout_s: float = 1.0) -> bool:
-    """Whether a VM reported lost is reachable again: a local slot always is (only its worker
-    died); an SSH VM when its SSH port accepts a TCP connection within ``timeout_s``."""
-    if is_local(h):
-        return True
-    import socket
 
-    try:
-        with socket.create_connection((h.address, h.port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-class JobState(str, enum.Enum):
-    """Where a job is. Terminal: SUCCEEDED, FAILED, STOPPED."""
-
-    PENDING = "PENDING"
-    PROVISIONING = "PROVISIONING"
-    RUNNING = "RUNNING"
-    MORPHING = "MORPHING"
-    RECOVERING = "RECOVERING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    STOPPED = "STOPPED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
-
-
-class CalibrationFailed(RuntimeError):
-    """Measuring the model for the planner failed (its code raised): not retried."""
-
-
-class ManagerError(RuntimeError):
-    """The job could not go on (no VMs left, failure budget spent, bad configuration)."""
-
-
-@dataclass
-class MorphRecord:
-    """One morph: ``time`` (Unix s, when its cause was seen), ``cause`` ("notice", "loss",
-    "grow", "straggler", "failure", "stop_timeout", "manager_restart"), ``old``/``new`` plans
-    (``{"P", "D", "gpus", "micro_batch_size", "hosts"}``), ``downtime_s`` (cause seen → first
-    step of the new generation finished; None until then), ``steps_lost`` (trained steps the
-    resumed checkpoint does not hold), ``from_step`` (last step finished before), and
-    ``resume_step`` (steps the checkpoint holds). ``phases_s``: the downtime split into its
-    phases (``MORPH_PHASES``, seconds each; they sum to ``downtime_s``); ``candidates``: the
-    planner's best predictions for the new pool (``{"P", "D", "micro_batch_size",
-    "examples_per_s", "time_s"}``, fastest first, the chosen one marked ``"chosen": True``) and
-    ``feasible_plans`` how many it compared (paper §4.2: the planner simulates each)."""
-
-    time: float
-    cause: str
-    old: dict[str, Any]
-    new: dict[str, Any] | None = None
-    downtime_s: float | None = None
-    steps_lost: int = 0
-    from_step: int | None = None
-    resume_step: int = 0
-    host: str | None = None
-    phases_s: dict[str, float] = field(default_factory=dict)
-    candidates: list[dict[str, Any]] = field(default_factory=list)
-    feasible_plans: int | None = None
-    marks: dict[str, float] = field(default_factory=dict, repr=False)
-
-    def mark(self, phase_end: str, at: float | None = None, *, first_only: bool = False) -> None:
-        """Note when the phase ``phase_end`` (one of ``MORPH_PHASES``) ended (Unix s)."""
-        if first_only and phase_end in self.marks:
-            return
-        self.marks[phase_end] = time.time() if at is None else at
-
-    def close(self, first_step_time: float) -> None:
-        """The new generation finished its first step at ``first_step_time``: set the downtime and
-        its phases (each from the previous phase's end; a phase not seen counts 0 s)."""
-        self.downtime_s = max(0.0, first_step_time - self.time)
-        self.mark("first_step", first_step_time)
-        self.phases_s = morph_phases(self.time, self.marks)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("marks")
-        return d
-
-
-HISTORY = 5   # heartbeats per rank kept for the drift estimate (one per step)
-
-MORPH_PHASES = ("stop", "wait_for_vms", "replan", "start_workers", "first_step")
-"""A morph's downtime in order: the old generation stopping (checkpoint at the boundary, or
-killed after a loss), waiting for usable VMs, planning, starting the workers (spawn or SSH, until
-every worker's first heartbeat), and the first step (process group, model build, checkpoint
-load, one step)."""
-
-
-def morph_phases(start: float, marks: dict[str, float]) -> dict[str, float]:
-    """Seconds per phase of ``MORPH_PHASES`` from the times each one ended (``marks``, Unix s);
-    a phase whose end was not marked lasts 0 s. The values sum to the last mark minus ``start``."""
-    out, t = {}, start
-    for ph in MORPH_PHASES:
-        end = marks.get(ph)
-        if end is None:
-            out[ph] = 0.0
-            continue
-        out[ph] = round(max(0.0, end - t), 3)
-        t = max(t, end)
-    return out
-
-
-def plan_candidates(pl, row, top: int = 3) -> tuple[list[dict[str, Any]], int]:
-    """The planner's fastest predictions for a pool (one row per P x D, the best micro-batch
-    each), at most ``top`` plus the chosen ``row`` when it is not among them; and how many
-    feasible rows were compared. ``pl``: a ``planner.Plan`` (None: started as configured)."""
-    if pl is None:
-        return [], 0
-    best: dict[tuple[int, int], Any] = {}
-    for r in pl.feasible:
-        k = (r.P, r.D)
-        if k not in best or r.examples_per_s > best[k].examples_per_s:
-            best[k] = r
-    if row is not None:
-        best[(row.P, row.D)] = row
-    ranked = sorted(best.values(), key=lambda r: -r.examples_per_s)
-    keep = ranked[:top] + [r for r in ranked[top:] if row is not None and r is row]
-    return [{"P": r.P, "D": r.D, "micro_batch_size": r.micro_batch_size, "examples_per_s": round(r.examples_per_s, 3),
-             "time_s": round(r.time_s, 4), "chosen": row is not None and (r.P, r.D) == (row.P, row.D)}
-            for r in keep], len(pl.feasible)
-
-
-@dataclass
-class _Running:
-    """The generation being supervised and what the manager knows of it."""
-
-    gen: Any
-    job: JobConfig
-    plan: Any
-    row: Any
-    hosts: list[Host]
-    started: float
-    predicted_stage_s: list[float]
-    wall_started: float = field(default_factory=time.time)
-    first_step_time: float | None = None
-    stopping: tuple[str, str | None, float] | None = None  # (cause, host, when asked)
-    stop_deadline: float = math.inf
-    profile: Any = None                      # the calibration this generation was planned from
-    estimate_s: float | None = None          # the latest re-calibrated step time (None: the plan's)
-    recalibrated_examples_per_s: float | None = None   # the running plan re-simulated from heartbeats
-
-
-def _plan_summary(job: JobConfig, hosts: list[Host]) -> dict[str, Any]:
-    p = job.parallel
-    return {"P": p.P, "D": p.D, "gpus": p.P * p.D, "micro_batch_size": p.micro_batch_size,
-            "num_micro_batches": p.num_micro_batches, "hosts": [h.name for h in hosts]}
-
-
-class Manager:
+class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
     """Run ``job`` on the VMs ``provider`` offers, morphing as they come and go.
 
     Args:
         job: the job (P/D may be null: planned; a P/D the config fixes is kept only for the first
             generation — after a morph the planner chooses for the GPUs then available).
-        provider: where VMs come from (``cluster.provider``: local slots, an SSH host list, the
-            spot emulator, a cloud).
+        provider: where VMs come from (``cluster.provider.Provider``: local slots, an SSH host
+            list, the spot emulator, a cloud).
         run_dir: the job's folder (event log ``events.db``, ``metrics.jsonl``, checkpoints).
         job_id: stable id; default the run folder's name. A manager started again on the same
             folder and id continues the job.
         profile: calibration for the planner (default: the job's cached ``calibrate_job``).
-        heartbeat_interval_s: workers' heartbeat period (loss declared after 2 missed).
-        grow, straggler: rules (``None`` straggler: never exclude a slow worker).
-        drift: when the measured step time has left the prediction (``DriftRule``: 15 % for 5
-            steps), record an ``estimate_drift`` event with the estimate re-simulated from the
-            job's own heartbeats (per-stage F+R+B measured vs calibrated) and plan every later
-            morph from the calibration scaled by them (``Profile.scaled``); ``None``: never.
-        stop_timeout_s: how long workers may take to stop at a boundary and checkpoint before
-            they are killed (then the last complete checkpoint is used).
-        max_preemptions, max_failures: budgets, counted separately.
-        wait_for_hosts_s: how long to wait when the pool has no VM before failing.
-        generation_options: extra keyword arguments for ``Generation`` (bootstrap settings...).
-        calibrate_first: plan the first generation from a calibration (default). ``False``: a
-            job whose config fixes P and D starts at once with them (the stage split balanced on
-            the traced model's costs, no simulation) and is calibrated only when a morph needs a
-            plan — for a fixed pool of workers (``varuna train``) that never happens.
+        options: a ``ManagerOptions`` (rules, timeouts, budgets, the ``GenerationOptions`` of every
+            generation; None: the defaults). Any of its fields may be given as keywords on top
+            (``stop_timeout_s=30``, ``grow=None``, ``generation_options={"sink": None}``).
+        on_state: ``callback(state, reason)`` on every state change (errors in it are ignored).
         labels: plain strings describing the job for people (``{"model": ..., "data": ...}`` from the
             launcher's model spec), recorded with every plan for the dashboard; the manager does
             not read them.
 
-    Raises ``ConfigError`` for an invalid job before anything starts.
+    Raises ``ConfigError`` for an invalid job or options before anything starts, ``TypeError``
+    for an unknown option.
     """
 
-    def __init__(self, job: JobConfig, provider, *, run_dir: str | Path, job_id: str | None = None,
-                 profile=None, heartbeat_interval_s: float = 1.0, grow: GrowRule | None = GrowRule(),
-                 straggler: StragglerRule | None = StragglerRule(), drift: DriftRule | None = DriftRule(),
-                 stop_timeout_s: float = 60.0,
-                 max_preemptions: int = 1000, max_failures: int = 2, wait_for_hosts_s: float = 300.0,
-                 generation_options: dict[str, Any] | None = None,
-                 on_state: Callable[[JobState, str], None] | None = None, calibrate_first: bool = True,
-                 labels: dict[str, str] | None = None):
+    def __init__(self, job: JobConfig, provider: Provider, *, run_dir: str | Path, job_id: str | None = None,
+                 profile=None, options: ManagerOptions | None = None,
+                 on_state: Callable[[JobState, str], None] | None = None,
+                 labels: dict[str, str] | None = None, **option_overrides: Any):
         job = copy.deepcopy(job).validate()
         if job.train.checkpoint_every <= 0:
             # a sudden loss must not lose the whole run: checkpoint about every 10% of the run
             job.train.checkpoint_every = max(1, min(25, job.train.steps // 10))
-        if not heartbeat_interval_s > 0:
-            raise ConfigError(f"heartbeat_interval_s={heartbeat_interval_s} must be > 0 seconds")
-        if not stop_timeout_s > 0:
-            raise ConfigError(f"stop_timeout_s={stop_timeout_s} must be > 0 seconds")
+        opts = ManagerOptions.merged(options, **option_overrides).validate()
         self.provider = provider
         self.run_dir = Path(run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,34 +122,31 @@ class Manager:
             job.to_yaml(self.run_dir / "config.yaml")
         self.job = job
         self.job_id = job_id or self.run_dir.name
-        self.heartbeat_interval_s = float(heartbeat_interval_s)
-        self.grow = grow
-        self.straggler = straggler
-        self.drift = drift
-        self.stop_timeout_s = float(stop_timeout_s)
-        self.max_preemptions = int(max_preemptions)
-        self.max_failures = int(max_failures)
-        self.wait_for_hosts_s = float(wait_for_hosts_s)
-        self.generation_options = dict(generation_options or {})
         # one secret for the whole job, kept in the run folder (0600): every generation's heartbeats
         # and every checkpoint manifest are signed with it, and a restarted manager reuses it
-        self.generation_options.setdefault("token", Secret.load_or_create(self.run_dir / JOB_SECRET_FILE))
-        self._manifest_key = _manifest_key(self.generation_options["token"])
-        ssh = provider.ssh_options() if hasattr(provider, "ssh_options") else None
-        if ssh is not None:
-            self.generation_options.setdefault("ssh_options", ssh)
+        gen = opts.generation_options
+        gen = dataclasses.replace(
+            gen, heartbeat_interval_s=opts.heartbeat_interval_s,
+            token=gen.token or Secret.load_or_create(self.run_dir / JOB_SECRET_FILE),
+            ssh_options=gen.ssh_options if gen.ssh_options is not None else provider.ssh_options())
+        self.options = dataclasses.replace(opts, generation_options=gen)
+        self._manifest_key = _manifest_key(gen.token)
         self._on_state = on_state
         self._profile = profile
-        self.calibrate_first = bool(calibrate_first)
         self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
         self.log = EventLog(self.run_dir / "events.db")
+        self._init_state()
+        self._restored = self._restore()
+
+    def _init_state(self) -> None:
+        """The fields of a job not yet run (``_restore`` then reads a previous manager's back)."""
         self.state = JobState.PENDING
         self.morphs: list[MorphRecord] = []
         self.generation = 0
         self.preemptions = 0
         self.failures = 0
         self.error: str | None = None
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue = queue.Queue()     # ``state.ManagerMessage``s
         self._noticed: dict[str, float] = {}     # host -> deadline
         self._excluded: set[str] = set()          # stragglers taken out
         self._suspect: dict[str, float] = {}      # host -> when reported lost (until re-added)
@@ -334,7 +166,6 @@ class Manager:
         self._last_step: int | None = None
         self._pending: MorphRecord | None = None
         self._lock_fd: int | None = None              # the run folder's manager lock while running
-        self._restored = self._restore()
 
     # ------------------------------------------------------------------ persistence (restart)
     def _restore(self) -> bool:
@@ -395,7 +226,7 @@ class Manager:
         """Ask the job to stop: the workers checkpoint at the next boundary and exit; state
         becomes STOPPED. A later manager on the same folder can resume it."""
         self._cancel.set()
-        self._q.put(("cancel", None))
+        self._q.put(CancelRequested())
 
     def run(self) -> JobState:
         """Run the job to the end in this thread; returns SUCCEEDED, FAILED or STOPPED.
@@ -410,7 +241,7 @@ class Manager:
     def _run_safe(self) -> None:
         try:
             self.run()
-        except Exception as e:  # recorded as FAILED with the message; the thread must not die loudly
+        except Exception as e:  # noqa: BLE001 - recorded as FAILED with the message; the thread must not die loudly
             self.error = self.error or f"{type(e).__name__}: {e}"
             if not self.state.terminal:   # never left RECOVERING (or RUNNING) with no one driving the job
                 _log.exception("job %s: the manager stopped on an error", self.job_id)
@@ -426,23 +257,24 @@ class Manager:
         if self._on_state is not None:
             try:
                 self._on_state(state, reason)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a callback of the caller's must not stop the job
                 pass
 
-    def _on_host_event(self, ev) -> None:
-        self._q.put(("host", ev))
+    def _on_host_event(self, ev: HostEvent) -> None:
+        """The provider's callback (its thread): queue the VM event for the manager's loop."""
+        self._q.put(HostChanged(ev))
 
     def _on_gen_event(self, ev: Event, generation: int, hosts: dict[str, Host] | None = None) -> None:
-        if ev.kind in (Kind.HOST_LOST,) and generation == self.generation:  # never a past generation's
-            self._q.put(("lost", ev))
+        """A generation's event callback (the heartbeat server's thread): a host lost by the
+        running generation, a VM's own pre-emption notice, a worker's hello."""
+        if ev.kind == Kind.HOST_LOST and generation == self.generation:  # never a past generation's
+            self._q.put(WorkersLost(ev))
         elif ev.kind == Kind.PREEMPTION_NOTICE and hosts and ev.host in hosts:
             # the VM's own notice (its watcher, over the heartbeat channel): the same notice morph as
             # a provider's notice; it also keeps the VM out of later plans until it comes back
-            from ..cluster.provider import HostEvent
-
-            self._q.put(("host", HostEvent("notice", hosts[ev.host], ev.time,
-                                           deadline=float(ev.payload["deadline"]),
-                                           reason=str(ev.payload.get("reason", "")))))
+            self._q.put(HostChanged(HostEvent("notice", hosts[ev.host], ev.time,
+                                              deadline=float(ev.payload["deadline"]),
+                                              reason=str(ev.payload.get("reason", "")))))
         elif ev.kind == Kind.WORKER_JOINED and generation == self.generation and ev.rank is not None:
             self._joined.add(ev.rank)   # (the heartbeat server's thread: one set add, one mark)
             pending = self._pending
@@ -454,7 +286,7 @@ class Manager:
         when there is none). Raises ``CalibrationFailed`` when measuring the model fails — its code
         fails the same way on every try, so the job fails with that error, not "no plan fits"."""
         if self._profile is None:
-            from ..trainer import calibrate_job
+            from ..profiling.job import calibrate_job
 
             self._log_state_note("calibrating the model (once per model and input shape; cached)")
             try:
@@ -464,170 +296,9 @@ class Manager:
         return self._profile
 
     def _log_state_note(self, message: str) -> None:
+        """Say what the manager is doing before a long silence (a CALIBRATION_STARTED event)."""
         _log.info("job %s: %s", self.job_id, message)
-        self.log.append("calibration_started", job_id=self.job_id, payload={"message": message})
-
-    def _provider_hosts(self) -> list[Host]:
-        return self.provider.all_hosts() if hasattr(self.provider, "all_hosts") else self.provider.hosts()
-
-    def _usable_hosts(self) -> list[Host]:
-        """VMs the next plan may use: held by the provider, not under notice, not excluded as a
-        straggler, and not reported lost in the last ``SUSPECT_S`` seconds (unless re-added, or it
-        answers: a local slot whose worker was killed is reusable at once, an SSH VM whose SSH port
-        accepts a connection within a second is too)."""
-        now = time.time()
-        return [h for h in self.provider.hosts() if h.name not in self._excluded and
-                not (h.name in self._noticed and self._noticed[h.name] > now - 3600) and
-                not (h.name in self._suspect and self._suspect[h.name] > now - SUSPECT_S
-                     and not _answers(h))]
-
-    def _replan(self, hosts: list[Host], *, first: bool, best_only: bool = False, profile=None
-                ) -> tuple[JobConfig, Any, Any, list[Host]]:
-        """Best plan for ``hosts``; returns (job for it, Plan, row, hosts used in rank order).
-        ``best_only``: a what-if that needs only the best row (a best-only search, about linear in
-        the GPUs); the plan a generation runs, shown on the dashboard, simulates every depth.
-        ``profile``: plan from this calibration instead of the job's current one (a what-if that
-        must use the same yardstick as the running plan)."""
-        from ..planner.plan import Prices, plan_for_job
-
-        G = pool_slots(hosts)
-        priced = pool_prices(hosts)     # the pool's real prices (e.g. the spot price history), or the example's
-        prices = Prices(**priced) if priced else None
-        job = copy.deepcopy(self.job)
-        p0 = job.parallel
-        if first and not self.calibrate_first and self._profile is None and not p0.planned and p0.P * p0.D <= G:
-            self._micro_batch_size = self._micro_batch_size or p0.micro_batch_size
-            return job, None, None, self._hosts_for(hosts, p0.P * p0.D)  # as configured, no calibration
-        if not first:
-            job.parallel.P = job.parallel.D = None
-            job.parallel.boundaries = None
-        local = all(_on_this_machine(h) for h in hosts)
-        per_vm = G if local else max(worker_slots(h) for h in hosts)
-        slots = (os.cpu_count() or 1) if local else 0
-        # a morph keeps the micro-batch size of the first plan: random ops (dropout) draw per (step,
-        # micro-batch, segment), so the same examples get the same masks only in micro-batches of the
-        # same size — the loss trajectory stays the uninterrupted one's
-        pinned = None if self._micro_batch_size is None else [self._micro_batch_size]
-        if first and pinned is None and not p0.planned:   # a configured P x D: its configured micro-batch size
-            pinned = [p0.micro_batch_size]
-        try:
-            try:
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=first, exhaustive=not best_only, prices=prices, micro_batch_sizes=pinned)
-            except ConfigError:
-                if pinned is None:
-                    raise
-                msg = (f"no plan for {G} worker slot(s) keeps micro-batch size {pinned[0]}; choosing another, so random "
-                       "ops (dropout) draw other masks from here on")
-                _log.warning("job %s: %s", self.job_id, msg)
-                self.log.append("warning", job_id=self.job_id, payload={"message": msg})
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=first, exhaustive=not best_only, prices=prices)
-        except ConfigError as e:
-            if not first:
-                raise
-            msg = (f"parallel.P={p0.P} x D={p0.D} from the config cannot run on the {G} worker slot(s) the pool "
-                   f"has ({e}); planning for the pool instead")
-            _log.warning("job %s: %s", self.job_id, msg)
-            self.log.append("warning", job_id=self.job_id, payload={"message": msg})
-            job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
-            job.parallel.boundaries = None
-            try:   # ... P and D, with the configured micro-batch size when some plan has it
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=False, exhaustive=not best_only, prices=prices, micro_batch_sizes=pinned)
-            except ConfigError:
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=False, exhaustive=not best_only, prices=prices)
-        row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
-        if first and not best_only and self._micro_batch_size is None:
-            self._micro_batch_size = job_g.parallel.micro_batch_size
-        return job_g, pl, row, self._hosts_for(hosts, job_g.parallel.P * job_g.parallel.D)
-
-    @staticmethod
-    def _hosts_for(hosts: list[Host], need: int) -> list[Host]:
-        """The first whole VMs, in the provider's order, that hold ``need`` workers."""
-        used, n = [], 0
-        for h in hosts:
-            if n >= need:
-                break
-            used.append(h)
-            n += worker_slots(h)
-        return used
-
-    def _record_plan(self, job: JobConfig, pl, row, hosts: list[Host]) -> list[float]:
-        """PLAN event with the ranked table and the simulated timeline; returns the predicted
-        per-stage compute seconds per micro-batch (for straggler detection)."""
-        p = job.parallel
-        timeline, per_stage = [], []
-        if pl is None:  # started as configured, without a calibration (calibrate_first=False)
-            rank_hosts = [h.name for h in hosts for _ in range(worker_slots(h))]
-            self.log.append(Kind.PLAN, job_id=self.job_id, payload={
-                "generation": self.generation, "gpus": p.P * p.D, "pool_gpus": pool_slots(hosts), "P": p.P,
-                "D": p.D, "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
-                "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": None,
-                "examples_per_s": None, "bubble": None, "mem_per_stage_bytes": None, "rows": [], "timeline": [],
-                "note": "as configured (no calibration yet)", "labels": self.labels})
-            return []
-        try:
-            sim = pl.simulate(row, record_timeline=True)
-            for s in range(p.P):
-                for seg in sim.timeline[s]:
-                    timeline.append({"stage": s, "action": seg.kind, "micro_batch": seg.mb,
-                                     "start_s": seg.start, "end_s": seg.end})
-            per_stage = [b / max(1, row.m) for b in sim.stage_busy]
-        except Exception as e:  # a timeline is a view; never stop a job for it
-            timeline = []
-            per_stage = []
-            self.log.append("warning", job_id=self.job_id, payload={"message": f"no simulated timeline: {e}"})
-        rank_hosts = []
-        for h in hosts:
-            rank_hosts += [h.name] * worker_slots(h)
-        rows = [{k: v for k, v in asdict(r).items() if k in ("P", "D", "micro_batch_size", "m", "idle_gpus", "time_s",
-                                                              "examples_per_s", "bubble_fraction", "stage_memory_bytes",
-                                                              "feasible", "reason", "cost_per_1k_spot")}
-                for r in pl.rows]
-        self.log.append(Kind.PLAN, job_id=self.job_id, payload={
-            "generation": self.generation, "gpus": p.P * p.D, "pool_gpus": pl.gpus, "P": p.P, "D": p.D,
-            "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
-            "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": row.time_s,
-            "examples_per_s": row.examples_per_s, "bubble": row.bubble_fraction,
-            "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline, "labels": self.labels,
-            "prices": asdict(pl.prices)})
-        return per_stage
-
-    def _resume_step(self) -> int:
-        from ..checkpoint import latest_complete
-
-        ck = latest_complete(self._store_url(), self._manifest_key)
-        return 0 if ck is None else int(ck.step)
-
-    def _store_url(self) -> str:
-        return self.job.train.checkpoint_url or str(self.run_dir / "checkpoints")
-
-    def _poll_metrics(self, run: _Running | None) -> None:
-        rows = self.log.metrics(job_id=self.job_id, since_id=self._metric_cursor)
-        for m in rows:
-            self._metric_cursor = m["id"]
-            step = m.get("step")
-            if step is not None:
-                self._last_step = int(step) if self._last_step is None else max(self._last_step, int(step))
-            if run is not None and int(m.get("generation", -1)) == self.generation and \
-                    isinstance(m.get("step_time_s"), (int, float)):
-                self._step_times.append(float(m["step_time_s"]))
-                del self._step_times[:-50]
-            if run is not None and run.first_step_time is None and int(m.get("generation", -1)) == self.generation:
-                run.first_step_time = float(m.get("wall_time") or m["time"])
-                if self._pending is not None and self._pending.new is not None:
-                    self._pending.close(run.first_step_time)
-                    self._finish_morph()
-
-    def _finish_morph(self) -> None:
-        rec = self._pending
-        self._pending = None
-        if rec is None:
-            return
-        self.morphs.append(rec)
-        self.log.append(Kind.MORPH, job_id=self.job_id, host=rec.host, payload=rec.to_dict())
+        self.log.append(Kind.CALIBRATION_STARTED, job_id=self.job_id, payload={"message": message})
 
     # ---------------------------------------------------------------------------- main loop
     def _take_lock(self) -> None:
@@ -653,11 +324,13 @@ class Manager:
 
     def _stop_requested(self, req: dict) -> None:
         """``varuna stop`` (a stop request file in the run folder, ``manager.runs``): as ``cancel``."""
-        self.log.append("stop_request_received", job_id=self.job_id,
+        self.log.append(Kind.STOP_REQUEST_RECEIVED, job_id=self.job_id,
                         payload={"by": str(req.get("by", "?"))[:100], "time": req.get("time")})
         self.cancel()
 
+
     def _run_generations(self) -> JobState:
+        """Plan and launch generation after generation until the job reaches a terminal state."""
         # a job's first launch, and a stopped job launched again, start with the configured P x D
         # (when the pool holds it); a morph or a restarted manager plans for the pool
         first = self.generation == 0 or self.state == JobState.STOPPED
@@ -678,39 +351,21 @@ class Manager:
                 self._pending.mark("stop", first_only=True)   # the old generation has ended
             hosts = self._await_hosts()
             if hosts is None:
-                return self._fail(f"no VM available for {self.wait_for_hosts_s:.0f} s")
+                return self._fail(f"no VM available for {self.options.wait_for_hosts_s:.0f} s")
             if self._pending is not None:
                 self._pending.mark("wait_for_vms")
-            pool = sorted(h.name for h in hosts)
-            try:
-                if self._pending is not None and self._pending.cause == "failure" and self._last_plan is not None \
-                        and self._last_plan[0] == pool:
-                    job_g, pl, row, used = self._last_plan[1]   # a retry on the same VMs: the same plan
-                else:
-                    job_g, pl, row, used = self._replan(hosts, first=first)
-            except CalibrationFailed as e:
-                return self._fail(f"calibrating the model failed (not retried: the same code fails the same way; "
-                                  f"fix it and launch again): {e}")
-            except (ConfigError, ValueError) as e:
-                return self._fail(f"no plan fits the {pool_slots(hosts)} worker slots available: {e}")
-            self._last_plan = (pool, (job_g, pl, row, used))
+            planned = self._plan_generation(hosts, first)
+            if isinstance(planned, JobState):
+                return planned
+            job_g, pl, row, used = planned
             resume = self._resume_step()
             if self._pending is not None:
-                self._pending.mark("replan")
-                self._pending.candidates, self._pending.feasible_plans = plan_candidates(pl, row)
-                self._poll_metrics(None)
-                self._backfill_metrics()   # steps whose heartbeat never left a lost VM
-                self._poll_metrics(None)
-                self._pending.from_step = self._last_step
-                self._pending.new = _plan_summary(job_g, used)
-                self._pending.resume_step = resume
-                self._pending.steps_lost = steps_lost(self._pending.from_step, resume)
+                self._note_replanned(job_g, pl, row, used, resume)
             per_stage = self._record_plan(job_g, pl, row, used)
             run = self._launch(job_g, pl, row, used, per_stage)
-            if run is None:
-                first = False
-                continue
             first = False
+            if run is None:
+                continue
             self._set(JobState.RUNNING, f"generation {self.generation}: P={job_g.parallel.P} x D={job_g.parallel.D} "
                                         f"on {len(used)} VM(s), resuming at step {resume}")
             outcome = self._supervise(run)
@@ -718,25 +373,58 @@ class Manager:
                 return outcome
             self.generation += 1
 
+    def _plan_generation(self, hosts: list[Host], first: bool) -> tuple[JobConfig, Any, Any, list[Host]] | JobState:
+        """The next generation's plan for ``hosts`` (``_replan``'s tuple; a retry after a failure on
+        the same VMs reuses the last plan), or FAILED when no plan can be made."""
+        pool = sorted(h.name for h in hosts)
+        try:
+            if self._pending is not None and self._pending.cause == "failure" and self._last_plan is not None \
+                    and self._last_plan[0] == pool:
+                planned = self._last_plan[1]   # a retry on the same VMs: the same plan
+            else:
+                planned = self._replan(hosts, first=first)
+        except CalibrationFailed as e:
+            return self._fail(f"calibrating the model failed (not retried: the same code fails the same way; "
+                              f"fix it and launch again): {e}")
+        except (ConfigError, ValueError) as e:
+            return self._fail(f"no plan fits the {pool_slots(hosts)} worker slots available: {e}")
+        self._last_plan = (pool, planned)
+        return planned
+
+    def _note_replanned(self, job_g: JobConfig, pl, row, used: list[Host], resume: int) -> None:
+        """The morph under way has its new plan: record the candidates compared, the last step
+        finished before it (metrics that reached only ``metrics.jsonl`` included), the new plan,
+        where it resumes and the steps lost."""
+        rec = self._pending
+        rec.mark("replan")
+        rec.candidates, rec.feasible_plans = plan_candidates(pl, row)
+        self._poll_metrics(None)
+        self._backfill_metrics()   # steps whose heartbeat never left a lost VM
+        self._poll_metrics(None)
+        rec.from_step = self._last_step
+        rec.new = plan_summary(job_g, used)
+        rec.resume_step = resume
+        rec.steps_lost = steps_lost(rec.from_step, resume)
+
     def _attach_provider(self) -> None:
         """Receive the provider's VM events, and have them recorded in this job's event log
         (VMs it already held are recorded once as added, for the dashboard's VM pool)."""
         self.provider.subscribe(self._on_host_event)
-        if getattr(self.provider, "event_log", None) is None:
-            self.provider.event_log, self.provider.job_id = self.log, self.job_id
-        if getattr(self.provider, "started", True):  # else start() announces every VM itself
-            held = self.provider.all_hosts() if hasattr(self.provider, "all_hosts") else self.provider.hosts()
-            known = {e.host for e in self.log.events(job_id=self.job_id, kind=Kind.HOST_ADDED)}
-            for h in held:
-                if h.name not in known:
-                    self.log.append(Kind.HOST_ADDED, job_id=self.job_id, host=h.name,
-                                    payload={"address": h.address, "gpus": h.gpus, "labels": dict(h.labels),
-                                             "reason": "held at start"})
-        if not getattr(self.provider, "started", True):
-            self.provider.start()
+        self.provider.attach(self.log, self.job_id)
+        if not self.provider.started and not self.provider.closed:
+            self.provider.start()   # start() announces every VM itself
+            return
+        known = {e.host for e in self.log.events(job_id=self.job_id, kind=Kind.HOST_ADDED)}
+        for h in self.provider.all_hosts():
+            if h.name not in known:
+                self.log.append(Kind.HOST_ADDED, job_id=self.job_id, host=h.name,
+                                payload={"address": h.address, "gpus": h.gpus, "labels": dict(h.labels),
+                                         "reason": "held at start"})
 
     def _await_hosts(self) -> list[Host] | None:
-        deadline = time.time() + self.wait_for_hosts_s
+        """The VMs the next plan may use, waiting (at most ``options.wait_for_hosts_s``) while
+        there are none; None when none came, or the job was cancelled meanwhile."""
+        deadline = time.time() + self.options.wait_for_hosts_s
         while True:
             hosts = self._usable_hosts()
             if pool_slots(hosts) >= 1 and hosts:
@@ -744,43 +432,38 @@ class Manager:
             if time.time() > deadline or self._cancel.is_set():
                 return None
             try:
-                kind, ev = self._q.get(timeout=0.5)
-                self._note_host_event(kind, ev)
+                msg = self._q.get(timeout=0.5)
             except queue.Empty:
-                pass
+                continue
+            if isinstance(msg, HostChanged):
+                self._note_host_event(msg)
 
-    def _note_host_event(self, kind: str, ev) -> None:
-        if kind != "host":
-            return
-        if ev.kind == "notice":
-            self._noticed[ev.host.name] = ev.deadline or time.time()
-        elif ev.kind == "added":
-            self._noticed.pop(ev.host.name, None)
-            self._suspect.pop(ev.host.name, None)
-
-    def _launch(self, job_g: JobConfig, pl, row, used: list[Host], per_stage: list[float]) -> _Running | None:
+    def _launch(self, job_g: JobConfig, pl, row, used: list[Host], per_stage: list[float]) -> RunningGeneration | None:
+        """Start generation ``self.generation`` of ``job_g`` on ``used``; None when it did not start
+        (a VM lost during bootstrap, an unreachable VM...: a morph is begun, the state is
+        RECOVERING). Raises ``ManagerError`` when the failure budget is spent."""
         from .generation import Generation
 
         gen = Generation(job_g, used, self.run_dir, events=self.log, job_id=self.job_id, generation=self.generation,
-                         heartbeat_interval_s=self.heartbeat_interval_s, **self.generation_options)
+                         options=self.options.generation_options)
         self._joined, self._world = set(), job_g.parallel.P * job_g.parallel.D
         by_name = {h.name: h for h in used}
         gen.subscribe(lambda ev, g=self.generation: self._on_gen_event(ev, g, by_name))
         self._history.clear()
         self._hb_last_step.clear()
         self._step_times.clear()
-        run = _Running(gen=gen, job=job_g, plan=pl, row=row, hosts=used, started=time.time(),
-                       predicted_stage_s=per_stage, profile=self._profile if pl is not None else None)
+        run = RunningGeneration(gen=gen, job=job_g, plan=pl, row=row, hosts=used, started=time.time(),
+                                predicted_stage_s=per_stage, profile=self._profile if pl is not None else None)
         try:
             gen.start()   # (returns once the workers are spawned; they are started when each says hello)
-        except Exception as e:  # a VM lost during bootstrap, an unreachable VM...
+        except Exception as e:  # noqa: BLE001 - a VM lost during bootstrap, an unreachable VM...
             gen.stop(grace_s=2.0)
-            self.log.append("generation_failed", job_id=self.job_id,
+            self.log.append(Kind.GENERATION_FAILED, job_id=self.job_id,
                             payload={"generation": self.generation, "error": f"{type(e).__name__}: {e}"})
             gone = [h.name for h in used if h.name not in {x.name for x in self.provider.hosts()}]
             if not gone:
                 self.failures += 1
-                if self.failures > self.max_failures:
+                if self.failures > self.options.max_failures:
                     self._fail(f"could not start generation {self.generation}: {e}")
                     raise ManagerError(self.error)
             self._begin_morph("loss" if gone else "failure", gone[0] if gone else None, run)
@@ -789,312 +472,15 @@ class Manager:
             return None
         return run
 
-    def _begin_morph(self, cause: str, host: str | None, run: _Running | None, at: float | None = None) -> None:
-        if self._pending is not None:  # an earlier morph never reached a first step: keep its cause/time
-            return
-        old = _plan_summary(run.job, run.hosts) if run is not None else {}
-        self._pending = MorphRecord(time=at or time.time(), cause=cause, old=old, host=host, from_step=self._last_step)
-
-    def _fail(self, why: str) -> JobState:
-        self.error = why
-        self._set(JobState.FAILED, why)
-        return self.state
-
-    def _request_stop(self, run: _Running, cause: str, host: str | None) -> None:
-        if run.stopping is not None:
-            return
-        run.stopping = (cause, host, time.time())
-        run.stop_deadline = time.time() + self.stop_timeout_s
-        self._begin_morph(cause, host, run)
-        run.gen.request_stop(cause)
-        if cause != "user":
-            self._set(JobState.MORPHING, f"{cause}{' on ' + host if host else ''}: stopping at the next mini-batch boundary")
-
-    def _supervise(self, run: _Running) -> JobState | None:
-        """Watch one generation; returns a terminal state, or None to start the next one."""
-        used = {h.name for h in run.hosts}
-        next_straggler_check = time.time() + 5 * self.heartbeat_interval_s
-        next_grow_check = time.time() + 5.0
-        lost: tuple[str, float] | None = None
-        while True:
-            self._poll_metrics(run)
-            res = run.gen.wait(timeout_s=0.2)
-            if res is not None:
-                break
-            try:
-                kind, ev = self._q.get(timeout=0.2)
-            except queue.Empty:
-                kind, ev = None, None
-            if kind == "cancel":
-                self._request_stop(run, "user", None)
-            elif kind == "host":
-                self._note_host_event(kind, ev)
-                name = ev.host.name
-                if ev.kind == "notice" and name in used:
-                    self._request_stop(run, "notice", name)
-                elif ev.kind == "removed" and name in used and ev.time >= run.wall_started and \
-                        not self._stopping_for_notice(run, name):
-                    lost = (name, ev.time)
-                    break
-                elif ev.kind == "added" and run.stopping is None:
-                    self._consider_grow(run)
-            # (a loss of the previous generation may still be queued when it ended on its own:
-            # only one seen since this generation was launched counts)
-            elif kind == "lost" and ev.host in used and ev.time >= run.wall_started and \
-                    not self._stopping_for_notice(run, ev.host):
-                lost = (ev.host, ev.time - float(ev.payload.get("detection_latency_s") or 0.0))
-                break
-            if run.stopping is None and self.grow is not None and time.time() >= next_grow_check:
-                next_grow_check = time.time() + 5.0  # VMs that came back during a cooldown
-                self._consider_grow(run, quiet=True)
-            if run.stopping is None and time.time() >= next_straggler_check:
-                next_straggler_check = time.time() + 2 * self.heartbeat_interval_s
-                self._collect_heartbeats(run)
-                if self.straggler is not None:
-                    self._check_stragglers(run)
-                if self.drift is not None:
-                    self._check_drift(run)
-            if run.stopping is not None and time.time() > run.stop_deadline:
-                self.log.append("stop_timeout", job_id=self.job_id,
-                                payload={"generation": self.generation, "timeout_s": self.stop_timeout_s})
-                run.gen.stop(grace_s=2.0)
-                res = run.gen.wait(timeout_s=10.0)
-                if self._pending is not None:
-                    self._pending.cause = "stop_timeout"
-                break
-        if lost is not None:
-            host, at = lost
-            # only a VM the provider no longer holds is skipped; a live one's workers are killed
-            held = {h.name for h in self._provider_hosts()}
-            run.gen.stop(grace_s=2.0, gone=[host] if host not in held else [])
-            self._suspect[host] = time.time()
-            res = run.gen.wait(timeout_s=15.0)
-            self._begin_morph("loss", host, run, at=at)
-            self.preemptions += 1
-            self._poll_metrics(run)
-            if self.preemptions > self.max_preemptions:
-                return self._fail(f"pre-emption budget spent ({self.max_preemptions})")
-            self._set(JobState.RECOVERING, f"VM {host} lost without notice; resuming from the last complete checkpoint")
-            return None
-        self._poll_metrics(run)
-        status = getattr(res, "status", "failed")
-        if status == "completed":
-            if self._pending is not None and self._pending.new is not None:
-                self._finish_morph()  # e.g. orphans finished the job; downtime unknown (None)
-            self._pending = None
-            self._set(JobState.SUCCEEDED, f"finished {self.job.train.steps} steps")
-            return self.state
-        if status == "stopped" or (run.stopping is not None and status != "failed"):
-            cause = run.stopping[0] if run.stopping else "notice"
-            if cause == "user":
-                self._pending = None
-                self._set(JobState.STOPPED, "stopped by the user at a mini-batch boundary (checkpointed)")
-                return self.state
-            if cause == "notice":
-                self.preemptions += 1
-            return None
-        # lost or failed
-        gone = sorted(set(getattr(res, "lost_hosts", {}) or {}) & used)
-        if status == "lost" or gone:
-            for h in gone:
-                self._suspect[h] = time.time()
-            self.preemptions += 1
-            self._begin_morph("loss", gone[0] if gone else None, run)
-            if self.preemptions > self.max_preemptions:
-                return self._fail(f"pre-emption budget spent ({self.max_preemptions})")
-            self._set(JobState.RECOVERING, f"VM(s) {', '.join(gone) or '?'} lost; resuming from the last checkpoint")
-            return None
-        self.failures += 1
-        failure = getattr(res, "failure", None) or f"generation ended with status {status}"
-        cause = getattr(res, "cause", None)
-        said = failure.strip().splitlines()[-1] if failure.strip() else failure
-        what = re.sub(r"^(\[[^\]]*\]\s*)+", "", said)   # the error, not which VM and rank said it
-        same, self._last_failure = what == self._last_failure, what
-        if cause == "data":
-            self._pending = None
-            return self._fail(f"the data failed (not retried: the same step reads the same examples):\n{failure}")
-        if cause == "code":
-            self._pending = None
-            return self._fail(f"the job's code raised a programming error (not retried: the same code fails the "
-                              f"same way; fix it and launch again):\n{failure}")
-        if same:
-            self._pending = None
-            return self._fail(f"the same worker error twice in a row (not retried again: it looks deterministic):"
-                              f"\n{failure}")
-        if self.failures > self.max_failures:
-            self._pending = None
-            return self._fail(f"worker failure (budget of {self.max_failures} retries spent):\n{failure}")
-        self._begin_morph("failure", None, run)
-        self._set(JobState.RECOVERING, f"worker failure, retry {self.failures}/{self.max_failures}: "
-                                       f"{failure.strip().splitlines()[-1] if failure.strip() else failure}")
-        return None
-
-    def _stopping_for_notice(self, run: _Running, host: str) -> bool:
-        """A VM under notice that leaves (or goes quiet) while its workers stop at a boundary
-        is not a sudden loss: the generation's own result says whether the stop checkpoint was
-        made (if not, it ends "lost" and the last complete checkpoint is used)."""
-        return run.stopping is not None and host in self._noticed
-
-    def _consider_grow(self, run: _Running, *, quiet: bool = False) -> None:
-        # not before the last morph's first step: a grow begun then would be folded into that
-        # morph's record and go missing from the history (the periodic check grows a few s later)
-        if self.grow is None or self._pending is not None:
-            return
-        hosts = self._usable_hosts()
-        if pool_slots(hosts) <= run.job.parallel.P * run.job.parallel.D:
-            return
-        try:
-            _, _, row, _ = self._replan(hosts, first=False, best_only=True)
-        except (ConfigError, ValueError, CalibrationFailed):
-            return
-        since = time.time() - max(self._last_morph_time, run.started)
-        if run.row is None:  # started without a calibration: plan the running configuration now
-            try:
-                self.profile()  # calibrate now (cached by the model's identity)
-                _, run.plan, run.row, _ = self._replan(run.hosts, first=True, best_only=True)
-            except (ConfigError, ValueError, CalibrationFailed):
-                return
-        # the running plan as the profile the new one was planned from predicts it (re-simulated
-        # from heartbeats once the estimate drifted): the same yardstick for both
-        current = run.recalibrated_examples_per_s or run.row.examples_per_s
-        grow = self.grow.worth_it(current, row.examples_per_s, since,
-                                  run.job.parallel.P * run.job.parallel.D, row.P * row.D)
-        if quiet and not grow:
-            return
-        self.log.append("grow_decision", job_id=self.job_id, payload={
-            "current_examples_per_s": current, "new_examples_per_s": row.examples_per_s,
-            "new": {"P": row.P, "D": row.D}, "min_gain": self.grow.min_gain, "seconds_since_last_morph": since,
-            "decision": "grow" if grow else "stay"})
-        if grow:
-            self._request_stop(run, "grow", None)
-
-    def _collect_heartbeats(self, run: _Running) -> None:
-        """New heartbeats of this generation into ``_history``: per rank, its compute (F+R+B)
-        per micro-batch, one sample per step, the last ``HISTORY`` kept."""
-        keep = max(HISTORY, self.straggler.beats if self.straggler else 0)
-        for hb in self.log.heartbeats(job_id=self.job_id, since_id=self._hb_cursor):
-            self._hb_cursor = hb.id
-            if hb.time < run.started or hb.rank is None:
-                continue
-            if int((hb.payload or {}).get("generation", self.generation)) != self.generation:
-                continue
-            c = sum(x for x in (hb.fwd_s, hb.recompute_s, hb.bwd_s) if x is not None)
-            if c > 0 and hb.step is not None and self._hb_last_step.get(hb.rank) != hb.step:
-                self._hb_last_step[hb.rank] = hb.step  # one sample per step, not per beat
-                self._history.setdefault(hb.rank, []).append(c)
-                del self._history[hb.rank][:-keep]
-
-    def _check_drift(self, run: _Running) -> None:
-        """Honest estimates: when the step time has drifted from the prediction (``self.drift``),
-        re-simulate the running plan with each rank's measured/calibrated compute ratio, say so
-        in an ``estimate_drift`` event (again only when the step time leaves that new estimate by
-        the rule's threshold too), and plan later morphs from the calibration scaled by the
-        measured stages. ``drift`` in the event is measured against the plan's prediction."""
-        if run.row is None or run.plan is None or not run.predicted_stage_s:
-            return
-        # judged against the latest estimate (the plan's, then each re-calibrated one): one event
-        # per change of conditions, not one per wobble of an estimate already corrected
-        if step_time_drift(self._step_times, run.estimate_s or run.row.time_s, self.drift) is None:
-            return
-        measured = statistics.median(self._step_times[-self.drift.steps:])
-        drift = measured / run.row.time_s - 1.0
-        P, D = run.job.parallel.P, run.job.parallel.D
-        predicted = {r: run.predicted_stage_s[r % P] for r in range(P * D)}
-        ratios = compute_ratios(self._history, predicted, last=HISTORY)
-        recal_s = recal_eps = None
-        factors: list[float] = []
-        if ratios:
-            typical = statistics.median(ratios.values())
-            try:
-                sim = run.plan.simulate(run.row, rank_scale=[ratios.get(r, typical) for r in range(P * D)],
-                                        record_timeline=False)
-                recal_s = float(sim.minibatch_time)
-                recal_eps = run.job.parallel.global_batch / recal_s if recal_s > 0 else None
-            except (ValueError, RuntimeError) as e:
-                self.log.append("warning", job_id=self.job_id, payload={"message": f"no re-simulation: {e}"})
-            base = run.profile
-            if base is not None:
-                factors = segment_factors(ratios, run.row.stages, P, len(base.segments))
-                self._profile = base.scaled(factors)   # later morphs plan from what this job measured
-        run.estimate_s = recal_s or measured
-        run.recalibrated_examples_per_s = recal_eps
-        local = all(_on_this_machine(h) for h in run.hosts)
-        prof = run.profile
-        self.log.append(Kind.ESTIMATE_DRIFT, job_id=self.job_id, payload={
-            "generation": self.generation, "drift": round(drift, 4), "steps": self.drift.steps,
-            "threshold": self.drift.threshold, "predicted_step_s": run.row.time_s,
-            "measured_step_s": measured,
-            "recalibrated_step_s": recal_s, "recalibrated_examples_per_s": recal_eps,
-            "compute_ratio_by_stage": [round(statistics.median([v for r, v in ratios.items() if r % P == s]), 3)
-                                       if any(r % P == s for r in ratios) else None for s in range(P)],
-            "segment_factors": [round(f, 3) for f in factors],
-            "calibrated_at": getattr(prof, "calibrated_at", None) or None,
-            "calibrated_on": (getattr(prof, "hardware", None) or {}).get("device"),
-            "load_1min": round(os.getloadavg()[0], 2) if local and hasattr(os, "getloadavg") else None,
-            "cpu_count": os.cpu_count() if local else None, "workers_here": P * D if local else None})
-
-    def _check_stragglers(self, run: _Running) -> None:
-        if not run.predicted_stage_s:
-            return
-        P = run.job.parallel.P
-        history = {r: xs[-self.straggler.beats:] for r, xs in self._history.items()}
-        predicted = {r: run.predicted_stage_s[r % P] for r in range(P * run.job.parallel.D)}
-        found = find_stragglers(history, predicted, self.straggler)
-        rank_host = []
-        for h in run.hosts:
-            rank_host += [h.name] * worker_slots(h)
-        for rank, slowdown in sorted(found.items(), key=lambda kv: -kv[1]):
-            host = rank_host[rank] if rank < len(rank_host) else None
-            if host is None or host in self._excluded:
-                continue
-            others = [h for h in self._usable_hosts() if h.name != host]
-            try:
-                alt = (self._replan(others, first=False, best_only=True, profile=run.profile)[2]
-                       if others else None)   # (the running plan's calibration: the same yardstick)
-                exclude, with_it, without = judge_straggler(run.plan, run.row, rank, slowdown, alt)
-            except (ConfigError, ValueError):
-                continue
-            self.log.append(Kind.STRAGGLER, job_id=self.job_id, host=host, rank=rank, payload={
-                "rank": rank, "slowdown": slowdown, "action": "excluded" if exclude else "kept",
-                "predicted_step_s_with": with_it, "predicted_step_s_without": without})
-            if exclude:
-                self._excluded.add(host)
-                self._request_stop(run, "straggler", host)
-                return
-            self._history.pop(rank, None)  # judged and kept: judge again on fresh samples only
-
     def _wait_for_orphans(self) -> None:
         """After a manager restart: workers of the previous manager stop on their own (they
         checkpoint at a boundary once the manager is unreachable); give them time to."""
-        from .generation import wait_for_orphans
+        from .orphans import wait_for_orphans
 
-        orphan_after = float(self.generation_options.get("orphan_after_s", 60.0))
-        wait_for_orphans(self.log, self.job_id, timeout_s=orphan_after + self.stop_timeout_s + 30.0)
+        orphan_after = self.options.generation_options.orphan_after_s
+        orphan_after = 60.0 if orphan_after is None else float(orphan_after)
+        wait_for_orphans(self.log, self.job_id, timeout_s=orphan_after + self.options.stop_timeout_s + 30.0)
         self._backfill_metrics()
-
-    def _backfill_metrics(self) -> None:
-        """Steps the orphaned workers finished while no manager listened reached only rank 0's
-        ``metrics.jsonl`` (when it is in this run folder): copy them into the event log, so
-        the job's metrics have no hole."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return
-        last = -1 if self._last_step is None else self._last_step
-        added = 0
-        with open(path) as f:
-            for line in f:
-                try:
-                    m = json.loads(line)
-                except ValueError:
-                    continue  # a line torn by the kill
-                step = m.get("step")
-                if isinstance(step, int) and step > last:
-                    self.log.append_metric(step, m, job_id=self.job_id)
-                    last = step
-                    added += 1
-        if added:
-            self.log.append("metrics_backfilled", job_id=self.job_id,
-                            payload={"steps": added, "source": str(path), "last_step": last})
 
     def summary(self) -> dict[str, Any]:
         """State, generation, budgets used, morphs and the error, as plain data."""
@@ -1103,24 +489,4 @@ class Manager:
                 "morphs": [m.to_dict() for m in self.morphs], "error": self.error, "run_dir": str(self.run_dir)}
 
 
-def judge_straggler(plan, row, rank: int, slowdown: float, without) -> tuple[bool, float, float]:
-    """Is the job faster without a slow worker? (paper §4.6, fail-stutter.) ``plan``/``row``:
-    the running configuration; ``rank`` runs ``slowdown`` x slower than predicted; ``without``:
-    the best ``PlanRow`` for the pool minus its VM (None: no VM would be left). Simulates the
-    running configuration with that rank slowed (``Plan.simulate(rank_scale=...)``) and
-    compares mini-batch times. Returns ``(exclude, seconds_with, seconds_without)``."""
-    scale = [1.0] * (row.P * row.D)
-    scale[rank] = float(slowdown)
-    with_it = plan.simulate(row, rank_scale=scale, record_timeline=False).minibatch_time
-    t_without = math.inf if without is None else float(without.time_s)
-    return t_without < with_it, with_it, t_without
-
-
-def _on_this_machine(h: Host) -> bool:
-    """Local slots and loopback test hosts share this machine's cores (the planner models them
-    as one VM with ``os.cpu_count()`` compute slots)."""
-    return is_local(h) or h.is_loopback
-
-
-__all__ = ["Manager", "JobState", "MorphRecord", "CalibrationFailed", "MORPH_PHASES", "morph_phases", "plan_candidates", "ManagerError",
-           "judge_straggler"]
+__all__ = ["Manager"]

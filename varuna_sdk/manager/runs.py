@@ -31,7 +31,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..config import TrainConfig
 from .billing import BILLED_KINDS, Billing, cost_text
@@ -98,6 +97,7 @@ class RunInfo:
 
     @property
     def active(self) -> bool:
+        """The job is not in a terminal state (it runs, or its manager died without saying so)."""
         return self.state not in TERMINAL
 
 
@@ -254,18 +254,18 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
         Kind.WORKER_FINISHED: lambda: f"rank {e.rank} on {vm} finished ({p.get('status')}, last step {p.get('last_step')})",
         Kind.WORKER_EXITED: lambda: f"rank {e.rank} on {vm} exited with code {p.get('exit_code')}",
         Kind.HEARTBEAT_SERVER_STARTED: lambda: f"heartbeat server listening on {p.get('address')}",
-        "generation_started": lambda: (f"generation {p.get('generation')} started: P={p.get('P')} x D={p.get('D')} on "
-                                       f"{', '.join(p.get('hosts') or [])}"),
-        "generation_ended": lambda: (f"generation {p.get('generation')} ended: {p.get('status')} after "
-                                     f"{p.get('seconds', 0):.0f} s, last step {p.get('last_step')}"),
-        "calibration_started": lambda: str(p.get("message") or "calibrating the model"),
-        "grow_decision": lambda: (f"VMs free: a plan on them would run {_num(p.get('new_examples_per_s'))} examples/s "
-                                  f"against {_num(p.get('current_examples_per_s'))} now: "
-                                  f"{'grow' if p.get('decision') == 'grow' else 'stay (gain below ' + _num(p.get('min_gain')) + 'x or in the cooldown)'}"),
-        "warning": lambda: f"warning: {p.get('message')}",
+        Kind.GENERATION_STARTED: lambda: (f"generation {p.get('generation')} started: P={p.get('P')} x D={p.get('D')} on "
+                                          f"{', '.join(p.get('hosts') or [])}"),
+        Kind.GENERATION_ENDED: lambda: (f"generation {p.get('generation')} ended: {p.get('status')} after "
+                                        f"{p.get('seconds', 0):.0f} s, last step {p.get('last_step')}"),
+        Kind.CALIBRATION_STARTED: lambda: str(p.get("message") or "calibrating the model"),
+        Kind.GROW_DECISION: lambda: (f"VMs free: a plan on them would run {_num(p.get('new_examples_per_s'))} examples/s "
+                                     f"against {_num(p.get('current_examples_per_s'))} now: "
+                                     f"{'grow' if p.get('decision') == 'grow' else 'stay (gain below ' + _num(p.get('min_gain')) + 'x or in the cooldown)'}"),
+        Kind.WARNING: lambda: f"warning: {p.get('message')}",
         Kind.HEARTBEAT_SERVER_STOPPED: lambda: "heartbeat server stopped",
-        "stop_requested": lambda: f"workers asked to stop at the next mini-batch boundary ({p.get('reason')})",
-        "stop_request_received": lambda: f"asked to stop from outside ({p.get('by')})",
+        Kind.STOP_REQUESTED: lambda: f"workers asked to stop at the next mini-batch boundary ({p.get('reason')})",
+        Kind.STOP_REQUEST_RECEIVED: lambda: f"asked to stop from outside ({p.get('by')})",
         Kind.STRAGGLER: lambda: (f"rank {p.get('rank')} runs {p.get('slowdown', 0):.1f}x slower than its peers: "
                                  f"{p.get('action')}"),
     }.get(k)
@@ -335,7 +335,7 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
         plans = log.events(kind=Kind.PLAN, last=1)   # (a plan's payload holds its ranked table and timeline)
         morphs = [e.payload for e in log.events(kind=Kind.MORPH)]
         first = log.events(limit=1)
-        last = log.events(not_kind=(Kind.AUTH_FAILED, Kind.AUTH_FAILED_SUPPRESSED, "heartbeat_server_started"), last=1)
+        last = log.events(not_kind=(Kind.AUTH_FAILED, Kind.AUTH_FAILED_SUPPRESSED, Kind.HEARTBEAT_SERVER_STARTED), last=1)
         metrics = _latest_metrics(log)
         billing = Billing.of(log.events(kind=BILLED_KINDS))
         drifts = log.events(kind=Kind.ESTIMATE_DRIFT, last=1)

@@ -52,6 +52,7 @@ class GPT2Config:
         return V * d + T * d + L * per_block + ln
 
     def to_dict(self) -> dict:
+        """Every field as a plain dict (the YAML / JSON form)."""
         return asdict(self)
 
 
@@ -76,6 +77,8 @@ def preset(name: str, **overrides) -> GPT2Config:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention (``scaled_dot_product_attention``). ``[B, T, C] → [B, T, C]``."""
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.n_head = cfg.n_head
@@ -94,6 +97,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Position-wise feed-forward: ``C → 4C`` (tanh GELU) ``→ C``, then dropout. ``[B, T, C] → [B, T, C]``."""
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
@@ -139,6 +144,7 @@ class GPT2(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of token ids ``idx`` ``[B, T]``; raises ``ValueError`` if ``T > block_size``."""
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")

@@ -156,8 +156,3 @@ def _materialize_replayed(model: nn.Module, wanted: set[str], log, *, seed: int,
             if b is not None and id(b) in by_id:
                 made.setdefault(id(b), by_id[id(b)])
                 mod._buffers[attr] = made[id(b)]
-
-
-def local_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(canonical name, parameter) of every materialised (non-meta) parameter, tied ones once."""
-    return [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]

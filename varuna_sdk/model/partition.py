@@ -30,17 +30,21 @@ class StageMap:
 
     @property
     def P(self) -> int:
+        """Number of stages."""
         return len(self.ranges)
 
     @property
     def num_segments(self) -> int:
+        """Number of cut-point segments the map covers."""
         return self.ranges[-1][1]
 
     def segments(self, stage: int) -> range:
+        """Segment indices of ``stage``."""
         a, b = self.ranges[stage]
         return range(a, b)
 
     def stage_of_segment(self, k: int) -> int:
+        """The stage holding segment ``k``; raises ``IndexError`` outside the map."""
         for s, (a, b) in enumerate(self.ranges):
             if a <= k < b:
                 return s

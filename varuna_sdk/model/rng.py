@@ -56,10 +56,12 @@ class SegmentSeeder:
         self.segment = 0
 
     def start(self) -> None:
+        """Seed segment 0 (before the forward starts)."""
         self.segment = 0
         seed_segment(self.seed, self.step, self.microbatch, 0)
 
     def at_cutpoint(self, tensors):
+        """Seed the next segment; the tensors pass through unchanged."""
         self.segment += 1
         seed_segment(self.seed, self.step, self.microbatch, self.segment)
         return tensors

@@ -66,6 +66,7 @@ class ModelStructure:
     embeddings: list[dict] = field(default_factory=list)
 
     def segments_of(self, name: str) -> list[int]:
+        """Segments that use parameter or buffer ``name`` (``[0]`` if none was recorded)."""
         return self.state_segments.get(name, [0])
 
 

@@ -196,6 +196,7 @@ class Receiver:
 
     @property
     def arrived(self) -> int:
+        """How many messages of this step have arrived (the policy's view of the inbox)."""
         return len(self.inbox)
 
     def _wait_for(self, n: int) -> None:
@@ -209,6 +210,8 @@ class Receiver:
             self.cond.wait(timeout=min(left, 1.0))
 
     def get(self, i: int) -> tuple[list[torch.Tensor], list[bool]]:
+        """Message ``i`` of the step, ``(tensors, requires-grad flags)``, waiting for it; raises
+        ``PeerLost`` if the channel broke or nothing came within ``timeout_s``."""
         with self.cond:
             self._wait_for(i + 1)
             return self.inbox[i]

@@ -2,25 +2,21 @@
 
 Owns one rank's stage: building it (trace on meta, split, materialise only local parameters),
 running the schedule policy (from csrc, the same code the simulator uses) over its
-micro-batches with forward (F), recompute (R) and backward (B) actions, and the end-of-step
-synchronisation: tied-weight gradient sum, data-parallel all-reduce, one world-wide consensus
-of (overflow, grad-norm², loss), global-norm clipping, loss-scale update and the optimizer step.
+micro-batches — one method per action kind, forward (F), recompute (R), backward (B) and, with
+the split backward, weight gradients (W), dispatched from a table keyed by the kind as
+torch.distributed.pipelining's executor does — and the end-of-step synchronisation: tied-weight
+gradient sum, data-parallel all-reduce, one world-wide consensus of (overflow, grad-norm², loss),
+global-norm clipping, loss-scale update and the optimizer step.
 Paper §3.2, §5.2, §6; varuna-original.md §3, §8 — with its bugs fixed: fp32 gradients are
 reduced, RNG is forked (never rewound), the loss is the mini-batch mean over all replicas,
 ``shared_params=None`` works, and short micro-batches cannot occur (the batch identity is
 validated up front).
 
-A stage's forward runs the user's whole ``forward`` on the real inputs (so inputs a later
-segment uses — labels, masks — are there on every stage): segments before the stage run with
-their weights on the ``meta`` device (no memory, no weight compute; modules whose outputs depend
-on weights are replaced by stubs returning their recorded meta outputs, tied weights held here by
-meta stand-ins) under ``model.hybrid.MetaAsDevice``, so what depends on the inputs alone is
-computed for real and steers the forward as on the first stage. At the stage's first cut-point
-the received tensors replace the crossing ones — and wherever the same tensor objects are handed
-to a later block of the stage (a mask or rotary ``(cos, sin)`` given to every layer), the
-received ones are substituted again; the forward stops by exception at its last cut-point.
+A stage's forward runs the user's whole ``forward`` on the real inputs, the segments before the
+stage on the ``meta`` device at almost no cost: how, and why, is ``pipeline.stage_prefix``.
 
-Never imports ``varuna_sdk.cluster``/``manager``/``planner``.
+Imports ``config``, ``model`` and the rest of ``pipeline``; never imports
+``varuna_sdk.checkpoint``/``profiling``/``planner``/``cluster``/``manager`` or anything above.
 """
 
 from __future__ import annotations
@@ -34,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ParallelConfig, validate_parallel
+from ..config import PRECISIONS, ParallelConfig, validate_parallel
 from ..model.cutpoint import observe_cutpoints
 from ..model.hybrid import MetaAsDevice
-from ..model.inputs import ModelInputs, as_inputs, call_model, leading_dim, rows, shapes_key, tensors_of, to_device
+from ..model.inputs import ModelInputs, as_inputs, call_model, leading_dim, rows, to_device
 from ..model.materialize import build_on_meta, materialize
 from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names
 from ..model.rng import forked_rng, seed_segment
@@ -48,6 +44,7 @@ from .groups import Topology, build_groups
 from .scaler import LossScaler
 from .schedule import StageScheduler, default_recompute
 from .split_backward import WeightWork, backward_input
+from .stage_prefix import StageExit, StagePrefix, StageRun
 
 LossFn = Callable[[object, object], torch.Tensor]  # (model output, targets) -> scalar mean loss
 
@@ -72,59 +69,28 @@ class StepResult:
     wait_s: dict[str, float] = field(default_factory=dict)
 
 
-class _StageExit(BaseException):
-    """Raised at the stage's last cut-point to stop the user's forward (not an Exception, so
-    user ``try/except Exception`` blocks cannot swallow it)."""
+@dataclass
+class _StepState:
+    """One step's bookkeeping on this stage, shared by the action methods.
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...]):
-        super().__init__()
-        self.tensors = tensors
+    ``mb_in``/``mb_tg``: the replica's micro-batches (inputs, targets); ``base``: the global index
+    of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``: which received
+    tensors carry a gradient; ``stash``: micro-batch -> received inputs awaiting R; ``live``:
+    micro-batch -> (leaves, outputs) with a graph awaiting B; ``deferred``: micro-batch -> its
+    weight-gradient work awaiting W; ``grad_actions``: gradient-accumulating actions run so far."""
 
-
-class _StageRun:
-    """Cut-point observer for one forward of one micro-batch on this stage."""
-
-    def __init__(self, start_cut: int, end_cut: int, received: tuple[torch.Tensor, ...] | None,
-                 seed: int, step: int, mb: int, on_enter: Callable[[], None] | None,
-                 mode: MetaAsDevice | None = None):
-        self.k = 0
-        self.start_cut, self.end_cut = start_cut, end_cut
-        self.received = received
-        self.seed, self.step, self.mb = seed, step, mb
-        self.on_enter = on_enter
-        self.mode = mode
-        self.entered = start_cut < 0
-        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _substitute(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The received tensor for every crossing tensor that is one received at the stage's first
-        cut-point (same object: a mask or rotary table handed to every block)."""
-        if not self.carried:
-            return tensors
-        out = []
-        for t in tensors:
-            hit = self.carried.get(id(t))
-            out.append(hit[1] if hit is not None and hit[0] is t else t)
-        return tuple(out)
-
-    def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        k = self.k
-        self.k += 1
-        if k == self.end_cut:
-            raise _StageExit(self._substitute(tensors))
-        if k >= self.start_cut:
-            seed_segment(self.seed, self.step, self.mb, k + 1)
-        if k == self.start_cut:
-            self.entered = True
-            if self.on_enter is not None:
-                self.on_enter()
-            if self.mode is not None:
-                self.mode.pop()  # this stage's own segments run on the real device, unobserved
-            self.carried = {id(t): (t, r) for t, r in zip(tensors, self.received)}
-            return self.received
-        if k > self.start_cut:
-            return self._substitute(tensors)
-        return tensors
+    mb_in: list
+    mb_tg: list
+    base: int
+    scale: float
+    recv_flags: list[bool]
+    loss_sum: torch.Tensor
+    stash: dict[int, tuple | None] = field(default_factory=dict)
+    live: dict[int, tuple] = field(default_factory=dict)
+    deferred: dict[int, WeightWork] = field(default_factory=dict)
+    compute_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0})
+    wait_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    grad_actions: int = 0
 
 
 def _as_tuple(x) -> tuple:
@@ -201,7 +167,7 @@ class Varuna:
         structure: ModelStructure | None = None,
     ):
         validate_parallel(parallel)
-        if precision not in ("fp32", "bf16", "fp16"):
+        if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}; choose fp32, bf16 or fp16")
         self.parallel = parallel
         self.topo = Topology(parallel.P, parallel.D)
@@ -211,7 +177,9 @@ class Varuna:
         if self.topo.world_size > 1 and not distributed:
             raise RuntimeError(
                 f"P={parallel.P} × D={parallel.D} needs torch.distributed initialised with "
-                f"{self.topo.world_size} ranks; use varuna_sdk.launch_local() or init_process_group first"
+                f"{self.topo.world_size} ranks; start the job with `varuna train job.yaml` (or "
+                "varuna_sdk.runner.train_local, or Job(...).launch() in a notebook), which starts one "
+                "process per rank, or call torch.distributed.init_process_group in each process first"
             )
         self.rank = rank
         self.stage, self.replica = self.topo.coords(rank)
@@ -226,8 +194,17 @@ class Varuna:
             backend = dist.get_backend() if distributed else "gloo"
             device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
+        self._build_stage(model_fn, sample_inputs, structure, init_fn)
+        self._open_channels(rank)
+        self.scaler = LossScaler(scale=loss_scale, enabled=precision == "fp16")
+        self.step_count = 0
+        self.grad_sync = self._build_grad_sync()
 
-        # ---- model: trace, split, materialise this stage only --------------------------------
+    # ------------------------------------------------------------------------------------------
+    def _build_stage(self, model_fn: Callable[[], nn.Module], sample_inputs: Sequence[torch.Tensor],
+                     structure: ModelStructure | None, init_fn: Callable[[nn.Module, str], None] | None) -> None:
+        """The model: trace on meta, split into stages, materialise this stage only."""
+        parallel = self.parallel
         self.model = build_on_meta(model_fn)
         self.structure = structure or trace_model(self.model, as_inputs(sample_inputs), self.device)
         n = self.structure.num_segments
@@ -237,30 +214,26 @@ class Varuna:
             self.stage_map = balanced_stage_map(segment_costs(self.structure), self.P)
         self.shared = shared_state(self.structure, self.stage_map, parallel.shared_params)
         names = stage_state_names(self.structure, self.stage_map, self.stage)
-        materialize(self.model, names, seed=seed, device=self.device, init_fn=init_fn)
+        materialize(self.model, names, seed=self.seed, device=self.device, init_fn=init_fn)
         self.model.train()
         a, b = self.stage_map.ranges[self.stage]
         self.start_cut, self.end_cut = a - 1, (b - 1 if b < n else -1)
         self.send_flags = [c["requires_grad"] for c in self.structure.crossings[self.end_cut]] if not self.is_last else []
         canonical = dict(self.model.named_parameters())
         self.params: list[tuple[str, nn.Parameter]] = [(nm, canonical[nm]) for nm in sorted(names) if nm in canonical]
-        self._pre_stage_swaps = self._find_pre_stage_params(canonical)
-        self._stub_cache: dict[tuple, list] = {}
+        self.prefix = StagePrefix(self.model, self.structure, a, self.device)
 
-        # ---- process groups and channels -------------------------------------------------------
+    def _open_channels(self, rank: int) -> None:
+        """Process groups, the four p2p channels to the neighbouring stages of this replica (``None``
+        at the pipeline's ends) and one long-lived receiving thread per incoming channel."""
         self.groups = build_groups(self.topo, rank, [tuple(s) for s in self.shared.values()])
-        g = self.groups
-        self.ch_act_out = Channel(self.topo.rank(self.stage + 1, self.replica), g.act_send, self.device) if not self.is_last else None
-        self.ch_act_in = Channel(self.topo.rank(self.stage - 1, self.replica), g.act_recv, self.device) if not self.is_first else None
-        self.ch_grad_out = Channel(self.topo.rank(self.stage - 1, self.replica), g.grad_send, self.device) if not self.is_first else None
-        self.ch_grad_in = Channel(self.topo.rank(self.stage + 1, self.replica), g.grad_recv, self.device) if not self.is_last else None
-        # one long-lived receiving thread per incoming channel (not one per step)
-        self.rx_acts = Receiver(self.ch_act_in, timeout_s) if self.ch_act_in else None
-        self.rx_grads = Receiver(self.ch_grad_in, timeout_s) if self.ch_grad_in else None
-
-        self.scaler = LossScaler(scale=loss_scale, enabled=precision == "fp16")
-        self.step_count = 0
-        self.grad_sync = self._build_grad_sync()
+        g, s, r = self.groups, self.stage, self.replica
+        self.ch_act_out = Channel(self.topo.rank(s + 1, r), g.act_send, self.device) if not self.is_last else None
+        self.ch_act_in = Channel(self.topo.rank(s - 1, r), g.act_recv, self.device) if not self.is_first else None
+        self.ch_grad_out = Channel(self.topo.rank(s - 1, r), g.grad_send, self.device) if not self.is_first else None
+        self.ch_grad_in = Channel(self.topo.rank(s + 1, r), g.grad_recv, self.device) if not self.is_last else None
+        self.rx_acts = Receiver(self.ch_act_in, self.timeout_s) if self.ch_act_in else None
+        self.rx_grads = Receiver(self.ch_grad_in, self.timeout_s) if self.ch_grad_in else None
 
     # ------------------------------------------------------------------------------------------
     def _build_grad_sync(self) -> GradSync:
@@ -280,122 +253,6 @@ class Varuna:
             p.register_post_accumulate_grad_hook(sync.ready)
         return sync
 
-    def _find_pre_stage_params(self, canonical: dict[str, nn.Parameter]) -> list[tuple[nn.Module, str, nn.Parameter]]:
-        """Local parameters also used by segments *before* this stage (tied weights): they are
-        swapped for meta stand-ins while those segments run on the meta device."""
-        a = self.stage_map.ranges[self.stage][0]
-        wanted = {id(canonical[nm]) for nm, segs in self.structure.state_segments.items()
-                  if nm in canonical and canonical[nm].device.type != "meta" and min(segs) < a}
-        swaps = []
-        for mod in self.model.modules():
-            for attr, p in mod._parameters.items():
-                if p is not None and id(p) in wanted:
-                    swaps.append((mod, attr, p))
-        return swaps
-
-    @contextlib.contextmanager
-    def _meta_prefix(self, inputs: tuple):
-        """While segments before this stage run: modules used only there are replaced by stubs
-        that return their recorded meta outputs (so skipping them costs nothing), and local
-        parameters they share (tied weights) are swapped for meta stand-ins. Yields the
-        ``restore`` callback the stage calls on reaching its first cut-point."""
-        if self.is_first:
-            yield lambda: None
-            return
-        stubs = self._prefix_stubs(inputs)
-        metas = [nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                 for _, _, p in self._pre_stage_swaps]
-        restored = [False]
-
-        def restore() -> None:
-            if not restored[0]:
-                for mod, attr, p in self._pre_stage_swaps:
-                    mod._parameters[attr] = p
-                for mod, _ in stubs:
-                    mod.__dict__.pop("forward", None)
-                restored[0] = True
-
-        for (mod, attr, _), mp in zip(self._pre_stage_swaps, metas):
-            mod._parameters[attr] = mp
-        for mod, outs in stubs:
-            calls = iter(outs)
-            mod.forward = (lambda it: (lambda *a, **k: next(it)))(calls)
-        try:
-            yield restore
-        finally:
-            restore()
-
-    def _prefix_stubs(self, inputs: tuple) -> list[tuple[nn.Module, list]]:
-        """Record, once per input shape, the meta outputs of every module that runs only before
-        this stage's first cut-point; return the outermost such modules with their outputs."""
-        key = shapes_key(inputs)
-        cached = self._stub_cache.get(key)
-        if cached is not None:
-            return cached
-        calls: dict[nn.Module, list] = {}
-        parents: dict[nn.Module, nn.Module] = {}
-        for mod in self.model.modules():
-            for child in mod.children():
-                parents.setdefault(child, mod)
-        stop = self.start_cut
-        # Modules whose own call crosses a cut-point (``CutPoint`` modules, wrappers around them)
-        # must not be stubbed: the stage has to observe every crossing to count cut-points.
-        running: list[nn.Module] = []
-        crossing: set[nn.Module] = set()
-
-        class _Stop:
-            k = 0
-
-            def at_cutpoint(self, tensors):
-                crossing.update(running)
-                if self.k == stop:
-                    raise _StageExit(tensors)
-                self.k += 1
-                return tensors
-
-        def pre_hook(mod, _args):
-            running.append(mod)
-
-        def hook(mod, _args, out):
-            running.pop()
-            calls.setdefault(mod, []).append(out)
-
-        mods = [m for m in self.model.modules() if m is not self.model]
-        # pre-hooks run after, forward hooks before, any cut-point hooks (auto_cutpoints): a block
-        # whose crossing happens in a hook is still stubbed — its hooks run on the stub's output.
-        handles = ([m.register_forward_pre_hook(pre_hook) for m in mods]
-                   + [m.register_forward_hook(hook, prepend=True) for m in mods])
-        swaps = [(mod, attr, p) for mod, attr, p in self._pre_stage_swaps]
-        try:
-            for mod, attr, p in swaps:
-                mod._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            with torch.no_grad(), observe_cutpoints(_Stop()), MetaAsDevice(self.device):
-                try:
-                    call_model(self.model, inputs)
-                except _StageExit:
-                    pass
-        finally:
-            for h in handles:
-                h.remove()
-            for mod, attr, p in swaps:
-                mod._parameters[attr] = p
-
-        def covered(m: nn.Module) -> bool:
-            a = parents.get(m)
-            while a is not None:
-                if a in calls and a not in crossing and a not in real_out:
-                    return True
-                a = parents.get(a)
-            return False
-
-        # a module whose output holds a real tensor computed it from the inputs alone (positions,
-        # masks): it runs every time (it is cheap), so that its values follow each micro-batch
-        real_out = {m for m, outs in calls.items() if any(t.device.type != "meta" for t in tensors_of(outs))}
-        stubs = [(m, outs) for m, outs in calls.items()
-                 if m not in crossing and m not in real_out and not covered(m)]
-        self._stub_cache[key] = stubs
-        return stubs
-
     def parameters(self) -> list[nn.Parameter]:
         """This stage's parameters (tied ones once) — pass them to a torch optimizer."""
         return [p for _, p in self.params]
@@ -411,15 +268,17 @@ class Varuna:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def _forward(self, inputs: ModelInputs, received: tuple | None, mb: int, grad: bool):
-        """Run this stage's part of the user forward for global micro-batch ``mb``."""
-        with forked_rng(), self._meta_prefix(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
+        """Run this stage's part of the user forward for global micro-batch ``mb`` (the prefix on
+        meta, see ``stage_prefix``): the stage's output tensors, or on the last stage the model's
+        output. Raises ``RuntimeError`` if the forward skips the stage's cut-points."""
+        with forked_rng(), self.prefix.running(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
             mode = None if self.is_first else MetaAsDevice(self.device)
-            run = _StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode)
+            run = StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode)
             seed_segment(self.seed, self.step_count, mb, 0)
             with observe_cutpoints(run), (mode if mode is not None else contextlib.nullcontext()):
                 try:
                     out = call_model(self.model, inputs)
-                except _StageExit as e:
+                except StageExit as e:
                     return e.tensors
             if not run.entered:
                 raise RuntimeError(
@@ -447,103 +306,140 @@ class Varuna:
         if a neighbouring stage dies, ``ValueError`` for a wrongly sized batch.
         """
         t0 = time.perf_counter()
+        st = self._begin_train_step(batch)
+        self._run_schedule(st)
+        self._end_transfers()
+        loss_local = st.loss_sum / self.m if self.is_last else st.loss_sum
+        result = self._sync_and_step(optimizer, loss_local)
+        result.time_s = time.perf_counter() - t0
+        result.compute_s = st.compute_s
+        result.wait_s = st.wait_s
+        self.step_count += 1
+        return result
+
+    def _micro_batches(self, batch: Sequence, non_blocking: bool = False) -> tuple[list, list]:
+        """This replica's ``(inputs, targets)`` cut into ``m`` micro-batches on the stage's device."""
         inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
-        inputs = to_device(inputs, self.device, non_blocking=True)
-        targets = to_device(targets, self.device, non_blocking=True)
+        inputs = to_device(inputs, self.device, non_blocking=non_blocking)
+        targets = to_device(targets, self.device, non_blocking=non_blocking)
         b = self.parallel.micro_batch_size
-        mb_in = [rows(inputs, i * b, (i + 1) * b) for i in range(self.m)]
-        mb_tg = [rows(targets, i * b, (i + 1) * b) for i in range(self.m)]
-        base = self.replica * self.m
-        scale = self.scaler.scale
+        return ([rows(inputs, i * b, (i + 1) * b) for i in range(self.m)],
+                [rows(targets, i * b, (i + 1) * b) for i in range(self.m)])
+
+    def _begin_train_step(self, batch: Sequence) -> _StepState:
+        """Cut the batch, open the channels' step and start both receivers for ``m`` messages."""
+        mb_in, mb_tg = self._micro_batches(batch, non_blocking=True)
         self._begin_step()
-        acts, grads = self.rx_acts, self.rx_grads
-        for rx in (acts, grads):
+        for rx in (self.rx_acts, self.rx_grads):
             if rx is not None:
                 rx.start(self.m)
-        sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute, self.split_backward)
-        stash: dict[int, tuple] = {}  # mb -> received inputs (recompute) or (leaves, outputs)
-        live: dict[int, tuple] = {}  # mb -> (leaves, outputs) with a graph
-        deferred: dict[int, WeightWork] = {}  # mb -> its weight-gradient work (split backward)
-        loss_sum = torch.zeros((), device=self.device)
-        timing = {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0}
-        waited = {"F": 0.0, "B": 0.0}   # blocked on an input, taken out of the action's time
         recv_flags = [c["requires_grad"] for c in self.structure.crossings[self.start_cut]] if not self.is_first else []
-        grad_kind = "W" if self.split_backward else "B"  # the actions that accumulate weight gradients
-        grad_actions = 0
+        return _StepState(mb_in, mb_tg, base=self.replica * self.m, scale=self.scaler.scale, recv_flags=recv_flags,
+                          loss_sum=torch.zeros((), device=self.device))
+
+    def _run_schedule(self, st: _StepState) -> None:
+        """Ask the policy for the next action given what has arrived, run it, until the step's
+        schedule is done; each action kind has its own method (the table below)."""
+        actions: dict[str, Callable[[_StepState, int], float]] = {
+            "F": self._run_forward, "R": self._run_recompute, "B": self._run_backward, "W": self._run_weights}
+        sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute, self.split_backward)
+        acts, grads = self.rx_acts, self.rx_grads
         while True:
             action = sched.next(acts.arrived if acts else 0, grads.arrived if grads else 0)
             if action is None:
-                break
-            i, kind = action.mb, action.kind
-            if kind == grad_kind:
-                grad_actions += 1
-                if grad_actions == self.m:  # gradients turn final in this action: start their all-reduce
-                    self.grad_sync.arm()
+                return
+            self._count_grad_action(st, action.kind)
             ta = time.perf_counter()
-            w = 0.0
-            if kind == "F":
-                received = None
-                if acts is not None:
-                    tensors, _ = acts.get(i)
-                    w = time.perf_counter() - ta
-                    acts.release(i)
-                    received = tuple(tensors)
-                with_grad = self.is_last or not self.recompute
-                leaves = self._leaves(received, recv_flags, with_grad)
-                out = self._forward(mb_in[i], leaves, base + i, grad=with_grad)
-                if self.is_last:
-                    loss = self.loss_fn(out, mb_tg[i])
-                    live[i] = (leaves, (loss,))
-                    loss_sum = loss_sum + loss.detach()
-                else:
-                    self.ch_act_out.send(out, self.send_flags)
-                    if with_grad:
-                        live[i] = (leaves, _as_tuple(out))
-                    else:
-                        stash[i] = received
-            elif kind == "R":
-                received = stash.pop(i)
-                leaves = self._leaves(received, recv_flags, True)
-                out = self._forward(mb_in[i], leaves, base + i, grad=True)
-                live[i] = (leaves, _as_tuple(out))
-            elif kind == "W":
-                deferred.pop(i).run(on_group=self._weights_final if grad_actions == self.m else None)
-            else:  # "B"
-                leaves, outs = live.pop(i)
-                if self.is_last:
-                    roots, gouts = [outs[0] * (scale / self.m)], [None]
-                else:
-                    tw = time.perf_counter()
-                    g_tensors, _ = grads.get(i)
-                    w = time.perf_counter() - tw
-                    grads.release(i)
-                    # g_tensors holds one gradient per *flagged* output, in order (see _input_grads),
-                    # so pair them with the flagged outputs, not positionally with all outputs.
-                    flagged = [o for o, f in zip(outs, self.send_flags) if f]
-                    pairs = [(o, g) for o, g in zip(flagged, g_tensors) if o.requires_grad]
-                    roots, gouts = [o for o, _ in pairs], [g for _, g in pairs]
-                if self.split_backward:
-                    deferred[i] = self._backward_input(roots, gouts, leaves)
-                elif roots:
-                    torch.autograd.backward(roots, gouts if not self.is_last else None)
-                if not self.is_first:
-                    self.ch_grad_out.send(self._input_grads(leaves, recv_flags))
-            timing[kind] += time.perf_counter() - ta - w
-            if w:
-                waited[kind] += w
-        for r in (acts, grads):
-            if r is not None:
-                r.join()
+            waited = actions[action.kind](st, action.mb)
+            st.compute_s[action.kind] += time.perf_counter() - ta - waited
+            if waited:
+                st.wait_s[action.kind] += waited
+
+    def _count_grad_action(self, st: _StepState, kind: str) -> None:
+        """Count the actions that accumulate weight gradients (B, or W with the split backward); the
+        ``m``-th makes them final, so the gradient all-reduce is armed to start during it."""
+        if kind == ("W" if self.split_backward else "B"):
+            st.grad_actions += 1
+            if st.grad_actions == self.m:
+                self.grad_sync.arm()
+
+    @staticmethod
+    def _receive(rx: Receiver | None, mb: int) -> tuple[tuple | None, float]:
+        """Micro-batch ``mb``'s tensors from ``rx`` (``None`` without a receiver) and the seconds
+        spent blocked waiting for them."""
+        if rx is None:
+            return None, 0.0
+        t = time.perf_counter()
+        tensors, _ = rx.get(mb)
+        waited = time.perf_counter() - t
+        rx.release(mb)
+        return tuple(tensors), waited
+
+    def _run_forward(self, st: _StepState, i: int) -> float:
+        """F of micro-batch ``i``: receive, run the stage forward, send the outputs on (or take the
+        loss on the last stage); without a graph when it will be recomputed, stashing the input.
+        Returns the seconds spent waiting for the activation."""
+        received, waited = self._receive(self.rx_acts, i)
+        with_grad = self.is_last or not self.recompute
+        leaves = self._leaves(received, st.recv_flags, with_grad)
+        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad)
+        if self.is_last:
+            loss = self.loss_fn(out, st.mb_tg[i])
+            st.live[i] = (leaves, (loss,))
+            st.loss_sum = st.loss_sum + loss.detach()
+        else:
+            self.ch_act_out.send(out, self.send_flags)
+            if with_grad:
+                st.live[i] = (leaves, _as_tuple(out))
+            else:
+                st.stash[i] = received
+        return waited
+
+    def _run_recompute(self, st: _StepState, i: int) -> float:
+        """R of micro-batch ``i``: the forward again from its stashed input, with a graph."""
+        received = st.stash.pop(i)
+        leaves = self._leaves(received, st.recv_flags, True)
+        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True)
+        st.live[i] = (leaves, _as_tuple(out))
+        return 0.0
+
+    def _run_backward(self, st: _StepState, i: int) -> float:
+        """B of micro-batch ``i``: backward from the loss (last stage) or from the received output
+        gradients, the input gradients sent upstream; with the split backward only the input
+        gradients, the weight-gradient work kept for a W. Returns the seconds spent waiting."""
+        leaves, outs = st.live.pop(i)
+        waited = 0.0
+        if self.is_last:
+            roots, gouts = [outs[0] * (st.scale / self.m)], [None]
+        else:
+            g_tensors, waited = self._receive(self.rx_grads, i)
+            # g_tensors holds one gradient per *flagged* output, in order (see _input_grads),
+            # so pair them with the flagged outputs, not positionally with all outputs.
+            flagged = [o for o, f in zip(outs, self.send_flags) if f]
+            pairs = [(o, g) for o, g in zip(flagged, g_tensors) if o.requires_grad]
+            roots, gouts = [o for o, _ in pairs], [g for _, g in pairs]
+        if self.split_backward:
+            st.deferred[i] = self._backward_input(roots, gouts, leaves)
+        elif roots:
+            torch.autograd.backward(roots, gouts if not self.is_last else None)
+        if not self.is_first:
+            self.ch_grad_out.send(self._input_grads(leaves, st.recv_flags))
+        return waited
+
+    def _run_weights(self, st: _StepState, i: int) -> float:
+        """W of micro-batch ``i`` (split backward): its deferred weight gradients; during the last W
+        each parameter group's gradients are handed to the all-reduce as they turn final."""
+        st.deferred.pop(i).run(on_group=self._weights_final if st.grad_actions == self.m else None)
+        return 0.0
+
+    def _end_transfers(self) -> None:
+        """Wait for both receivers to finish the step and for every send to complete."""
+        for rx in (self.rx_acts, self.rx_grads):
+            if rx is not None:
+                rx.join()
         for ch in (self.ch_act_out, self.ch_grad_out):
             if ch is not None:
                 ch.wait_sends()
-        loss_local = loss_sum / self.m if self.is_last else loss_sum
-        result = self._sync_and_step(optimizer, loss_local)
-        result.time_s = time.perf_counter() - t0
-        result.compute_s = timing
-        result.wait_s = waited
-        self.step_count += 1
-        return result
 
     def _begin_step(self) -> None:
         for ch in (self.ch_act_out, self.ch_act_in, self.ch_grad_out, self.ch_grad_in):
@@ -614,10 +510,7 @@ class Varuna:
     def evaluate(self, batch: Sequence[torch.Tensor]) -> float:
         """Mean loss over a held-out mini-batch (forward only, no RNG effect on training;
         collective). Dropout is off during evaluation."""
-        inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
-        inputs = to_device(inputs, self.device)
-        targets = to_device(targets, self.device)
-        b = self.parallel.micro_batch_size
+        mb_in, mb_tg = self._micro_batches(batch)
         self._begin_step()
         acts = self.rx_acts
         if acts is not None:
@@ -627,13 +520,11 @@ class Varuna:
         self.model.eval()
         try:
             for i in range(self.m):
-                received = tuple(acts.get(i)[0]) if acts else None
-                if acts:
-                    acts.release(i)
-                out = self._forward(rows(inputs, i * b, (i + 1) * b), self._leaves(received, recv_flags, False),
+                received, _ = self._receive(acts, i)
+                out = self._forward(mb_in[i], self._leaves(received, recv_flags, False),
                                     self.replica * self.m + i, grad=False)
                 if self.is_last:
-                    total += self.loss_fn(out, rows(targets, i * b, (i + 1) * b)).float()
+                    total += self.loss_fn(out, mb_tg[i]).float()
                 else:
                     self.ch_act_out.send(out, [False] * len(out))
         finally:

@@ -42,19 +42,22 @@ class GradSync:
     Args:
         buckets_of: ``[(group, [parameters])]`` — the stage's data-parallel parameters (group:
             the replica group, or ``None`` when D = 1) and each tied-weight set (its group over
-            the stages sharing it), in launch order.
-        bucket_bytes: data-parallel bucket size (bytes; tied sets are one collective each).
+            the stages sharing it), in launch order. Every parameter ``ready`` is told about
+            must be in one of them.
+        split: per entry of ``buckets_of``, whether it is cut into buckets of ``bucket_bytes``
+            (the data-parallel parameters) or reduced in one collective (a tied set).
+        bucket_bytes: data-parallel bucket size (bytes).
 
     ``launched`` counts collectives started before ``finish`` (the overlap; tests read it).
     """
 
-    def __init__(self, buckets_of: Sequence[tuple[Any, list[nn.Parameter]]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, split: Sequence[bool] | None = None):
+    def __init__(self, buckets_of: Sequence[tuple[Any, list[nn.Parameter]]], split: Sequence[bool],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.buckets: list[_Bucket] = []
         for k, (group, params) in enumerate(buckets_of):
             chunk: list[nn.Parameter] = []
             size = 0
-            splittable = split is None or split[k]
+            splittable = split[k]
             for p in params:
                 chunk.append(p)
                 size += p.numel() * p.element_size()
@@ -69,21 +72,18 @@ class GradSync:
         self.launched = 0
 
     def arm(self) -> None:
-        """The stage's last gradient-producing action starts: gradients turn final from now."""
-        if self._armed:
-            return
+        """The stage's last gradient-producing action starts: gradients turn final from now
+        (called once per step, before ``finish``)."""
         self._armed = True
         for b in self.buckets:
             b.pending = {id(p) for p in b.params}
 
     def ready(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is final (ignored before ``arm()``, or for a parameter not synced)."""
+        """``p``'s gradient is final (ignored before ``arm()``); ``p`` is one of the parameters
+        given to the constructor."""
         if not self._armed:
             return
-        i = self._bucket_of.get(id(p))
-        if i is None:
-            return
-        self.buckets[i].pending.discard(id(p))
+        self.buckets[self._bucket_of[id(p)]].pending.discard(id(p))
         while self._next < len(self.buckets) and not self.buckets[self._next].pending:
             self._launch(self.buckets[self._next])
             self._next += 1

@@ -25,9 +25,11 @@ class Topology:
 
     @property
     def world_size(self) -> int:
+        """P × D: the number of ranks."""
         return self.P * self.D
 
     def rank(self, stage: int, replica: int) -> int:
+        """The global rank of ``stage`` in ``replica``."""
         return replica * self.P + stage
 
     def coords(self, rank: int) -> tuple[int, int]:

@@ -4,6 +4,8 @@ Owns ``LossScaler``: the scale multiplies the loss on the last stage only (the o
 back-propagate the already-scaled gradient they receive); gradients are unscaled before the
 all-reduce; the skip/step decision comes from the world-wide overflow flag, so an inf in one
 stage skips the step everywhere (varuna-original.md §8.1–8.2, without apex).
+
+Plain arithmetic: imports neither torch nor anything of ``varuna_sdk``, and must never.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class LossScaler:
                 self.clean_steps = 0
 
     def state_dict(self) -> dict:
+        """Every field (scale, growth settings, clean steps) as a plain dict, for a checkpoint."""
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the fields of a ``state_dict()``."""
         for k, v in state.items():
             setattr(self, k, v)

@@ -7,9 +7,10 @@ arXiv 2111.04007 §3.2), ``gpipe`` and ``1f1b`` (PipeDream-Flush), plus the
 run-time :class:`StageScheduler` that applies Varuna's opportunistic reordering.
 The pipeline runtime and the simulator both consume it.  The policies themselves
 are implemented in C++ (``csrc/schedule.cpp``, exposed as ``varuna_sdk._core``);
-this is the Python face.
+this is the Python face. Their names, ``POLICIES``, are defined once in ``varuna_sdk.config``.
 
-It must never import torch: schedules are plain data, usable without a GPU stack.
+It must never import torch (schedules are plain data, usable without a GPU stack) nor anything
+of ``varuna_sdk`` but ``_native`` and ``config``.
 
 Conventions: ``P`` is the number of pipeline stages, ``m`` the number of
 micro-batches per mini-batch, ``stage`` a 0-based stage index and micro-batch
@@ -25,10 +26,10 @@ import re
 from typing import NamedTuple, Sequence
 
 from varuna_sdk._native import core as _core
+from varuna_sdk.config import POLICIES
 
 __all__ = [
     "Action",
-    "POLICIES",
     "default_recompute",
     "stage_schedule",
     "pipeline_schedule",
@@ -36,8 +37,6 @@ __all__ = [
     "parse_schedule",
     "StageScheduler",
 ]
-
-POLICIES: tuple[str, ...] = ("varuna", "gpipe", "1f1b")
 
 _KINDS = ("F", "R", "B", "W")  # index = C++ ActionKind value
 _TOKEN = re.compile(r"([FRBW])(\d+)\Z")
@@ -91,7 +90,7 @@ def default_recompute(policy: str) -> bool:
     §3.2); ``gpipe`` and ``1f1b`` -> False.
 
     Raises:
-        ValueError: ``policy`` is not one of :data:`POLICIES`.
+        ValueError: ``policy`` is not one of :data:`varuna_sdk.config.POLICIES`.
     """
     return _core.default_recompute(_check_policy(policy))
 
@@ -231,26 +230,32 @@ class StageScheduler:
 
     @property
     def policy(self) -> str:
+        """The policy name."""
         return self._impl.policy
 
     @property
     def P(self) -> int:
+        """Number of pipeline stages."""
         return self._impl.P
 
     @property
     def m(self) -> int:
+        """Micro-batches per mini-batch."""
         return self._impl.m
 
     @property
     def stage(self) -> int:
+        """This stage's 0-based index."""
         return self._impl.stage
 
     @property
     def recompute(self) -> bool:
+        """Whether this stage recomputes activations."""
         return self._impl.recompute
 
     @property
     def split_backward(self) -> bool:
+        """Whether the backward is split into B and W."""
         return self._impl.split_backward
 
     @property

@@ -1,8 +1,11 @@
 """Planner: the Python face of the C++ simulator and the configuration search.
 
 ``simulate`` — one mini-batch, event-driven, with the runtime's own schedule code
-(:mod:`varuna_sdk.planner.simulate`); ``plan`` — the configuration search built on it.
-Never imports torch, ``cluster`` or ``manager``.
+(:mod:`varuna_sdk.planner.simulate`); ``plan`` — the configuration search built on it
+(:mod:`varuna_sdk.planner.plan`: ``plan``/``plan_for_job``), in three parts: the validated
+``PlanRequest`` (``planner.request``), the search (``planner.search``) and the result types
+``Plan``/``PlanRow``/``Prices`` (``planner.rows``). Never imports torch, ``trainer``,
+``cluster`` or ``manager``.
 """
 
 from .simulate import (

@@ -38,6 +38,7 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple, Sequence
 
 from varuna_sdk._native import core as _core
+from varuna_sdk.config import POLICIES
 
 __all__ = [
     "SimInput",
@@ -191,9 +192,9 @@ class SimInput:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-        if self.policy not in _core.POLICIES:
+        if self.policy not in POLICIES:
             raise ValueError(
-                f"unknown schedule policy {self.policy!r}; valid policies are: {', '.join(_core.POLICIES)}"
+                f"unknown schedule policy {self.policy!r}; valid policies are: {', '.join(POLICIES)}"
             )
         P = int(self.P)
         c = _core.SimConfig()
@@ -290,6 +291,8 @@ class SimOutput:
 
     @classmethod
     def from_core(cls, r: "_core.SimResult", with_timeline: bool) -> "SimOutput":
+        """The C++ simulator's result as a ``SimOutput`` (the timeline and transfers only when
+        ``with_timeline``: the simulation recorded them)."""
         timeline = transfers = None
         if with_timeline:
             timeline = [[Segment(SEGMENT_KINDS[k], mb, a, b) for k, mb, a, b in rank] for rank in r.timeline]

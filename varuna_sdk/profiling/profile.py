@@ -74,9 +74,11 @@ class NetworkProfile:
     ar_cpu_share: float = 1.0
 
     def p2p_time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` point to point: α + bytes / β."""
         return self.p2p_alpha_s + nbytes / self.p2p_beta_Bps
 
     def allreduce_time(self, nbytes: float, n: int) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` among ``n`` participants (``ring_allreduce_s``)."""
         return ring_allreduce_s(nbytes, n, self.ar_alpha_s, self.ar_beta_Bps)
 
 
@@ -135,6 +137,7 @@ class Profile:
         return bool(self.segments) and all(len(sg.bwd_in_s) == n and len(sg.wgt_s) == n for sg in self.segments)
 
     def to_json(self, path: str | Path | None = None) -> str:
+        """The profile as JSON text, also written to ``path`` when given."""
         text = json.dumps(asdict(self), indent=1)
         if path is not None:
             Path(path).write_text(text)
@@ -169,6 +172,7 @@ class Profile:
     # ---- lookups ----------------------------------------------------------------------------
     @property
     def num_segments(self) -> int:
+        """Cut-point segments the profile measured."""
         return len(self.segments)
 
     def require(self, *, network: bool, micro_batch_size: int | None = None) -> None:

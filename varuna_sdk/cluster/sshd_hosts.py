@@ -1,19 +1,21 @@
-"""Test hosts: real "VMs" on this machine, each its own ``sshd`` with its own address, for the test
-suite, the spot emulator (``cluster.spot``), tutorials and the demo.
+"""SSHD hosts: real "VMs" on this machine, each its own ``sshd`` with its own address — the hosts
+behind the spot emulator's SSH backend (``cluster.spot``), tutorial 03, the demo, the benchmarks
+and the test suite's ``ssh_hosts`` fixture (``tests/ssh_hosts.py``).
 
-``TestHosts(root)`` creates hosts with ``add()``: per host a fresh ed25519 host key, an sshd
+``SSHDHosts(root)`` creates hosts with ``add()``: per host a fresh ed25519 host key, an sshd
 config (key auth only, ``StrictModes no``, ``UsePAM no``, ``Subsystem sftp internal-sftp``, and
 ``SetEnv HOME=<host dir>/home`` so that each host has its own home and its login shell does not
-read the real user's ``~/.bashrc``, which may be slow or hang) and ``sshd -D -e -f CONFIG``. Two kinds of host:
+read the real user's ``~/.bashrc``, which may be slow or hang) and ``sshd -D -e -f CONFIG``. Two
+kinds of host (both labelled ``kind=test-host``):
 
 - **loopback** (default): sshd listens on its own ``127.0.0.x`` (port 22 when free, else a free
   port). Cheap; no root needed.
 - **network namespace** (``add(netns=True)``, root and iproute2 only): the host gets its own
-  network namespace with a veth pair into a bridge of this TestHosts (``10.a.b.0/24``; the bridge
-  is ``10.a.b.1``, hosts ``10.a.b.2`` ...), its own ``eth0`` and its own port space; sshd runs
-  inside it. Its ``Host.labels`` carry ``env.GLOO_SOCKET_IFNAME=eth0`` (inside a namespace the
-  hostname resolves to 127.0.0.1, so gloo must be told the interface). ``cut(host)`` takes the
-  bridge side of its veth down: every process keeps running and every TCP connection stays
+  network namespace with a veth pair into a bridge of this ``SSHDHosts`` (``10.a.b.0/24``; the
+  bridge is ``10.a.b.1``, hosts ``10.a.b.2`` ...), its own ``eth0`` and its own port space; sshd
+  runs inside it. Its ``Host.labels`` carry ``env.GLOO_SOCKET_IFNAME=eth0`` (inside a namespace
+  the hostname resolves to 127.0.0.1, so gloo must be told the interface). ``cut(host)`` takes
+  the bridge side of its veth down: every process keeps running and every TCP connection stays
   open, but no packet passes — a real network cut; ``cut(host, False)`` restores the link.
   ``limit(host, bandwidth_Bps)`` makes its link a slow one (``tc`` token bucket, both
   directions); ``limit(host, None)`` lifts it.
@@ -22,26 +24,23 @@ One client key authorises all hosts; ``known_hosts`` lists every host's key; ``o
 the ``SSHOptions`` to reach them.
 
 A hung VM is ``freeze(host)``: everything it runs stops, its sockets stay open. Pre-emption is
-real process death: ``remove(host)`` kills the host's sshd *and every process it started* — each
-sshd runs in its own cgroup (v2), so sessions that called ``setsid``, double-forked daemons and
-workers are all found and killed (``cgroup.kill``); where no cgroup v2 is writable the fallback
-finds processes by ancestry, by ``SSH_CONNECTION`` (and, for a namespace host, by ``ip netns
-pids``) and stops them before killing them. ``remove`` verifies nothing is left and raises if
-something is; a namespace host's namespace and veth are deleted too. A removed host may be
-``add``-ed again under the same name (a spot VM coming back): it gets a new host key.
+real process death: ``remove(host)`` kills the host's sshd *and every process it started*
+(``cluster.sshd_procs``: a cgroup v2 per host, else ``/proc`` ancestry), verifies nothing is
+left and raises if something is; a namespace host's namespace and veth are deleted too. A
+removed host may be ``add``-ed again under the same name (a spot VM coming back): it gets a new
+host key.
 
-``close()`` removes every host (and the bridge); the pytest fixture in ``tests/ssh_hosts.py``
-calls it from a finalizer. A run that was SIGKILLed leaves cgroups, namespaces and links named
-after its dead pid: the next ``TestHosts`` reaps them.
+``close()`` removes every host (and the bridge). A run that was SIGKILLed leaves cgroups,
+namespaces and links named after its dead pid: the next ``SSHDHosts`` reaps them
+(``sshd_procs.reap_stale``).
 
-Owns ``TestHosts``, ``skip_reason``, ``netns_skip_reason``, ``reap_stale`` and the process
-helpers ``procs_mentioning`` / ``worker_processes``. Imports ``cluster.hosts`` and
-``cluster.ssh`` only (and the standard library); must never import torch, pytest or the manager.
+Owns ``SSHDHosts``, ``sshd_path``, ``skip_reason``, ``netns_skip_reason``. Imports
+``cluster.hosts``, ``cluster.ssh`` and ``cluster.sshd_procs`` only (and the standard library);
+must never import torch, pytest or the manager.
 """
 
 from __future__ import annotations
 
-import errno
 import getpass
 import ipaddress
 import itertools
@@ -58,25 +57,18 @@ from pathlib import Path
 
 from .hosts import Host
 from .ssh import SSHOptions
+from .sshd_procs import (_BR_PREFIX, _NS_PREFIX, _PREFIX, _VH_PREFIX, _b36, _cgroup2_base, _cgroup_pids,
+                         _host_pids_proc, _ip, _ip_path, _kill_cgroup, kill_sshd_host, reap_stale)
 
-_PREFIX = "varuna-testhosts-"
-_NS_PREFIX = "varuna-th-"      # network namespaces: varuna-th-<pid>-<seq>-<host>
-_BR_PREFIX, _VH_PREFIX = "vvb", "vvh"  # links: vvb<pid36>-<seq>, vvh<pid36>-<seq>-<idx> (<= 15 chars)
 _seq = itertools.count()
 
 
 def sshd_path() -> str | None:
+    """The sshd binary (``PATH`` or ``/usr/sbin/sshd``); None when it is not installed."""
     found = shutil.which("sshd")
     if found:
         return found
     return "/usr/sbin/sshd" if os.access("/usr/sbin/sshd", os.X_OK) else None
-
-
-def _ip_path() -> str | None:
-    for p in (shutil.which("ip"), "/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"):
-        if p and os.access(p, os.X_OK):
-            return p
-    return None
 
 
 def skip_reason() -> str | None:
@@ -103,247 +95,6 @@ def netns_skip_reason() -> str | None:
         return f"`ip netns` does not work here: {r.stderr.strip()[:200]}"
     return None
 
-
-def _b36(n: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        n, r = divmod(n, 36)
-        out = digits[r] + out
-        if n == 0:
-            return out
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([_ip_path() or "ip", *args], capture_output=True, text=True, timeout=20)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
-    return r
-
-
-# -------------------------------------------------------------------------------------- cgroups
-def _cgroup2_base() -> Path | None:
-    """Our own cgroup v2 directory, if a cgroup2 hierarchy is mounted and writable."""
-    mount = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            if right.split()[0] == "cgroup2":
-                mount = left.split()[4]
-                break
-    if mount is None:
-        return None
-    rel = ""
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            if line.startswith("0::"):
-                rel = line.strip()[3:]
-    base = Path(mount) / rel.lstrip("/")
-    if not base.is_dir() or not os.access(base, os.W_OK):
-        return None
-    return base
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _cgroup_pids(cg: Path) -> list[int]:
-    pids: list[int] = []
-    for sub in [cg, *[p for p in cg.rglob("*") if p.is_dir()]]:
-        try:
-            pids += [int(x) for x in (sub / "cgroup.procs").read_text().split()]
-        except FileNotFoundError:
-            pass
-    return pids
-
-
-def _kill_cgroup(cg: Path, timeout_s: float = 10.0) -> list[int]:
-    """Kill every process in cgroup ``cg`` (and below), wait until it is empty, remove it.
-    Returns the pids that were killed."""
-    pids = _cgroup_pids(cg)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if (cg / "cgroup.kill").exists():
-            (cg / "cgroup.kill").write_text("1")
-        else:  # kernel < 5.14: kill each
-            for pid in _cgroup_pids(cg):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if not _cgroup_pids(cg):
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes {_cgroup_pids(cg)} of {cg} survived SIGKILL")
-        time.sleep(0.02)
-    for sub in sorted([p for p in cg.rglob("*") if p.is_dir()], key=lambda p: -len(p.parts)):
-        _rmdir_retry(sub, deadline)
-    _rmdir_retry(cg, deadline)
-    return pids
-
-
-def _rmdir_retry(d: Path, deadline: float) -> None:
-    while True:
-        try:
-            d.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:  # EBUSY while the last zombies are reaped
-            if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-
-def reap_stale(base: Path | None = None) -> list[str]:
-    """Remove test-host cgroups, network namespaces and links left by runs that died without
-    cleaning up (named after a pid that is no longer alive). Returns what was reaped."""
-    base = base or _cgroup2_base()
-    reaped: list[str] = []
-    if base is not None:
-        for d in base.glob(_PREFIX + "*"):
-            try:
-                owner = int(d.name[len(_PREFIX):].split("-")[0])
-            except ValueError:
-                continue
-            if owner != os.getpid() and not _pid_alive(owner):
-                _kill_cgroup(d)
-                reaped.append(d.name)
-    if os.geteuid() == 0 and _ip_path() is not None:
-        r = _ip("netns", "list", check=False)
-        for line in r.stdout.splitlines():
-            ns = line.split()[0] if line.split() else ""
-            if not ns.startswith(_NS_PREFIX):
-                continue
-            try:
-                owner = int(ns[len(_NS_PREFIX):].split("-")[0])
-            except ValueError:
-                continue
-            if owner != os.getpid() and not _pid_alive(owner):
-                for pid in _netns_pids(ns):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                _ip("netns", "del", ns, check=False)
-                reaped.append(ns)
-        r = _ip("-o", "link", "show", check=False)
-        for line in r.stdout.splitlines():
-            parts = line.split(":")
-            if len(parts) < 2:
-                continue
-            name = parts[1].strip().split("@")[0]
-            if not name.startswith((_BR_PREFIX, _VH_PREFIX)):
-                continue
-            try:
-                owner = int(name[3:].split("-")[0], 36)
-            except ValueError:
-                continue
-            if owner != os.getpid() and not _pid_alive(owner):
-                _ip("link", "del", name, check=False)
-                reaped.append(name)
-    return reaped
-
-
-# ----------------------------------------------------------------------------- /proc fallback
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, SSH_CONNECTION or '') of every live (non-zombie) process."""
-    table: dict[int, tuple[int, str]] = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            stat_ = (p / "stat").read_text()
-            state, ppid = stat_[stat_.rindex(")") + 2:].split()[:2]
-            if state == "Z":  # dead already (init may reap it late)
-                continue
-            ppid = int(ppid)
-            conn = ""
-            try:
-                for kv in (p / "environ").read_bytes().split(b"\0"):
-                    if kv.startswith(b"SSH_CONNECTION="):
-                        conn = kv[15:].decode(errors="replace")
-            except (PermissionError, ProcessLookupError):
-                pass
-            table[int(p.name)] = (ppid, conn)
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            continue
-    return table
-
-
-def _netns_pids(ns: str) -> set[int]:
-    r = _ip("netns", "pids", ns, check=False)
-    return {int(x) for x in r.stdout.split() if x.isdigit()}
-
-
-def _host_pids_proc(root_pid: int, address: str, port: int, netns: str | None = None) -> set[int]:
-    table = _proc_table()
-    found = {root_pid} if root_pid in table else set()
-    for pid, (_, conn) in table.items():
-        parts = conn.split()
-        if len(parts) == 4 and parts[2] == address and parts[3] == str(port):
-            found.add(pid)
-    if netns is not None:
-        found |= _netns_pids(netns) & set(table)
-    grew = True
-    while grew:
-        kids = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
-        grew = bool(kids)
-        found |= kids
-    return found
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        s = Path(f"/proc/{pid}/stat").read_text()
-        return s[s.rindex(")") + 2] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
-def procs_mentioning(text: str) -> list[int]:
-    """Live (non-zombie) processes of this machine whose command line contains ``text``."""
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit() and int(p.name) != os.getpid():
-            try:
-                if text.encode() in (p / "cmdline").read_bytes() and not _is_zombie(int(p.name)):
-                    found.append(int(p.name))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                pass
-    return found
-
-
-def procs_left(*texts: str, timeout_s: float = 20.0) -> list[int]:
-    """Wait up to ``timeout_s`` seconds for every process mentioning any of ``texts`` to end;
-    returns those still alive then (empty: nothing was left behind)."""
-    deadline = time.time() + timeout_s
-    while True:
-        left = sorted({pid for t in texts for pid in procs_mentioning(t)})
-        if not left or time.time() >= deadline:
-            return left
-        time.sleep(0.25)
-
-
-def worker_processes(test_hosts: "TestHosts", hosts) -> list[tuple[int, str]]:
-    """Live non-sshd processes of the given test hosts (what a job could leave behind)."""
-    out = []
-    for h in hosts:
-        for p in test_hosts.pids(h):
-            try:
-                comm = Path(f"/proc/{p}/comm").read_text().strip()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if comm != "sshd" and not _is_zombie(p):
-                out.append((p, comm))
-    return out
 
 
 # ----------------------------------------------------------------------------------- test hosts
@@ -396,11 +147,11 @@ def _used_ipv4_nets() -> list[ipaddress.IPv4Network]:
     return nets
 
 
-class TestHosts:
-    """A set of test hosts under ``root`` (see the module docstring). Thread-safe ``add`` /
-    ``remove`` (the spot emulator calls them from its replay thread)."""
-
-    __test__ = False  # not a pytest test class
+class SSHDHosts:
+    """A set of sshd hosts under ``root`` (see the module docstring). Thread-safe ``add`` /
+    ``remove`` (the spot emulator calls them from its replay thread). ``python``: the
+    interpreter the hosts' workers run; ``isolation``: ``"cgroup"``, ``"proc"`` or ``"auto"``
+    (cgroup v2 where writable). ``RuntimeError`` when sshd cannot run here (``skip_reason()``)."""
 
     def __init__(self, root: str | Path, *, python: str = sys.executable,
                  prefer_port_22: bool = True, isolation: str = "auto"):
@@ -449,15 +200,18 @@ class TestHosts:
     # ---------------------------------------------------------------------------------------
     @property
     def hosts(self) -> list[Host]:
+        """The hosts up now (added and not removed)."""
         with self._lock:
             return [r.host for r in self._hosts.values()]
 
     def __contains__(self, name: object) -> bool:
+        """Whether a host of this name is up."""
         with self._lock:
             return name in self._hosts
 
     @property
     def isolation(self) -> str:
+        """How a host's processes are found: ``"cgroup"`` (cgroup v2) or ``"proc"`` (``/proc``)."""
         return "cgroup" if self.cgroup_root is not None else "proc"
 
     @property
@@ -466,6 +220,8 @@ class TestHosts:
         return None if self._bridge is None else self._bridge.gateway
 
     def options(self, **overrides) -> SSHOptions:
+        """The ``SSHOptions`` that reach these hosts (their ``known_hosts``, short timeouts);
+        ``overrides``: other ``SSHOptions`` fields."""
         kw = dict(known_hosts=self.known_hosts, connect_timeout_s=5.0, command_timeout_s=30.0,
                   kill_grace_s=1.0)
         kw.update(overrides)
@@ -493,7 +249,7 @@ class TestHosts:
         where that is not possible). A name that was removed may be added again."""
         with self._lock:
             if self.closed:
-                raise RuntimeError("TestHosts is closed")
+                raise RuntimeError("SSHDHosts is closed")
             if name is None:
                 while f"vm{self._next}" in self._hosts or (self.root / f"vm{self._next}").exists():
                     self._next += 1
@@ -699,7 +455,7 @@ class TestHosts:
             except OSError:
                 time.sleep(0.05)
         else:
-            self._kill(proc, cg, addr, port, netns)
+            kill_sshd_host(proc, cg, addr, port, netns)
             return None
         labels = {"kind": "test-host"}
         if netns is not None:
@@ -756,57 +512,12 @@ class TestHosts:
             r = self._hosts.pop(name)
             self._write_known_hosts()
         try:
-            return self._kill(r.proc, r.cgroup, r.host.address, r.host.port, r.netns)
+            return kill_sshd_host(r.proc, r.cgroup, r.host.address, r.host.port, r.netns)
         finally:
             if r.netns is not None:
                 _ip("netns", "del", r.netns, check=False)
                 if r.veth is not None:
                     _ip("link", "del", r.veth, check=False)  # normally gone with the namespace
-
-    def _kill(self, proc: subprocess.Popen, cg: Path | None, addr: str, port: int,
-              netns: str | None = None) -> list[int]:
-        if cg is not None:
-            killed = _kill_cgroup(cg)
-            if netns is not None:  # anything that entered the namespace from outside the cgroup
-                extra = _netns_pids(netns) - {os.getpid()}
-                for pid in extra:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                killed = sorted(set(killed) | extra)
-        else:
-            killed_set: set[int] = set()
-            deadline = time.monotonic() + 10
-            while True:
-                found = _host_pids_proc(proc.pid, addr, port, netns) - {os.getpid()}
-                if not found:
-                    break
-                for sig in (signal.SIGSTOP, signal.SIGKILL):  # stop first: no new forks
-                    for pid in found:
-                        try:
-                            os.kill(pid, sig)
-                        except ProcessLookupError:
-                            pass
-                killed_set |= found
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"processes {sorted(found)} of test host {addr} survive")
-                time.sleep(0.05)
-            killed = sorted(killed_set)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        deadline = time.monotonic() + 5
-        while True:
-            left = [p for p in killed if _pid_alive(p) and not _is_zombie(p)]
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        if left:
-            raise RuntimeError(f"test host {addr}: processes {left} are still alive after removal")
-        return killed
 
     def close(self) -> None:
         """Remove every host, the bridge and the cgroup root; idempotent."""
@@ -817,7 +528,7 @@ class TestHosts:
         for name in names:
             try:
                 self.remove(name)
-            except Exception as e:  # keep cleaning the others
+            except Exception as e:  # noqa: BLE001 - keep cleaning the others
                 errors.append(f"{name}: {e}")
         if self._bridge is not None:
             _ip("link", "del", self._bridge.name, check=False)
@@ -830,7 +541,7 @@ class TestHosts:
         if errors:
             raise RuntimeError("test host cleanup failed: " + "; ".join(errors))
 
-    def __enter__(self) -> "TestHosts":
+    def __enter__(self) -> "SSHDHosts":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,12 +1,18 @@
-"""Local provider (the embedded default): start the P × D workers of a job as processes on this
-machine, connect them with torch.distributed, and stop them all — on success, on the first
-failure, on timeout and on Ctrl-C — so that no worker is ever left running.
+"""Local worker processes: start ``target(rank, world_size, *args)`` in fresh ``spawn``-ed
+processes on this machine, connect them with torch.distributed, and stop them all — on success,
+on the first failure, on timeout and on Ctrl-C — so that no worker is ever left running.
 
-Owns ``free_port``, ``spawn_workers`` (runs ``target(rank, world_size, *args)`` in fresh
-``spawn``-ed processes, each with its process group initialised), ``WorkerFailure`` and
-``retain_freed_memory`` (the allocator setting of every worker process).
+Owns ``free_port``, ``spawn_workers`` (each child with its process group initialised),
+``WorkerFailure`` and ``retain_freed_memory``/``retained_memory`` (the allocator setting of every
+worker process, and of calibration in the user's process). Used by the worker entry point and
+the front ends, the manager's generations (``free_port``), calibration's host probes
+(``profiling``), tests and benchmarks.
 Results come back as files written by the workers themselves (``torch.save`` of plain tensors,
 loaded with ``weights_only=True``), never as pickles from a socket.
+
+Lives in ``pipeline`` (layer 2) so that calibration can spawn its probes without reaching up into
+``cluster``. Imports only the standard library and torch (lazily); must never import anything of
+``varuna_sdk`` above ``pipeline`` (``profiling``, ``cluster``, ``manager``, ...).
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""The one launch façade: every way of running a job — ``varuna train``, ``varuna launch``,
+"""The one run façade: every way of running a job — ``varuna train``, ``varuna launch``,
 ``Job.launch()`` in a notebook, ``make demo`` — goes through ``prepare_run`` and the morph
 manager (``manager.Manager``), so each of them plans, checkpoints and morphs the same way.
 
@@ -11,6 +11,11 @@ the manager in the foreground on a provider's VMs; ``train_local`` is ``varuna t
 job's fixed P × D on as many local worker slots (no calibration is needed to start; a failure
 ends the job at once with the failing rank's traceback), returning the run's summary.
 Every worker is stopped on success, failure, timeout or Ctrl-C.
+
+(Named ``runner``, not ``launch``: "launch" is ``varuna launch`` — ``launch_job`` here — and
+``Job.launch()``; this module serves every front door.) Sits above ``manager`` and ``trainer``
+(layer 7, with ``worker``); imports them, ``cluster``, ``planner`` and ``profiling`` where used;
+must never import ``demo``, ``notebook``, ``cli`` or the dashboard.
 """
 
 from __future__ import annotations
@@ -203,7 +208,7 @@ def plan_job(job: JobConfig, profile=None):
     Local workers share this machine's cores: the plan models them as one VM with
     ``os.cpu_count()`` compute slots (see ``planner.plan.plan_for_job``)."""
     from .planner.plan import plan_for_job
-    from .trainer import calibrate_job
+    from .profiling.job import calibrate_job
 
     return plan_for_job(job, profile or calibrate_job(job))
 
@@ -217,6 +222,7 @@ def stop_on_signals(mgr) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from .manager.events import Kind
     seen: list[int] = []
 
     def handler(signum, frame) -> None:
@@ -226,7 +232,7 @@ def stop_on_signals(mgr) -> Iterator[None]:
         name = signal.Signals(signum).name
         print(f"[varuna] {name}: stopping at the next mini-batch boundary with a checkpoint (again to kill "
               "the workers at once)", file=sys.stderr, flush=True)
-        mgr.log.append("stop_request_received", job_id=mgr.job_id, payload={"by": name})
+        mgr.log.append(Kind.STOP_REQUEST_RECEIVED, job_id=mgr.job_id, payload={"by": name})
         mgr.cancel()
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -253,7 +259,8 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     ``manager.ManagerError`` at once when another manager runs ``run_dir`` now.
     """
     from .cluster.provider import LocalProvider
-    from .manager.manager import Manager, ManagerError
+    from .manager.manager import Manager
+    from .manager.state import ManagerError
     from .manager.runs import RunBusy, check_run_free
 
     if run_dir is not None:
@@ -298,7 +305,7 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     see ``launch_job``) and ``WorkerFailure`` (with the failing rank's traceback) if the job fails; in every case no
     worker process is left running.
     """
-    from .cluster.local import WorkerFailure
+    from .pipeline.spawn import WorkerFailure
     from .cluster.provider import LocalProvider
 
     job = copy.deepcopy(job).validate()

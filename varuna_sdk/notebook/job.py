@@ -1,43 +1,9 @@
-"""Jupyter face of the SDK: a ``Job`` handle that calibrates, plans, launches a job in the
-background, shows its progress, and opens the dashboard — all from notebook cells.
+"""The notebook's ``Job`` handle: calibrate, plan, launch in the background, follow, read and
+stop a training job from cells (the package docstring, ``varuna_sdk.notebook``, is the guide).
 
-    job = Job(config)                          # a JobConfig, or the path of its YAML
-    job.calibrate()                            # once per model shape; cached on disk
-    job.plan(gpus=4)                           # ranked table + partition map, inline
-    job.what_if(gpus=16, network_bandwidth_Bps=1.25e9)   # a hypothetical cluster; job unchanged
-    job.launch()                               # returns at once; progress bar below the cell
-    job.status                                 # state, step, loss, tokens/s, plan (a JobStatus)
-    job.metrics, job.events, job.morphs        # pandas DataFrames from the job's event log
-    job.plot()                                 # loss and throughput by step, morphs marked (Bokeh)
-    job.dashboard()                            # the team dashboard (Panel), inline
-    job.stop()                                 # checkpoint at the next mini-batch boundary, stop
-    job.launch()                               # ... and continue from that checkpoint later
-
-Re-running a cell never starts a second job by accident: ``launch()`` on a job that is already
-running says so and returns it, and a new ``Job`` with the name of a running one refuses to
-launch (``RuntimeError``) until that one is stopped — or made with ``replace=True``. A handle
-lost by re-running ``job = Job(...)`` is found again with ``Job.get(name)``.
-
-Your own model, loss and data, from a cell:
-
-    job = Job(model=MyGPT, data="my_text.txt", steps=200)     # a class or function defined here
-    job = Job(model=lambda: GPT2LMHeadModel(GPT2Config(n_layer=4)), data="tokens.bin",
-              config=JobConfig(data=DataConfig(token_dtype="uint16")))
-    job = Job(model="mypkg.models:build", data=make_dataset, loss=my_loss)
-
-A callable defined in the notebook (model factory or class, loss, init, dataset factory) is
-shipped by value with cloudpickle inside the job spec — to local workers through the run folder,
-to your VMs over the SSH bootstrap — and every worker checks the Python/torch/cloudpickle
-versions before unpickling (``varuna_sdk.shipping``); an import path is shipped by reference
-(your code folder is synced to the VMs). The model, data and loss are resolved and checked
-together when the ``Job`` is made — a model that cannot be cut, token ids beyond its vocabulary,
-a missing column fail in that cell, before anything starts.
-
-At interpreter exit (kernel shutdown or restart) every job this kernel launched is asked to
-stop and the providers it ran on are closed, so no worker or test host outlives the kernel.
-
-Owns ``Job``, ``JobStatus``, ``PlanView``. Sits at the top (with ``cli``): imports the manager,
-planner, cluster providers and (for ``dashboard()``) the top-level ``dashboard`` package;
+Owns ``Job``, the kernel's registry of launched jobs (one running job per name) and the stop of
+every job at interpreter exit. Imports the manager, planner, profiling, cluster providers and
+``runner`` where used, and the top-level ``dashboard`` package only in ``Job.dashboard()``;
 nothing in ``varuna_sdk`` imports it.
 """
 
@@ -46,155 +12,20 @@ from __future__ import annotations
 import atexit
 import copy
 import json
-import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, JobConfig
+from ..config import JobConfig
+from ..palette import plan_label
+from .arguments import SHIP_HELP, apply_overrides, name_of, unshippable
+from .views import JobStatus, PlanView, colour_finished_bar, metrics_figure
 
 _RUNNING: dict[str, "Job"] = {}   # job name -> the Job that launched it last (one per kernel)
 _LAUNCHED: "weakref.WeakSet[Job]" = weakref.WeakSet()
 _LOCK = threading.Lock()
-
-_PLAIN = (type(None), bool, int, float, str)
-
-
-def _unshippable(value: Any, where: str) -> str | None:
-    """Path of the first value in ``value`` (plain data expected) that is not YAML-plain."""
-    if isinstance(value, _PLAIN):
-        return None
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            bad = _unshippable(v, f"{where}[{i}]")
-            if bad:
-                return bad
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return f"{where} (key {k!r})"
-            bad = _unshippable(v, f"{where}.{k}")
-            if bad:
-                return bad
-        return None
-    return f"{where} = {value!r} ({type(value).__name__})"
-
-
-_SHIP_HELP = (
-    "A job's config holds plain values only (it is YAML). Pass your own model, loss or dataset as "
-    "Job(model=..., loss=..., data=...): a callable defined here is shipped by value, an import path "
-    "'pkg.mod:fn' by reference.")
-
-
-def _name_of(obj: Any) -> str:
-    """A job name from a model: its qualified name, or the last part of an import path."""
-    if isinstance(obj, str):
-        base = obj.split(":")[-1]
-    else:
-        base = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
-    clean = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "-" for c in base).strip("-_") or "job"
-    return clean[:48]
-
-
-def _apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: Any, ship_modules: tuple):
-    """Put ``Job(model=, loss=, data=, init=)`` into ``job``; returns the ``JobObjects`` to ship
-    by value (None when everything is named by import path or config). Raises ``TypeError``
-    for a value of the wrong kind, saying what each argument takes."""
-    from torch import nn
-
-    from .config import DataConfig, ModelConfig
-    from .launch import JobObjects
-
-    objs = JobObjects(modules=tuple(ship_modules))
-    if isinstance(model, nn.Module):
-        raise TypeError(f"Job(model=...) got a built {type(model).__name__}; pass its class or a function that "
-                        f"builds it (e.g. model=lambda: {type(model).__name__}(...)): each worker builds only its "
-                        "own stage")
-    if isinstance(model, ModelConfig):
-        job.model = copy.deepcopy(model)
-    elif isinstance(model, str) or callable(model):  # the config's call and loss settings still apply
-        m = job.model
-        job.model = ModelConfig(factory=model if isinstance(model, str) else None, loss=m.loss, inputs=m.inputs,
-                                targets=m.targets, blocks=m.blocks, kwargs=dict(m.kwargs or {}))
-        if not isinstance(model, str):
-            objs.model = model
-    elif model is not None:
-        raise TypeError(f"Job(model=...) takes a class or function building the model, an import path "
-                        f"'pkg.mod:fn', or a ModelConfig; got {type(model).__name__}")
-    if isinstance(loss, str):
-        job.model.loss = loss
-    elif callable(loss):
-        if objs.model is None:
-            raise TypeError("Job(loss=<function>) ships the loss by value, which needs the model shipped by value "
-                            "too (model=<class or function>); or name the loss by import path 'pkg.mod:fn'")
-        objs.loss = loss
-    elif loss is not None:
-        raise TypeError(f"Job(loss=...) takes 'model', 'cross_entropy', an import path or a function; got "
-                        f"{type(loss).__name__}")
-    if isinstance(init, str):
-        job.model.init = init
-    elif callable(init):
-        objs.init = init
-    if isinstance(data, DataConfig):
-        job.data = copy.deepcopy(data)
-    elif isinstance(data, (str, Path)):
-        job.data.path, job.data.corpus = str(data), None
-    elif callable(data):
-        objs.dataset = data
-    elif data is not None:
-        raise TypeError(f"Job(data=...) takes a path, a DataConfig or a function returning a Dataset; got "
-                        f"{type(data).__name__}")
-    return objs if (objs.model or objs.loss or objs.init or objs.dataset) else None
-
-
-@dataclass
-class JobStatus:
-    """A snapshot of a job.
-
-    ``state``: ``NOT LAUNCHED``, then the manager's ``JobState`` (PENDING, PROVISIONING, RUNNING,
-    MORPHING, RECOVERING; terminal SUCCEEDED, FAILED, STOPPED). ``step``: optimizer steps
-    finished (the last metrics row's step + 1; it can step back after a sudden loss, when the
-    job resumes from an earlier checkpoint); ``steps``: the total. ``loss``: last training loss;
-    ``tokens_per_s``, ``examples_per_s``: last step's throughput. ``P``/``D``: the plan of the
-    last step trained (or of the configuration before the first step). ``generation``: worker
-    launches so far - 1; ``morphs``: morphs recorded (both counted over every ``launch()``).
-    ``error``: why the job failed. ``run_dir``: its folder."""
-
-    name: str
-    state: str
-    step: int
-    steps: int
-    loss: float | None
-    tokens_per_s: float | None
-    examples_per_s: float | None
-    P: int | None
-    D: int | None
-    generation: int
-    morphs: int
-    error: str | None
-    run_dir: str | None
-
-    @property
-    def done(self) -> bool:
-        """True in a terminal state (SUCCEEDED, FAILED, STOPPED)."""
-        return self.state in ("SUCCEEDED", "FAILED", "STOPPED")
-
-    def __str__(self) -> str:
-        plan = f"P={self.P} x D={self.D}" if self.P else "not planned yet"
-        loss = f"{self.loss:.4f}" if self.loss is not None else "-"
-        tps = f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s else "-"
-        s = (f"{self.name}: {self.state} | step {self.step}/{self.steps} | loss {loss} | {tps} | {plan} | "
-             f"generation {self.generation}, {self.morphs} morph(s)")
-        return s + (f"\n  error: {self.error}" if self.error else "")
-
-    def _repr_html_(self) -> str:
-        import html
-
-        return f"<pre>{html.escape(str(self))}</pre>"
 
 
 class Job:
@@ -215,7 +46,7 @@ class Job:
         ship_modules: your own modules whose code must travel by value too (not installed on
             the VMs); a module in your synced code folder needs nothing.
         steps: ``train.steps`` (a shortcut).
-        provider: where workers run (``cluster.provider``: ``LocalProvider``, ``HostFileProvider``,
+        provider: where workers run (``cluster.provider``: ``LocalProvider``, ``cluster.hostfile.HostFileProvider``,
             ``cluster.spot.SpotEmulator``...); default ``LocalProvider(config.launch.gpus)``,
             local worker processes, closed by ``close()``. A provider you pass stays yours to close
             (at interpreter exit it is closed too, if a job of this kernel still runs on it).
@@ -238,7 +69,7 @@ class Job:
         if config is None:
             job = JobConfig()
             if model is not None:
-                job.name = _name_of(model)
+                job.name = name_of(model)
         elif isinstance(config, (str, Path)):
             job = JobConfig.from_yaml(Path(config))
         elif isinstance(config, JobConfig):
@@ -249,21 +80,21 @@ class Job:
             what = getattr(config, "__qualname__", None) or type(config).__name__
             hint = f" To train {what}, pass it as Job(model={what})." if callable(config) and not isinstance(
                 config, nn.Module) else ""
-            raise TypeError(f"Job(config) takes a JobConfig or the path of a job YAML, not {what!r}.{hint} {_SHIP_HELP}")
+            raise TypeError(f"Job(config) takes a JobConfig or the path of a job YAML, not {what!r}.{hint} {SHIP_HELP}")
         job = copy.deepcopy(job)
-        objects = _apply_overrides(job, model=model, loss=loss, data=data, init=init, ship_modules=ship_modules)
+        objects = apply_overrides(job, model=model, loss=loss, data=data, init=init, ship_modules=ship_modules)
         if steps is not None:
             job.train.steps = steps
-        bad = _unshippable(job.to_dict(), "config")
+        bad = unshippable(job.to_dict(), "config")
         if bad:
-            raise TypeError(f"{bad} cannot be sent to the workers. {_SHIP_HELP}")
+            raise TypeError(f"{bad} cannot be sent to the workers. {SHIP_HELP}")
         job.validate()
         self._files = objects.pack(job) if objects is not None else {}
-        from .trainer import resolve
+        from ..trainer import resolve
 
         self.resolved = resolve(job)  # the model, data and loss, checked together now
         if not job.parallel.planned:
-            from .trainer import check_partition
+            from ..trainer import check_partition
 
             check_partition(job, self.resolved)  # and the configured split, before launch()
         self.config = job
@@ -302,7 +133,7 @@ class Job:
         machine that sees the folder. Raises ``FileNotFoundError`` for a folder that does not exist."""
         import pandas as pd
 
-        from .manager.runs import find_runs, read_run
+        from ..manager.runs import find_runs, read_run
 
         rows = []
         for info in (read_run(p) for p in find_runs(root)):
@@ -325,14 +156,14 @@ class Job:
         backward seconds and activation bytes at a few micro-batch sizes, and this machine's
         p2p and all-reduce α–β. Cached on disk per model shape (``refresh=True`` measures
         again); returns the ``profiling.profile.Profile``."""
-        from .trainer import calibrate_job
+        from ..profiling.job import calibrate_job
 
         self._profile = calibrate_job(self.config, refresh=refresh, resolved=self.resolved)
         return self._profile
 
     def _default_gpus(self) -> int:
         if self.provider is not None:
-            from .manager.decisions import pool_slots
+            from ..manager.decisions import pool_slots
 
             hosts = self.provider.hosts()
             if hosts:
@@ -352,7 +183,7 @@ class Job:
         ``ConfigError`` when no configuration fits."""
         if what_if:
             return self.what_if(gpus, **what_if)
-        from .planner.plan import plan_for_job
+        from ..planner.plan import plan_for_job
 
         prof = self._profile or self.calibrate()
         G = self._default_gpus() if gpus is None else gpus  # plan() checks it (no silent int())
@@ -372,11 +203,11 @@ class Job:
         hop and all-reduce crosses the network), ``compute_slots_per_vm`` (0: one per GPU).
         ``global_batch`` (examples per step; default the job's), ``policy`` ("varuna", "gpipe",
         "1f1b"), ``recompute``, ``network_bandwidth_Bps`` (replaces the calibrated cross-VM
-        bandwidth, bytes/s), ``prices`` (``planner.plan.Prices``: $ per GPU-hour) and
+        bandwidth, bytes/s), ``prices`` (``planner.rows.Prices``: $ per GPU-hour) and
         ``target_examples`` (time and cost to train that many) as in ``planner.plan.plan``.
         Compute times are the calibrated device's (this machine's CPU when calibrated here).
         Returns a ``PlanView``; raises ``ConfigError`` for bad arguments."""
-        from .planner.plan import plan as plan_fn
+        from ..planner.plan import plan as plan_fn
 
         prof = self._profile or self.calibrate()
         p = self.config.parallel
@@ -398,7 +229,7 @@ class Job:
         same run folder; after SUCCEEDED it does nothing. A different ``Job`` of the same name
         refuses while this one runs (``RuntimeError``) unless it was made with ``replace=True``.
         Worker or planning errors surface in ``status.error`` (state FAILED), not here."""
-        from .manager.manager import Manager
+        from ..manager.manager import Manager
 
         with _LOCK:
             other = _RUNNING.get(self.config.name)
@@ -417,12 +248,12 @@ class Job:
                 return self
             provider = self.provider
             if provider is None:
-                from .cluster.provider import LocalProvider
+                from ..cluster.provider import LocalProvider
 
                 provider = LocalProvider(self.config.launch.gpus)
                 self._own_provider = True
                 self.provider = provider
-            from .launch import prepare_run
+            from ..runner import prepare_run
 
             _, out, _ = prepare_run(self.config, self.run_dir, files=self._files)  # config + shipped objects
             self.run_dir = out.resolve()
@@ -430,11 +261,11 @@ class Job:
             # a stopped or failed job continues under a new job id in the same folder: the
             # manager of the old id would only replay its terminal state
             job_id = self.run_dir.name if self.launches == 0 else f"{self.run_dir.name}.{self.launches}"
-            from .launch import job_labels
+            from ..runner import job_labels
 
             manager = Manager(self.config, provider, run_dir=self.run_dir, job_id=job_id, profile=self._profile,
                               **{"labels": job_labels(self.resolved), **self.manager_options})
-            if getattr(provider, "started", True) is False:
+            if not provider.started and not provider.closed:
                 provider.start()
             self.manager = manager
             self.launches += 1
@@ -482,7 +313,7 @@ class Job:
 
     # ------------------------------------------------------------------------------ reading
     def _log(self):
-        from .manager.events import EventLog
+        from ..manager.events import EventLog
 
         if self.run_dir is None or not (self.run_dir / "events.db").exists():
             return None
@@ -491,7 +322,7 @@ class Job:
     @property
     def status(self) -> JobStatus:
         """The job's state, last step, loss, throughput and plan (a snapshot; cheap)."""
-        from .manager.events import Kind
+        from ..manager.events import Kind
 
         m = self.manager
         last: dict[str, Any] = {}
@@ -542,7 +373,7 @@ class Job:
         (a dict)."""
         import pandas as pd
 
-        from .manager.runs import event_sentence
+        from ..manager.runs import event_sentence
 
         cols = ["time", "what", "kind", "host", "rank", "payload"]
         log = self._log()
@@ -571,8 +402,8 @@ class Job:
         once the new plan finished its first step."""
         import pandas as pd
 
-        from .manager.events import Kind
-        from .manager.runs import morph_sentence
+        from ..manager.events import Kind
+        from ..manager.runs import morph_sentence
 
         cols = ["time", "cause", "host", "what_happened", "old_plan", "new_plan", "downtime_s", "phases_s", "from_step",
                 "resume_step", "steps_lost", "candidates", "old", "new"]
@@ -587,8 +418,8 @@ class Job:
         for e in evs:
             p = e.payload
             rows.append({"time": pd.Timestamp(p.get("time") or e.time, unit="s", tz="UTC"), "cause": p.get("cause"),
-                         "host": p.get("host"), "what_happened": morph_sentence(p), "old_plan": _plan_label(p.get("old")),
-                         "new_plan": _plan_label(p.get("new")), "downtime_s": p.get("downtime_s"),
+                         "host": p.get("host"), "what_happened": morph_sentence(p), "old_plan": plan_label(p.get("old"), hosts=True),
+                         "new_plan": plan_label(p.get("new"), hosts=True), "downtime_s": p.get("downtime_s"),
                          "phases_s": p.get("phases_s") or {}, "from_step": p.get("from_step"),
                          "resume_step": p.get("resume_step"), "steps_lost": p.get("steps_lost"),
                          "candidates": p.get("candidates") or [], "old": p.get("old"), "new": p.get("new")})
@@ -625,40 +456,10 @@ class Job:
         marked by dotted lines — a morph that loses nothing continues the curve where it stopped.
         Show it with ``bokeh.io.show`` (after ``output_notebook()``) or ``panel``. Raises
         ``RuntimeError`` before the first step."""
-        from bokeh.layouts import column
-        from bokeh.models import Span
-        from bokeh.palettes import Category10_10
-        from bokeh.plotting import figure
-
         df = self.metrics
         if df.empty:
             raise RuntimeError("no step finished yet: launch() the job and wait for its first step")
-        key = df["job_id"].astype(str) + "/" + df["generation"].astype(str) if "job_id" in df else df["generation"]
-        launches = {j: k for k, j in enumerate(dict.fromkeys(df["job_id"].astype(str)))} if "job_id" in df else {}
-        figs = []
-        for col, label, unit in (("loss", "training loss", "loss"), ("tokens_per_s", "throughput", "tokens / s")):
-            f = figure(height=height, sizing_mode="stretch_width", title=label, x_axis_label="step",
-                       y_axis_label=unit, tools="pan,box_zoom,wheel_zoom,reset,hover,save")
-            for i, (_, g) in enumerate(df.groupby(key, sort=False)):
-                gen = int(g["generation"].iloc[0])
-                plan = f"P={int(g['P'].iloc[0])}×D={int(g['D'].iloc[0])}"
-                where = f"generation {gen}" if len(launches) < 2 else \
-                    f"launch {launches[str(g['job_id'].iloc[0])] + 1}, generation {gen}"
-                color = Category10_10[i % 10]
-                f.line(g["step"], g[col], color=color, line_width=2 if col != "loss" else 1,
-                       alpha=1.0 if col != "loss" else 0.45, legend_label=f"{where}: {plan}" if len(set(key)) > 1 else plan)
-                if col == "loss":   # the trend under the step-to-step noise
-                    f.line(g["step"], g[col].ewm(span=20, adjust=False, ignore_na=True).mean(), color=color,
-                           line_width=2.5, legend_label="smoothed (EMA, 20 steps)")
-            for step in self.morphs["resume_step"].dropna():
-                f.add_layout(Span(location=float(step) - 0.5, dimension="height", line_dash="dotted",
-                                  line_color="#E08E00", line_width=2))
-            f.legend.label_text_font_size = "10px"
-            f.legend.click_policy = "hide"
-            f.add_layout(f.legend[0], "right")
-            figs.append(f)
-        figs[1].x_range = figs[0].x_range
-        return column(*figs, sizing_mode="stretch_width")
+        return metrics_figure(df, self.morphs["resume_step"].dropna(), height)
 
     def dashboard(self, **kwargs):
         """The team dashboard for this job (``dashboard.app.build_app``: VM pool, partition map,
@@ -712,30 +513,11 @@ class Job:
             pass
         finally:
             bar.close()
-            _colour_finished_bar(bar, state)
+            colour_finished_bar(bar, state)
 
     def __repr__(self) -> str:
         return f"<Job {self.config.name} {self.status.state}{' at ' + str(self.run_dir) if self.run_dir else ''}>"
 
-
-def _colour_finished_bar(bar, state: str | None) -> None:
-    """A notebook bar closed short of its total turns red (tqdm reads it as an error): a job
-    stopped on request (checkpointed, continuable) is shown amber, a finished one green; only a
-    FAILED job stays red. Text bars have no colour: nothing to do."""
-    style = {"STOPPED": "warning", "SUCCEEDED": "success"}.get(state or "")
-    if style is None or not hasattr(bar, "container"):
-        return
-    try:   # (tqdm's own disp() never turns a red bar green: set the widget's style)
-        bar.container.children[1].bar_style = style
-    except Exception:  # noqa: BLE001 - cosmetic
-        pass
-
-
-def _plan_label(p: dict | None) -> str | None:
-    if not isinstance(p, dict) or p.get("P") is None:
-        return None
-    hosts = p.get("hosts") or []
-    return f"P={p['P']} x D={p.get('D')}" + (f" on {','.join(map(str, hosts))}" if hosts else "")
 
 
 def _stop_all_at_exit() -> None:
@@ -762,131 +544,3 @@ def _stop_all_at_exit() -> None:
 
 
 atexit.register(_stop_all_at_exit)
-
-
-class PlanView:
-    """A ``planner.plan.Plan`` with the job it was made for: renders the ranked table and the
-    partition map (which cut-point segments each stage holds, memory per stage, the rank of
-    every stage × replica cell) as HTML in Jupyter and as text elsewhere. ``.plan`` is the
-    ``Plan``, ``.best`` its best row."""
-
-    def __init__(self, plan, job: JobConfig):
-        self.plan = plan
-        self.job = job
-
-    @property
-    def best(self):
-        """The fastest feasible ``PlanRow`` (``ValueError`` with every reason when none fits)."""
-        return self.plan.best
-
-    def to_frame(self, feasible_only: bool = False):
-        """The ranked configurations as a pandas DataFrame, fastest first: P, D, micro-batch size,
-        m, idle GPUs, seconds per step, examples/s, bubble fraction, max memory per GPU (MiB),
-        $ per 1,000 examples (spot, on demand), time and $ to ``target_examples`` when given,
-        feasible and the reason when not."""
-        import pandas as pd
-
-        rows = []
-        for r in self.plan.rows:
-            if feasible_only and not r.feasible:
-                continue
-            rows.append({"P": r.P, "D": r.D, "micro_batch": r.micro_batch_size, "m": r.m, "idle_gpus": r.idle_gpus,
-                         "step_s": r.time_s, "examples_per_s": r.examples_per_s, "bubble": r.bubble_fraction,
-                         "max_mem_MiB": max(r.stage_memory_bytes) / 2**20 if r.stage_memory_bytes else math.nan,
-                         "usd_per_1k_spot": r.cost_per_1k_spot, "usd_per_1k_on_demand": r.cost_per_1k_on_demand,
-                         "time_to_target_s": r.time_to_target_s, "usd_to_target_spot": r.cost_to_target_spot,
-                         "feasible": r.feasible, "reason": r.reason})
-        df = pd.DataFrame(rows)
-        if not self.plan.target_examples and not df.empty:
-            df = df.drop(columns=["time_to_target_s", "usd_to_target_spot"])
-        return df
-
-    def timeline(self, row=None):
-        """The simulated mini-batch of ``row`` (default the best) as a pandas DataFrame, one row
-        per action: rank (= replica·P + stage), stage, replica, kind (F, R, B, WAIT, AR, TIED,
-        SYNC, OPT), micro_batch, start_s, end_s (seconds from the mini-batch start) — the
-        simulator's own event-by-event run (``Plan.simulate(row).timeline``)."""
-        import pandas as pd
-
-        row = row or self.plan.best
-        sim = self.plan.simulate(row, record_timeline=True)
-        out = []
-        for rank, segs in enumerate(sim.timeline or []):
-            for s in segs:
-                out.append({"rank": rank, "stage": rank % row.P, "replica": rank // row.P, "kind": s.kind,
-                            "micro_batch": s.mb, "start_s": s.start, "end_s": s.end})
-        return pd.DataFrame(out, columns=["rank", "stage", "replica", "kind", "micro_batch", "start_s", "end_s"])
-
-    def gantt(self, row=None, replica: int = 0, height: int | None = None):
-        """A Bokeh Gantt chart of the simulated mini-batch of ``row`` (default the best) for one
-        ``replica``: one lane per stage, forward / recompute / backward bars numbered by
-        micro-batch, then the all-reduce, consensus and optimizer step (same colours as the
-        dashboard). Show it with ``bokeh.io.show``."""
-        from bokeh.models import ColumnDataSource, FactorRange, HoverTool
-        from bokeh.plotting import figure
-
-        from dashboard.app import ACTION_COLORS  # noqa: PLC0415 (the dashboard's palette)
-
-        row = row or self.plan.best
-        tl = self.timeline(row)
-        tl = tl[tl["replica"] == replica]
-        lanes = [f"stage {s}" for s in range(row.P)]
-        f = figure(height=height or 110 + 45 * row.P, sizing_mode="stretch_width",
-                   y_range=FactorRange(*reversed(lanes)), x_axis_label="seconds into the mini-batch",
-                   title=f"simulated mini-batch: P={row.P} x D={row.D}, micro-batch {row.micro_batch_size}, "
-                         f"m={row.m}, {row.time_s:.3f} s, bubble {row.bubble_fraction:.0%}",
-                   tools="pan,wheel_zoom,box_zoom,reset,save")
-        names = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradients (split backward)",
-                 "AR": "all-reduce", "WAIT": "waiting for a core",
-                 "TIED": "tied-weight all-reduce", "SYNC": "consensus", "OPT": "optimizer step"}
-        extra = {"W": "#88D27A", "AR": "#B279A2", "WAIT": "#EEEEEE", "TIED": "#9D755D", "SYNC": "#72B7B2", "OPT": "#BAB0AC"}
-        for kind, g in tl.groupby("kind", sort=False):
-            src = ColumnDataSource(dict(y=[lanes[s] for s in g["stage"]], left=g["start_s"], right=g["end_s"],
-                                        mb=[str(m) if m >= 0 and kind in ("F", "R", "B", "W") else "" for m in g["micro_batch"]],
-                                        mid=(g["start_s"] + g["end_s"]) / 2, kind=[names.get(kind, kind)] * len(g)))
-            color = ACTION_COLORS.get(kind) if kind in ("F", "R", "B") else extra.get(kind, ACTION_COLORS["other"])
-            f.hbar(y="y", left="left", right="right", height=0.7, source=src, color=color, line_color="white",
-                   legend_label=names.get(kind, kind))
-            if kind in ("F", "R", "B", "W"):
-                f.text(x="mid", y="y", text="mb", source=src, text_align="center", text_baseline="middle",
-                       text_font_size="9px", text_color="white")
-        f.add_tools(HoverTool(tooltips=[("", "@kind @mb"), ("stage", "@y"), ("start", "@left{0.0000} s"),
-                                        ("end", "@right{0.0000} s")]))
-        f.legend.orientation = "horizontal"
-        f.legend.label_text_font_size = "10px"
-        f.add_layout(f.legend[0], "below")
-        f.x_range.start = 0
-        return f
-
-    def partition_map(self) -> str:
-        """The best row's stages as text: segments, memory per GPU, one cell per replica."""
-        r = self.plan.best
-        lines = [f"best: P={r.P} stages x D={r.D} replicas, micro-batch {r.micro_batch_size}, m={r.m}, "
-                 f"{r.time_s:.3f} s/step predicted, bubble {r.bubble_fraction:.1%}"]
-        for s, segs in enumerate(r.stages):
-            mem = r.stage_memory_bytes[s] if s < len(r.stage_memory_bytes) else 0.0
-            lines.append(f"  stage {s}: segments {segs[0]}..{segs[-1]} ({len(segs)}) | {mem / 2**20:8.1f} MiB | "
-                         + " ".join(f"[r{d}]" for d in range(r.D)))
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.plan.table() + "\n\n" + self.partition_map()
-
-    def _repr_html_(self) -> str:
-        import html
-
-        r = self.plan.best
-        cells = "".join(
-            "<tr><th style='text-align:left'>stage {s}<br><small>segments {a}..{b}<br>{mem:.1f} MiB</small></th>{row}</tr>".format(
-                s=s, a=segs[0], b=segs[-1], mem=(r.stage_memory_bytes[s] if s < len(r.stage_memory_bytes) else 0) / 2**20,
-                row="".join(f"<td style='border:1px solid #888;padding:4px 10px;background:hsl({(s * 67) % 360},60%,85%)'>"
-                            f"replica {d}<br><small>rank {d * r.P + s}</small></td>" for d in range(r.D)))
-            for s, segs in enumerate(r.stages))
-        return (f"{self.plan._repr_html_()}<b>Partition map</b> (P={r.P} x D={r.D}, "
-                f"{r.time_s:.3f} s/step predicted)<table style='border-collapse:collapse'>{cells}</table>")
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-__all__ = ["Job", "JobStatus", "PlanView", "ConfigError"]

@@ -1,0 +1,307 @@
+"""The result of a configuration search: ``Plan``, its ``PlanRow``s and the ``Prices`` they cost at.
+
+Owns the result types ``plan()`` returns and their presentation: the ranked text table
+(``Plan.table()``), its HTML, strict JSON (``Plan.to_dict()``), a row's ``ParallelConfig`` and the
+event-by-event re-simulation of a row for the dashboard's Gantt chart (``Plan.simulate``); and
+the number formats the planner's messages share (``format_duration``, ``format_bytes``).
+
+Units: seconds, bytes, examples/s, US dollars. Imports ``config``, the C++ core and
+``planner.simulate``; must never import ``planner.plan``/``planner.search`` (they build these
+types), torch, ``cluster`` or ``manager``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, field, fields
+from typing import Sequence
+
+from .._native import core as _core
+from ..config import ConfigError, ParallelConfig
+from .simulate import SimOutput
+
+@dataclass
+class Prices:
+    """Price of one GPU-hour in US dollars, spot and on-demand. The defaults are an **example**
+    (roughly a 1×V100 cloud VM's list price and a typical ~70 % spot discount) — pass your own
+    figures for your VM type; ``example`` marks whether they are.
+
+    Raises ``ConfigError`` when a price is not a finite number >= 0 (a string, a bool, NaN, a
+    negative number)."""
+
+    spot_per_gpu_hour: float = 0.92
+    on_demand_per_gpu_hour: float = 3.06
+    vm_type: str = "example 1-GPU VM"
+    example: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("spot_per_gpu_hour", "on_demand_per_gpu_hour"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"Prices.{name}={v!r} must be a finite number >= 0 (US dollars per GPU-hour), "
+                                  f"e.g. Prices(spot_per_gpu_hour=0.9, on_demand_per_gpu_hour=3.0)")
+            setattr(self, name, float(v))
+
+
+@dataclass
+class PlanRow:
+    """One configuration. ``stages`` holds the segment indices of each stage; times are
+    seconds per mini-batch; memory is peak bytes per GPU per stage; costs are dollars for the
+    GPUs the configuration uses (P·D; idle GPUs are reported, not billed); a number that does not
+    apply (the time of an excluded row, time and cost to target without ``target_examples``) is
+    NaN here and ``None`` in ``Plan.to_dict()``. For an excluded row, ``D`` and
+    ``micro_batch_size`` are those of the candidate its ``reason`` describes. ``pruned`` is True
+    only for the excluded row of a depth that a best-only search (``plan(exhaustive=False)``)
+    ruled out without simulating or checking memory; its ``lower_bound_s`` (seconds per
+    mini-batch, NaN on every other row) is the smallest lower bound of its candidates, at least
+    the best row's time. ``split_backward``: the row runs the zero-bubble split (B and W apart;
+    ``pipeline.split_backward``) because the simulator found it faster there."""
+
+    P: int
+    D: int
+    micro_batch_size: int
+    m: int
+    idle_gpus: int
+    stages: list[list[int]]
+    time_s: float
+    examples_per_s: float
+    bubble_fraction: float
+    stage_memory_bytes: list[float]
+    feasible: bool
+    reason: str = ""
+    cost_per_1k_spot: float = math.nan
+    cost_per_1k_on_demand: float = math.nan
+    time_to_target_s: float = math.nan
+    cost_to_target_spot: float = math.nan
+    pruned: bool = False
+    lower_bound_s: float = math.nan
+    split_backward: bool = False
+
+    def __repr__(self) -> str:
+        """Fields as in the dataclass, floats to 4 significant digits (not 15)."""
+        def show(v):
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            if isinstance(v, list):
+                return "[" + ", ".join(show(x) for x in v) + "]"
+            return repr(v)
+        return "PlanRow(" + ", ".join(f"{f.name}={show(getattr(self, f.name))}" for f in fields(self)) + ")"
+
+    def parallel_config(self, global_batch: int, policy: str = "varuna", recompute: bool | None = None) -> ParallelConfig:
+        """This row as a ``ParallelConfig`` (explicit stage boundaries, so the run uses this split,
+        and the row's choice of the split backward)."""
+        return ParallelConfig(P=self.P, D=self.D, global_batch=global_batch, micro_batch_size=self.micro_batch_size,
+                              policy=policy, recompute=recompute, boundaries=self.stages,
+                              split_backward=self.split_backward)
+
+
+@dataclass
+class Plan:
+    """Ranked configurations for ``gpus`` GPUs and ``global_batch`` examples per step: one row per
+    pipeline depth P (its fastest replica count D and micro-batch size), feasible rows fastest
+    first, then excluded rows with their reasons. ``str(plan)`` is a table. ``search_stats``: what
+    the C++ search did (depths, candidates, bounded, splits, split_failed, simulated, pruned,
+    actions, pruned_rows; see ``csrc/search.h``). ``exhaustive``: False for a best-only search
+    (``plan(exhaustive=False)``), whose rows other than the best are the fastest candidate it
+    happened to simulate for their depth, or excluded as pruned."""
+
+    gpus: int
+    global_batch: int
+    policy: str
+    recompute: bool
+    rows: list[PlanRow]
+    prices: Prices
+    target_examples: int | None
+    search_s: float
+    notes: list[str] = field(default_factory=list)
+    search_stats: dict = field(default_factory=dict)
+    exhaustive: bool = True
+    split_backward: bool | None = False
+    _search: object = field(default=None, repr=False, compare=False)
+    _search_split: object = field(default=None, repr=False, compare=False)
+    _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def feasible(self) -> list[PlanRow]:
+        """The rows that fit, fastest first."""
+        return [r for r in self.rows if r.feasible]
+
+    @property
+    def excluded(self) -> list[PlanRow]:
+        """The rows that do not fit (or were pruned), each with its ``reason``."""
+        return [r for r in self.rows if not r.feasible]
+
+    @property
+    def best(self) -> PlanRow:
+        """The fastest feasible row; raises ``ValueError`` with every exclusion reason if none."""
+        if not self.feasible:
+            why = "; ".join(f"P={r.P}: {r.reason}" for r in self.rows[:8])
+            if len(self.rows) > 8:
+                why += f"; ... and {len(self.rows) - 8} more (see Plan.table())"
+            raise ValueError(f"no configuration fits {self.gpus} GPUs and global batch {self.global_batch}: {why}")
+        return self.feasible[0]
+
+    def parallel_config(self) -> ParallelConfig:
+        """The best row as a ``ParallelConfig`` with this plan's batch, policy and recompute
+        setting; raises ``ValueError`` as ``best`` does when no row fits."""
+        return self.best.parallel_config(self.global_batch, self.policy, self.recompute)
+
+    def _rows_and_notes(self, top: int) -> tuple[list[str], list[list[str]], list[str]]:
+        """The table's header, the ``top`` fastest feasible rows as formatted cells, and the lines
+        after it (rows left out, excluded and pruned depths, example prices, notes)."""
+        if isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 1:
+            raise ValueError(f"top={top!r} must be an integer >= 1 (how many feasible rows to show); "
+                             "top=len(plan.feasible) shows them all")
+        top = int(top)
+        head = ["rank", "P", "D", "mbs", "m", "idle", "bwd", "time/step", "ex/s", "bubble", "max mem/GPU",
+                "$/1k ex spot", "$/1k ex od"] + (["to target", "$ to target"] if self.target_examples else [])
+        rows = []
+        for i, r in enumerate(self.feasible[:top]):
+            cells = [str(i + 1), str(r.P), str(r.D), str(r.micro_batch_size), str(r.m), str(r.idle_gpus),
+                     "B|W" if r.split_backward else "whole",
+                     format_duration(r.time_s), f"{r.examples_per_s:.2f}", f"{r.bubble_fraction:.1%}",
+                     format_bytes(max(r.stage_memory_bytes)), f"{r.cost_per_1k_spot:.4f}",
+                     f"{r.cost_per_1k_on_demand:.4f}"]
+            if self.target_examples:
+                cells += [format_duration(r.time_to_target_s), f"{r.cost_to_target_spot:.2f}"]
+            rows.append(cells)
+        notes = []
+        if len(self.feasible) > top:
+            more = len(self.feasible) - top
+            notes.append(f"... {more} more feasible configuration{'s' if more > 1 else ''} "
+                         f"(table(top={len(self.feasible)}) shows all)")
+        for r in self.excluded:
+            if not r.pruned:
+                notes.append(f"excluded P={r.P}: {r.reason}")
+        pruned = [r for r in self.excluded if r.pruned]
+        if pruned:  # one line: a best-only search prunes most depths
+            lo = min(pruned, key=lambda r: r.lower_bound_s)
+            many = "s" if len(pruned) > 1 else ""
+            notes.append(f"pruned P={_ranges([r.P for r in pruned])} ({len(pruned)} depth{many}): by their lower "
+                         f"bounds (>= {format_duration(lo.lower_bound_s)} per mini-batch, at P={lo.P}) none beats "
+                         "the best row; "
+                         f"not simulated, memory not checked {EXHAUSTIVE_HINT}")
+        if self.prices.example:
+            notes.append(f"prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
+                         f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) "
+                         "(varuna plan: --spot-price, --on-demand-price) for yours")
+        notes += [f"note: {n}" for n in self.notes]
+        return head, rows, notes
+
+    def _title(self) -> str:
+        split = {None: " (backward split per row: B|W)", True: " + split backward (B|W)", False: ""}[self.split_backward]
+        return (f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
+                f"{' + recompute' if self.recompute else ''}{split} (searched in {self.search_s * 1e3:.1f} ms"
+                f"{'' if self.exhaustive else _BEST_ONLY_NOTE})")
+
+    def table(self, top: int = 12) -> str:
+        """A fixed-width table: the ``top`` (>= 1) fastest feasible rows, a line counting the
+        feasible rows left out, then every excluded P with its reason. Raises ``ValueError`` for
+        ``top`` < 1."""
+        head, rows, notes = self._rows_and_notes(top)
+        widths = [max(len(c) for c in col) for col in zip(head, *rows)]
+        lines = [self._title()] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
+        return "\n".join(lines + [f"  {n}" for n in notes])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        """The table as HTML (a notebook wraps long ``<pre>`` lines, which breaks a text table's
+        columns): numbers right-aligned in cells, the notes as lines below."""
+        import html
+
+        head, rows, notes = self._rows_and_notes(12)
+        td = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
+        cells = "".join("<tr>" + "".join(f"<td style='{td}'>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        return (f"<div><b>{html.escape(self._title())}</b><table style='border-collapse:collapse'><tr>"
+                + "".join(f"<th style='{td}'>{html.escape(h)}</th>" for h in head) + f"</tr>{cells}</table>"
+                + "".join(f"<div style='font-size:90%;color:#555'>{html.escape(n)}</div>" for n in notes) + "</div>")
+
+    def to_dict(self) -> dict:
+        """Plain data, JSON-able in strict JSON (``json.dumps(..., allow_nan=False)``): every public
+        field, rows and prices as dicts; a number that does not apply (NaN or infinite in the
+        ``PlanRow``) is ``None``."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")}
+
+    def simulate(self, row: PlanRow | None = None, *, rank_scale: Sequence[float] | None = None,
+                 record_timeline: bool = True) -> SimOutput:
+        """Simulate ``row`` (default: the best) event by event for its full m with the costs the
+        search used: the per-stage Gantt timeline (``SimOutput.timeline``, seconds from the
+        mini-batch's start, per rank = replica*P + stage) for the dashboard, and what-ifs:
+        ``rank_scale`` (length P*D) slows ranks' compute down (a straggler at 1.5x: 1.5).
+
+        Raises ``ValueError`` for a row that is not one of this plan's ``rows`` (from another
+        ``Plan``, or edited: it would be simulated with this plan's inputs), an infeasible row or a
+        ``rank_scale`` of the wrong length.
+        """
+        row = self.best if row is None else row
+        if row not in self.rows:  # identity, else equality
+            raise ValueError(f"row P={getattr(row, 'P', '?')} D={getattr(row, 'D', '?')} is not one of this plan's "
+                             "rows (it comes from another Plan or was edited, and would be simulated with this plan's "
+                             "profile, G and batch); pass a row of this plan's .rows, or call .simulate() on the Plan "
+                             "that made it")
+        if not row.feasible or not row.stages:
+            raise ValueError(f"P={row.P} D={row.D} is not feasible ({row.reason}); simulate a feasible row")
+        if self._search is None or row.micro_batch_size not in self._sizes:
+            raise ValueError("this Plan was not made by plan() (no search input kept); call plan() again")
+        scale = [float(x) for x in rank_scale] if rank_scale is not None else []
+        if scale and len(scale) != row.P * row.D:
+            raise ValueError(f"rank_scale has {len(scale)} entries; P*D = {row.P * row.D} needed")
+        search = self._search_split if row.split_backward else self._search
+        r = _core.simulate_candidate(search, row.P, row.D, self._sizes.index(row.micro_batch_size),
+                                     [st[0] for st in row.stages], scale, bool(record_timeline))
+        return SimOutput.from_core(r, bool(record_timeline))
+
+
+def _plain(v):
+    """``v`` as JSON-able data: dataclasses as dicts, non-finite floats as ``None``."""
+    if hasattr(v, "__dataclass_fields__"):
+        v = asdict(v)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+#: How to get what a best-only search leaves out (simulated rows and memory checks for every depth).
+EXHAUSTIVE_HINT = "(an exhaustive search does both: varuna plan without --best-only, plan(..., exhaustive=True))"
+_BEST_ONLY_NOTE = ("; best-only search: the first row is the fastest; each other row is the fastest candidate it "
+                   "simulated for that depth, not necessarily the depth's fastest")
+
+
+def _ranges(xs: Sequence[int]) -> str:
+    """Sorted ints as runs: [1, 2, 3, 5, 7, 8] -> "1-3, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for x in sorted(xs):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def format_duration(s: float) -> str:
+    """Seconds as ``12.3 ms``, ``4.56 s``, ``7.8 min`` or ``1.2 h``; ``-`` when not finite."""
+    if not math.isfinite(s):
+        return "-"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 120:
+        return f"{s:.2f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def format_bytes(b: float, digits: int = 1) -> str:
+    """Bytes in B, KiB, MiB, GiB or TiB (binary units) with ``digits`` decimals: ``60.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.{digits}f} {unit}" if unit != "B" else f"{b:.0f} B"
+        b /= 1024
+    return f"{b:.{digits}f} TiB"

@@ -1,0 +1,282 @@
+"""The configuration search: from a ``PlanRequest`` to one ``PlanRow`` per pipeline depth.
+
+Owns preparing the C++ search's input from the request (per-size segment tables interpolated from
+the profile as ``Profile.at`` does, the placement and the network costs), running it once per
+backward mode (whole, and split into B and W where asked), keeping per depth the faster
+candidate, and turning candidates into rows: costs in dollars, and for an excluded candidate a
+reason in bytes the user can act on (the least memory a split needs, the stage over the limit),
+or why a best-only search pruned it; and the notes under the table (extrapolated sizes, idle GPUs).
+The inner loop itself is C++ (``csrc/search.cpp``).
+
+Units: seconds, bytes, examples/s, US dollars. Imports ``planner.request``, ``planner.rows``,
+numpy and the C++ core; must never import ``planner.plan``, torch, ``cluster`` or ``manager``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._native import core as _core
+from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
+from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
+
+def _interp(ys: np.ndarray, xs: np.ndarray, b: int) -> np.ndarray:
+    """``Profile.at`` for every segment at once (``ys`` is ``[segments, sizes]``): piecewise-linear
+    in the measured sizes, extended linearly with the nearest interval, clamped at 0 (and, below
+    the smallest size, at the smallest size's value)."""
+    if len(xs) == 1:
+        return np.maximum(0.0, ys[:, 0] * b / xs[0])
+    if b <= xs[0]:
+        i = 0
+    elif b >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = int(np.searchsorted(xs, b, side="right")) - 1
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[:, i], ys[:, i + 1]
+    v = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+    if b < xs[0]:
+        v = np.minimum(v, y0)
+    return np.maximum(0.0, v)
+
+
+def _tables(req: PlanRequest) -> list:
+    """Per-size segment tables (the C++ search's input), interpolated from the request's checked
+    profile arrays as ``Profile.at`` does. Built afresh on every call (vectorised, well under a
+    millisecond for a hundred segments), so a profile edited in place is never planned from stale
+    numbers."""
+    xs, arrays = req.checked
+    out = []
+    for b in req.sizes:
+        t = _core.SegmentTable()
+        t.micro_batch_size = int(b)
+        for name, attr in TABLE_KEYS + SPLIT_KEYS:
+            if attr in arrays:
+                setattr(t, name, _interp(arrays[attr], xs, int(b)).tolist())
+        out.append(t)
+    return out
+
+
+def search_input(req: PlanRequest):
+    """The C++ ``SearchInput`` of ``req`` (whole backward): tables, parameter and tied bytes,
+    optimizer and placement figures, the memory limit (0: none), fixed depth/replicas/stage starts
+    and the simulator's network costs (``network_bandwidth_Bps`` replacing the calibrated cross-VM
+    bandwidth)."""
+    profile = req.profile
+    inp = _core.SearchInput()
+    inp.gpus, inp.global_batch, inp.policy, inp.recompute = req.gpus, req.global_batch, req.policy, req.rec
+    inp.tables = _tables(req)
+    inp.param_bytes = [float(s.param_bytes) for s in profile.segments]
+    shared = profile.model.get("shared", [])
+    inp.tied_segments = [list(s["segments"]) for s in shared]
+    inp.tied_bytes = [float(s["bytes"]) for s in shared]
+    inp.optimizer_state_factor = profile.optimizer_state_factor
+    inp.memory_limit = float(req.limit or 0)  # 0: no limit (C++)
+    inp.max_depth = int(req.max_depth or 0)
+    inp.fixed_replicas = int(req.replicas or 0)
+    inp.opt_s_per_param_byte = profile.opt_s_per_param_byte
+    inp.opt_parallelism = profile.opt_parallelism
+    inp.compute_interference = profile.compute_interference
+    inp.ar_cpu_share = profile.network.ar_cpu_share if profile.network is not None else 1.0
+    inp.exhaustive = bool(req.exhaustive)
+    if req.boundaries is not None:
+        inp.fixed_starts = [b[0] for b in req.boundaries]
+    sim = _core.SimConfig()
+    net = profile.network
+    if net is not None:
+        bw = req.network_bandwidth_Bps
+        sim.p2p_alpha, sim.p2p_beta = net.p2p_alpha_s, bw or net.p2p_beta_Bps
+        sim.local_alpha, sim.local_beta = net.p2p_alpha_s, net.p2p_beta_Bps
+        sim.ar_alpha, sim.ar_beta = net.ar_alpha_s, bw or net.ar_beta_Bps
+        sim.consensus_latency = net.consensus_s
+    sim.ranks_per_host = req.gpus_per_vm
+    sim.compute_slots_per_host = req.compute_slots_per_vm
+    sim.action_overhead = profile.per_action_s
+    inp.sim = sim
+    return inp
+
+
+@dataclass
+class SearchResult:
+    """What the C++ search returned for a request: per backward mode (False: whole, True: split)
+    its input (kept for ``Plan.simulate``) and ranked candidates, and the summed statistics
+    (``csrc/search.h``: depths, candidates, simulated, pruned, ...)."""
+
+    searches: dict[bool, object] = field(default_factory=dict)
+    results: dict[bool, list] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def run_search(req: PlanRequest) -> SearchResult:
+    """Run the C++ search of ``req`` once per backward mode in ``req.split_modes``."""
+    inp = search_input(req)
+    found = SearchResult()
+    for split in req.split_modes:
+        si = inp if split is False else _with_split(inp)
+        found.searches[split] = si
+        found.results[split], st = _core.search_with_stats(si)
+        for k, v in dict(st).items():
+            found.stats[k] = found.stats.get(k, 0) + v
+    return found
+
+
+def _with_split(inp):
+    """A copy of a search input that splits the backward (the tables hold B and W)."""
+    out = copy.copy(inp)
+    out.split_backward = True
+    return out
+
+
+def _per_depth(results: dict[bool, list]) -> list[tuple[object, bool]]:
+    """One candidate per depth from the whole-backward and split searches: the faster feasible one
+    (a tie keeps the whole backward), else the whole backward's excluded row; ranked as the C++
+    search ranks (feasible by time, then the shallower pipeline; excluded rows after)."""
+    by_p: dict[int, tuple[object, bool]] = {}
+    for split in sorted(results):  # False first: ties keep the whole backward
+        for c in results[split]:
+            had = by_p.get(c.P)
+            if had is None or (c.feasible and (not had[0].feasible or c.minibatch_time < had[0].minibatch_time)):
+                by_p[c.P] = (c, split)
+    feasible = sorted((x for x in by_p.values() if x[0].feasible), key=lambda x: (x[0].minibatch_time, x[0].P))
+    order = {c.P: i for i, c in enumerate(next(iter(results.values())))}
+    excluded = sorted((x for x in by_p.values() if not x[0].feasible), key=lambda x: order.get(x[0].P, 0))
+    return feasible + excluded
+
+def plan_rows(req: PlanRequest, found: SearchResult) -> list[PlanRow]:
+    """One row per depth (``_per_depth``): times, memory and dollar costs of a feasible
+    candidate, the reason of an excluded one."""
+    return [_row(req, c, split, found.searches[split]) for c, split in _per_depth(found.results)]
+
+
+def _row(req: PlanRequest, c, split: bool, inp) -> PlanRow:
+    """The candidate ``c`` of search input ``inp`` as a ``PlanRow``, priced with ``req.prices``."""
+    n, prices, target = req.profile.num_segments, req.prices, req.target_examples
+    stages = []
+    if c.starts:
+        ends = list(c.starts[1:]) + [n]
+        stages = [list(range(a, b)) for a, b in zip(c.starts, ends)]
+    eps = req.global_batch / c.minibatch_time if c.feasible and c.minibatch_time > 0 else 0.0
+    row = PlanRow(P=c.P, D=c.D, micro_batch_size=c.micro_batch_size, m=c.m, idle_gpus=c.idle_gpus, stages=stages,
+                  time_s=c.minibatch_time if c.feasible else math.nan, examples_per_s=eps,
+                  bubble_fraction=c.bubble_fraction, stage_memory_bytes=list(c.stage_memory) or [0.0],
+                  feasible=c.feasible, reason="" if c.feasible else _reason(c, inp, req.sizes),
+                  pruned=not c.simulated, lower_bound_s=math.nan if c.simulated else c.minibatch_time,
+                  split_backward=split and c.feasible)
+    if c.feasible and eps > 0:
+        used = c.P * c.D
+        hours_per_1k = 1000.0 / eps / 3600.0
+        row.cost_per_1k_spot = hours_per_1k * used * prices.spot_per_gpu_hour
+        row.cost_per_1k_on_demand = hours_per_1k * used * prices.on_demand_per_gpu_hour
+        if target:
+            row.time_to_target_s = target / eps
+            row.cost_to_target_spot = row.time_to_target_s / 3600.0 * used * prices.spot_per_gpu_hour
+    return row
+
+
+def plan_notes(req: PlanRequest, rows: list[PlanRow]) -> list[str]:
+    """The notes under the table: micro-batch sizes extrapolated beyond the profile, and why the
+    best row leaves GPUs idle."""
+    profile, n = req.profile, req.profile.num_segments
+    notes = []
+    if req.sizes and max(req.sizes) > max(profile.micro_batch_sizes):
+        notes.append(f"micro-batch sizes above {max(profile.micro_batch_sizes)} are extrapolated from the profile")
+    best = next((r for r in rows if r.feasible), None)
+    if best is not None and best.idle_gpus > 0:
+        bnd, max_depth = req.boundaries, req.max_depth
+        limits = ([f"boundaries fix P={len(bnd)}"] if bnd is not None else []) + \
+            ([f"max_depth={max_depth}"] if bnd is None and (max_depth or n) < min(req.gpus, n) else [])
+        notes.append(_idle_note(best, req.gpus, req.global_batch, req.replicas, limits))
+    return notes
+
+
+def _stages(P: int) -> str:
+    return f"{P} stage" if P == 1 else f"{P} stages"
+
+
+def _two_sizes(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` bytes as ``_bytes`` prints them, with more digits when they would print alike."""
+    x, y = format_bytes(a), format_bytes(b)
+    return (x, y) if x != y else (format_bytes(a, 3), format_bytes(b, 3))
+
+
+def _least_split_memory(inp, P: int, D: int, ti: int) -> float:
+    """The smallest per-GPU memory limit (bytes, to 0.01 %) under which the search finds a split
+    into P stages for replica count D and micro-batch table ``ti``: a bisection on
+    ``inp.memory_limit`` with the search's own memory-aware split (``candidate_lower_bound`` is
+    inf exactly when no split fits). ``inp`` is left as it was; NaN if even 2**200 x fails."""
+    limit = inp.memory_limit
+
+    def fits(x: float) -> bool:
+        inp.memory_limit = x
+        return math.isfinite(_core.candidate_lower_bound(inp, P, D, ti))
+
+    try:
+        lo, hi = limit, 2.0 * limit
+        for _ in range(200):
+            if fits(hi):
+                break
+            lo, hi = hi, 2.0 * hi
+        else:
+            return math.nan
+        while hi - lo > 1e-4 * hi:
+            mid = 0.5 * (lo + hi)
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+    finally:
+        inp.memory_limit = limit
+
+
+def _reason(c, inp, sizes: list[int]) -> str:
+    """Why the infeasible candidate ``c`` cannot run, in bytes the user can act on: the memory
+    limit and the least a split into c.P stages needs (or the stage over the limit), else the
+    search's own reason (no micro-batch size divides the replica batch)."""
+    if not c.simulated:
+        return (f"pruned by the best-only search: its candidates need at least {format_duration(c.minibatch_time)} per "
+                f"mini-batch (a lower bound), at least the best row's time; neither simulated nor checked against "
+                f"memory {EXHAUSTIVE_HINT}")
+    limit = inp.memory_limit
+    if limit > 0 and c.micro_batch_size and not c.starts:
+        need = _least_split_memory(inp, c.P, c.D, sizes.index(c.micro_batch_size))
+        a, b = _two_sizes(need, limit)
+        return (f"no split into {_stages(c.P)} fits the memory limit of {b} per GPU: the best needs at least {a} "
+                f"(micro-batch {c.micro_batch_size}, m={c.m})")
+    over = [s for s, mem in enumerate(c.stage_memory) if mem > limit] if limit > 0 else []
+    if over:
+        s = over[0]
+        a, b = _two_sizes(c.stage_memory[s], limit)
+        return (f"stage {s} of the split into {_stages(c.P)} needs {a} per GPU, over the memory limit of {b} "
+                f"(micro-batch {c.micro_batch_size}, m={c.m})")
+    if not c.micro_batch_size:  # no size divides the replica batch (only with the user's sizes: 1 always does)
+        return f"{c.reason} (micro-batch sizes tried: {sizes})"
+    return c.reason
+
+
+def _idle_note(best: PlanRow, G: int, B: int, replicas: int | None, limits: list[str]) -> str:
+    """Why the best row leaves GPUs idle: a fixed D, fewer replicas simulating faster, or a G/P that
+    does not divide the batch (or a P that does not divide G). ``limits``: the user's other
+    restrictions of the search (boundaries, max_depth), named in the note."""
+    P, D = best.P, best.D
+    head = f"the best configuration uses P x D = {P * D} of the {G} GPUs ({best.idle_gpus} idle) because "
+    among = f" ({' and '.join(limits)})" if limits else ""
+    if replicas is not None:
+        return head + f"replicas={replicas} is fixed{among}; pass replicas=None to let the planner choose D"
+    top = G // P
+    dmax = largest_divisor(B, top)
+    if D < dmax:
+        return head + (f"fewer replicas are faster as simulated: P={P} with D={dmax} replicas ({P * dmax} GPUs) is "
+                       f"no faster than with D={D} (the extra replicas' all-reduce and shared compute cost more than "
+                       "they give)")
+    why = []
+    if dmax < top:
+        why.append(f"D = G/P = {top} does not divide the global batch {B} (the largest D <= {top} that does is {dmax})")
+    if G % P:
+        why.append(f"P={P} does not divide G={G}")
+    return head + " and ".join(why) + f"; no configuration {'tried ' if limits else ''}that uses all {G} GPUs is " \
+        f"faster{among}"
+
