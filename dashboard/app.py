@@ -245,6 +245,7 @@ class Dashboard:
         return self
 
     def stop(self) -> None:
+        """Stop the periodic refresh begun by ``start`` (idempotent); ``start`` can begin it again."""
         if self._callback is not None:
             self._callback.stop()
             self._callback = None

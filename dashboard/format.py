@@ -19,21 +19,37 @@ import pandas as pd
 
 
 def esc(v: Any) -> str:
+    """``v`` as text safe inside HTML: ``str(v)`` with ``&``, ``<``, ``>`` and both quote characters escaped."""
     return html.escape(str(v), quote=True)
 
 
+def _finite(v: Any) -> bool:
+    """True for an int or float (not a bool) that is neither NaN nor ±inf."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def clock(t: float | None) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(t)) if t else "–"
+    """Unix time ``t`` (seconds) as ``HH:MM:SS`` in UTC; "–" for None, 0, a non-number, NaN, ±inf or a time
+    ``time.gmtime`` cannot show."""
+    if not _finite(t) or not t:
+        return "–"
+    try:
+        return time.strftime("%H:%M:%S", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):  # beyond the platform's time_t
+        return "–"
 
 
 def num(v: Any, fmt: str = "{:.3g}", none: str = "–") -> str:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    """``v`` formatted with ``fmt`` (default: 3 significant digits); ``none`` for a bool, a non-number, NaN or ±inf."""
+    if not _finite(v):
         return none
     return fmt.format(v)
 
 
 def fmt_bytes(b: Any) -> str:
-    if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+    """A size in bytes in binary units (``"1.50 GiB"``, ``"12.00 MiB"``, ``"3.00 KiB"``, ``"512 B"``); "–" for a bool,
+    a non-number, NaN or ±inf."""
+    if not _finite(b):
         return "–"
     for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if b >= k:
@@ -42,6 +58,8 @@ def fmt_bytes(b: Any) -> str:
 
 
 def segments_text(segs: Any) -> str:
+    """A stage's cut-point segments (paper §5.1) as text: ``"3"`` for one, ``"2–5"`` for a contiguous ascending run of
+    ints, else the items joined by commas; ``"?"`` for an empty list or anything but a list."""
     if not isinstance(segs, list) or not segs:
         return "?"
     if all(isinstance(x, int) for x in segs) and segs == list(range(segs[0], segs[-1] + 1)):
@@ -59,6 +77,8 @@ def safe_sentence(fn, arg) -> str:
 
 
 def short(v: Any) -> str:
+    """A payload value shortened for a table cell: a float to 4 significant digits, a dict as its first 4 items (values
+    shortened the same way), anything else ``str(v)`` cut to 60 characters."""
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, dict):
@@ -67,10 +87,12 @@ def short(v: Any) -> str:
 
 
 def finite(v: Any) -> bool:
+    """True for an int or float (not a bool) that is neither NaN nor ±inf."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def rounded(v: Any, nd: int) -> float | None:
+    """``v`` as a float rounded to ``nd`` decimals, or None when it is not a finite number (``finite``)."""
     return round(float(v), nd) if finite(v) else None
 
 
@@ -102,7 +124,9 @@ def job_config(db: Path) -> dict:
 
 
 def duration(s: float | None) -> str:
-    if s is None or not math.isfinite(s):
+    """A duration ``s`` in seconds in words: ``"45 s"`` below 90 s, ``"12 min"`` below 90 min, else ``"2.5 h"``; "–"
+    for None, a non-number, NaN or ±inf."""
+    if not _finite(s):
         return "–"
     return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"
 

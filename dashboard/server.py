@@ -191,6 +191,8 @@ class Sessions:
         self._lock = threading.Lock()
 
     def create(self, user: str) -> str:
+        """Open a session for ``user`` (already authenticated) that expires ``ttl_s`` seconds from now and return its
+        new random id (what the signed cookie holds). Beyond ``max_sessions`` the oldest sessions are dropped."""
         sid = secrets.token_urlsafe(32)
         with self._lock:
             self._by_id[sid] = (user, time.monotonic() + self.ttl_s)
@@ -212,6 +214,7 @@ class Sessions:
             return entry[0]
 
     def revoke(self, sid: str | None) -> None:
+        """End session ``sid`` at once (logout); an unknown, expired or None id is ignored."""
         with self._lock:
             self._by_id.pop(sid or "", None)
 
@@ -249,6 +252,8 @@ class LoginThrottle:
             return True, 0.0
 
     def failed(self, addr: str) -> None:
+        """Count one failed login attempt from client address ``addr``, against both its own limit and the overall one,
+        for the next ``window_s`` seconds."""
         now = time.monotonic()
         with self._lock:
             if len(self._fails) > 10_000:   # bounded memory under a flood of addresses

@@ -425,6 +425,8 @@ class TelemetryStore:
 
     @property
     def plan_time(self) -> float | None:
+        """Unix time (seconds) of the latest ``plan`` event (when the running configuration began), or ``None`` before
+        the first plan."""
         return self.plans[-1].time if self.plans else None
 
     def cost(self, now: float | None = None) -> dict | None:
@@ -530,5 +532,6 @@ class TelemetryStore:
         return out
 
     def close(self) -> None:
+        """Close this store's read handle on the event log (the log file itself is left untouched)."""
         with self._lock:
             self._log.close()

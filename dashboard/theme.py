@@ -84,6 +84,9 @@ def wrap(*objs) -> pn.FlexBox:
 
 
 def themed_figure(**kw) -> figure:
+    """A Bokeh ``figure`` in the dashboard's look: white background, light grid, grey axes, no Bokeh logo,
+    pan/zoom/reset/save tools on the right, stretched to the page width. ``kw`` go to ``figure`` and override the
+    toolbar location, tools and sizing mode."""
     kw = {"toolbar_location": "right", "tools": "pan,wheel_zoom,box_zoom,reset,save", "sizing_mode": "stretch_width",
           **kw}
     f = figure(**kw)

@@ -88,6 +88,8 @@ class TraceSlice:
     capacity: int = 4
 
     def path(self) -> Path:
+        """The trace file: ``file`` itself when it is absolute or an existing file, else that name among the shipped
+        traces (``trace_path``, which raises ``FileNotFoundError`` listing them)."""
         p = Path(self.file)
         return p if p.is_absolute() or p.is_file() else trace_path(self.file)
 

@@ -98,6 +98,8 @@ class Imported:
     ref: str
 
     def __call__(self, *args, **kwargs):
+        """Import the object at ``ref`` (``package.module:attr``) and call it with these arguments; returns its result.
+        Raises ``ConfigError`` when ``ref`` cannot be imported."""
         return import_object(self.ref)(*args, **kwargs)
 
 
@@ -110,6 +112,9 @@ class Prepared:
     blocks: str | None = None
 
     def __call__(self) -> nn.Module:
+        """Build the model: ``factory(**kwargs)``, checked to be an ``nn.Module``, then ``prepare_model`` (cache off,
+        cut-points at ``blocks``; paper §5.1). Raises ``ModelSpecError`` when the factory returns anything else or
+        ``blocks`` names no block container."""
         model = self.factory(**dict(self.kwargs))
         if not isinstance(model, nn.Module):
             raise ModelSpecError(f"the model factory returned a {type(model).__name__}, not an nn.Module; it must "

@@ -44,6 +44,8 @@ class RunResult:
 
     @property
     def metrics_path(self) -> Path:
+        """The run's per-step metrics file, ``run_dir/metrics.jsonl`` (one JSON object per step; ``metrics()`` reads
+        it)."""
         return self.run_dir / "metrics.jsonl"
 
     def metrics(self) -> list[dict]:

@@ -54,6 +54,8 @@ class ByValue:
         self._obj = None
 
     def __call__(self, *args, **kwargs):
+        """Call the shipped object with these arguments, unpickling it (cloudpickle) on the first call. Raises
+        ``ShippingError`` naming this VM when the object needs a module that is not installed here."""
         if self._obj is None:
             import cloudpickle
 

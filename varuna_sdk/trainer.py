@@ -193,6 +193,8 @@ class StopAtStep:
     ranks: tuple[int, ...] | None = None
 
     def __call__(self, progress: Progress) -> bool:
+        """True (stop at this mini-batch boundary, paper §4.5) once ``progress.steps_done >= step``; always False on a
+        rank not in ``ranks`` when ``ranks`` is given."""
         if self.ranks is not None and progress.rank not in self.ranks:
             return False
         return progress.steps_done >= self.step
@@ -206,6 +208,7 @@ class StopFile:
     path: str
 
     def __call__(self, progress: Progress) -> bool:
+        """True (stop at this mini-batch boundary) when the file ``path`` exists; ``progress`` is unused."""
         return os.path.exists(self.path)
 
 

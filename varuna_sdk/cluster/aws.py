@@ -216,6 +216,8 @@ def host_keys_from_console(text: str) -> list[str]:
 
 
 def default_owner() -> str:
+    """The default ``varuna:owner`` tag of the instances this user starts: ``user@hostname`` of this machine (``reap``
+    only ever touches instances with the same owner)."""
     return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
@@ -264,6 +266,8 @@ class AWSSpotProvider(PoolProvider):
 
     # ------------------------------------------------------------------------------- checks
     def client(self):
+        """The boto3 EC2 client for ``config.region`` (and ``endpoint_url`` when given), made on first use from the
+        given session or a default one and reused after. Raises ``ModuleNotFoundError`` without boto3."""
         if self._ec2 is None:
             import boto3
 
@@ -369,6 +373,9 @@ class AWSSpotProvider(PoolProvider):
         return self
 
     def acquire(self, n: int) -> list[Host]:
+        """Up to ``n`` usable instances nobody holds, marked in use (at once; maybe fewer). When fewer than ``n`` are
+        free, ``target`` is raised by the shortfall and the watcher thread requests it at its next pass; the new VMs
+        are announced as ``added`` once they answer SSH. ``ValueError`` for ``n < 0``."""
         got = super().acquire(n)
         with self._lock:
             want = len(self._in_use) + max(0, n - len(got))
@@ -378,6 +385,9 @@ class AWSSpotProvider(PoolProvider):
         return got
 
     def release(self, hosts) -> None:
+        """Give hosts back (``Host`` values or names, i.e. instance ids): they are marked free, and those that are this
+        job's instances are terminated, announced as ``removed`` (reason ``"released"``) and taken off ``target`` so
+        they are not replaced. Unknown names are ignored; an EC2 API error (botocore ``ClientError``) propagates."""
         names = [h if isinstance(h, str) else h.name for h in hosts]
         super().release(names)
         mine = [n for n in names if n in self._instances]

@@ -238,6 +238,9 @@ def check_versions(pool: SSHPool, hosts: Sequence[Host], *, policy: VersionPolic
 # ------------------------------------------------------------------------------------ code sync
 @dataclass(frozen=True)
 class FileEntry:
+    """One file of a code-sync manifest (``manifest``): its SHA-256 (hex), its size in bytes and its permission bits
+    (``stat.S_IMODE``, e.g. ``0o644``), which ``sync_code`` compares with the VM's copy."""
+
     sha256: str
     size: int
     mode: int
@@ -460,6 +463,10 @@ def run_setup(pool: SSHPool, hosts: Sequence[Host], command: str | Sequence[str]
 # ------------------------------------------------------------------------------------ all three
 @dataclass
 class BootstrapReport:
+    """What ``bootstrap`` did, keyed by VM name: the versions found (``versions``), the code sync (``sync``; empty
+    without ``code_dir``), the set-up command's run time in seconds (``setup_s``; empty without ``setup``), and
+    ``seconds``, the whole bootstrap's wall time. ``str()`` gives one line per VM."""
+
     versions: dict[str, HostVersions]
     sync: dict[str, SyncReport]
     setup_s: dict[str, float]

@@ -181,6 +181,8 @@ class HostFileProvider(PoolProvider):
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def start(self) -> "HostFileProvider":
+        """Announce every host of the file as ``added`` (once) and start the daemon thread that checks the file every
+        ``poll_s`` seconds and announces its changes (see the class docstring). Idempotent; returns self."""
         if self._started:
             return self
         self.started = True
@@ -252,6 +254,8 @@ class HostFileProvider(PoolProvider):
         self.last_error = msg
 
     def close(self) -> None:
+        """Stop watching the file (waits up to 5 s for the watcher thread). Idempotent; the hosts themselves are left
+        as they are."""
         if self.closed:
             return
         self.closed = True

@@ -46,10 +46,14 @@ class Secret:
 
     @classmethod
     def from_env(cls, name: str) -> "Secret | None":
+        """The environment variable ``name`` as a ``Secret``, or None when it is not set (an empty value gives a
+        ``Secret`` of ``""``)."""
         value = os.environ.get(name)
         return None if value is None else cls(value)
 
     def reveal(self) -> str:
+        """The plain string. Call it only where the value is used (the SSH key loader, the remote environment sender),
+        never to log or print it."""
         return self._value
 
     @classmethod
@@ -172,6 +176,8 @@ class Host:
 
     @property
     def is_loopback(self) -> bool:
+        """True when ``address`` is a loopback IP address (``127.0.0.0/8``, ``::1``) or the name ``localhost``; any
+        other DNS name is False (it is not resolved)."""
         try:
             return ipaddress.ip_address(self.address).is_loopback
         except ValueError:
@@ -182,6 +188,8 @@ class Host:
         return Secret.from_env(self.key_passphrase_env) if self.key_passphrase_env else None
 
     def to_dict(self) -> dict[str, Any]:
+        """The host as plain JSON-able data: every field, ``key_path`` as a string (or None) and ``labels`` as a plain
+        dict; ``from_dict`` reads it back."""
         d = asdict(self)
         d["key_path"] = None if self.key_path is None else str(self.key_path)
         d["labels"] = dict(self.labels)
@@ -189,6 +197,8 @@ class Host:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Host":
+        """A ``Host`` from a mapping of its fields (what ``to_dict`` writes). Raises ``HostError`` naming unknown
+        fields or an invalid value, ``TypeError`` when ``name`` or ``address`` is missing."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -153,16 +153,22 @@ class LocalProcess:
 
     # ------------------------------------------------------------------- RemoteProcess's face
     def poll(self) -> int | None:
+        """The exit code once the process has ended (negative: killed by that signal), else None; never waits."""
         return self.exit_code if self._done.is_set() else None
 
     def done(self) -> bool:
+        """True once the process has exited and its output readers have finished (or were given up on after 1 s)."""
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds (None: for ever) for the process to end; its exit code, or None if it is
+        still running."""
         self._done.wait(timeout)
         return self.exit_code if self._done.is_set() else None
 
     def wait_started(self, timeout: float = 10.0) -> int | None:
+        """The session id (the process id: the command leads its own session). Known at once, since the process is
+        already started; ``timeout`` is unused, kept for ``RemoteProcess``'s interface."""
         return self.sid
 
     def pids(self) -> list[int]:

@@ -64,6 +64,8 @@ class MetadataServer:
     # ---------------------------------------------------------------------------- driving
     @property
     def url(self) -> str:
+        """``http://ADDRESS:PORT`` of the running server (for a host's ``env.VARUNA_METADATA_URL`` label). Raises
+        ``RuntimeError`` before ``start()`` and after ``close()``."""
         if self._server is None:
             raise RuntimeError("MetadataServer is not started")
         host, port = self._server.server_address[:2]
@@ -81,16 +83,23 @@ class MetadataServer:
         return now + lead_s
 
     def clear(self) -> None:
+        """Withdraw the standing notice: the endpoints report no pre-emption again (AWS 404, GCP ``FALSE``, no Azure
+        ``Preempt`` event)."""
         with self._lock:
             self._notice = None
             self._incarnation += 1
 
     def misbehave(self, mode: str | None) -> None:
+        """Make every later answer misbehave: ``"slow"`` (sent ``slow_s`` seconds late), ``"error"`` (HTTP 500) or
+        ``"garbage"`` (a body that parses as nothing); None: answer normally again. Raises ``ValueError`` for any other
+        mode."""
         if mode not in (None, "slow", "error", "garbage"):
             raise ValueError(f"misbehave: {mode!r}: use 'slow', 'error', 'garbage' or None")
         self._mode = mode
 
     def start(self) -> "MetadataServer":
+        """Serve on ``address`` at a free port the OS picks, from a daemon thread; returns self (read the address from
+        ``url``)."""
         server = ThreadingHTTPServer((self.address, 0), _handler(self))
         server.daemon_threads = True
         self._server = server
@@ -100,6 +109,7 @@ class MetadataServer:
         return self
 
     def close(self) -> None:
+        """Stop serving and free the port (idempotent); ``url`` raises afterwards."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

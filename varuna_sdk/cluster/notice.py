@@ -336,11 +336,15 @@ class NoticeWatcher:
             return None
 
     def start(self) -> "NoticeWatcher":
+        """Start the daemon thread that polls the metadata service every ``poll_s`` seconds and calls ``on_notice``
+        once per new pre-emption notice (paper §4: pre-emptions trigger morphing); returns self."""
         self._thread = threading.Thread(target=self._run, name="varuna-notice-watcher", daemon=True)
         self._thread.start()
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop polling; waits up to ``timeout_s`` seconds for the thread to end (a request in flight ends within the
+        request timeout)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)

@@ -88,12 +88,16 @@ class RemoteWorker:
 
     @property
     def exit_code(self) -> int | None:
+        """The worker's exit code once it has ended; None while it runs, before it is started, or when its connection
+        was lost without an exit status."""
         return None if self.process is None else self.process.poll()
 
     def done(self) -> bool:
+        """True once the worker's process has ended or its connection was lost; False before it is started."""
         return self.process is not None and self.process.done()
 
     def failed(self) -> bool:
+        """True when the worker ended badly: a non-zero exit code, or a lost SSH connection (e.g. a pre-empted VM)."""
         p = self.process
         return p is not None and p.done() and (p.connection_lost or p.exit_code != 0)
 
@@ -114,9 +118,11 @@ class RemoteJob:
         self._changed.set()
 
     def done(self) -> bool:
+        """True once every worker has ended, whatever its exit code."""
         return all(w.done() for w in self.workers)
 
     def exit_codes(self) -> dict[int, int | None]:
+        """Global rank → exit code of every worker (None for one still running or not started)."""
         return {w.rank: w.exit_code for w in self.workers}
 
     def wait(self, timeout_s: float | None = None, *, stop_on_failure: bool = True) -> dict[int, int]:

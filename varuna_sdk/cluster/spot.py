@@ -135,6 +135,7 @@ class Trace:
         return best
 
     def counts(self) -> dict[str, int]:
+        """How many ``add`` and ``remove`` events the windowed trace holds: ``{"add": n, "remove": m}``."""
         return {"add": sum(e.kind == "add" for e in self.events),
                 "remove": sum(e.kind == "remove" for e in self.events)}
 
@@ -409,6 +410,8 @@ class SpotEmulator(PoolProvider):
 
     # ---------------------------------------------------------------------------- provider
     def ssh_options(self) -> SSHOptions | None:
+        """How to reach the emulated VMs: the sshd test hosts' options (their known_hosts file) when there are test
+        hosts, else None (local slots: ``SSHOptions()`` defaults)."""
         return self.test_hosts.options() if self.test_hosts is not None else None
 
     def start(self) -> "SpotEmulator":

@@ -150,9 +150,11 @@ class SSHConnection:
     # connection ---------------------------------------------------------------------------
     @property
     def transport(self) -> paramiko.Transport | None:
+        """The paramiko ``Transport`` of this connection, or None before ``connect()`` and after ``close()``."""
         return None if self._client is None else self._client.get_transport()
 
     def is_connected(self) -> bool:
+        """True when the SSH session is up and authenticated (False when its transport died, e.g. the VM vanished)."""
         t = self.transport
         return t is not None and t.is_active() and t.is_authenticated()
 
@@ -263,6 +265,7 @@ class SSHConnection:
                 f"{host.key_passphrase_env or 'key_passphrase_env'}, or not a private key)")) from None
 
     def close(self) -> None:
+        """Close the SFTP client and the SSH session (idempotent); the next command or transfer connects again."""
         with self._lock:
             self._close_locked()
 
@@ -406,6 +409,9 @@ class SSHConnection:
 
     # files ----------------------------------------------------------------------------------
     def sftp(self) -> paramiko.SFTPClient:
+        """This connection's SFTP client, connecting first if needed and reopened when its channel closed; its
+        operations time out after ``command_timeout_s`` seconds. Raises ``SFTPError`` when SFTP cannot be opened, and
+        ``connect()``'s errors."""
         with self._lock:
             self.connect()
             if self._sftp is None or self._sftp.sock.closed:
@@ -478,6 +484,8 @@ class SSHPool:
         self._lock = threading.Lock()
 
     def get(self, host: Host) -> SSHConnection:
+        """The shared ``SSHConnection`` to ``host``, made on first use (not yet connected) and replaced when the host's
+        description changed. Thread-safe."""
         key = (host.name, host.address, host.port, host.user)
         with self._lock:
             conn = self._conns.get(key)
@@ -486,12 +494,15 @@ class SSHPool:
         return conn
 
     def drop(self, host: Host) -> None:
+        """Close and forget the connection to ``host`` (e.g. a VM that went away); the next ``get`` makes a new one. A
+        host without a connection is ignored."""
         with self._lock:
             conn = self._conns.pop((host.name, host.address, host.port, host.user), None)
         if conn is not None:
             conn.close()
 
     def close(self) -> None:
+        """Close every connection in the pool; the pool stays usable (``get`` makes new ones)."""
         with self._lock:
             conns, self._conns = list(self._conns.values()), {}
         for c in conns:

@@ -42,6 +42,9 @@ _ENV_END = "__VARUNA_ENV_END__"
 
 @dataclass
 class CommandResult:
+    """A finished ``SSHConnection.run``: the host, the command as shown in logs, its ``exit_code``, everything it wrote
+    to ``stdout`` and ``stderr`` (UTF-8, invalid bytes replaced) and ``duration_s``, the wall seconds it took."""
+
     host: Host
     command: str
     exit_code: int | None
@@ -51,6 +54,7 @@ class CommandResult:
 
     @property
     def ok(self) -> bool:
+        """True when the command exited with status 0."""
         return self.exit_code == 0
 
 
@@ -201,12 +205,16 @@ class RemoteProcess:
 
     @property
     def stderr(self) -> str:
+        """Everything the command wrote to stderr so far (``collect=True``; else empty)."""
         return "".join(self._out[2])
 
     def poll(self) -> int | None:
+        """The exit code once the command has ended, else None (also None after a lost connection: see
+        ``.connection_lost``); never waits."""
         return self.exit_code if self._done.is_set() else None
 
     def done(self) -> bool:
+        """True once the command has ended or its connection was lost (the reader thread is done)."""
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> int | None:

@@ -139,6 +139,8 @@ class GPT2Tokenizer(Tokenizer):
         return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (bytes that do not form valid UTF-8, e.g. half of a character split across tokens, become
+        U+FFFD)."""
         return self.encoding.decode(list(map(int, ids)), errors="replace")
 
 
@@ -150,12 +152,16 @@ class ByteTokenizer(Tokenizer):
     eot_token: int | None = None
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text`` as token ids in ``[0, 256)``."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
+        """``ids`` as bytes decoded from UTF-8 (invalid sequences become U+FFFD). Raises ``ValueError`` for an id
+        outside ``[0, 256)``."""
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def encode_array(self, text: str) -> np.ndarray:
+        """``encode(text)`` as a 1-D uint16 array, one element per UTF-8 byte, built without a Python list."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
@@ -193,6 +199,8 @@ class FileTokenizer(Tokenizer):
         self.eot_token = next((int(vocab[t]) for t in _EOT_CANDIDATES if t in vocab), None)
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens added (no BOS/EOS: documents are joined with ``eot_token`` by
+        the caller)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -200,6 +208,7 @@ class FileTokenizer(Tokenizer):
         return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens included (``skip_special_tokens=False``)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 

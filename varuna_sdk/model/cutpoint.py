@@ -82,6 +82,9 @@ class CutPoint(nn.Module):
     """
 
     def forward(self, *tensors: torch.Tensor):
+        """Return ``tensors`` unchanged (one → that tensor, several → a tuple, shapes kept), or what this thread's
+        observer (``observe_cutpoints``) returns in their place. Raises ``ValueError`` for no tensor, ``TypeError`` for
+        a non-tensor, ``RuntimeError`` when the observer returns a different count. Paper §5.1."""
         if not tensors:
             raise ValueError("CutPoint() needs at least one tensor: call it as x = cut(x) or x, m = cut(x, m)")
         for t in tensors:

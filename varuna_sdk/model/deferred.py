@@ -72,6 +72,9 @@ class ConstructionLog:
         self._known: set[int] = set()
 
     def record(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """Log one ATen operation ``func(*args, **kwargs) -> out`` (called by the recording dispatch mode) if it
+        touches meta tensors: the storages it reads, those it defines or writes in place, whether it only allocates
+        (``empty``) and whether it draws random numbers. Other operations are ignored."""
         flat_in, _ = tree_flatten((args, kwargs))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         metas_in = [t for t in flat_in if _is_meta(t)]

@@ -88,6 +88,9 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over ``x`` of shape ``[B, T, C]`` (batch, tokens, ``n_embd``): ``n_head`` heads of
+        size ``C // n_head``, each token attending to itself and earlier ones, attention dropout in training only.
+        Returns ``[B, T, C]`` after the output projection and residual dropout."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -106,6 +109,8 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C] → [B, T, C]``: ``c_fc`` to ``4C``, tanh-approximated GELU, ``c_proj`` back to ``C``, then
+        dropout."""
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
@@ -120,6 +125,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-LN residual block: ``h = x + attn(ln_1(x))``, returns ``h + mlp(ln_2(h))``; ``[B, T, C] → [B, T, C]``.
+        ``gpt2()`` puts a cut-point around every block (paper §5.1)."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 

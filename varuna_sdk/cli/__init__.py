@@ -1,0 +1,121 @@
+"""The ``varuna`` command (``varuna --version``; ``varuna COMMAND --help`` describes each with examples):
+``varuna train CONFIG.yaml``, ``varuna demo`` (the demo job on emulated
+spot VMs replaying a real trace, morphing; ``--no-spot``: a fixed P=2 x D=2 local run — see
+``varuna_sdk.demo``), ``varuna config``, ``varuna dashboard RUN_DIR`` (imports the top-level
+``dashboard`` package only for that command).
+
+Owns ``main`` (dispatching each subcommand, and ``train``/``demo``/``config`` itself),
+``build_parser`` and turning ``ConfigError``/``WorkerFailure`` into one clear line and a non-zero
+exit. The other commands live beside it: ``cli.parser`` (every subcommand's flags and examples),
+``cli.plan`` (calibrate, plan), ``cli.launch`` and ``cli.aws`` (launch), ``cli.runs`` (status,
+stop, logs) and ``cli.serve`` (dashboard). Sits at the top of the dependency graph; only
+``cli.serve`` may import the ``dashboard`` package, and every heavy import (torch, the manager,
+the planner) stays inside the function that needs it, so ``varuna --help`` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..config import ConfigError, JobConfig
+from ..demo import demo_config  # re-exported: `from varuna_sdk.cli import demo_config`
+from ..shipping import ShippingError
+from .launch import launch_command
+from .parser import add_commands
+from .plan import calibrate_or_plan
+from .runs import run_folder_command
+from .serve import dashboard_command
+
+
+def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> JobConfig:
+    """``--P``, ``--D``, ``--global-batch``, ``--micro-batch-size``, ``--policy``, ``--steps`` over ``job``'s values."""
+    for field_name in ("P", "D", "global_batch", "micro_batch_size", "policy"):
+        v = getattr(args, field_name, None)
+        if v is not None:
+            setattr(job.parallel, field_name, v)
+    if getattr(args, "steps", None) is not None:
+        job.train.steps = args.steps
+    return job
+
+
+def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
+    """``varuna demo``: the job under the morph manager on the spot emulator (``demo.run_spot_demo``);
+    0 when it succeeded."""
+    from ..demo import print_spot_result, run_spot_demo
+    from ..runner import new_run_dir
+
+    res = run_spot_demo(job, run_dir=Path(args.run_dir) if args.run_dir else new_run_dir(job))
+    print_spot_result(res)
+    return 0 if res.state == "SUCCEEDED" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``varuna`` command line: every subcommand with a description, examples and help for
+    every flag."""
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training of your own "
+                                     "PyTorch model on spot VMs that come and go (after Varuna, arXiv 2111.04007).")
+    parser.add_argument("--version", action="version", version=f"varuna-sdk {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``varuna ARGS``; returns the exit code: 0 done, 1 the job failed, 2 bad input, 130 interrupted."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "launch":
+            return launch_command(args)
+        if args.cmd in ("status", "stop", "logs"):
+            return run_folder_command(args)
+        if args.cmd == "config":
+            print(demo_config().to_yaml(), end="")
+            return 0
+        if args.cmd in ("calibrate", "plan"):
+            return calibrate_or_plan(args)
+        if args.cmd == "dashboard":
+            try:
+                return dashboard_command(args)
+            except (FileNotFoundError, PermissionError) as e:
+                print(f"varuna: {e}", file=sys.stderr)
+                return 2
+            except OSError as e:  # the port is taken, the address is not ours
+                print(f"varuna: cannot serve on {args.address}:{args.port}: {e.strerror or e}; pick another "
+                      "--port or --address", file=sys.stderr)
+                return 2
+        if args.cmd == "demo":
+            from ..demo import SPOT_DEMO_STEPS
+
+            job = demo_config(120 if args.no_spot else SPOT_DEMO_STEPS)
+        else:
+            job = JobConfig.from_yaml(Path(args.config))
+        job = _apply_overrides(job, args).validate()
+        if args.cmd == "demo" and not args.no_spot:
+            return _spot_demo(job, args)
+        from ..pipeline.spawn import WorkerFailure
+        from ..runner import JobStopped, train_local
+
+        try:
+            result = train_local(job, run_dir=args.run_dir, signals=True)
+        except JobStopped as e:
+            print(f"[varuna] {e}", file=sys.stderr)
+            return 130
+        except WorkerFailure as e:
+            print(f"varuna: training failed: {e}", file=sys.stderr)
+            for rank, (code, tb) in sorted(e.failures.items()):
+                if tb:
+                    print(f"--- rank {rank} (exit {code}) ---\n{tb}", file=sys.stderr)
+            return 1
+        print(f"[varuna] run folder: {result.run_dir} (metrics.jsonl, summary.json, config.yaml)")
+        return 0
+    except (ConfigError, ValueError, ShippingError) as e:
+        print(f"varuna: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("varuna: interrupted; all workers stopped", file=sys.stderr)
+        return 130

@@ -1,0 +1,168 @@
+"""The ``varuna`` command line's subcommands: each with its one-line help, its description, its
+examples (``_EXAMPLES``) and help for every flag (``add_commands``; ``build_parser`` puts them
+under ``varuna``).
+
+Imports only ``argparse`` and ``cli.aws`` (for ``aws_flags``): never a command's module, never
+the dashboard, so that ``varuna --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .aws import aws_flags
+
+_EXAMPLES = {
+    "train": "varuna train job.yaml\n  varuna train job.yaml --steps 200 --P 2 --D 2 --run-dir runs",
+    "demo": "varuna demo\n  varuna demo --no-spot --steps 60",
+    "config": "varuna config > job.yaml   # then edit model, data, parallel and train",
+    "calibrate": "varuna calibrate job.yaml -o profile.json\n  varuna calibrate job.yaml --refresh",
+    "plan": "varuna plan job.yaml --gpus 16 --profile profile.json\n"
+            "  varuna plan job.yaml --gpus 8 --spot-price 0.9 --on-demand-price 3.06 --target-examples 1000000\n"
+            "  varuna plan job.yaml --gpus 4 --local",
+    "dashboard": "varuna dashboard runs          # every job: a jobs table, a page per job\n  varuna dashboard runs/my-job\n  varuna dashboard runs/my-job --address 0.0.0.0 --port 8080 "
+                 "--certfile cert.pem --keyfile key.pem",
+    "status": "varuna status            # every run in runs/\n  varuna status runs/my-job",
+    "stop": "varuna stop runs/my-job   # checkpoint at the next mini-batch boundary, then stop",
+    "logs": "varuna logs runs/my-job\n  varuna logs runs/my-job --follow\n  varuna logs runs/my-job --events",
+    "launch": "varuna launch job.yaml --local 4 --run-dir runs/my-job\n"
+              "  varuna launch job.yaml --hosts hosts.txt --run-dir runs/my-job\n"
+              "  varuna launch job.yaml --run-dir runs/my-job   # again after a crash: continues the job",
+}
+
+
+def _subcommand(sub, name: str, help_: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help, its description and its examples (``_EXAMPLES``)."""
+    return sub.add_parser(name, help=help_, description=description,
+                          epilog="examples:\n  " + _EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _parallel_overrides(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--steps", type=int, help="training steps (mini-batches) in all; overrides train.steps")
+    sp.add_argument("--P", type=int, help="pipeline depth (stages); overrides parallel.P")
+    sp.add_argument("--D", type=int, help="data-parallel width (replicas); overrides parallel.D")
+    sp.add_argument("--global-batch", dest="global_batch", type=int,
+                    help="examples per mini-batch, over all replicas; overrides parallel.global_batch")
+    sp.add_argument("--micro-batch-size", dest="micro_batch_size", type=int,
+                    help="examples per micro-batch; overrides parallel.micro_batch_size")
+    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"],
+                    help="pipeline schedule: varuna (opportunistic, recompute), gpipe or 1f1b")
+    sp.add_argument("--run-dir", dest="run_dir",
+                    help="the job's own folder, as for `varuna launch` (default: a new train.run_dir/NAME-TIME)")
+
+
+def _add_train_demo_config(sub) -> None:
+    """``varuna train``, ``varuna demo`` and ``varuna config``."""
+    sp = _subcommand(sub, "train", "train a job from a YAML config on local workers",
+                     "Train the job of a YAML config on P x D local worker processes (gloo on CPU, NCCL with GPUs), "
+                     "under the manager; with P or D null the planner chooses them first.")
+    sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
+    _parallel_overrides(sp)
+    sp = _subcommand(sub, "demo", "train the demo GPT-2 on Shakespeare on emulated spot VMs",
+                     "The demo job: GPT-2 on Shakespeare on emulated spot VMs replaying a real pre-emption trace, "
+                     "morphing on each notice, loss and returning VM.")
+    _parallel_overrides(sp)
+    sp.add_argument("--no-spot", dest="no_spot", action="store_true",
+                    help="train on a fixed set of local workers (no spot emulator, no morphs)")
+    _subcommand(sub, "config", "print the demo job's YAML (a starting point for your own)",
+                "Print the demo job's YAML with every field: copy it and change the model, the data and the sizes.")
+
+
+def _add_calibrate_plan(sub) -> None:
+    """``varuna calibrate`` and ``varuna plan``."""
+    sp = _subcommand(sub, "calibrate", "measure the job's model once and save its profile (JSON)",
+                     "Measure each cut-point segment's forward, recompute and backward time and memory at a few "
+                     "micro-batch sizes, and this machine's network, once (paper section 4.3); cached.")
+    sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
+    sp.add_argument("-o", "--output", help="where to write the profile (default: the profile cache)")
+    sp.add_argument("--refresh", action="store_true", help="re-measure even if a cached profile exists")
+    sp = _subcommand(sub, "plan", "rank every (P, D, micro-batch) for G GPUs with the simulator",
+                     "Simulate every pipeline depth, replica count and micro-batch size for G GPUs from one "
+                     "calibration and rank them by time per mini-batch (paper section 4); cost from the prices.")
+    sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
+    sp.add_argument("--gpus", type=int, required=True, help="G, the GPUs (workers) available")
+    sp.add_argument("--global-batch", dest="global_batch", type=int,
+                    help="examples per mini-batch (default: the config's parallel.global_batch)")
+    sp.add_argument("--profile", help="a profile JSON from `varuna calibrate` (default: calibrate/cache)")
+    sp.add_argument("--gpus-per-vm", dest="gpus_per_vm", type=int, default=1,
+                    help="GPUs on each VM (default 1): stages on one VM talk over its local links")
+    sp.add_argument("--local", action="store_true",
+                    help="plan local workers sharing this machine's cores (as `varuna train` runs them)")
+    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"],
+                    help="pipeline schedule to plan for (default: the config's parallel.policy)")
+    sp.add_argument("--bandwidth-gbps", dest="bandwidth_gbps", type=float, help="what-if cross-VM bandwidth (Gbit/s)")
+    sp.add_argument("--spot-price", dest="spot_price", type=float, help="$ per GPU-hour, spot")
+    sp.add_argument("--on-demand-price", dest="on_demand_price", type=float, help="$ per GPU-hour, on-demand")
+    sp.add_argument("--target-examples", dest="target_examples", type=int, help="show time and cost to this many examples")
+    sp.add_argument("--top", type=int, default=12, help="rows of the ranked table to print (default 12)")
+    sp.add_argument("--best-only", dest="best_only", action="store_true",
+                    help="stop once no candidate can beat the best found (about linear in --gpus; other depths are "
+                         "not ranked exactly)")
+
+
+def _add_dashboard(sub) -> None:
+    """``varuna dashboard``."""
+    sp = _subcommand(sub, "dashboard", "serve a job's live dashboard to the team (read-only, login required)",
+                     "Serve the job's dashboard (jobs, partition map, simulator estimates, throughput, VM pool), "
+                     "live from its event log, behind a login.")
+    sp.add_argument("run_dir", help="a job's run folder (holding events.db), its events.db, or a folder of runs "
+                    "(a jobs table, a page per job)")
+    sp.add_argument("--port", type=int, default=5006, help="TCP port (default 5006; 0 picks a free one)")
+    sp.add_argument("--address", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1; 0.0.0.0 serves every interface)")
+    sp.add_argument("--credentials", help='JSON file {"user": "password", ...}, mode 0600 (default: '
+                    "$VARUNA_DASHBOARD_PASSWORD, else RUN_DIR/dashboard-credentials.json, generated once)")
+    sp.add_argument("--allow-origin", dest="allow_origin", action="append", default=[], metavar="HOST:PORT",
+                    help="another host:port browsers load the page from (e.g. a proxy); repeatable")
+    sp.add_argument("--job-id", dest="job_id", help="show only this job's rows of a shared event log")
+    sp.add_argument("--refresh", type=float, default=1.0, help="seconds between reads of the event log")
+    sp.add_argument("--certfile", help="serve HTTPS with this PEM certificate (with --keyfile); cookies become Secure")
+    sp.add_argument("--keyfile", help="the PEM private key of --certfile")
+
+
+def _add_launch(sub) -> None:
+    """``varuna launch`` (its options become a ``ClusterConfig``)."""
+    sp = _subcommand(sub, "launch", "run a job under the morph manager (local slots or an SSH host file); "
+                     "run it again on the same --run-dir to continue the job",
+                     "Run a job under the morph manager on local slots or the SSH VMs of a watched host file; "
+                     "it re-plans and morphs when VMs are pre-empted or return. Run it again on the same --run-dir "
+                     "to continue the job.")
+    sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
+    sp.add_argument("--run-dir", dest="run_dir", help="the job's folder (an existing one is continued)")
+    where = sp.add_mutually_exclusive_group()
+    where.add_argument("--local", type=int, metavar="N", help="N local worker slots (default: launch.gpus)")
+    where.add_argument("--hosts", metavar="FILE", help="SSH host file (watched; see cluster.hostfile)")
+    where.add_argument("--provider", choices=["aws"], help="spot VMs from a cloud: aws (EC2, boto3; see cluster.aws)")
+    aws_flags(sp)
+    sp.add_argument("--job-id", dest="job_id", help="the job's id in the event log (default: made from the name)")
+    sp.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval, seconds (default 2)")
+    sp.add_argument("--orphan-after", dest="orphan_after", type=float, default=60.0,
+                    help="workers that lose the manager this long stop at a boundary with a checkpoint (s)")
+
+
+def _add_run_folder_commands(sub) -> None:
+    """``varuna status``, ``varuna stop`` and ``varuna logs``."""
+    sp = _subcommand(sub, "status", "show every job of a folder of runs, or one run: state, plan, progress, ETA",
+                     "A table of the jobs in a folder of runs (default: runs/), or one run folder: state, plan, "
+                     "step of the total, elapsed, ETA, morphs, the last event; for one run also every morph in a "
+                     "sentence.")
+    sp.add_argument("run", nargs="?", default="runs", help="a run folder, or a folder of runs (default: runs)")
+    sp = _subcommand(sub, "stop", "stop a running job at the next mini-batch boundary, with a checkpoint",
+                     "Ask the manager of a run to stop the job at the next mini-batch boundary with a checkpoint "
+                     "(as job.stop() does); `varuna launch` on the same folder continues it.")
+    sp.add_argument("run", help="the job's run folder")
+    sp.add_argument("--wait", type=float, default=0.0,
+                    help="wait up to this many seconds for the job to reach STOPPED (default: do not wait)")
+    sp = _subcommand(sub, "logs", "print a run's worker output and events (--follow: as they come)",
+                     "Print the output of every worker of a run, generation by generation, each generation "
+                     "headed by its plan and followed by how it ended; --events prints the event log in "
+                     "sentences instead.")
+    sp.add_argument("run", help="the job's run folder")
+    sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    sp.add_argument("--events", action="store_true", help="the event log in sentences instead of worker output")
+
+
+def add_commands(sub) -> None:
+    """Every ``varuna`` subcommand, added to ``sub`` (the parser's ``add_subparsers()``)."""
+    for add in (_add_train_demo_config, _add_calibrate_plan, _add_dashboard, _add_launch, _add_run_folder_commands):
+        add(sub)

@@ -1,0 +1,153 @@
+"""``varuna calibrate [CONFIG]`` and ``varuna plan [CONFIG] --gpus G``: measure the job's model
+once (``profiling.job.calibrate_job``) and rank every (P, D, micro-batch) for G GPUs with the
+simulator (``planner.plan``), refusing a profile measured on another model.
+
+Imports ``config`` and ``demo`` at the top; ``profiling``, ``planner`` and ``trainer`` only inside
+the commands (``varuna --help`` stays fast). Never imports the dashboard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from ..config import MAX_GPUS, ConfigError, JobConfig
+from ..demo import demo_config
+
+
+def calibrate_or_plan(args: argparse.Namespace) -> int:
+    """``varuna calibrate`` (writes the profile) or ``varuna plan`` (prints the ranked table, and the
+    best plan that keeps the config's P, D or stages when it fixes them). Returns the exit code:
+    0, or 1 when no configuration fits. Raises ``ConfigError`` for a bad flag or a profile that is
+    missing or was measured on another model."""
+    from ..profiling.job import calibrate_job
+
+    job = JobConfig.from_yaml(Path(args.config)) if args.config else demo_config()
+    if args.cmd == "calibrate":
+        prof = calibrate_job(job, refresh=args.refresh)
+        if args.output:
+            prof.to_json(args.output)
+        print(f"[varuna] calibrated {prof.num_segments} segments at micro-batch sizes {prof.micro_batch_sizes} "
+              f"in {prof.calibration_s:.1f} s" + (f"; wrote {args.output}" if args.output else ""))
+        return 0
+    from ..planner.plan import plan
+    from ..profiling.profile import Profile
+
+    _check_plan_flags(args)
+    prof = Profile.load(args.profile) if args.profile else calibrate_job(job)
+    _check_profile_matches(prof, job, args.profile, args.config)
+    G, B = args.gpus, args.global_batch or job.parallel.global_batch
+    par = job.parallel
+    placement, where = _placement(args, G)
+    common = dict(policy=args.policy or par.policy, recompute=par.recompute,
+                  network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
+                  prices=_prices(args), target_examples=args.target_examples, **placement)
+    pl = plan(prof, G, B, exhaustive=not args.best_only, **common)
+    print(pl.table(top=args.top))
+    print(f"placement: {where}")
+    if not pl.feasible:
+        print(f"varuna: no configuration fits {G} GPUs and global batch {B}; see the reasons above", file=sys.stderr)
+        return 1
+    if par.P is not None or par.D is not None or par.boundaries:
+        # the config fixes the depth, the width or the stages: the run `varuna train` would make
+        return _plan_keeping_config(prof, par, pl, G, B, common)
+    return 0
+
+
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """``varuna plan``'s flags: the profile file exists, counts >= 1, ``--gpus`` at most ``MAX_GPUS``,
+    bandwidth > 0 and prices >= 0 (finite). Raises ``ConfigError`` naming the flag."""
+    if args.profile and not Path(args.profile).is_file():
+        raise ConfigError(f"profile file {args.profile!r} does not exist; make it with `varuna calibrate "
+                          f"{args.config + ' ' if args.config else ''}-o {args.profile}`, or leave out --profile "
+                          "to calibrate now")
+    for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch), ("--gpus-per-vm", args.gpus_per_vm),
+                        ("--target-examples", args.target_examples), ("--top", args.top)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    if args.gpus > MAX_GPUS:
+        raise ConfigError(f"--gpus {args.gpus} is more than the planner searches ({MAX_GPUS}); plan at most {MAX_GPUS} "
+                          "GPUs")
+    for flag, value in (("--bandwidth-gbps", args.bandwidth_gbps), ("--spot-price", args.spot_price),
+                        ("--on-demand-price", args.on_demand_price)):
+        if value is not None and not (math.isfinite(value) and value >= (0 if flag.endswith("price") else 1e-9)):
+            raise ConfigError(f"{flag} {value} must be a finite number {'>= 0' if flag.endswith('price') else '> 0'}")
+
+
+def _prices(args: argparse.Namespace):
+    """The planner's ``Prices``: the example prices, or ``--spot-price``/``--on-demand-price`` over them."""
+    from ..planner.rows import Prices
+
+    prices = Prices()
+    if args.spot_price is not None or args.on_demand_price is not None:
+        prices = Prices(spot_per_gpu_hour=args.spot_price if args.spot_price is not None else prices.spot_per_gpu_hour,
+                        on_demand_per_gpu_hour=(args.on_demand_price if args.on_demand_price is not None
+                                                else prices.on_demand_per_gpu_hour), vm_type="user prices", example=False)
+    return prices
+
+
+def _placement(args: argparse.Namespace, G: int) -> tuple[dict, str]:
+    """Where the ``G`` workers run, as ``plan``'s keyword arguments, and the same in words."""
+    if args.local:  # as `varuna train` runs: every worker a local process sharing this machine's cores
+        placement = dict(gpus_per_vm=G, compute_slots_per_vm=os.cpu_count() or 1)
+        where = f"{G} local workers sharing this machine's {os.cpu_count() or 1} cores (as `varuna train` runs them)"
+    else:
+        placement = dict(gpus_per_vm=args.gpus_per_vm)
+        where = (f"{args.gpus_per_vm} GPU(s) per VM, one worker per GPU; pass --local to plan local workers "
+                 "sharing this machine's cores, as `varuna train` runs them")
+    return placement, where
+
+
+def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
+    """The best plan that keeps the config's ``parallel.P``/``D``/``boundaries`` (the run ``varuna
+    train`` would make), printed beside the best plan ``pl``; 1 when none can keep them."""
+    from ..planner.plan import plan
+
+    fixed = {k: v for k, v in (("P", par.P), ("D", par.D)) if v is not None}
+    what = ", ".join(f"parallel.{k}={v}" for k, v in fixed.items()) + (", parallel.boundaries" if par.boundaries else "")
+    if par.D is not None and (par.D > G or B % par.D):
+        print(f"varuna: parallel.D={par.D} from the config does not fit --gpus {G} and global batch {B} (D must "
+              "be at most the GPUs and divide the global batch); set D to null to let the planner choose",
+              file=sys.stderr)
+        return 1
+    try:
+        kept = plan(prof, G, B, max_depth=None if par.boundaries else par.P, replicas=par.D,
+                    boundaries=par.boundaries, **common)
+    except ConfigError as e:
+        print(f"varuna: {what} from the config cannot be kept with --gpus {G}: {e}", file=sys.stderr)
+        return 1
+    rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)]
+    if not rows:
+        print(f"varuna: no feasible plan keeps {what} from the config; set them to null to let the planner "
+              "choose", file=sys.stderr)
+        return 1
+    r = rows[0]
+    print(f"with {what} from the config: P={r.P} D={r.D} micro-batch {r.micro_batch_size} (m={r.m}), "
+          f"{r.time_s * 1e3:.1f} ms per mini-batch, {r.examples_per_s:.1f} examples/s "
+          f"({r.time_s / pl.best.time_s:.2f}x the best plan's time)")
+    return 0
+
+
+def _check_profile_matches(prof, job: JobConfig, path: str | None, config: str | None) -> None:
+    """A profile measured on another model would plan the wrong thing: refuse it, naming the
+    difference. Raises ``ConfigError``."""
+    from ..trainer import model_structure, resolve
+
+    r = resolve(job)
+    fix = (f"; calibrate this job with `varuna calibrate {config + ' ' if config else ''}-o PROFILE.json`, or leave "
+           "out --profile" if path else "")
+    measured = (prof.model or {}).get("identity")
+    if isinstance(measured, dict):
+        mine = json.loads(json.dumps(r.spec.identity, default=str))
+        if measured != mine:
+            keys = sorted(set(measured) | set(mine))
+            diff = [f"{k} {measured.get(k)!r} (profile) vs {mine.get(k)!r} (job)" for k in keys
+                    if measured.get(k) != mine.get(k)]
+            raise ConfigError(f"profile {path or ''} was measured on another model: " + "; ".join(diff) + fix)
+    elif prof.num_segments != (n := model_structure(job, r).num_segments):
+        raise ConfigError(f"profile {path or ''} has {prof.num_segments} cut-point segments but the job's model "
+                          f"({r.spec.name}) has {n}{fix}")

@@ -1,0 +1,114 @@
+"""The run-folder commands: ``varuna status [RUN]``, ``varuna stop RUN`` and ``varuna logs RUN``,
+read from a run folder's event log and worker logs (``manager.runs``) — they never talk to a
+running manager except through the folder (``runs.request_stop``).
+
+Imports ``manager.runs``/``manager.events`` only inside the commands (``varuna --help`` stays
+fast). Never imports the dashboard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def run_folder_command(args: argparse.Namespace) -> int:
+    """``varuna status [RUN]``, ``varuna stop RUN``, ``varuna logs RUN``."""
+    import time
+
+    from ..manager import runs
+
+    try:
+        if args.cmd == "status":
+            infos = [runs.read_run(p) for p in runs.find_runs(args.run)]
+            if not infos:
+                print(f"no runs in {args.run} (a run folder holds events.db)")
+                return 0
+            print(runs.format_runs(infos))
+            if len(infos) == 1 and (Path(args.run) / "events.db").is_file():
+                r = infos[0]
+                print(f"\n{r.state_text}: {r.reason}")
+                if r.orphaned:
+                    print(f"no manager runs this job now (killed or crashed); `varuna launch "
+                          f"{Path(args.run) / 'config.yaml'} --run-dir {args.run}` continues it")
+                print(f"cost so far: {r.cost_text}")
+                if r.drift is not None:
+                    print(f"estimate: {runs.drift_sentence(r.drift, r.read_at)}")
+                for i, m in enumerate(r.morphs, 1):
+                    print(f"  morph {i} {runs.morph_sentence(m, r.started)}")
+            return 0
+        if args.cmd == "stop":
+            info = runs.read_run(args.run)
+            if not info.active:
+                print(f"varuna: job {info.name} is {info.state} already; nothing to stop", file=sys.stderr)
+                return 1
+            if info.orphaned:
+                print(f"varuna: no manager is running job {info.name} (it was killed or crashed while "
+                      f"{info.state}); its workers stop by themselves with a checkpoint, and `varuna launch "
+                      f"{Path(args.run) / 'config.yaml'} --run-dir {args.run}` continues the job", file=sys.stderr)
+                return 1
+            runs.request_stop(args.run)
+            print(f"[varuna] asked job {info.name} to stop at the next mini-batch boundary (with a checkpoint)")
+            deadline = time.time() + max(0.0, args.wait)
+            while args.wait and time.time() < deadline:
+                info = runs.read_run(args.run)
+                if not info.active:
+                    print(f"[varuna] job {info.name}: {info.state} at step {info.steps_done}")
+                    return 0 if info.state == "STOPPED" else 1
+                time.sleep(0.5)
+            if args.wait:
+                print(f"varuna: job {info.name} is still {info.state} after {args.wait:g} s", file=sys.stderr)
+                return 1
+            return 0
+        return _logs(args, runs)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        print(f"varuna: {e}", file=sys.stderr)
+        return 2
+
+
+def _logs(args: argparse.Namespace, runs) -> int:
+    """Print the run's worker output (or, with --events, its events in sentences); with --follow
+    keep printing until the job has ended and nothing new came for a second."""
+    import time
+
+    from ..manager.events import EventLog
+
+    run = Path(args.run)
+    runs.read_run(run)  # a run folder, or FileNotFoundError
+    offsets: dict[Path, int] = {}
+    last_id, t0 = 0, None
+    quiet_since = None
+    while True:
+        new = 0
+        if args.events:
+            with EventLog.reader(run / "events.db") as log:
+                evs = log.events(since_id=last_id)
+            for e in evs:
+                t0 = e.time if t0 is None else t0
+                print(runs.event_sentence(e, t0), flush=True)
+                last_id, new = e.id, new + 1
+        else:
+            for f in runs.worker_logs(run):
+                if f not in offsets:
+                    print(f"===== {runs.log_label(f)} =====", flush=True)
+                    offsets[f] = 0
+                with open(f, "rb") as fh:
+                    fh.seek(offsets[f])
+                    chunk = fh.read()
+                cut = chunk.rfind(b"\n") + 1   # whole lines only
+                if cut:
+                    sys.stdout.write(chunk[:cut].decode("utf-8", "replace"))
+                    sys.stdout.flush()
+                    offsets[f] += cut
+                    new += 1
+        if not args.follow:
+            return 0
+        info = runs.read_run(run)
+        if new or (info.active and not info.orphaned):
+            quiet_since = None
+        else:
+            quiet_since = quiet_since or time.time()
+            if time.time() - quiet_since > 1.0:
+                return 0
+        time.sleep(0.5)

@@ -1,0 +1,234 @@
+"""Typed job configuration with YAML round-trip and eager validation.
+
+Owns the whole job (``JobConfig``: its YAML round-trip and ``validate``) and ``ClusterConfig``
+(``varuna launch``'s options: where the workers run, heartbeats); the package's face re-exports
+the rest, so ``from varuna_sdk.config import X`` is the one way in:
+
+- ``config.sections``: the five sections (``ModelConfig``, ``DataConfig``, ``ParallelConfig``,
+  ``TrainConfig``, ``LaunchConfig``), every field's rule (``RULES``, ``check_fields``),
+  ``POLICIES`` and ``PRECISIONS``;
+- ``config.fields``: the rule descriptors (``Int``, ``Num``, ``Text``, ``Flag``, ``Plain``), the
+  input limits (``MAX_*``), the job name's pattern and ``ConfigError``;
+- ``config.checks``: how fields fit together (``validate_model``, ``validate_data``,
+  ``validate_checkpointing``, ``validate_parallel``);
+- ``config.yamlio``: reading untrusted YAML (``load_yaml``, ``field_lines``).
+
+Every check runs before any process starts and every message says what is wrong and which values
+would work. The batch identity (paper §4.1–4.2, DESIGN.md) is::
+
+    global batch (mini-batch) = micro_batch_size × num_micro_batches (m) × D      (never × P)
+
+Imports nothing from the rest of ``varuna_sdk`` (it is the bottom of the dependency graph), and
+its sub-modules nothing from outside ``varuna_sdk.config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses  # dataclasses.fields, always qualified: `fields` here is the sub-module config.fields
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .checks import validate_checkpointing, validate_data, validate_model, validate_parallel
+from .fields import (MAX_CONFIG_BYTES, MAX_DEPTH, MAX_GPUS, MAX_ITEMS, MAX_TEXT, NAME_RE, ConfigError, Flag, Int,
+                     Num, Plain, Text, check_name)
+from .sections import (POLICIES, PRECISIONS, RULES, DataConfig, LaunchConfig, ModelConfig, ParallelConfig,
+                       TrainConfig, check_fields)
+from .yamlio import field_lines, load_yaml, unknown_key_line
+
+__all__ = [
+    "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_GPUS", "MAX_ITEMS", "MAX_TEXT", "NAME_RE", "POLICIES", "PRECISIONS",
+    "RULES", "ClusterConfig", "ConfigError", "DataConfig", "Flag", "Int", "JobConfig", "LaunchConfig", "ModelConfig",
+    "Num", "ParallelConfig", "Plain", "Text", "TrainConfig", "check_fields", "check_name", "field_lines", "load_yaml",
+    "replace", "validate_checkpointing", "validate_data", "validate_model", "validate_parallel",
+]
+
+
+@dataclass
+class ClusterConfig:
+    """Where ``varuna launch`` runs a job's workers and how its manager watches them (the
+    command's options, typed; not part of the job's YAML). At most one of ``local``, ``hosts``
+    and ``provider`` is set; none means ``launch.gpus`` local worker slots.
+
+    Fields:
+        local: N local worker slots (``--local N``), each a worker process on this machine.
+        hosts: path of an SSH host file, watched: a VM added or removed there joins or leaves
+            the pool (``--hosts FILE``; ``cluster.hostfile``).
+        provider: a cloud of spot VMs: ``"aws"`` (EC2 through boto3; ``cluster.aws``).
+        aws_file: a YAML mapping of ``cluster.aws.AWSSpotConfig`` fields (``--aws FILE``).
+        aws: AWSSpotConfig fields given as flags (region, instance_types, ami, subnets, ...);
+            they override ``aws_file``'s.
+        instances: spot instances to keep (>= 1; default ``launch.gpus``).
+        endpoint_url: another EC2 endpoint (an API emulator).
+        run_dir: the job's own folder; an existing one is continued. Needed with a provider:
+            its name is the job id every instance is tagged with.
+        job_id: the job's id in the event log (default: made from the run folder's name).
+        heartbeat_interval_s: seconds between a worker's heartbeats (> 0).
+        orphan_after_s: seconds after which workers that lost the manager stop at a mini-batch
+            boundary with a checkpoint (> 0).
+    """
+
+    local: int | None = None
+    hosts: str | None = None
+    provider: str | None = None
+    aws_file: str | None = None
+    aws: dict[str, Any] = field(default_factory=dict)
+    instances: int | None = None
+    endpoint_url: str | None = None
+    run_dir: str | None = None
+    job_id: str | None = None
+    heartbeat_interval_s: float = 2.0
+    orphan_after_s: float = 60.0
+
+    def validate(self) -> "ClusterConfig":
+        """Check the options before any VM is asked for; returns ``self``. Raises ``ConfigError``
+        naming the option (as a ``varuna launch`` flag) and what would work."""
+        if self.heartbeat_interval_s <= 0 or self.orphan_after_s <= 0:
+            raise ConfigError("--heartbeat and --orphan-after must be > 0 seconds")
+        given = [f for f, v in (("--local", self.local), ("--hosts", self.hosts), ("--provider", self.provider))
+                 if v is not None]
+        if len(given) > 1:
+            raise ConfigError(f"{', '.join(given)}: each says where the workers run; give one of them")
+        if self.provider not in (None, "aws"):
+            raise ConfigError(f"--provider {self.provider!r} is not known; the providers are: aws")
+        if self.provider == "aws":
+            if not self.run_dir:
+                raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")
+            if self.instances is not None and self.instances < 1:
+                raise ConfigError(f"--instances {self.instances}: give the number of spot instances to keep (>= 1)")
+        return self
+
+
+@dataclass
+class JobConfig:
+    """A whole training job. ``JobConfig.from_yaml(path)`` / ``to_yaml(path)`` round-trip;
+    ``validate()`` raises ``ConfigError`` for the first problem, before any work starts."""
+
+    name: str = "gpt2-shakespeare"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    # ---- YAML -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The job as plain data (nested dicts), as ``from_dict`` takes it."""
+        return asdict(self)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """The job as YAML text, also written to ``path`` when given."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+        """Build from plain data; unknown keys raise ``ConfigError`` naming the valid keys."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a job config must be a mapping, got {type(data).__name__}")
+        kwargs: dict[str, Any] = {}
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            if key not in sections:
+                raise ConfigError(f"unknown config section {key!r}; valid sections: {sorted(sections)}")
+            sub_type = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
+                        "train": TrainConfig, "launch": LaunchConfig}.get(key)
+            kwargs[key] = value if sub_type is None else _build(sub_type, value, key)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "JobConfig":
+        """Load a YAML file (``load_yaml``: safe, no aliases, at most ``MAX_CONFIG_BYTES``). Raises
+        ``ConfigError`` naming the file if it does not exist, is not YAML (with the line) or holds
+        unknown keys."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {str(path)!r} is {p.stat().st_size} bytes; a job config is at most "
+                              f"{MAX_CONFIG_BYTES} bytes")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text") from None
+        if not text.strip():
+            raise ConfigError(f"config file {str(path)!r} is empty; start from `varuna config > job.yaml` and edit it")
+        try:
+            job = cls.from_yaml_text(text, source=str(path))
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError(msg if str(path) in msg else f"{path}: {unknown_key_line(msg, text)}{msg}") from None
+        job._origin = (str(path), field_lines(text))
+        return job
+
+    @classmethod
+    def from_yaml_text(cls, text: str, *, source: str = "<config text>") -> "JobConfig":
+        """Parse YAML text into a ``JobConfig`` (see ``load_yaml``)."""
+        return cls.from_dict(load_yaml(text, source=source) or {})
+
+    # ---- validation --------------------------------------------------------------------
+    def validate(self) -> "JobConfig":
+        """Check every field's type and range (``RULES``), then how fields fit together; raise
+        ``ConfigError`` for the first problem, naming the field and what would work — and, for a
+        config read by ``from_yaml`` whose field still holds the file's value, the file and line."""
+        try:
+            return self._validate()
+        except ConfigError as e:
+            raise ConfigError(self._located(str(e))) from None
+
+    def _located(self, msg: str) -> str:
+        """``msg`` prefixed by ``FILE: line N:`` when it starts with a ``section.field`` that still
+        holds the value read from that line (a value overridden since, e.g. by a CLI flag, is not
+        the file's fault)."""
+        path, lines = getattr(self, "_origin", (None, {}))
+        m = re.match(r"(\w+)\.(\w+)", msg)
+        if path is None or m is None or m.group(0) not in lines or msg.startswith(path):
+            return msg
+        line, value = lines[m.group(0)]
+        section = getattr(self, m.group(1), None)
+        return f"{path}: line {line}: {msg}" if getattr(section, m.group(2), object()) == value else msg
+
+    def _validate(self) -> "JobConfig":
+        check_name(self.name)
+        for name in ("model", "data", "parallel", "train", "launch"):
+            section = getattr(self, name)
+            if type(section) is not type(getattr(JobConfig(), name)):
+                raise ConfigError(f"config section {name!r} must be a mapping, got {type(section).__name__}")
+        validate_parallel(self.parallel)
+        t = self.train
+        check_fields("train", t)
+        if t.min_lr > t.lr:
+            raise ConfigError(f"train.min_lr={t.min_lr} must be <= train.lr={t.lr} (the cosine decays from lr to "
+                              "min_lr)")
+        validate_checkpointing(t)
+        validate_model(self.model)
+        validate_data(self.data)
+        check_fields("launch", self.launch)
+        return self
+
+
+def _build(cls: type, value: Any, section: str):
+    if value is None:
+        return cls()
+    if not isinstance(value, dict):
+        raise ConfigError(f"config section {section!r} must be a mapping, got {type(value).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(value) - names
+    if unknown:
+        import difflib
+
+        near = {k: difflib.get_close_matches(str(k), names, n=1) for k in sorted(unknown, key=str)}
+        hint = "; ".join(f"did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m)
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section!r}; valid keys: {sorted(names)}"
+                          + (f" ({hint})" if hint else ""))
+    return cls(**value)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` re-exported for convenience."""
+    return dataclasses.replace(cfg, **changes)
