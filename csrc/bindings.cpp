@@ -260,7 +260,6 @@ PYBIND11_MODULE(_core, m) {
     m.attr("RECOMPUTE") = static_cast<int>(varuna::ActionKind::Recompute);
     m.attr("BACKWARD") = static_cast<int>(varuna::ActionKind::Backward);
     m.attr("WEIGHT") = static_cast<int>(varuna::ActionKind::Weight);
-    m.attr("POLICIES") = py::make_tuple("varuna", "gpipe", "1f1b");
 
     m.def(
         "default_recompute",

@@ -584,3 +584,11 @@ def test_module_never_imports_torch():
         else:
             continue
         assert not any(n == "torch" or n.startswith("torch.") for n in names), names
+
+
+def test_the_c_core_runs_exactly_the_policies_config_names():
+    """POLICIES is defined once (varuna_sdk.config); the C++ core must accept each name and refuse others."""
+    for policy in POLICIES:
+        assert stage_schedule(policy, 2, 4, 0), policy
+    with pytest.raises((ValueError, RuntimeError)):
+        stage_schedule("zero-bubble-v", 2, 4, 0)

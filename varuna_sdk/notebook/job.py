@@ -468,7 +468,7 @@ class Job:
         Raises ``RuntimeError`` before ``launch()``."""
         if self.run_dir is None or not (self.run_dir / "events.db").exists():
             raise RuntimeError("launch() the job first: the dashboard reads the job's event log")
-        from dashboard.app import build_app  # noqa: PLC0415 (top-level package, optional at import)
+        from dashboard.app import build_app  # the dashboard: a top-level package, imported only here
 
         return build_app(self.run_dir, **kwargs)
 
