@@ -21,7 +21,7 @@ import panel as pn
 from varuna_sdk.manager.billing import cost_text
 from varuna_sdk.manager.runs import RunInfo, clip, find_runs, read_run
 
-from .app import CSS, STATE_COLORS
+from .theme import CSS, STATE_COLORS
 
 JOBS_CSS = CSS + """
 table.jobs { border-collapse: collapse; width: 100%; font-size: 13px; background: white; }

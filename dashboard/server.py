@@ -459,7 +459,8 @@ def _job_routes(root: Path, *, job_id: str | None, refresh_s: float, max_points:
     (only a run folder directly inside ``root``: ``jobs.run_folder``)."""
     import panel as pn
 
-    from .app import CSS, build_app
+    from .app import build_app
+    from .theme import CSS
     from .jobs import build_jobs_app, run_folder
 
     def jobs():

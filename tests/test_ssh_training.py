@@ -167,6 +167,10 @@ def test_vm_lost_mid_training_is_detected_and_job_stopped(ssh_hosts, tmp_path, h
                 time.sleep(0.2)
             assert not worker_processes(ssh_hosts, [victim]), ("the hung worker was left on its VM",
                                                                gen.events.events(kind="stale_worker_reaped"))
+            # the event is written once kill_session has confirmed the kill: the processes may be
+            # gone a moment before it is
+            while not gen.events.events(kind="stale_worker_reaped") and time.monotonic() < deadline:
+                time.sleep(0.2)
             reaped = gen.events.events(kind="stale_worker_reaped")
             assert [(e.host, e.rank, e.payload["stopped"]) for e in reaped] == [(victim.name, 3, True)], reaped
         lost = EventLog.reader(gen.events.path).events(kind=Kind.HOST_LOST)
