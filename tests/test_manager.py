@@ -441,7 +441,10 @@ def test_a_killed_local_worker_slot_is_reused_within_the_morph(tmp_path, referen
     assert steps_redone(run) == [redone] == [morphs[0]["steps_lost"]]
     assert_same_trajectory(final_losses(run), reference)
     d = drifts[0].payload
-    assert d["generation"] == 0 and d["drift"] > 1.0, d           # measured > 2x the 4x-optimistic prediction
+    # measured > 1.5x the 4x-optimistic prediction: only the compute was made 4x too fast, and the
+    # step's share of it varies with the machine (0.88 and > 1 seen in two fresh-clone runs)
+    assert d["generation"] == 0 and d["drift"] > 0.5, d
+    assert min(d["compute_ratio_by_stage"]) > 2.0, d                 # the compute itself: ~4x
     assert abs(d["recalibrated_step_s"] / d["measured_step_s"] - 1) < abs(d["drift"]) / 2, d   # much nearer
     assert len(d["segment_factors"]) == len(real.segments) and min(d["segment_factors"]) > 1.5, d
     with EventLog.reader(run / "events.db") as log:
