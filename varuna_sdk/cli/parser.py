@@ -122,9 +122,10 @@ def _add_dashboard(sub) -> None:
 
 def _add_launch(sub) -> None:
     """``varuna launch`` (its options become a ``ClusterConfig``)."""
-    sp = _subcommand(sub, "launch", "run a job under the morph manager (local slots or an SSH host file); "
+    sp = _subcommand(sub, "launch", "run a job under the morph manager (local slots, an SSH host file or AWS spot VMs); "
                      "run it again on the same --run-dir to continue the job",
-                     "Run a job under the morph manager on local slots or the SSH VMs of a watched host file; "
+                     "Run a job under the morph manager on local slots, the SSH VMs of a watched host file, or AWS "
+                     "spot instances (--provider aws); "
                      "it re-plans and morphs when VMs are pre-empted or return. Run it again on the same --run-dir "
                      "to continue the job.")
     sp.add_argument("config", help="path to a job YAML (see `varuna config`)")

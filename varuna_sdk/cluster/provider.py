@@ -4,8 +4,11 @@
 does the bookkeeping (usable / under notice / in use, subscribers, the event log); the worked
 example is ``cluster/aws.py`` (``AWSSpotProvider``: EC2 spot instances, ~600 lines with its
 checks); ``tests/test_provider.py::_Cloud`` is the smallest one that passes. The manager
-(``manager.manager``) uses nothing but the methods below — no attribute probing, nothing set on a
-provider from outside — and reaches the hosts' workers over SSH itself.
+(``manager.manager``) uses ``start``, ``hosts``, ``all_hosts``, ``subscribe``, ``attach``,
+``ssh_options``, ``started``, ``closed`` and ``close`` — no attribute probing, nothing set on a
+provider from outside — and reaches the hosts' workers over SSH itself. It plans on every host
+``hosts()`` offers; it never calls ``acquire``/``release``, so a cloud provider keeps its pool
+full on its own (``aws.py`` requests the shortfall from ``start`` and its watcher thread).
 
 Methods (``Provider``; ``PoolProvider`` implements the ones marked *):
 
@@ -17,10 +20,9 @@ Methods (``Provider``; ``PoolProvider`` implements the ones marked *):
     Every host the provider holds, including those under a pre-emption notice (the manager
     records them in the event log for the dashboard's VM pool). Default: ``hosts()``.
 ``acquire(n) -> list[Host]`` *
-    Hand the caller up to ``n`` usable hosts that nobody acquired yet and mark them in use.
-    Returns at once with what is ready (possibly fewer than ``n``, possibly none); a cloud
-    provider that has to start new VMs starts them here (or asks its thread to) and announces
-    each later with an ``added`` event, when it is ready for SSH. ``ValueError`` for ``n < 0``.
+    For a caller that hands hosts out itself (not the manager): up to ``n`` usable hosts that
+    nobody acquired yet, marked in use. Returns at once with what is ready (possibly fewer than
+    ``n``, possibly none). ``ValueError`` for ``n < 0``.
 ``release(hosts)`` *
     The caller no longer needs these hosts (``Host`` values or names; a cloud provider deletes
     the VMs; local slots and host files just mark them free). Unknown or already released hosts
@@ -34,9 +36,9 @@ Methods (``Provider``; ``PoolProvider`` implements the ones marked *):
     cloud provider deletes the VMs it created — found through the cloud API by the job's tag,
     not from memory), its local processes. Set ``self.closed = True``; idempotent. Providers are
     context managers (``with LocalProvider(4) as p: ...`` starts and closes).
-``started: bool``
-    True between ``start()`` and ``close()`` (a closed provider is not started, and does not
-    start again).
+``started: bool``, ``closed: bool``
+    ``started``: True between ``start()`` and ``close()``; ``closed``: ``close()`` was called
+    (a closed provider is not started, and does not start again).
 ``attach(event_log, job_id)``
     The manager's call: record every later event in ``event_log`` under ``job_id``. A provider
     that was given an event log at construction keeps it (one provider writes to one log).

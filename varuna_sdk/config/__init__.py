@@ -24,6 +24,7 @@ its sub-modules nothing from outside ``varuna_sdk.config``.
 
 from __future__ import annotations
 
+import math
 import dataclasses  # dataclasses.fields, always qualified: `fields` here is the sub-module config.fields
 import re
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,12 @@ __all__ = [
     "Num", "ParallelConfig", "Plain", "Text", "TrainConfig", "check_fields", "check_name", "field_lines", "load_yaml",
     "replace", "validate_checkpointing", "validate_data", "validate_model", "validate_parallel",
 ]
+
+
+AWS_FLAGS = {"region": "--region", "instance_types": "--instance-type", "ami": "--ami", "subnets": "--subnet",
+             "security_group": "--security-group", "key_name": "--key-name", "key_path": "--key-path",
+             "max_price": "--max-price", "user": "--vm-user", "python": "--vm-python"}
+"""``ClusterConfig.aws`` keys (``cluster.aws.AWSSpotConfig`` fields) -> the ``varuna launch`` flag that sets each."""
 
 
 @dataclass
@@ -83,17 +90,35 @@ class ClusterConfig:
     heartbeat_interval_s: float = 2.0
     orphan_after_s: float = 60.0
 
+    def _check_timing(self) -> None:
+        """``--heartbeat`` and ``--orphan-after``: finite numbers of seconds, the second longer than
+        the manager's loss timeout (2 missed heartbeats), else orphans would stop live workers."""
+        for flag, v in (("--heartbeat", self.heartbeat_interval_s), ("--orphan-after", self.orphan_after_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{flag} {v!r}: give a number of seconds > 0")
+        if self.orphan_after_s <= 2 * self.heartbeat_interval_s:
+            raise ConfigError(f"--orphan-after {self.orphan_after_s:g} must exceed the manager's loss timeout, two "
+                              f"heartbeats ({2 * self.heartbeat_interval_s:g} s with --heartbeat "
+                              f"{self.heartbeat_interval_s:g}); raise --orphan-after or lower --heartbeat")
+
     def validate(self) -> "ClusterConfig":
         """Check the options before any VM is asked for; returns ``self``. Raises ``ConfigError``
         naming the option (as a ``varuna launch`` flag) and what would work."""
-        if self.heartbeat_interval_s <= 0 or self.orphan_after_s <= 0:
-            raise ConfigError("--heartbeat and --orphan-after must be > 0 seconds")
+        self._check_timing()
         given = [f for f, v in (("--local", self.local), ("--hosts", self.hosts), ("--provider", self.provider))
                  if v is not None]
         if len(given) > 1:
             raise ConfigError(f"{', '.join(given)}: each says where the workers run; give one of them")
         if self.provider not in (None, "aws"):
             raise ConfigError(f"--provider {self.provider!r} is not known; the providers are: aws")
+        if self.local is not None and (isinstance(self.local, bool) or not isinstance(self.local, int)
+                                       or self.local < 1):
+            raise ConfigError(f"--local {self.local!r}: give the number of local worker slots (an integer >= 1)")
+        aws_only = [f for f, v in (("--aws", self.aws_file), ("--instances", self.instances),
+                                   ("--endpoint-url", self.endpoint_url)) if v is not None]
+        aws_only += [AWS_FLAGS.get(k, k) for k in self.aws]
+        if aws_only and self.provider != "aws":
+            raise ConfigError(f"{', '.join(aws_only)}: options of AWS spot VMs; add --provider aws, or drop them")
         if self.provider == "aws":
             if not self.run_dir:
                 raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")

@@ -20,7 +20,12 @@ numbers.
    in ``_on_message``, or periodically in ``_periodic_checks``) that records the decision as an
    event (a ``Kind`` in ``manager.events``) and, when it says morph, calls
    ``self._request_stop(run, cause, host)`` — the workers stop at the next mini-batch boundary,
-   checkpoint, and the manager re-plans for the VMs it may use.
+   checkpoint, and the manager re-plans for the VMs it may use. The existing rules' calls are
+   the models: ``_check_stragglers`` and ``_check_drift`` in ``manager.telemetry`` (run from
+   ``_periodic_checks``), the grow check in ``manager.supervision``.
+4. Words for the new cause where morphs are shown: ``manager.runs`` (the sentences of ``varuna
+   status``/``logs``) and ``dashboard/theme.py`` (``CAUSE_LABELS``, the morph table); a cause missing
+   there is shown by its bare name.
 
 Owns ``worker_slots``, ``pool_slots``, ``pool_prices``, ``GrowRule``, ``StragglerRule``,
 ``find_stragglers``, ``judge_straggler``, ``steps_lost``, ``DriftRule``, ``step_time_drift``,

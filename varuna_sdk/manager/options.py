@@ -16,6 +16,7 @@ Owns ``GenerationOptions``, ``ManagerOptions``. Imports ``config`` (``ConfigErro
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -37,6 +38,25 @@ def _merged(cls, base, overrides: Mapping[str, Any]):
         raise TypeError(f"{cls.__name__} has no option(s) {unknown}; known: {sorted(names)}")
     return dataclasses.replace(base if base is not None else cls(), **overrides)
 
+
+
+def _check_number(opts: Any, name: str, *, low: float, high: float | None = None,
+                  inclusive: bool = False) -> None:
+    """``ConfigError`` unless ``opts.<name>`` is a finite number above ``low`` (at least, with
+    ``inclusive``) and at most ``high``."""
+    v = getattr(opts, name)
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not number or v < low or (v == low and not inclusive) or (high is not None and v > high):
+        where = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+        raise ConfigError(f"{name}={v!r}: give a number {where}")
+
+
+def _check_int(opts: Any, name: str, *, low: int, high: int | None = None) -> None:
+    """``ConfigError`` unless ``opts.<name>`` is an integer in ``[low, high]``."""
+    v = getattr(opts, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+        where = f">= {low}" + (f" and <= {high}" if high is not None else "")
+        raise ConfigError(f"{name}={v!r}: give an integer {where}")
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -100,15 +120,22 @@ class GenerationOptions:
         return _merged(cls, base, overrides)
 
     def validate(self) -> "GenerationOptions":
-        """Check the values together; returns self. Raises ``ValueError`` saying which is wrong."""
-        if not 0 < self.notice_poll_s <= 3600:
-            raise ValueError(f"notice_poll_s={self.notice_poll_s!r}: the metadata poll interval must be in (0, 3600] s")
-        if self.heartbeat_interval_s <= 0 or self.miss_limit < 1 or self.start_timeout_s <= 0:
-            raise ValueError("heartbeat_interval_s and start_timeout_s must be > 0 and miss_limit >= 1")
+        """Check the values together; returns self. Raises ``ConfigError`` (a ``ValueError``) naming
+        the option that is wrong and the range that would work."""
+        for name in ("heartbeat_interval_s", "start_timeout_s", "setup_timeout_s"):
+            _check_number(self, name, low=0.0)
+        for name in ("kill_grace_s", "startup_grace_s"):
+            _check_number(self, name, low=0.0, inclusive=True)
+        _check_number(self, "miss_limit", low=1.0, inclusive=True)
+        _check_number(self, "notice_poll_s", low=0.0, high=3600.0)
+        _check_int(self, "cpu_slots", low=1)
+        _check_int(self, "master_port", low=0, high=65535)
         lost_after = self.miss_limit * self.heartbeat_interval_s
-        if self.orphan_after_s is not None and self.orphan_after_s <= lost_after:
-            raise ValueError(f"orphan_after_s={self.orphan_after_s} must exceed the loss timeout "
-                             f"({lost_after:g} s), or be None")
+        if self.orphan_after_s is not None:
+            _check_number(self, "orphan_after_s", low=0.0)
+            if self.orphan_after_s <= lost_after:
+                raise ConfigError(f"orphan_after_s={self.orphan_after_s} must exceed the loss timeout "
+                                  f"({lost_after:g} s), or be None")
         return self
 
 
@@ -141,9 +168,13 @@ class ManagerOptions:
     once with them, calibrated only when a morph needs a plan."""
 
     @classmethod
-    def merged(cls, base: "ManagerOptions | None" = None, **overrides: Any) -> "ManagerOptions":
-        """``base`` (None: the defaults) with ``overrides`` on top; a ``generation_options`` given
-        as a mapping becomes ``GenerationOptions``. Raises ``TypeError`` naming an unknown option."""
+    def merged(cls, base: "ManagerOptions | Mapping[str, Any] | None" = None,
+               **overrides: Any) -> "ManagerOptions":
+        """``base`` (options, a mapping of field names, or None: the defaults) with ``overrides`` on
+        top; a ``generation_options`` given as a mapping becomes ``GenerationOptions``. Raises
+        ``TypeError`` naming an unknown option."""
+        if isinstance(base, Mapping):
+            overrides, base = {**base, **overrides}, None
         gen = overrides.get("generation_options")
         if gen is None and "generation_options" in overrides:
             overrides["generation_options"] = GenerationOptions()
@@ -152,11 +183,22 @@ class ManagerOptions:
         return _merged(cls, base, overrides)
 
     def validate(self) -> "ManagerOptions":
-        """Check the values; returns self. Raises ``ConfigError`` saying which is wrong."""
-        if not self.heartbeat_interval_s > 0:
-            raise ConfigError(f"heartbeat_interval_s={self.heartbeat_interval_s} must be > 0 seconds")
-        if not self.stop_timeout_s > 0:
-            raise ConfigError(f"stop_timeout_s={self.stop_timeout_s} must be > 0 seconds")
+        """Check the values; returns self. Raises ``ConfigError`` (a ``ValueError``) naming the option
+        that is wrong; the generation options are checked with this manager's heartbeat period,
+        which every generation gets."""
+        for name in ("heartbeat_interval_s", "stop_timeout_s", "wait_for_hosts_s"):
+            _check_number(self, name, low=0.0)
+        for name in ("max_preemptions", "max_failures"):
+            _check_int(self, name, low=0)
+        for name, rule in (("grow", GrowRule), ("straggler", StragglerRule), ("drift", DriftRule)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, rule):
+                raise ConfigError(f"{name}={value!r}: give a {rule.__name__}(...) (manager.decisions) or None "
+                                  "to turn the rule off")
+        if not isinstance(self.generation_options, GenerationOptions):
+            raise ConfigError(f"generation_options={self.generation_options!r}: give a GenerationOptions "
+                              "(or a mapping of its fields to ManagerOptions.merged)")
+        dataclasses.replace(self.generation_options, heartbeat_interval_s=self.heartbeat_interval_s).validate()
         return self
 
 
