@@ -2,7 +2,7 @@
 examples (``_EXAMPLES``) and help for every flag (``add_commands``; ``build_parser`` puts them
 under ``varuna``).
 
-Imports only ``argparse`` and ``cli.aws`` (for ``aws_flags``): never a command's module, never
+Imports only ``argparse``, ``config`` (``POLICIES``) and ``cli.aws`` (for ``aws_flags``): never a command's module, never
 the dashboard, so that ``varuna --help`` stays fast.
 """
 
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from ..config import POLICIES
 from .aws import aws_flags
 
 _EXAMPLES = {
-    "train": "varuna train job.yaml\n  varuna train job.yaml --steps 200 --P 2 --D 2 --run-dir runs",
+    "train": "varuna train job.yaml\n  varuna train job.yaml --steps 200 --P 2 --D 2 --run-dir runs/my-job",
     "demo": "varuna demo\n  varuna demo --no-spot --steps 60",
     "config": "varuna config > job.yaml   # then edit model, data, parallel and train",
     "calibrate": "varuna calibrate job.yaml -o profile.json\n  varuna calibrate job.yaml --refresh",
@@ -45,7 +46,7 @@ def _parallel_overrides(sp: argparse.ArgumentParser) -> None:
                     help="examples per mini-batch, over all replicas; overrides parallel.global_batch")
     sp.add_argument("--micro-batch-size", dest="micro_batch_size", type=int,
                     help="examples per micro-batch; overrides parallel.micro_batch_size")
-    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"],
+    sp.add_argument("--policy", choices=list(POLICIES),
                     help="pipeline schedule: varuna (opportunistic, recompute), gpipe or 1f1b")
     sp.add_argument("--run-dir", dest="run_dir",
                     help="the job's own folder, as for `varuna launch` (default: a new train.run_dir/NAME-TIME)")
@@ -88,7 +89,7 @@ def _add_calibrate_plan(sub) -> None:
                     help="GPUs on each VM (default 1): stages on one VM talk over its local links")
     sp.add_argument("--local", action="store_true",
                     help="plan local workers sharing this machine's cores (as `varuna train` runs them)")
-    sp.add_argument("--policy", choices=["varuna", "gpipe", "1f1b"],
+    sp.add_argument("--policy", choices=list(POLICIES),
                     help="pipeline schedule to plan for (default: the config's parallel.policy)")
     sp.add_argument("--bandwidth-gbps", dest="bandwidth_gbps", type=float, help="what-if cross-VM bandwidth (Gbit/s)")
     sp.add_argument("--spot-price", dest="spot_price", type=float, help="$ per GPU-hour, spot")
