@@ -8,19 +8,20 @@ value: connections live in ``cluster.ssh``, and a passphrase is read from the en
 at connect time, so a ``Host`` can be logged, compared, written to YAML and sent to the
 dashboard freely.
 
-Owns: ``Host``, ``Secret``, ``HostError``. Must never import paramiko, torch or anything above
+Owns: ``Host``, ``Secret``, ``HostError``, ``call_exit_callback``. Must never import paramiko, torch or anything above
 ``cluster`` (manager, notebook, cli).
 """
 
 from __future__ import annotations
 
 import getpass
+import logging
 import ipaddress
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -208,3 +209,14 @@ class Host:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.endpoint})"
+
+
+def call_exit_callback(on_exit: Callable[[], None] | None, host_name: str, logger: logging.Logger) -> None:
+    """Run a process's ``on_exit`` callback (None: nothing) once it has ended, local or over SSH; an
+    exception in it is logged on ``logger`` naming ``host_name``, never raised into the reaper thread."""
+    if on_exit is None:
+        return
+    try:
+        on_exit()
+    except Exception:  # noqa: BLE001 - a faulty callback must not kill the reaper
+        logger.exception("exit callback for %s failed", host_name)

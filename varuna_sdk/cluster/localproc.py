@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .hosts import Host, Secret
+from .hosts import Host, Secret, call_exit_callback
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +145,7 @@ class LocalProcess:
             t.join(1.0)
         self.exit_code, self.ended_at = code, time.monotonic()
         self._done.set()
-        if self._on_exit is not None:
-            try:
-                self._on_exit()
-            except Exception:  # noqa: BLE001
-                log.exception("exit callback for %s failed", self.host.name)
+        call_exit_callback(self._on_exit, self.host.name, log)
 
     # ------------------------------------------------------------------- RemoteProcess's face
     def poll(self) -> int | None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import paramiko
 
-from .hosts import Host, Secret
+from .hosts import Host, Secret, call_exit_callback
 from .ssh_errors import SSHError
 
 if TYPE_CHECKING:
@@ -191,11 +191,7 @@ class RemoteProcess:
                 pass
             self.ended_at = time.monotonic()
             self._done.set()
-            if self._on_exit is not None:
-                try:
-                    self._on_exit()
-                except Exception:  # noqa: BLE001
-                    log.exception("exit callback for %s failed", self.host.name)
+            call_exit_callback(self._on_exit, self.host.name, log)
 
     # public --------------------------------------------------------------------------------
     @property
