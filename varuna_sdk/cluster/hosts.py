@@ -8,7 +8,7 @@ value: connections live in ``cluster.ssh``, and a passphrase is read from the en
 at connect time, so a ``Host`` can be logged, compared, written to YAML and sent to the
 dashboard freely.
 
-Owns: ``Host``, ``Secret``, ``HostError``, ``call_exit_callback``. Must never import paramiko, torch or anything above
+Owns: ``Host``, ``Secret``, ``HostError``, ``notify``. Must never import paramiko, torch or anything above
 ``cluster`` (manager, notebook, cli).
 """
 
@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -211,12 +211,15 @@ class Host:
         return f"{self.name} ({self.endpoint})"
 
 
-def call_exit_callback(on_exit: Callable[[], None] | None, host_name: str, logger: logging.Logger) -> None:
-    """Run a process's ``on_exit`` callback (None: nothing) once it has ended, local or over SSH; an
-    exception in it is logged on ``logger`` naming ``host_name``, never raised into the reaper thread."""
-    if on_exit is None:
-        return
-    try:
-        on_exit()
-    except Exception:  # noqa: BLE001 - a faulty callback must not kill the reaper
-        logger.exception("exit callback for %s failed", host_name)
+def notify(callbacks: Iterable[Callable[..., None] | None], *args: Any, logger: logging.Logger, what: str) -> None:
+    """Call each callback (None entries skipped) with ``args``, in order, outside any lock the caller
+    held; an exception in one is logged on ``logger`` as ``"<what> failed"`` and the rest still run:
+    a faulty subscriber never stops the thread that emits (a provider's watcher, the heartbeat
+    server, a process reaper)."""
+    for cb in callbacks:
+        if cb is None:
+            continue
+        try:
+            cb(*args)
+        except Exception:  # noqa: BLE001 - a faulty callback must not stop the emitter
+            logger.exception("%s failed", what)

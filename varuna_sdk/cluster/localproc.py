@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .hosts import Host, Secret, call_exit_callback
+from .hosts import Host, Secret, notify
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class LocalProcess:
             t.join(1.0)
         self.exit_code, self.ended_at = code, time.monotonic()
         self._done.set()
-        call_exit_callback(self._on_exit, self.host.name, log)
+        notify([self._on_exit], logger=log, what=f"exit callback for {self.host.name}")
 
     # ------------------------------------------------------------------- RemoteProcess's face
     def poll(self) -> int | None:

@@ -100,7 +100,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from .hosts import Host
+from .hosts import Host, notify
 from .localproc import kill_host, local_host
 from .ssh import SSHOptions
 
@@ -227,11 +227,7 @@ class Provider(ABC):
                           event.host.name)
         with self._cb_lock:
             callbacks = list(self._callbacks)
-        for cb in callbacks:
-            try:
-                cb(event)
-            except Exception:  # noqa: BLE001
-                log.exception("host event callback failed")
+        notify(callbacks, event, logger=log, what="host event callback")
         return event
 
     def __enter__(self) -> "Provider":

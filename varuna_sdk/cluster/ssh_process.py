@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import paramiko
 
-from .hosts import Host, Secret, call_exit_callback
+from .hosts import Host, Secret, notify
 from .ssh_errors import SSHError
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ class RemoteProcess:
                 pass
             self.ended_at = time.monotonic()
             self._done.set()
-            call_exit_callback(self._on_exit, self.host.name, log)
+            notify([self._on_exit], logger=log, what=f"exit callback for {self.host.name}")
 
     # public --------------------------------------------------------------------------------
     @property

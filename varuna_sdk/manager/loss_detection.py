@@ -22,8 +22,8 @@ never mistaken for a loss. Metrics rows that ride on the heartbeats are appended
 log's metrics table once per step; a VM's own pre-emption notice becomes one
 ``preemption_notice`` event per host and deadline (``source: "vm"``).
 
-Owns ``SenderState`` and ``LossDetector``. Imports the standard library, ``manager.events`` and
-``manager.wire`` only; must never import the server, the client, ``socket``, torch or
+Owns ``SenderState`` and ``LossDetector``. Imports the standard library, ``cluster.hosts``
+(``notify``), ``manager.events`` and ``manager.wire`` only; must never import the server, the client, ``socket``, torch or
 anything above the manager.
 """
 
@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ..cluster.hosts import notify
 from .events import Event, EventLog, Kind
 from .wire import FAILURE_CAUSES, STOPPED, json_safe
 
@@ -239,11 +240,7 @@ class LossDetector:
             self.emitted.append(ev)
             callbacks = list(self._callbacks)
             self._cond.notify_all()
-        for cb in callbacks:
-            try:
-                cb(ev)
-            except Exception:  # noqa: BLE001
-                log.exception("heartbeat event callback failed")
+        notify(callbacks, ev, logger=log, what="heartbeat event callback")
         return ev
 
     def _declare_lost(self, s: SenderState, reason: str, now: float,
