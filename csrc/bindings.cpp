@@ -10,6 +10,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "schedule.h"
@@ -31,8 +32,15 @@ std::vector<ActionTuple> to_tuples(const std::vector<varuna::Action>& v) {
     return out;
 }
 
-bool resolve_recompute(varuna::Policy p, std::optional<bool> recompute) {
-    return recompute.has_value() ? *recompute : varuna::default_recompute(p);
+// recompute from Python: None (the policy's default), one bool for every stage, or a list of P
+// bools (one per stage; the C++ side checks the length).
+using RecomputeArg = std::optional<std::variant<bool, std::vector<bool>>>;
+
+varuna::StageFlags resolve_flags(varuna::Policy p, int P, const RecomputeArg& recompute) {
+    varuna::validate_shape(P, 1);
+    if (!recompute.has_value()) return varuna::uniform_flags(P, varuna::default_recompute(p));
+    if (const bool* b = std::get_if<bool>(&*recompute)) return varuna::uniform_flags(P, *b);
+    return std::get<std::vector<bool>>(*recompute);
 }
 
 // --- simulator helpers ----------------------------------------------------------
@@ -54,6 +62,8 @@ void bind_simulator(py::module_& m) {
             "policy", [](const SimConfig& c) { return std::string(varuna::policy_name(c.policy)); },
             [](SimConfig& c, const std::string& p) { c.policy = varuna::parse_policy(p); })
         .def_readwrite("recompute", &SimConfig::recompute)
+        .def_readwrite("stage_recompute", &SimConfig::stage_recompute)
+        .def_readwrite("max_in_flight", &SimConfig::max_in_flight)
         .def_readwrite("fwd", &SimConfig::fwd)
         .def_readwrite("bwd", &SimConfig::bwd)
         .def_readwrite("rec", &SimConfig::rec)
@@ -179,6 +189,8 @@ void bind_search(py::module_& m) {
             "policy", [](const SearchInput& c) { return std::string(varuna::policy_name(c.policy)); },
             [](SearchInput& c, const std::string& p) { c.policy = varuna::parse_policy(p); })
         .def_readwrite("recompute", &SearchInput::recompute)
+        .def_readwrite("stage_recompute", &SearchInput::stage_recompute)
+        .def_readwrite("max_in_flight", &SearchInput::max_in_flight)
         .def_readwrite("split_backward", &SearchInput::split_backward)
         .def_readwrite("tables", &SearchInput::tables)
         .def_readwrite("param_bytes", &SearchInput::param_bytes)
@@ -206,6 +218,8 @@ void bind_search(py::module_& m) {
         .def_readonly("minibatch_time", &Candidate::minibatch_time)
         .def_readonly("bubble_fraction", &Candidate::bubble_fraction)
         .def_readonly("stage_memory", &Candidate::stage_memory)
+        .def_readonly("peak_stashed", &Candidate::peak_stashed)
+        .def_readonly("peak_live", &Candidate::peak_live)
         .def_readonly("stage_compute", &Candidate::stage_compute)
         .def_readonly("feasible", &Candidate::feasible)
         .def_readonly("simulated", &Candidate::simulated)
@@ -240,6 +254,19 @@ void bind_search(py::module_& m) {
     m.def("evaluate", &varuna::evaluate, py::arg("input"), py::arg("P"), py::arg("D"), py::arg("table_index"),
           py::call_guard<py::gil_scoped_release>(),
           "One (P, D, micro-batch table) as search() evaluates it (split, simulation, memory).");
+    m.def(
+        "stage_memory",
+        [](const SearchInput& in, int ti, int first, int end, int stashed, int live) {
+            const auto& t = in.tables.at(static_cast<std::size_t>(ti));
+            const int n = static_cast<int>(t.fwd.size());
+            if (first < 0 || end <= first || end > n || stashed < 0 || live < 0)
+                throw std::invalid_argument("stage_memory needs 0 <= first < end <= segments and counts >= 0");
+            return varuna::stage_memory(in, t, first, end, stashed, live);
+        },
+        py::arg("input"), py::arg("table_index"), py::arg("first"), py::arg("end"), py::arg("stashed"),
+        py::arg("live"),
+        "Bytes per GPU of a stage holding segments [first, end) with `stashed` stashed inputs and `live` live "
+        "graphs (weights, gradients, optimizer state and activations), as the search counts them.");
     m.def("candidate_lower_bound", &varuna::candidate_lower_bound, py::arg("input"), py::arg("P"), py::arg("D"),
           py::arg("table_index"), py::arg("split_free") = false, py::call_guard<py::gil_scoped_release>(),
           "search()'s lower bound (seconds) on evaluate()'s mini-batch time (inf when no split fits memory); "
@@ -268,11 +295,11 @@ PYBIND11_MODULE(_core, m) {
 
     m.def(
         "stage_schedule",
-        [](const std::string& policy, int P, int mb, int stage, std::optional<bool> recompute,
+        [](const std::string& policy, int P, int mb, int stage, const RecomputeArg& recompute,
            bool split_backward) {
             const auto p = varuna::parse_policy(policy);
             return to_tuples(
-                varuna::stage_schedule(p, P, mb, stage, resolve_recompute(p, recompute), split_backward));
+                varuna::stage_schedule(p, P, mb, stage, resolve_flags(p, P, recompute), split_backward));
         },
         py::arg("policy"), py::arg("P"), py::arg("m"), py::arg("stage"),
         py::arg("recompute") = py::none(), py::arg("split_backward") = false,
@@ -280,11 +307,11 @@ PYBIND11_MODULE(_core, m) {
 
     m.def(
         "pipeline_schedule",
-        [](const std::string& policy, int P, int mb, std::optional<bool> recompute, bool split_backward) {
+        [](const std::string& policy, int P, int mb, const RecomputeArg& recompute, bool split_backward) {
             const auto p = varuna::parse_policy(policy);
             std::vector<std::vector<ActionTuple>> out;
             for (const auto& v :
-                 varuna::pipeline_schedule(p, P, mb, resolve_recompute(p, recompute), split_backward))
+                 varuna::pipeline_schedule(p, P, mb, resolve_flags(p, P, recompute), split_backward))
                 out.push_back(to_tuples(v));
             return out;
         },
@@ -293,13 +320,15 @@ PYBIND11_MODULE(_core, m) {
         "Static action lists of all stages.");
 
     py::class_<varuna::StageScheduler>(m, "StageScheduler")
-        .def(py::init([](const std::string& policy, int P, int mb, int stage, std::optional<bool> recompute,
-                         bool split_backward) {
+        .def(py::init([](const std::string& policy, int P, int mb, int stage, const RecomputeArg& recompute,
+                         bool split_backward, const std::vector<int>& max_in_flight) {
                  const auto p = varuna::parse_policy(policy);
-                 return varuna::StageScheduler(p, P, mb, stage, resolve_recompute(p, recompute), split_backward);
+                 return varuna::StageScheduler(p, P, mb, stage, resolve_flags(p, P, recompute), split_backward,
+                                               max_in_flight);
              }),
              py::arg("policy"), py::arg("P"), py::arg("m"), py::arg("stage"),
-             py::arg("recompute") = py::none(), py::arg("split_backward") = false)
+             py::arg("recompute") = py::none(), py::arg("split_backward") = false,
+             py::arg("max_in_flight") = std::vector<int>{})
         .def(
             "next",
             [](varuna::StageScheduler& s, int acts_arrived, int grads_arrived) -> std::optional<ActionTuple> {
@@ -319,7 +348,9 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("stage", &varuna::StageScheduler::stage)
         .def_property_readonly("recompute", &varuna::StageScheduler::recompute)
         .def_property_readonly("split_backward", &varuna::StageScheduler::split_backward)
-        .def_property_readonly("max_deferred", &varuna::StageScheduler::max_deferred);
+        .def_property_readonly("max_deferred", &varuna::StageScheduler::max_deferred)
+        .def_property_readonly("max_in_flight", &varuna::StageScheduler::max_in_flight)
+        .def_property_readonly("in_flight", &varuna::StageScheduler::in_flight);
 
     bind_simulator(m);
     bind_search(m);

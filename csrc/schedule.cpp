@@ -39,10 +39,10 @@ std::vector<Action> with_weight_actions(const std::vector<Action>& v) {
 //   F(s,i): s < P-1 -> F[s+1].push(i)   else b[s].push(i)   (last stage: no recompute)
 //   b(s,i): B[s].push(i); s > 0 -> R[s-1].push(i)
 //   R(s,i): b[s].push(i)
-// Without recompute the upstream backward is released directly:
+// When stage s-1 does not recompute its backward is released directly:
 //   b(s,i): B[s].push(i); s > 0 -> b[s-1].push(i)
 // The emitted per-stage order (F, R, and b emitted as the backward) is the schedule.
-std::vector<std::vector<Action>> varuna_all_stages(int P, int m, bool recompute) {
+std::vector<std::vector<Action>> varuna_all_stages(int P, int m, const StageFlags& rec) {
     struct Queues {
         std::deque<int> F, R, b, B;
         bool empty() const { return F.empty() && R.empty() && b.empty() && B.empty(); }
@@ -106,7 +106,7 @@ std::vector<std::vector<Action>> varuna_all_stages(int P, int m, bool recompute)
                     q[static_cast<std::size_t>(s)].B.push_back(i);
                     if (s > 0) {
                         auto& up = q[static_cast<std::size_t>(s - 1)];
-                        (recompute ? up.R : up.b).push_back(i);
+                        (rec[static_cast<std::size_t>(s - 1)] ? up.R : up.b).push_back(i);
                     }
                     break;
                 case kR:
@@ -177,6 +177,25 @@ const char* valid_policy_names() { return kValidPolicies; }
 
 bool default_recompute(Policy p) { return p == Policy::Varuna; }
 
+StageFlags uniform_flags(int P, bool recompute) {
+    return StageFlags(static_cast<std::size_t>(std::max(P, 0)), recompute);
+}
+
+void validate_flags(int P, const StageFlags& rec) {
+    if (static_cast<int>(rec.size()) != P)
+        throw std::invalid_argument("per-stage recompute needs one flag per stage: P=" + std::to_string(P) +
+                                    " stages, got " + std::to_string(rec.size()) + " flags");
+}
+
+void validate_cap(Policy p, int max_in_flight) {
+    if (max_in_flight < 0)
+        throw std::invalid_argument("max_in_flight must be >= 0 (0 = no cap), got " +
+                                    std::to_string(max_in_flight));
+    if (max_in_flight > 0 && p != Policy::Varuna)
+        throw std::invalid_argument(std::string("an in-flight cap applies to the varuna policy only (") +
+                                    policy_name(p) + " holds what it publishes); pass max_in_flight=0");
+}
+
 void validate_split(Policy p, bool split_backward) {
     if (split_backward && p != Policy::Varuna)
         throw std::invalid_argument(std::string("split_backward applies to the varuna policy only (") +
@@ -204,13 +223,21 @@ void validate_stage(int P, int m, int stage) {
 std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool recompute,
                                    bool split_backward) {
     validate_stage(P, m, stage);
+    return stage_schedule(policy, P, m, stage, uniform_flags(P, recompute), split_backward);
+}
+
+std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, const StageFlags& rec,
+                                   bool split_backward) {
+    validate_stage(P, m, stage);
+    validate_flags(P, rec);
     validate_split(policy, split_backward);
-    if (split_backward) return with_weight_actions(stage_schedule(policy, P, m, stage, recompute, false));
+    if (split_backward) return with_weight_actions(stage_schedule(policy, P, m, stage, rec, false));
+    const bool r = rec[static_cast<std::size_t>(stage)];
     switch (policy) {
-        case Policy::GPipe: return gpipe_stage(P, m, stage, recompute);
-        case Policy::OneFOneB: return one_f_one_b_stage(P, m, stage, recompute);
+        case Policy::GPipe: return gpipe_stage(P, m, stage, r);
+        case Policy::OneFOneB: return one_f_one_b_stage(P, m, stage, r);
         case Policy::Varuna: {
-            auto all = varuna_all_stages(P, m, recompute);
+            auto all = varuna_all_stages(P, m, rec);
             return std::move(all[static_cast<std::size_t>(stage)]);
         }
     }
@@ -221,35 +248,77 @@ std::vector<Action> stage_schedule(Policy policy, int P, int m, int stage, bool 
 std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, bool recompute,
                                                    bool split_backward) {
     validate_shape(P, m);
+    return pipeline_schedule(policy, P, m, uniform_flags(P, recompute), split_backward);
+}
+
+std::vector<std::vector<Action>> pipeline_schedule(Policy policy, int P, int m, const StageFlags& rec,
+                                                   bool split_backward) {
+    validate_shape(P, m);
+    validate_flags(P, rec);
     validate_split(policy, split_backward);
     if (policy == Policy::Varuna) {
-        auto all = varuna_all_stages(P, m, recompute);
+        auto all = varuna_all_stages(P, m, rec);
         if (split_backward)
             for (auto& v : all) v = with_weight_actions(v);
         return all;
     }
     std::vector<std::vector<Action>> all;
     all.reserve(static_cast<std::size_t>(P));
-    for (int s = 0; s < P; ++s) all.push_back(stage_schedule(policy, P, m, s, recompute));
+    for (int s = 0; s < P; ++s) all.push_back(stage_schedule(policy, P, m, s, rec));
     return all;
 }
 
 // ---------------------------------------------------------------------------------
 // StageScheduler
 
-StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute,
-                               bool split_backward)
-    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute), split_(split_backward) {
-    list_ = stage_schedule(policy, P, m, stage, recompute, split_backward);
-    taken_.assign(list_.size(), 0);
-    remaining_ = list_.size();
-    skip_taken();
+std::vector<int> upstream_caps(Policy policy, int P, const std::vector<int>& caps) {
+    if (!caps.empty() && static_cast<int>(caps.size()) != P)
+        throw std::invalid_argument("max_in_flight needs one cap per stage (P=" + std::to_string(P) + ", 0 = none), got " +
+                                    std::to_string(caps.size()));
+    for (int c : caps) validate_cap(policy, c);
+    std::vector<int> up(static_cast<std::size_t>(std::max(P, 0)), 0);
+    int eff = 0;  // the effective cap of the stage before: min over the caps up to it (0 = none)
+    for (int s = 0; s < P && !caps.empty(); ++s) {
+        up[static_cast<std::size_t>(s)] = eff;
+        const int c = caps[static_cast<std::size_t>(s)];
+        if (c > 0) eff = eff > 0 ? std::min(eff, c) : c;
+    }
+    return up;
 }
 
 StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute,
-                               bool split_backward, std::vector<Action> list)
+                               bool split_backward, int max_in_flight)
+    : StageScheduler(policy, P, m, stage, (validate_shape(P, m), uniform_flags(P, recompute)), split_backward,
+                     max_in_flight) {}
+
+StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, const StageFlags& rec,
+                               bool split_backward, int max_in_flight)
+    : policy_(policy), P_(P), m_(m), stage_(stage), split_(split_backward), cap_(max_in_flight) {
+    list_ = stage_schedule(policy, P, m, stage, rec, split_backward);  // validates
+    validate_cap(policy, max_in_flight);
+    recompute_ = rec[static_cast<std::size_t>(stage)];
+    init();
+}
+
+StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, const StageFlags& rec,
+                               bool split_backward, const std::vector<int>& max_in_flight)
+    : policy_(policy), P_(P), m_(m), stage_(stage), split_(split_backward) {
+    list_ = stage_schedule(policy, P, m, stage, rec, split_backward);  // validates
+    const auto up = upstream_caps(policy, P, max_in_flight);
+    cap_ = max_in_flight.empty() ? 0 : max_in_flight[static_cast<std::size_t>(stage)];
+    up_cap_ = up[static_cast<std::size_t>(stage)];
+    recompute_ = rec[static_cast<std::size_t>(stage)];
+    init();
+}
+
+StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute,
+                               bool split_backward, int max_in_flight, int up_cap, std::vector<Action> list)
     : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute), split_(split_backward),
-      list_(std::move(list)) {
+      cap_(max_in_flight), up_cap_(up_cap), list_(std::move(list)) {
+    init();
+}
+
+void StageScheduler::init() {
     taken_.assign(list_.size(), 0);
     remaining_ = list_.size();
     skip_taken();
@@ -257,12 +326,22 @@ StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool reco
 
 std::vector<StageScheduler> StageScheduler::for_pipeline(Policy policy, int P, int m, bool recompute,
                                                          bool split_backward) {
-    auto lists = pipeline_schedule(policy, P, m, recompute, split_backward);  // validates
+    validate_shape(P, m);
+    return for_pipeline(policy, P, m, uniform_flags(P, recompute), split_backward, {});
+}
+
+std::vector<StageScheduler> StageScheduler::for_pipeline(Policy policy, int P, int m, const StageFlags& rec,
+                                                         bool split_backward,
+                                                         const std::vector<int>& max_in_flight) {
+    auto lists = pipeline_schedule(policy, P, m, rec, split_backward);  // validates
+    const auto up = upstream_caps(policy, P, max_in_flight);
     std::vector<StageScheduler> out;
     out.reserve(lists.size());
-    for (int s = 0; s < P; ++s)
-        out.push_back(StageScheduler(policy, P, m, s, recompute, split_backward,
-                                     std::move(lists[static_cast<std::size_t>(s)])));
+    for (int s = 0; s < P; ++s) {
+        const auto us = static_cast<std::size_t>(s);
+        out.push_back(StageScheduler(policy, P, m, s, rec[us], split_backward,
+                                     max_in_flight.empty() ? 0 : max_in_flight[us], up[us], std::move(lists[us])));
+    }
     return out;
 }
 
@@ -298,6 +377,14 @@ std::size_t StageScheduler::pick(int acts_arrived, int grads_arrived) const {
     return idx;
 }
 
+std::size_t StageScheduler::first_untaken_backward() const {
+    // Backward-side actions are taken in list order (as the head, or here), so the first
+    // untaken one is found from pos_ on; a W is never untaken-and-pending at once.
+    for (std::size_t k = pos_; k < list_.size(); ++k)
+        if (!taken_[k] && list_[k].kind != ActionKind::Forward && list_[k].kind != ActionKind::Weight) return k;
+    return list_.size();
+}
+
 std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) {
     if (acts_arrived < 0 || grads_arrived < 0)
         throw std::invalid_argument("acts_arrived and grads_arrived must be >= 0, got " +
@@ -306,18 +393,32 @@ std::optional<Action> StageScheduler::next(int acts_arrived, int grads_arrived) 
     if (remaining_ == 0) return std::nullopt;
     std::size_t idx = list_.size();
     if (pos_ < list_.size()) idx = pick(acts_arrived, grads_arrived);
+    // in-flight cap: free before taking more (a pending W first, below; else the oldest backward);
+    // and never wait for an activation the capped stages upstream cannot send before they get
+    // this stage's gradient of micro-batch j - up_cap_ (a wait for it would be circular)
+    const bool fwd = idx < list_.size() && list_[idx].kind == ActionKind::Forward;
+    const bool blocked_up = fwd && up_cap_ > 0 && acts_arrived <= list_[idx].mb && b_done_ <= list_[idx].mb - up_cap_;
+    const bool full = fwd && ((cap_ > 0 && held_ >= cap_) || blocked_up);
+    if (full && pending_w_.empty()) {
+        const std::size_t k = first_untaken_backward();
+        if (k < list_.size()) idx = k;
+    }
     // zero-bubble split: deferred weight work fills the wait, or runs when it must
     if (!pending_w_.empty() &&
-        (idx == list_.size() || static_cast<int>(pending_w_.size()) > max_deferred() ||
+        (idx == list_.size() || full || static_cast<int>(pending_w_.size()) > max_deferred() ||
          would_wait(list_[idx], acts_arrived, grads_arrived))) {
         const Action w = list_[static_cast<std::size_t>(pending_w_.front())];
         pending_w_.pop_front();
         --remaining_;
+        --held_;
         return w;
     }
     const Action a = list_[idx];
     taken_[idx] = 1;
     --remaining_;
+    if (a.kind == ActionKind::Forward) ++held_;
+    if (a.kind == ActionKind::Backward) ++b_done_;
+    if (a.kind == ActionKind::Backward && !split_) --held_;
     if (split_ && a.kind == ActionKind::Backward) {
         // its W (right after it in the static list) is pending from now on
         taken_[idx + 1] = 1;

@@ -13,13 +13,22 @@
 namespace varuna {
 namespace {
 
+// Whether stage s of a P-deep candidate recomputes (the per-stage override, else `recompute`).
+bool rec_at(const SearchInput& in, int P, int s) {
+    if (s >= P - 1) return false;
+    return in.stage_recompute.size() == static_cast<std::size_t>(P) ? in.stage_recompute[static_cast<std::size_t>(s)]
+                                                                    : in.recompute;
+}
+
 // In-flight bounds used while balancing, before the simulator gives exact peaks.
 void stash_bound(const SearchInput& in, int P, int m, int s, int& stashed, int& live) {
     const bool last = s == P - 1;
     int inflight = m;
     if (in.policy == Policy::Varuna) inflight = std::min(m, 3 * (P - 1 - s) + 1);
     if (in.policy == Policy::OneFOneB) inflight = std::min(m, P - s);
-    if (in.recompute && !last) {
+    if (in.max_in_flight.size() == static_cast<std::size_t>(P) && in.max_in_flight[static_cast<std::size_t>(s)] > 0)
+        inflight = std::min(inflight, in.max_in_flight[static_cast<std::size_t>(s)]);
+    if (rec_at(in, P, s)) {
         stashed = inflight;
         live = 1;
     } else {
@@ -340,6 +349,18 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
     cfg.m = c.m;
     cfg.policy = in.policy;
     cfg.recompute = in.recompute;
+    cfg.stage_recompute.clear();
+    cfg.max_in_flight.clear();
+    if (!in.stage_recompute.empty()) {
+        validate_flags(P, in.stage_recompute);
+        cfg.stage_recompute = in.stage_recompute;
+    }
+    if (!in.max_in_flight.empty()) {
+        if (static_cast<int>(in.max_in_flight.size()) != P)
+            throw std::invalid_argument("max_in_flight must have one cap per stage (P=" + std::to_string(P) + "), got " +
+                                        std::to_string(in.max_in_flight.size()));
+        cfg.max_in_flight = in.max_in_flight;
+    }
     cfg.split_backward = in.split_backward;
     cfg.fwd.assign(P, 0.0);
     cfg.rec.assign(P, 0.0);
@@ -362,7 +383,7 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
     for (int s = 0; s < P; ++s) {
         const int a = c.starts[s], b = s + 1 < P ? c.starts[s + 1] : n;
         // a forward with autograd on (last stage, or no recompute) costs what a recompute costs
-        const bool grad_forward = !in.recompute || s == P - 1;
+        const bool grad_forward = !rec_at(in, P, s);
         for (int k = a; k < b; ++k) {
             stage_of[k] = s;
             cfg.fwd[s] += grad_forward ? t.rec[k] : t.fwd[k];
@@ -398,7 +419,7 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
         cfg.dp_bytes[s] = std::max(0.0, cfg.dp_bytes[s]);
         cfg.opt[s] = in.opt_s_per_param_byte * w;
         c.stage_compute.push_back(cfg.rec[s] + cfg.bwd[s] + (in.split_backward ? cfg.wgt[s] : 0.0) +
-                                  (in.recompute && s + 1 < P ? cfg.fwd[s] : 0.0));
+                                  (rec_at(in, P, s) ? cfg.fwd[s] : 0.0));
     }
     share_sync_phase(in, cfg);
     return cfg;
@@ -433,17 +454,19 @@ std::string no_split_reason(const SearchInput& in, int P, const SegmentTable& t)
 //    stays in flight for at least its round trip: its F and the F of every later stage, the
 //    activation links, every later stage's backward and the gradient links back (Little's law:
 //    at most k round trips at once).
-//  * Varuna: its opportunistic forwards keep no fixed bound on what is in flight; 0.
-double flow_rate(const SimConfig& cfg, Policy policy, bool recompute) {
+//  * Varuna: its opportunistic forwards keep no fixed bound on what is in flight (0), except on
+//    stages with an in-flight cap k (max_in_flight): there, as for 1F1B, k round trips at once.
+double flow_rate(const SimConfig& cfg, Policy policy) {
     const int P = cfg.P;
-    if (P < 2 || policy == Policy::Varuna) return 0.0;
+    if (P < 2 || (policy == Policy::Varuna && cfg.max_in_flight.empty())) return 0.0;
+    const StageFlags rec = stage_flags(cfg);
     const int rph = std::max(1, cfg.ranks_per_host);
     const double ov = cfg.action_overhead;
     std::vector<double> f(P), b(P), link(P, 0.0), glink(P, 0.0);
     for (int s = 0; s < P; ++s) {
         const bool last = s == P - 1;
         f[s] = cfg.fwd[s] + ov;
-        b[s] = cfg.bwd[s] + ov + ((recompute && !last) ? cfg.rec[s] + ov : 0.0);
+        b[s] = cfg.bwd[s] + ov + ((rec[static_cast<std::size_t>(s)] && !last) ? cfg.rec[s] + ov : 0.0);
         if (!last) {
             const bool local = (s / rph) == ((s + 1) / rph);
             const double a = local ? cfg.local_alpha : cfg.p2p_alpha;
@@ -463,7 +486,10 @@ double flow_rate(const SimConfig& cfg, Policy policy, bool recompute) {
     double rate = 0.0, trip = 0.0;  // trip: round trip of stage s, built from the last stage up
     for (int s = P - 1; s >= 0; --s) {
         trip += f[s] + b[s] + link[s] + glink[s];
-        rate = std::max(rate, trip / std::min(cfg.m, P - s));
+        const int k = policy == Policy::Varuna ? cfg.max_in_flight[static_cast<std::size_t>(s)] : P - s;
+        // with the split a micro-batch stays held until its W as well
+        const double own_w = cfg.split_backward ? cfg.wgt[static_cast<std::size_t>(s)] + ov : 0.0;
+        if (k > 0) rate = std::max(rate, (trip + own_w) / std::min(cfg.m, k));
     }
     return rate;
 }
@@ -481,13 +507,12 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
     const int m_sim = std::min(c.m, in.sim_cap > 0 ? in.sim_cap : std::max(P + 8, 64));
     double rate = 0.0;
     if (m_sim < c.m) {
-        const bool fwd_twice = in.recompute;
         std::vector<double> host_work;
         const int rph = std::max(1, cfg.ranks_per_host);
         for (int s = 0; s < P; ++s) {
-            const bool last = s == P - 1;
-            const int acts = ((fwd_twice && !last) ? 3 : 2) + (cfg.split_backward ? 1 : 0);
-            const double work = cfg.fwd[s] + cfg.bwd[s] + ((fwd_twice && !last) ? cfg.rec[s] : 0.0) +
+            const bool twice = rec_at(in, P, s);  // forward twice: F, then R
+            const int acts = (twice ? 3 : 2) + (cfg.split_backward ? 1 : 0);
+            const double work = cfg.fwd[s] + cfg.bwd[s] + (twice ? cfg.rec[s] : 0.0) +
                                 (cfg.split_backward ? cfg.wgt[s] : 0.0) + acts * cfg.action_overhead;
             rate = std::max(rate, work);
             if (s + 1 < P) {
@@ -504,7 +529,7 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
         }
         if (cfg.compute_slots_per_host > 0)
             for (double w : host_work) rate = std::max(rate, w / cfg.compute_slots_per_host);
-        rate = std::max(rate, flow_rate(cfg, in.policy, fwd_twice));
+        rate = std::max(rate, flow_rate(cfg, in.policy));
         cfg.m = m_sim;
     }
     SimResult r = simulate(cfg);
@@ -526,6 +551,8 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
         c.bubble_fraction = span > 0 ? std::max(0.0, 1.0 - busy / (P * span)) : 0.0;
     }
     c.feasible = true;
+    c.peak_stashed = r.peak_stashed;
+    c.peak_live = r.peak_live;
     for (int s = 0; s < P; ++s) {
         const int a = c.starts[s], b = s + 1 < P ? c.starts[s + 1] : n;
         const double mem = stage_memory(in, t, a, b, r.peak_stashed[s], r.peak_live[s]);
@@ -563,6 +590,7 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
 // The result is shrunk by 1e-12 (relative) against rounding.
 double time_lower_bound(const SimConfig& cfg) {
     const int P = cfg.P, D = cfg.D;
+    const StageFlags flags = stage_flags(cfg);
     const double m = cfg.m;
     const int rph = std::max(1, cfg.ranks_per_host);
     const double ov = cfg.action_overhead, so = cfg.send_overhead;
@@ -570,7 +598,7 @@ double time_lower_bound(const SimConfig& cfg) {
     std::vector<double> work(sz(P)), F(sz(P)), Rc(sz(P)), B(sz(P)), lat(sz(P), 0.0), glat(sz(P), 0.0);
     for (int s = 0; s < P; ++s) {
         const bool last = s == P - 1;
-        const bool rec = cfg.recompute && !last;
+        const bool rec = flags[sz(s)] && !last;
         const double rbase = cfg.rec.empty() ? cfg.fwd[sz(s)] : cfg.rec[sz(s)];
         F[sz(s)] = cfg.fwd[sz(s)] + ov + (last ? 0.0 : so);
         Rc[sz(s)] = rec ? rbase + ov : 0.0;
@@ -933,6 +961,9 @@ std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
                                         "split_backward=false");
     }
     validate_split(in.policy, in.split_backward);
+    if (!in.stage_recompute.empty() || !in.max_in_flight.empty())
+        throw std::invalid_argument("search() takes one recompute setting for every depth; per-stage recompute and "
+                                    "in-flight caps apply to evaluate() of one depth (leave them empty)");
     if (static_cast<int>(in.param_bytes.size()) != n)
         throw std::invalid_argument("param_bytes must have one entry per segment");
     if (in.fixed_replicas < 0 || in.fixed_replicas > in.gpus ||

@@ -61,6 +61,12 @@ struct SearchInput {
     int global_batch = 1;
     Policy policy = Policy::Varuna;
     bool recompute = true;
+    // Per-stage overrides for evaluate(), candidate_lower_bound() and simulate_candidate() of one
+    // depth P (search() refuses them: it searches with `recompute` everywhere): recompute per
+    // stage (size P, empty = `recompute`) and in-flight caps per stage (size P, 0 = none, empty =
+    // none; Varuna only), as SimConfig takes them.
+    StageFlags stage_recompute;
+    std::vector<int> max_in_flight;
     bool split_backward = false;             // Varuna only: B and W apart (tables need bwd_in, wgt)
     std::vector<SegmentTable> tables;        // one per candidate micro-batch size
     std::vector<double> param_bytes;         // per segment (first use)
@@ -102,6 +108,8 @@ struct Candidate {
     double minibatch_time = 0.0;             // seconds (simulated)
     double bubble_fraction = 0.0;
     std::vector<double> stage_memory;        // bytes, per stage (peak)
+    // Simulated peak micro-batches per stage: inputs stashed for a recompute, live graphs.
+    std::vector<int> peak_stashed, peak_live;
     std::vector<double> stage_compute;       // seconds per micro-batch (F+R+B), per stage
     bool feasible = false;
     // false: a best-only search's row whose candidates could not beat the fastest found and

@@ -227,6 +227,7 @@ private:
     int unfinished_ = 0;
     std::vector<Rank> ranks_;
     std::vector<StageScheduler> sched_;
+    StageFlags rec_;  // per-stage recompute
     std::vector<double> act_arr_, grad_arr_;  // [rank * m + mb]
     std::vector<double> f_start_, b_start_;
     std::vector<int> f_count_;
@@ -247,7 +248,8 @@ void Engine::setup() {
     slots_ = c_.compute_slots_per_host > 0;
 
     // schedulers: one prototype per stage, copied for replicas beyond the first
-    auto proto = StageScheduler::for_pipeline(c_.policy, P_, m_, c_.recompute, c_.split_backward);
+    rec_ = stage_flags(c_);
+    auto proto = StageScheduler::for_pipeline(c_.policy, P_, m_, rec_, c_.split_backward, c_.max_in_flight);
     if (nrep_ == 1) {
         sched_ = std::move(proto);
     } else {
@@ -521,7 +523,7 @@ double Engine::begin_action(int r, double t) {
     // memory states, counted from the start of the creating action
     switch (a.kind) {
         case ActionKind::Forward:
-            if (c_.recompute && s < P_ - 1) ++k.stashed;
+            if (rec_[static_cast<std::size_t>(s)] && s < P_ - 1) ++k.stashed;
             else ++k.live;
             break;
         case ActionKind::Recompute:
@@ -1012,6 +1014,7 @@ bool extrapolate(const SimConfig& c, SimResult& out) {
     r.minibatch_time = ex(r.minibatch_time, r2.minibatch_time);
     r.pipeline_time = ex(r.pipeline_time, r2.pipeline_time);
     const Windows w = windows(c.policy, P, mp);
+    const StageFlags flags = stage_flags(c);
     double bsum = 0.0;
     for (int s = 0; s < P; ++s) {
         const auto us = static_cast<std::size_t>(s);
@@ -1035,7 +1038,7 @@ bool extrapolate(const SimConfig& c, SimResult& out) {
         const int base_stashed = std::max(r.peak_stashed[us], m2 > 0 ? r2.peak_stashed[us] : 0);
         const int base_live = std::max(r.peak_live[us], m2 > 0 ? r2.peak_live[us] : 0);
         const double grow = std::max(g, 0.0) * static_cast<double>(m - mp);
-        const bool stash_grows = c.recompute && s < P - 1;
+        const bool stash_grows = flags[us] && s < P - 1;
         r.peak_inflight[us] = clamp_peak(base_inflight + grow, base_inflight, m);
         r.peak_stashed[us] = stash_grows ? clamp_peak(base_stashed + grow, base_stashed, m) : base_stashed;
         r.peak_live[us] = stash_grows ? base_live : clamp_peak(base_live + grow, base_live, m);
@@ -1060,8 +1063,19 @@ double allreduce_time(double bytes, int n, double ar_alpha, double ar_beta) {
     return ar_alpha * k + k / n * bytes / ar_beta;
 }
 
+StageFlags stage_flags(const SimConfig& c) {
+    return c.stage_recompute.empty() ? uniform_flags(c.P, c.recompute) : c.stage_recompute;
+}
+
 void validate(const SimConfig& c) {
     validate_shape(c.P, c.m);
+    if (!c.stage_recompute.empty()) validate_flags(c.P, c.stage_recompute);
+    if (!c.max_in_flight.empty()) {
+        if (c.max_in_flight.size() != static_cast<std::size_t>(c.P))
+            bad("max_in_flight must have one cap per stage (P=" + std::to_string(c.P) + ", 0 = none) or be empty, got " +
+                std::to_string(c.max_in_flight.size()));
+        for (int cap : c.max_in_flight) validate_cap(c.policy, cap);
+    }
     if (c.D < 1) bad("D (number of data-parallel replicas) must be >= 1, got " + std::to_string(c.D));
     const auto P = static_cast<std::size_t>(c.P);
     check_vec(c.fwd, "fwd", P, false, "seconds per micro-batch, one per stage", "seconds");

@@ -135,12 +135,21 @@ struct TiedGroup {
     double bytes = 0.0;       // gradient bytes summed over those stages and all replicas
 };
 
+struct SimConfig;
+// The per-stage recompute flags a configuration runs with (stage_recompute, else `recompute`
+// for every stage).
+StageFlags stage_flags(const SimConfig& c);
+
 struct SimConfig {
     int P = 1;  // pipeline stages
     int D = 1;  // data-parallel replicas
     int m = 1;  // micro-batches per mini-batch (per replica)
     Policy policy = Policy::Varuna;
     bool recompute = true;
+    // Per-stage recompute (size P; overrides `recompute` when not empty) and per-stage in-flight
+    // caps (size P, 0 = none; empty = no caps; Varuna only): see schedule.h.
+    std::vector<bool> stage_recompute;
+    std::vector<int> max_in_flight;
     bool split_backward = false;  // B (input gradient) and W (weight gradients) apart
 
     // Per stage, seconds per micro-batch.  fwd, bwd: size P.  rec: size P or empty

@@ -236,7 +236,8 @@ def run_job(rank: int, job: dict) -> dict:
     out = {"losses": torch.tensor(losses, dtype=torch.float64), "norms": torch.tensor(norms, dtype=torch.float64),
            "skipped": torch.tensor(skipped), "scales": torch.tensor(scales, dtype=torch.float64),
            "stage": eng.stage, "replica": eng.replica, "params": snapshot(), "spent": spent,
-           "overlapped": eng.grad_sync.launched, "buckets": len(eng.grad_sync.buckets)}
+           "overlapped": eng.grad_sync.launched, "buckets": len(eng.grad_sync.buckets),
+           "peak_live_graphs": eng.peak_live_graphs}
     if keep_history:
         out["history"] = history
     if opts.get("eval"):

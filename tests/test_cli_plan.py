@@ -9,8 +9,7 @@ import os
 
 import pytest
 
-from test_planner import HEAVY, _cli, _job, synthetic_profile
-from varuna_sdk.planner.plan import plan
+from test_planner import HEAVY, _cli, _job, plan, synthetic_profile  # _job's config: recompute true, as plan
 
 
 @pytest.fixture

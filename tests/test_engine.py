@@ -30,7 +30,7 @@ CLIP = 0.05  # far below the tiny model's gradient norm (~0.5-1), so clipping is
 
 
 def job(name, P, D=1, *, b, G, steps=3, kind="gpt2", model=None, policy="varuna", shared_params=None,
-        split=None, recompute=None, **opts):
+        split=None, recompute=None, caps=None, **opts):
     par = dict(P=P, D=D, global_batch=G, micro_batch_size=b, policy=policy)
     if shared_params is not None:
         par["shared_params"] = shared_params
@@ -38,6 +38,8 @@ def job(name, P, D=1, *, b, G, steps=3, kind="gpt2", model=None, policy="varuna"
         par["split_backward"] = split
     if recompute is not None:
         par["recompute"] = recompute
+    if caps is not None:
+        par["max_in_flight"] = caps
     return {"name": name, "kind": kind, "par": par, "model": model or {}, "steps": steps, "opts": opts}
 
 
@@ -68,6 +70,10 @@ EQUIV_JOBS = [
     job("zb_p2d2_m2", 2, 2, b=2, G=8, split=True),
     job("zb_mixed_p3_mxs", 3, b=2, G=4, kind="mixed", model={"order": "mxs"}, split=True),
     job("zb_nested_p3", 3, b=2, G=4, kind="nested", split=True),
+    # recompute per stage and in-flight caps (the planner's memory choice): same numbers
+    job("cap_p3_m5", 3, b=1, G=5, recompute=[True, False, False], caps=[0, 1, 0]),
+    job("cap_p4_m6", 4, b=1, G=6, recompute=[False, True, False, False], caps=[2, 0, 1, 0]),
+    job("zb_cap_p3_m5", 3, b=1, G=5, split=True, recompute=[False, False, False], caps=[2, 1, 0]),
 ]
 CLIP_JOBS = [
     job("clip_p1", 1, b=2, G=4, clip=CLIP),
@@ -188,6 +194,19 @@ def test_waiting_for_a_neighbour_is_timed_apart_from_compute(results):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["cap_p3_m5", "cap_p4_m6", "zb_cap_p3_m5"])
+def test_in_flight_cap_bounds_the_graphs_a_stage_holds(name, results):
+    """A capped stage never holds more live activation graphs than its cap (with the split: until
+    W), and an uncapped stage without recompute does hold more: the cap is what bounds it."""
+    caps = ALL_JOBS[name]["par"]["max_in_flight"]
+    for r in results(name):
+        cap = caps[r["stage"]]
+        if cap:
+            assert 1 <= r["peak_live_graphs"] <= cap, (name, r["stage"], r["peak_live_graphs"], cap)
+    uncapped = [r["peak_live_graphs"] for r in results("zb_p2_m4_norc") if r["stage"] == 0]
+    assert uncapped and uncapped[0] >= 2
+
+
 @pytest.mark.parametrize("name", ["zb_p2_m4", "zb_p3_m5", "eq_p2_m4"])
 def test_split_backward_runs_weight_work_apart(name, results):
     """With split_backward every rank spends time in W actions (the deferred weight gradients);

@@ -17,6 +17,7 @@ The simulator itself is covered by ``test_simulator.py``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -28,11 +29,17 @@ import pytest
 
 from varuna_sdk import _core
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig
-from varuna_sdk.planner.plan import plan
+from varuna_sdk.planner.plan import plan as plan_any
+
 from varuna_sdk.planner.request import candidate_micro_batch_sizes
 from varuna_sdk.planner.rows import Plan, Prices
 from varuna_sdk.planner.simulate import simulate
 from varuna_sdk.profiling.profile import NetworkProfile, Profile, ProfileError, SegmentProfile
+
+# These tests check the search itself, one whole-pipeline recompute setting at a time (each test's
+# reference simulates with it): recompute=True unless a test passes its own. The planner's default,
+# recompute per stage from the memory limit (recompute=None), is tested in test_recompute_plan.py.
+plan = functools.partial(plan_any, recompute=True)
 
 GiB = 1024.0**3
 HEAVY = [1, 1, 1, 3, 1, 1, 1, 1]  # 8 uniform segments, one 3x heavier
@@ -612,10 +619,16 @@ def test_profile_edited_in_place_is_replanned():
 
 def test_policies_and_recompute_flag():
     prof = synthetic_profile(HEAVY)
-    for policy, rec in (("varuna", True), ("gpipe", False), ("1f1b", False)):
-        pl = plan(prof, 4, 32, policy=policy)
+    # the default: Varuna per stage (None), GPipe and 1F1B off, every stage of every row
+    for policy, rec in (("varuna", None), ("gpipe", False), ("1f1b", False)):
+        pl = plan_any(prof, 4, 32, policy=policy)
         assert pl.policy == policy and pl.recompute is rec and pl.feasible
-    assert plan(prof, 4, 32, policy="varuna", recompute=False).recompute is False
+        if rec is False:
+            assert all(not any(r.stage_recompute) and not any(r.max_in_flight) for r in pl.feasible)
+    for rec in (False, True):
+        pl = plan_any(prof, 4, 32, policy="varuna", recompute=rec)
+        assert pl.recompute is rec
+        assert all(r.stage_recompute == [rec] * (r.P - 1) + [False] for r in pl.feasible)
 
 
 def test_best_only_search_work_grows_about_linearly_in_G():
@@ -639,7 +652,7 @@ def test_best_only_search_work_grows_about_linearly_in_G():
 def _job(P=None, D=None, gpus=4) -> JobConfig:
     return JobConfig(name="tiny-plan", model=ModelConfig(preset="tiny", n_layer=6),
                      data=DataConfig(tokenizer="byte", seq_len=32),
-                     parallel=ParallelConfig(P=P, D=D, global_batch=32, micro_batch_size=1),
+                     parallel=ParallelConfig(P=P, D=D, global_batch=32, micro_batch_size=1, recompute=True),
                      launch=LaunchConfig(gpus=gpus))
 
 
@@ -740,7 +753,7 @@ def test_long_mini_batches_extrapolate_to_the_full_simulation(policy):
     reference is Plan.simulate: every micro-batch event by event."""
     prof = synthetic_profile([1] * 8)  # 1 MB crossing every cut-point
     for bw in (1e6, 1e7, 1e9):  # 1 s, 0.1 s, 1 ms per transfer
-        pl = plan(prof, 8, 512, policy=policy, network_bandwidth_Bps=bw, micro_batch_sizes=[1, 2], replicas=1)
+        pl = plan_any(prof, 8, 512, policy=policy, network_bandwidth_Bps=bw, micro_batch_sizes=[1, 2], replicas=1)
         long = [r for r in pl.feasible if r.m > 64]
         assert len(long) >= 7, (bw, [(r.P, r.m) for r in pl.feasible])
         for r in long:

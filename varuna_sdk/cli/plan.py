@@ -43,7 +43,8 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     G, B = args.gpus, args.global_batch or job.parallel.global_batch
     par = job.parallel
     placement, where = _placement(args, G)
-    common = dict(policy=args.policy or par.policy, recompute=par.recompute,
+    # a per-stage list is an earlier plan's choice for its own P: plan per stage again
+    common = dict(policy=args.policy or par.policy, recompute=par.recompute if isinstance(par.recompute, bool) else None,
                   network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
                   prices=_prices(args), target_examples=args.target_examples, **placement)
     pl = plan(prof, G, B, exhaustive=not args.best_only, **common)

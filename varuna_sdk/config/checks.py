@@ -94,8 +94,15 @@ def validate_parallel(p: ParallelConfig) -> None:
             f"parallel.split_backward=true applies to the varuna policy only (policy={p.policy!r} runs its "
             "backward whole, as published); set split_backward to false or null, or policy to 'varuna'"
         )
+    if p.max_in_flight is not None and any(p.max_in_flight) and p.policy != "varuna":
+        raise ConfigError(f"parallel.max_in_flight applies to the varuna policy only (policy={p.policy!r} holds "
+                          "what it publishes); set it to null, or policy to 'varuna'")
     if p.planned:
         return
+    for name, per in (("recompute", p.recompute), ("max_in_flight", p.max_in_flight)):
+        if isinstance(per, list) and len(per) != p.P:
+            raise ConfigError(f"parallel.{name} lists {len(per)} stages but P={p.P}; give one entry per stage, or "
+                              f"null{' (or true/false for every stage)' if name == 'recompute' else ''}")
     if p.boundaries is not None and len(p.boundaries) != p.P:
         raise ConfigError(
             f"parallel.boundaries has {len(p.boundaries)} stages but P={p.P}; give one list of segment "

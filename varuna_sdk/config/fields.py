@@ -125,8 +125,9 @@ class Flag:
 @dataclass(frozen=True)
 class Plain:
     """Plain data: a mapping (``kind="map"``), a list of names (``"names"``), a list of lists of
-    integers (``"index_lists"``) or names-or-mapping (``"inputs"``); bounded in size and depth, floats
-    finite, keys strings."""
+    integers (``"index_lists"``), names-or-mapping (``"inputs"``), one flag or a list of flags per
+    stage (``"stage_flags"``) or a list of integers >= 0 per stage (``"stage_counts"``); bounded in
+    size and depth, floats finite, keys strings."""
 
     kind: str
     optional: bool = True
@@ -149,6 +150,15 @@ class Plain:
                     for x in v)):
                 raise ConfigError(f"{where}={_show(v)} must be one list of segment indices (integers >= 0) per "
                                   "stage, e.g. [[0, 1], [2, 3]], or null")
+        elif self.kind == "stage_flags":
+            if not (isinstance(v, bool) or (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS
+                                            and all(isinstance(x, bool) for x in v))):
+                raise ConfigError(f"{where}={_show(v)} must be true, false, one true/false per stage (e.g. "
+                                  "[true, false]), or null")
+        elif self.kind == "stage_counts":
+            if not (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(_is_int(x) and 0 <= x < 1 << 20 for x in v)):
+                raise ConfigError(f"{where}={_show(v)} must be one integer >= 0 per stage (e.g. [4, 2, 0]; 0 = no "
+                                  "cap), or null")
         elif self.kind == "inputs":
             ok = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(isinstance(x, str) for x in v)) or (
                 isinstance(v, dict) and 0 < len(v) <= MAX_ITEMS

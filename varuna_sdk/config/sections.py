@@ -90,8 +90,12 @@ class ParallelConfig:
     """How the job is split. ``P`` stages × ``D`` replicas; ``global_batch`` examples per
     optimizer step (fixed, never changed by morphing) = ``micro_batch_size`` × m × ``D``.
     ``boundaries`` optionally gives the segment indices of each stage (``[[0, 1], [2, 3]]``);
-    ``None`` balances stages on estimated cost. ``recompute`` ``None`` = the policy's default
-    (Varuna: on; GPipe, 1F1B: off). ``split_backward`` (Varuna only) splits each backward into
+    ``None`` balances stages on estimated cost. ``recompute``: one flag for every stage or a list
+    of P flags (one per stage, the last stage's ignored: it never recomputes; the planner's choice,
+    ``planner.recompute``); ``None`` = the policy's default (Varuna: on; GPipe, 1F1B: off), which
+    the planner replaces by a per-stage choice from the memory limit. ``max_in_flight`` (Varuna
+    only): per stage, the most micro-batches whose activations the stage holds at once (0 = no
+    cap; ``pipeline.schedule.StageScheduler``); ``None`` = no caps. ``split_backward`` (Varuna only) splits each backward into
     the input gradient (B, sent upstream at once) and the weight gradients (W, deferred into the
     stage's waits; the zero-bubble split); ``None`` = the policy's default. ``P``/``D`` ``None`` =
     let the planner choose for ``launch.gpus`` workers from a calibration (paper §4.4)."""
@@ -101,10 +105,11 @@ class ParallelConfig:
     global_batch: int = 8
     micro_batch_size: int = 1
     policy: str = "varuna"
-    recompute: bool | None = None
+    recompute: bool | list[bool] | None = None
     boundaries: list[list[int]] | None = None
     shared_params: list[str] | None = None
     split_backward: bool | None = None
+    max_in_flight: list[int] | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -186,7 +191,8 @@ RULES: dict[type, dict[str, Any]] = {
                  "seq_len": Int(1, 1 << 20), "val_fraction": Num(0.0, 1.0, True, True),
                  "seed": Int(0, 2 ** 63 - 1)},
     ParallelConfig: {"P": Int(1, 4096, True), "D": Int(1, 1 << 20, True), "global_batch": Int(1, 1 << 30),
-                     "micro_batch_size": Int(1, 1 << 20), "policy": Text(POLICIES), "recompute": Flag(True),
+                     "micro_batch_size": Int(1, 1 << 20), "policy": Text(POLICIES),
+                     "recompute": Plain("stage_flags"), "max_in_flight": Plain("stage_counts"),
                      "split_backward": Flag(True), "boundaries": Plain("index_lists"), "shared_params": Plain("names")},
     TrainConfig: {"steps": Int(1, BIG), "lr": Num(0.0, 10.0, lo_open=True), "min_lr": Num(0.0, 10.0),
                   "weight_decay": Num(0.0, 10.0), "warmup_steps": Int(0, BIG),

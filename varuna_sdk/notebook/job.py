@@ -213,7 +213,8 @@ class Job:
         p = self.config.parallel
         G = self.config.launch.gpus if gpus is None else gpus
         return PlanView(plan_fn(prof, G, p.global_batch if global_batch is None else global_batch, policy=policy or p.policy,
-                                recompute=p.recompute if recompute is None and policy is None else recompute,
+                                recompute=(p.recompute if isinstance(p.recompute, bool) else None)
+                                if recompute is None and policy is None else recompute,
                                 gpus_per_vm=gpus_per_vm, compute_slots_per_vm=compute_slots_per_vm,
                                 network_bandwidth_Bps=network_bandwidth_Bps, prices=prices,
                                 target_examples=target_examples, memory_limit_bytes=memory_limit_bytes,

@@ -188,8 +188,22 @@ class Varuna:
         self.loss_fn, self.seed, self.precision, self.grad_clip = loss_fn, seed, precision, grad_clip
         self.timeout_s = timeout_s
         self.policy = parallel.policy
-        self.recompute = default_recompute(self.policy) if parallel.recompute is None else parallel.recompute
+        rec = default_recompute(self.policy) if parallel.recompute is None else parallel.recompute
+        # every stage's scheduler needs all stages' flags (Varuna's static order depends on them)
+        self.stage_recompute = [bool(x) for x in rec] if isinstance(rec, (list, tuple)) else [bool(rec)] * self.P
+        if len(self.stage_recompute) != self.P:
+            raise ValueError(f"parallel.recompute lists {len(self.stage_recompute)} stages but P={self.P}; give one "
+                             "flag per stage, or one bool for every stage")
+        self.recompute = self.stage_recompute[self.stage] and not self.is_last
+        self.stage_caps = [int(c) for c in parallel.max_in_flight] if parallel.max_in_flight else [0] * self.P
+        if len(self.stage_caps) != self.P:
+            raise ValueError(f"parallel.max_in_flight lists {len(self.stage_caps)} stages but P={self.P}; give one "
+                             "cap per stage (0 = none)")
+        self.max_in_flight = self.stage_caps[self.stage]
         self.split_backward = bool(parallel.split_backward)
+        #: Most micro-batches whose activation graph this stage held at once (awaiting B or W), over
+        #: every step so far: with an in-flight cap, at most ``max_in_flight``.
+        self.peak_live_graphs = 0
         if device is None:
             backend = dist.get_backend() if distributed else "gloo"
             device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
@@ -342,7 +356,8 @@ class Varuna:
         schedule is done; each action kind has its own method (the table below)."""
         actions: dict[str, Callable[[_StepState, int], float]] = {
             "F": self._run_forward, "R": self._run_recompute, "B": self._run_backward, "W": self._run_weights}
-        sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.recompute, self.split_backward)
+        sched = StageScheduler(self.policy, self.P, self.m, self.stage, self.stage_recompute, self.split_backward,
+                               self.stage_caps)
         acts, grads = self.rx_acts, self.rx_grads
         while True:
             action = sched.next(acts.arrived if acts else 0, grads.arrived if grads else 0)
@@ -351,6 +366,7 @@ class Varuna:
             self._count_grad_action(st, action.kind)
             ta = time.perf_counter()
             waited = actions[action.kind](st, action.mb)
+            self.peak_live_graphs = max(self.peak_live_graphs, len(st.live) + len(st.deferred))
             st.compute_s[action.kind] += time.perf_counter() - ta - waited
             if waited:
                 st.wait_s[action.kind] += waited
@@ -544,4 +560,5 @@ class Varuna:
         nparam = sum(p.numel() for _, p in self.params)
         return (f"rank {self.rank}: stage {self.stage}/{self.P} replica {self.replica}/{self.D} "
                 f"segments {a}..{b - 1} params {nparam:,} policy {self.policy} recompute {self.recompute}"
+                f"{f' max in flight {self.max_in_flight}' if self.max_in_flight else ''}"
                 f"{' split backward' if self.split_backward else ''}")

@@ -14,7 +14,10 @@ of ``varuna_sdk`` but ``_native`` and ``config``.
 
 Conventions: ``P`` is the number of pipeline stages, ``m`` the number of
 micro-batches per mini-batch, ``stage`` a 0-based stage index and micro-batch
-indices are 0-based.  The last stage never recomputes.  With ``split_backward``
+indices are 0-based.  The last stage never recomputes.  ``recompute`` is one flag for every
+stage or a list of ``P`` flags (one per stage: a planner recomputes only where memory needs it),
+and a Varuna stage that keeps its activations may carry an in-flight cap (``max_in_flight``,
+see :class:`StageScheduler`).  With ``split_backward``
 (Varuna only; the zero-bubble split of arXiv 2401.10241) ``B`` computes the input gradient
 only and ``W`` the weight gradients, deferred at run time into the gaps where the stage
 would wait for a message (see :class:`StageScheduler`).
@@ -77,6 +80,41 @@ def _check_split(policy: str, split_backward: object) -> bool:
     return split_backward
 
 
+def _check_recompute(P: int, recompute: object) -> bool | list[bool] | None:
+    """``None``, one bool, or a list/tuple of exactly ``P`` bools (one per stage)."""
+    if recompute is None or isinstance(recompute, bool):
+        return recompute
+    if isinstance(recompute, (list, tuple)) and all(isinstance(x, bool) for x in recompute):
+        if len(recompute) != P:
+            raise ValueError(f"recompute lists one flag per stage: P={P} stages, got {len(recompute)} flags "
+                             f"{list(recompute)!r}")
+        return list(recompute)
+    raise TypeError(f"recompute must be None, a bool or a list of {P} bools (one per stage), got "
+                    f"{type(recompute).__name__} {recompute!r}")
+
+
+def _check_caps(policy: str, P: int, stage: int, max_in_flight: object) -> list[int]:
+    """One cap for this stage, or a list of ``P`` caps (one per stage), as the C++ takes them: P caps."""
+    caps = [0] * P
+    if isinstance(max_in_flight, int) and not isinstance(max_in_flight, bool):
+        if 0 <= stage < P:
+            caps[stage] = max_in_flight
+    elif isinstance(max_in_flight, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                          for x in max_in_flight):
+        if len(max_in_flight) != P:
+            raise ValueError(f"max_in_flight lists one cap per stage: P={P} stages, got {len(max_in_flight)}")
+        caps = list(max_in_flight)
+    else:
+        raise TypeError(f"max_in_flight must be an int (this stage's cap, 0 = none) or a list of {P} ints (every "
+                        f"stage's), got {type(max_in_flight).__name__} {max_in_flight!r}")
+    if any(c < 0 for c in caps):
+        raise ValueError(f"max_in_flight must be >= 0 (0 = no cap), got {max_in_flight!r}")
+    if any(caps) and policy != "varuna":
+        raise ValueError(f"an in-flight cap applies to the varuna policy only ({policy} holds what it publishes); "
+                         "pass max_in_flight=0 or policy='varuna'")
+    return caps
+
+
 def _check_ints(**values: object) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int):
@@ -96,7 +134,7 @@ def default_recompute(policy: str) -> bool:
 
 
 def stage_schedule(
-    policy: str, P: int, m: int, stage: int, recompute: bool | None = None,
+    policy: str, P: int, m: int, stage: int, recompute: bool | Sequence[bool] | None = None,
     split_backward: bool = False,
 ) -> list[Action]:
     """Static action list of one pipeline stage for one mini-batch.
@@ -109,8 +147,10 @@ def stage_schedule(
         P: number of pipeline stages, >= 1.
         m: number of micro-batches per mini-batch, >= 1.
         stage: 0-based stage index, ``0 <= stage < P``.
-        recompute: emit ``R(i)`` before ``B(i)`` on non-last stages.  ``None``
-            uses :func:`default_recompute`.  The last stage never recomputes.
+        recompute: emit ``R(i)`` before ``B(i)`` on non-last stages: one bool for every
+            stage, or a list of ``P`` bools (one per stage; Varuna's static order of a stage
+            depends on which stages recompute).  ``None`` uses :func:`default_recompute`.
+            The last stage never recomputes (its entry is ignored).
         split_backward: ``varuna`` only: ``W(i)`` follows every ``B(i)`` in the static
             list (the run-time scheduler defers it; zero-bubble split).
 
@@ -118,19 +158,21 @@ def stage_schedule(
         The actions in execution order, e.g. ``[F0, F1, R0, B0, ...]``.
 
     Raises:
-        ValueError: unknown policy, ``P < 1``, ``m < 1``, ``stage`` out of range or
-            ``split_backward`` with a policy other than ``varuna``; the message names the
-            valid values.
-        TypeError: ``P``, ``m`` or ``stage`` is not an int, ``split_backward`` not a bool.
+        ValueError: unknown policy, ``P < 1``, ``m < 1``, ``stage`` out of range, a
+            ``recompute`` list without exactly ``P`` flags, or ``split_backward`` with a policy
+            other than ``varuna``; the message names the valid values.
+        TypeError: ``P``, ``m`` or ``stage`` is not an int, ``split_backward`` not a bool,
+            ``recompute`` not None, a bool or a list of bools.
     """
     _check_ints(P=P, m=m, stage=stage)
     policy = _check_policy(policy)
     split = _check_split(policy, split_backward)
-    return [_action(t) for t in _core.stage_schedule(policy, P, m, stage, recompute, split)]
+    rec = _check_recompute(P, recompute)
+    return [_action(t) for t in _core.stage_schedule(policy, P, m, stage, rec, split)]
 
 
 def pipeline_schedule(
-    policy: str, P: int, m: int, recompute: bool | None = None, split_backward: bool = False
+    policy: str, P: int, m: int, recompute: bool | Sequence[bool] | None = None, split_backward: bool = False
 ) -> list[list[Action]]:
     """Static action lists of all ``P`` stages (index = stage).
 
@@ -139,9 +181,10 @@ def pipeline_schedule(
     _check_ints(P=P, m=m)
     policy = _check_policy(policy)
     split = _check_split(policy, split_backward)
+    rec = _check_recompute(P, recompute)
     return [
         [_action(t) for t in stage]
-        for stage in _core.pipeline_schedule(policy, P, m, recompute, split)
+        for stage in _core.pipeline_schedule(policy, P, m, rec, split)
     ]
 
 
@@ -187,21 +230,37 @@ class StageScheduler:
     arrived, when only ``W`` work is left, or when more than :attr:`max_deferred`
     (``P - stage``) are pending — each pending ``W`` keeps its micro-batch's activations.
 
+    In-flight cap (``max_in_flight`` > 0, ``varuna`` only): the stage never holds more than
+    ``max_in_flight`` micro-batches whose forward has run and whose backward (with the split:
+    ``W``) has not — the live activations of a stage that does not recompute. When the action
+    chosen above is a forward and the stage is full, a pending ``W`` runs, else the oldest
+    micro-batch's ``R``/``B`` (which then waits for its gradient). A cap >= 1 never deadlocks:
+    the oldest micro-batch in flight always completes downstream. A planner sets it so that no
+    stage exceeds its memory figure however messages are delayed (:attr:`in_flight`). Caps
+    upstream bound what can arrive: a stage never waits for an activation that the capped stages
+    before it can send only after they get one of its gradients (it runs its oldest backward-side
+    action first), so every stage of a pipeline must be given the same list of caps.
+
     Args:
         policy, P, m, stage, recompute, split_backward: as in :func:`stage_schedule`.
+        max_in_flight: micro-batches, >= 0: this stage's cap (an int; 0, the default, = none, and
+            no caps upstream) or every stage's (a list of ``P``).
 
     Raises:
-        ValueError, TypeError: as in :func:`stage_schedule`.
+        ValueError, TypeError: as in :func:`stage_schedule`; ``max_in_flight`` negative, not an
+            int, or > 0 with a policy other than ``varuna``.
     """
 
     def __init__(
-        self, policy: str, P: int, m: int, stage: int, recompute: bool | None = None,
-        split_backward: bool = False,
+        self, policy: str, P: int, m: int, stage: int, recompute: bool | Sequence[bool] | None = None,
+        split_backward: bool = False, max_in_flight: int | Sequence[int] = 0,
     ) -> None:
         _check_ints(P=P, m=m, stage=stage)
         policy = _check_policy(policy)
         split = _check_split(policy, split_backward)
-        self._impl = _core.StageScheduler(policy, P, m, stage, recompute, split)
+        rec = _check_recompute(P, recompute)
+        caps = _check_caps(policy, P, stage, max_in_flight)
+        self._impl = _core.StageScheduler(policy, P, m, stage, rec, split, caps)
 
     def next(self, acts_arrived: int, grads_arrived: int) -> Action | None:
         """Pop and return the next action to execute, or ``None`` when done.
@@ -263,8 +322,19 @@ class StageScheduler:
         """Most ``W`` actions kept pending (``P - stage``)."""
         return self._impl.max_deferred
 
+    @property
+    def max_in_flight(self) -> int:
+        """The in-flight cap in micro-batches (0 = none)."""
+        return self._impl.max_in_flight
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches this stage holds now (forward handed out, backward / ``W`` not yet)."""
+        return self._impl.in_flight
+
     def __repr__(self) -> str:
         return (
             f"StageScheduler(policy={self.policy!r}, P={self.P}, m={self.m}, "
-            f"stage={self.stage}, recompute={self.recompute}, split_backward={self.split_backward}, remaining={self._impl.remaining_count()})"
+            f"stage={self.stage}, recompute={self.recompute}, split_backward={self.split_backward}, "
+            f"max_in_flight={self.max_in_flight}, remaining={self._impl.remaining_count()})"
         )

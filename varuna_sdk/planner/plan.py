@@ -63,7 +63,12 @@ def plan(
         gpus: G >= 1, the GPUs (or CPU workers) available (an int).
         global_batch: examples per optimizer step, an int >= 1; never changed (= micro-batch × m × D).
         policy: ``"varuna"``, ``"gpipe"`` or ``"1f1b"``.
-        recompute: True, False or None (the policy's default: on for Varuna).
+        recompute: True, False or None. None (default): for Varuna, per stage — a stage
+            recomputes only where keeping its activations does not fit the memory limit (both
+            settings are searched, the faster kept per depth, then refined per stage; each row's
+            ``stage_recompute``, ``max_in_flight`` and ``recompute_why`` say what and why);
+            GPipe and 1F1B: off. Varuna stages that keep activations get an in-flight cap
+            (``planner.recompute``).
         memory_limit_bytes: bytes per GPU, a finite number > 0; None (default): the profile's
             device memory if recorded, else no limit. 0 does not mean "no limit" (refused).
         gpus_per_vm, compute_slots_per_vm: placement (ranks sharing a VM, an int >= 1, and how many
@@ -107,11 +112,14 @@ def plan(
     found = run_search(req)
     rows = plan_rows(req, found)
     modes = req.split_modes
-    return Plan(gpus=req.gpus, global_batch=req.global_batch, policy=req.policy, recompute=req.rec, rows=rows,
+    base = req.rec_modes[0]  # Plan.simulate overrides recompute per row
+    return Plan(gpus=req.gpus, global_batch=req.global_batch, policy=req.policy,
+                recompute=None if req.auto_recompute else base, rows=rows,
                 prices=req.prices, target_examples=req.target_examples, search_s=time.perf_counter() - t0,
                 notes=plan_notes(req, rows), search_stats=found.stats, exhaustive=bool(req.exhaustive),
                 split_backward=None if len(modes) == 2 else modes[0],
-                _search=found.searches.get(False) or found.searches[True], _search_split=found.searches.get(True),
+                _search=found.searches.get((base, False)) or found.searches[(base, True)],
+                _search_split=found.searches.get((base, True)), _searches=dict(found.searches),
                 _sizes=list(req.sizes))
 
 
@@ -121,7 +129,8 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
                  exhaustive: bool = True, prices: Prices | None = None) -> tuple[JobConfig, Plan]:
     """Plan ``job`` for ``gpus`` workers (default ``job.launch.gpus``) and return a copy of it
     with ``parallel`` filled in from the best row (P, D, micro-batch size, stage boundaries),
-    and the ``Plan``. The global batch, policy and recompute setting are the job's.
+    and the ``Plan``. The global batch and policy are the job's; recompute is the job's when it is
+    True or False, else the best row's per-stage choice, and the row's in-flight caps are set.
 
     Placement defaults model local workers: all ``gpus`` on one VM whose compute is shared by
     ``os.cpu_count()`` cores (fewer workers than ``gpus`` may then be fastest: the plan's rows
@@ -163,7 +172,9 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
                               f"{largest_divisor(p.global_batch, G // len(bnd))} (or null), or change boundaries")
         fixed_P = len(bnd)
     # boundaries fix P and the split; a fixed P caps the depths tried; a fixed D is the only replica count tried
-    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=p.recompute, gpus_per_vm=min(per_vm, G),
+    # a per-stage list was a plan's choice for its own P: plan again per stage
+    rec = p.recompute if isinstance(p.recompute, bool) else None
+    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=rec, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
               prices=prices)
@@ -184,6 +195,8 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     job.parallel.P, job.parallel.D = best.P, best.D
     job.parallel.micro_batch_size = best.micro_batch_size
     job.parallel.boundaries = best.stages
+    job.parallel.recompute = list(best.stage_recompute) if rec is None else rec
+    job.parallel.max_in_flight = list(best.max_in_flight) if any(best.max_in_flight) else None
     job.launch.gpus = G
     return job.validate(), pl
 

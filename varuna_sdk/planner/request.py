@@ -131,7 +131,7 @@ class PlanRequest:
       ``hardware.memory_bytes``, else None: no limit);
     * ``sizes``: the micro-batch sizes to try (the user's, sorted and deduplicated, else
       ``candidate_micro_batch_sizes``);
-    * ``rec``: recompute on or off (the policy's default for None);
+    * ``rec_modes``: the recompute settings searched (both for Varuna's None: per stage, from memory);
     * ``checked``: the profile's sizes and per-key ``[segments, sizes]`` arrays, checked finite.
 
     After construction ``gpus``, ``global_batch``, ``gpus_per_vm`` and ``compute_slots_per_vm``
@@ -159,7 +159,6 @@ class PlanRequest:
     split_backward: bool | None = None
     limit: float | None = field(init=False, default=None)
     sizes: list[int] = field(init=False, default_factory=list)
-    rec: bool = field(init=False, default=False)
     checked: tuple = field(init=False, default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -168,9 +167,22 @@ class PlanRequest:
         self._check_options()
         self._check_against_profile()
         self.prices = self.prices or Prices()
-        self.rec = _core.default_recompute(self.policy) if self.recompute is None else bool(self.recompute)
         self.sizes = (sorted(set(self.micro_batch_sizes)) if self.micro_batch_sizes
                       else candidate_micro_batch_sizes(self.profile, self.global_batch))
+
+    @property
+    def auto_recompute(self) -> bool:
+        """True when recompute is decided per stage from the memory limit (Varuna, ``recompute=None``)."""
+        return self.recompute is None and self.policy == "varuna"
+
+    @property
+    def rec_modes(self) -> list[bool]:
+        """The whole-pipeline recompute settings to search: the user's, GPipe's and 1F1B's default
+        (off), or for Varuna with ``recompute=None`` both (off first: a tie keeps the activations);
+        ``planner.recompute`` then refines per stage."""
+        if self.recompute is not None:
+            return [bool(self.recompute)]
+        return [False, True] if self.auto_recompute else [bool(_core.default_recompute(self.policy))]
 
     @property
     def split_modes(self) -> list[bool]:
@@ -189,7 +201,10 @@ class PlanRequest:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy={self.policy!r}; choose one of {list(POLICIES)}")
         if self.recompute is not None and not isinstance(self.recompute, (bool, np.bool_)):
-            raise ConfigError(f"recompute={self.recompute!r} must be True, False or None (the policy's default)")
+            raise ConfigError(f"recompute={self.recompute!r} must be True, False or None (Varuna: per stage, only where "
+                              "the memory limit needs it; GPipe, 1F1B: off)")
+        if self.recompute is not None:
+            self.recompute = bool(self.recompute)
         if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, numbers.Integral)
                                      or replicas < 1 or replicas > gpus or global_batch % replicas):
             raise ConfigError(f"replicas={replicas!r} must be an integer D >= 1 that divides "

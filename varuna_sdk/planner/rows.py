@@ -12,6 +12,7 @@ types), torch, ``cluster`` or ``manager``.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
@@ -56,7 +57,13 @@ class PlanRow:
     ruled out without simulating or checking memory; its ``lower_bound_s`` (seconds per
     mini-batch, NaN on every other row) is the smallest lower bound of its candidates, at least
     the best row's time. ``split_backward``: the row runs the zero-bubble split (B and W apart;
-    ``pipeline.split_backward``) because the simulator found it faster there."""
+    ``pipeline.split_backward``) because the simulator found it faster there.
+
+    Memory per stage (``planner.recompute``; empty lists on an excluded row): ``stage_recompute``
+    says which stages recompute (size P, the last False), ``max_in_flight`` the most micro-batches
+    each stage may hold in flight (0 = no cap; the runtime's scheduler enforces it, so a stage never
+    exceeds its ``stage_memory_bytes`` however late messages arrive) and ``recompute_why`` one
+    sentence per stage saying why."""
 
     P: int
     D: int
@@ -77,6 +84,17 @@ class PlanRow:
     pruned: bool = False
     lower_bound_s: float = math.nan
     split_backward: bool = False
+    stage_recompute: list[bool] = field(default_factory=list)
+    max_in_flight: list[int] = field(default_factory=list)
+    recompute_why: list[str] = field(default_factory=list)
+
+    @property
+    def recompute_label(self) -> str:
+        """Which stages recompute: ``none``, ``all`` (every stage but the last) or ``0,2``."""
+        which = [s for s, r in enumerate(self.stage_recompute) if r]
+        if not which:
+            return "none"
+        return "all" if len(which) == self.P - 1 else ",".join(map(str, which))
 
     def __repr__(self) -> str:
         """Fields as in the dataclass, floats to 4 significant digits (not 15)."""
@@ -88,12 +106,13 @@ class PlanRow:
             return repr(v)
         return "PlanRow(" + ", ".join(f"{f.name}={show(getattr(self, f.name))}" for f in fields(self)) + ")"
 
-    def parallel_config(self, global_batch: int, policy: str = "varuna", recompute: bool | None = None) -> ParallelConfig:
-        """This row as a ``ParallelConfig`` (explicit stage boundaries, so the run uses this split,
-        and the row's choice of the split backward)."""
+    def parallel_config(self, global_batch: int, policy: str = "varuna") -> ParallelConfig:
+        """This row as a ``ParallelConfig``: explicit stage boundaries (so the run uses this split),
+        the row's choice of the split backward, its recompute per stage and in-flight caps."""
         return ParallelConfig(P=self.P, D=self.D, global_batch=global_batch, micro_batch_size=self.micro_batch_size,
-                              policy=policy, recompute=recompute, boundaries=self.stages,
-                              split_backward=self.split_backward)
+                              policy=policy, recompute=list(self.stage_recompute) or None, boundaries=self.stages,
+                              split_backward=self.split_backward,
+                              max_in_flight=list(self.max_in_flight) if any(self.max_in_flight) else None)
 
 
 @dataclass
@@ -109,7 +128,7 @@ class Plan:
     gpus: int
     global_batch: int
     policy: str
-    recompute: bool
+    recompute: bool | None
     rows: list[PlanRow]
     prices: Prices
     target_examples: int | None
@@ -120,6 +139,7 @@ class Plan:
     split_backward: bool | None = False
     _search: object = field(default=None, repr=False, compare=False)
     _search_split: object = field(default=None, repr=False, compare=False)
+    _searches: dict = field(default_factory=dict, repr=False, compare=False)
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
 
     @property
@@ -143,9 +163,9 @@ class Plan:
         return self.feasible[0]
 
     def parallel_config(self) -> ParallelConfig:
-        """The best row as a ``ParallelConfig`` with this plan's batch, policy and recompute
-        setting; raises ``ValueError`` as ``best`` does when no row fits."""
-        return self.best.parallel_config(self.global_batch, self.policy, self.recompute)
+        """The best row as a ``ParallelConfig`` with this plan's batch and policy, and the row's
+        recompute per stage and in-flight caps; raises ``ValueError`` as ``best`` does when no row fits."""
+        return self.best.parallel_config(self.global_batch, self.policy)
 
     def _rows_and_notes(self, top: int) -> tuple[list[str], list[list[str]], list[str]]:
         """The table's header, the ``top`` fastest feasible rows as formatted cells, and the lines
@@ -154,12 +174,12 @@ class Plan:
             raise ValueError(f"top={top!r} must be an integer >= 1 (how many feasible rows to show); "
                              "top=len(plan.feasible) shows them all")
         top = int(top)
-        head = ["rank", "P", "D", "mbs", "m", "idle", "bwd", "time/step", "ex/s", "bubble", "max mem/GPU",
+        head = ["rank", "P", "D", "mbs", "m", "idle", "bwd", "recompute", "time/step", "ex/s", "bubble", "max mem/GPU",
                 "$/1k ex spot", "$/1k ex od"] + (["to target", "$ to target"] if self.target_examples else [])
         rows = []
         for i, r in enumerate(self.feasible[:top]):
             cells = [str(i + 1), str(r.P), str(r.D), str(r.micro_batch_size), str(r.m), str(r.idle_gpus),
-                     "B|W" if r.split_backward else "whole",
+                     "B|W" if r.split_backward else "whole", r.recompute_label,
                      format_duration(r.time_s), f"{r.examples_per_s:.2f}", f"{r.bubble_fraction:.1%}",
                      format_bytes(max(r.stage_memory_bytes)), f"{r.cost_per_1k_spot:.4f}",
                      f"{r.cost_per_1k_on_demand:.4f}"]
@@ -171,6 +191,9 @@ class Plan:
             more = len(self.feasible) - top
             notes.append(f"... {more} more feasible configuration{'s' if more > 1 else ''} "
                          f"(table(top={len(self.feasible)}) shows all)")
+        best = self.feasible[0] if self.feasible else None
+        if best is not None and self.policy == "varuna" and best.recompute_why:
+            notes += [f"rank 1, stage {s}: {w}" for s, w in enumerate(best.recompute_why)]
         for r in self.excluded:
             if not r.pruned:
                 notes.append(f"excluded P={r.P}: {r.reason}")
@@ -192,7 +215,7 @@ class Plan:
     def _title(self) -> str:
         split = {None: " (backward split per row: B|W)", True: " + split backward (B|W)", False: ""}[self.split_backward]
         return (f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
-                f"{' + recompute' if self.recompute else ''}{split} (searched in {self.search_s * 1e3:.1f} ms"
+                f"{_RECOMPUTE_TITLE[self.recompute]}{split} (searched in {self.search_s * 1e3:.1f} ms"
                 f"{'' if self.exhaustive else _BEST_ONLY_NOTE})")
 
     def table(self, top: int = 12) -> str:
@@ -249,7 +272,10 @@ class Plan:
         scale = [float(x) for x in rank_scale] if rank_scale is not None else []
         if scale and len(scale) != row.P * row.D:
             raise ValueError(f"rank_scale has {len(scale)} entries; P*D = {row.P * row.D} needed")
-        search = self._search_split if row.split_backward else self._search
+        search = copy.copy(self._search_split if row.split_backward else self._search)
+        if row.stage_recompute:
+            search.stage_recompute = list(row.stage_recompute)
+            search.max_in_flight = list(row.max_in_flight)
         r = _core.simulate_candidate(search, row.P, row.D, self._sizes.index(row.micro_batch_size),
                                      [st[0] for st in row.stages], scale, bool(record_timeline))
         return SimOutput.from_core(r, bool(record_timeline))
@@ -267,6 +293,9 @@ def _plain(v):
         return None
     return v
 
+
+#: The title's words for ``Plan.recompute``.
+_RECOMPUTE_TITLE = {True: " + recompute", False: "", None: " (recompute per stage: only where memory needs it)"}
 
 #: How to get what a best-only search leaves out (simulated rows and memory checks for every depth).
 EXHAUSTIVE_HINT = "(an exhaustive search does both: varuna plan without --best-only, plan(..., exhaustive=True))"

@@ -2,8 +2,10 @@
 
 Owns preparing the C++ search's input from the request (per-size segment tables interpolated from
 the profile as ``Profile.at`` does, the placement and the network costs), running it once per
-backward mode (whole, and split into B and W where asked), keeping per depth the faster
-candidate, and turning candidates into rows: costs in dollars, and for an excluded candidate a
+mode (recompute on and off — both for Varuna's per-stage choice —, the backward whole and split
+into B and W where asked), keeping per depth the fastest candidate, refining it per stage
+(``planner.recompute``: recompute only where memory needs it, in-flight caps) and turning
+candidates into rows: costs in dollars, and for an excluded candidate a
 reason in bytes the user can act on (the least memory a split needs, the stage over the limit),
 or why a best-only search pruned it; and the notes under the table (extrapolated sizes, idle GPUs).
 The inner loop itself is C++ (``csrc/search.cpp``).
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._native import core as _core
+from .recompute import StagePlan, refine, stage_memories
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
 from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
 
@@ -60,14 +63,14 @@ def _tables(req: PlanRequest) -> list:
     return out
 
 
-def search_input(req: PlanRequest):
-    """The C++ ``SearchInput`` of ``req`` (whole backward): tables, parameter and tied bytes,
+def search_input(req: PlanRequest, recompute: bool = False):
+    """The C++ ``SearchInput`` of ``req`` (whole backward; ``recompute`` on or off everywhere): tables, parameter and tied bytes,
     optimizer and placement figures, the memory limit (0: none), fixed depth/replicas/stage starts
     and the simulator's network costs (``network_bandwidth_Bps`` replacing the calibrated cross-VM
     bandwidth)."""
     profile = req.profile
     inp = _core.SearchInput()
-    inp.gpus, inp.global_batch, inp.policy, inp.recompute = req.gpus, req.global_batch, req.policy, req.rec
+    inp.gpus, inp.global_batch, inp.policy, inp.recompute = req.gpus, req.global_batch, req.policy, bool(recompute)
     inp.tables = _tables(req)
     inp.param_bytes = [float(s.param_bytes) for s in profile.segments]
     shared = profile.model.get("shared", [])
@@ -99,27 +102,32 @@ def search_input(req: PlanRequest):
     return inp
 
 
+Mode = tuple[bool, bool]
+"""A whole-pipeline search mode: (recompute everywhere, split backward)."""
+
+
 @dataclass
 class SearchResult:
-    """What the C++ search returned for a request: per backward mode (False: whole, True: split)
-    its input (kept for ``Plan.simulate``) and ranked candidates, and the summed statistics
-    (``csrc/search.h``: depths, candidates, simulated, pruned, ...)."""
+    """What the C++ search returned for a request: per mode ``(recompute, split)`` its input (kept
+    for ``Plan.simulate``) and ranked candidates, and the summed statistics (``csrc/search.h``:
+    depths, candidates, simulated, pruned, ...)."""
 
-    searches: dict[bool, object] = field(default_factory=dict)
-    results: dict[bool, list] = field(default_factory=dict)
+    searches: dict[Mode, object] = field(default_factory=dict)
+    results: dict[Mode, list] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
 
 
 def run_search(req: PlanRequest) -> SearchResult:
-    """Run the C++ search of ``req`` once per backward mode in ``req.split_modes``."""
-    inp = search_input(req)
+    """Run the C++ search of ``req`` once per mode: ``req.rec_modes`` x ``req.split_modes``."""
     found = SearchResult()
-    for split in req.split_modes:
-        si = inp if split is False else _with_split(inp)
-        found.searches[split] = si
-        found.results[split], st = _core.search_with_stats(si)
-        for k, v in dict(st).items():
-            found.stats[k] = found.stats.get(k, 0) + v
+    for rec in req.rec_modes:
+        inp = search_input(req, rec)
+        for split in req.split_modes:
+            si = inp if split is False else _with_split(inp)
+            found.searches[(rec, split)] = si
+            found.results[(rec, split)], st = _core.search_with_stats(si)
+            for k, v in dict(st).items():
+                found.stats[k] = found.stats.get(k, 0) + v
     return found
 
 
@@ -130,16 +138,17 @@ def _with_split(inp):
     return out
 
 
-def _per_depth(results: dict[bool, list]) -> list[tuple[object, bool]]:
-    """One candidate per depth from the whole-backward and split searches: the faster feasible one
-    (a tie keeps the whole backward), else the whole backward's excluded row; ranked as the C++
-    search ranks (feasible by time, then the shallower pipeline; excluded rows after)."""
-    by_p: dict[int, tuple[object, bool]] = {}
-    for split in sorted(results):  # False first: ties keep the whole backward
-        for c in results[split]:
+def _per_depth(results: dict[Mode, list]) -> list[tuple[object, Mode]]:
+    """One candidate per depth from the searches of every mode: the fastest feasible one (a tie
+    keeps the mode sorted first: no recompute, then the whole backward), else the first mode's
+    excluded row; ranked as the C++ search ranks (feasible by time, then the shallower pipeline;
+    excluded rows after)."""
+    by_p: dict[int, tuple[object, Mode]] = {}
+    for mode in sorted(results):
+        for c in results[mode]:
             had = by_p.get(c.P)
             if had is None or (c.feasible and (not had[0].feasible or c.minibatch_time < had[0].minibatch_time)):
-                by_p[c.P] = (c, split)
+                by_p[c.P] = (c, mode)
     feasible = sorted((x for x in by_p.values() if x[0].feasible), key=lambda x: (x[0].minibatch_time, x[0].P))
     order = {c.P: i for i, c in enumerate(next(iter(results.values())))}
     excluded = sorted((x for x in by_p.values() if not x[0].feasible), key=lambda x: order.get(x[0].P, 0))
@@ -147,12 +156,39 @@ def _per_depth(results: dict[bool, list]) -> list[tuple[object, bool]]:
 
 def plan_rows(req: PlanRequest, found: SearchResult) -> list[PlanRow]:
     """One row per depth (``_per_depth``): times, memory and dollar costs of a feasible
-    candidate, the reason of an excluded one."""
-    return [_row(req, c, split, found.searches[split]) for c, split in _per_depth(found.results)]
+    candidate — for Varuna with recompute per stage and in-flight caps (``planner.recompute``),
+    re-ranked by the refined time —, the reason of an excluded one."""
+    rows = [_row(req, c, mode, found.searches[mode]) for c, mode in _per_depth(found.results)]
+    feasible = sorted((r for r in rows if r.feasible), key=lambda r: (r.time_s, r.P))
+    return feasible + [r for r in rows if not r.feasible]
 
 
-def _row(req: PlanRequest, c, split: bool, inp) -> PlanRow:
-    """The candidate ``c`` of search input ``inp`` as a ``PlanRow``, priced with ``req.prices``."""
+def _stage_plan(req: PlanRequest, c, mode: Mode, inp) -> StagePlan:
+    """Recompute per stage and in-flight caps of a feasible candidate (Varuna: ``refine``; GPipe
+    and 1F1B: the searched setting on every stage but the last, no caps)."""
+    rec, P = mode[0], c.P
+    if req.policy == "varuna":
+        return refine(inp, c, req.sizes.index(c.micro_batch_size), limit=req.limit, recompute=rec,
+                      auto=req.auto_recompute)
+    flags = [rec and s < P - 1 for s in range(P)]
+    why = [("recomputes" if f else "keeps activations") + f" ({req.policy}: one setting for every stage)"
+           for f in flags]
+    return StagePlan(c, flags, [0] * P, why)
+
+
+def _row(req: PlanRequest, c, mode: Mode, inp) -> PlanRow:
+    """The candidate ``c`` of search input ``inp`` (mode ``(recompute, split)``) as a ``PlanRow``,
+    priced with ``req.prices``."""
+    split = mode[1]
+    sp = _stage_plan(req, c, mode, inp) if c.feasible else None
+    if sp is not None:
+        c = sp.candidate
+        mems = stage_memories(inp, c, req.sizes.index(c.micro_batch_size))
+        # a capped stage may hold up to its cap whatever the simulation saw: the figure is the bound
+        memory = [max(x, mems[s].bytes(0, k)) if k else x
+                  for s, (x, k) in enumerate(zip(c.stage_memory, sp.max_in_flight))]
+    else:
+        memory = list(c.stage_memory)
     n, prices, target = req.profile.num_segments, req.prices, req.target_examples
     stages = []
     if c.starts:
@@ -161,10 +197,12 @@ def _row(req: PlanRequest, c, split: bool, inp) -> PlanRow:
     eps = req.global_batch / c.minibatch_time if c.feasible and c.minibatch_time > 0 else 0.0
     row = PlanRow(P=c.P, D=c.D, micro_batch_size=c.micro_batch_size, m=c.m, idle_gpus=c.idle_gpus, stages=stages,
                   time_s=c.minibatch_time if c.feasible else math.nan, examples_per_s=eps,
-                  bubble_fraction=c.bubble_fraction, stage_memory_bytes=list(c.stage_memory) or [0.0],
+                  bubble_fraction=c.bubble_fraction, stage_memory_bytes=memory or [0.0],
                   feasible=c.feasible, reason="" if c.feasible else _reason(c, inp, req.sizes),
                   pruned=not c.simulated, lower_bound_s=math.nan if c.simulated else c.minibatch_time,
-                  split_backward=split and c.feasible)
+                  split_backward=split and c.feasible,
+                  stage_recompute=sp.recompute if sp else [], max_in_flight=sp.max_in_flight if sp else [],
+                  recompute_why=sp.why if sp else [])
     if c.feasible and eps > 0:
         used = c.P * c.D
         hours_per_1k = 1000.0 / eps / 3600.0

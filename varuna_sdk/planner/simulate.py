@@ -118,9 +118,14 @@ class SimInput:
     """Data-parallel replicas, >= 1."""
     policy: str = "varuna"
     """``"varuna"``, ``"gpipe"`` or ``"1f1b"`` (see ``varuna_sdk.pipeline.schedule``)."""
-    recompute: bool | None = None
-    """Recompute activations before each backward (non-last stages); ``None`` = the
-    policy's default (varuna: True, gpipe/1f1b: False)."""
+    recompute: bool | Sequence[bool] | None = None
+    """Recompute activations before each backward (non-last stages): one flag for every stage
+    or a sequence of P flags (one per stage); ``None`` = the policy's default (varuna: True,
+    gpipe/1f1b: False)."""
+    max_in_flight: int | Sequence[int] | None = None
+    """Varuna only: the most micro-batches a stage holds in flight (forward run, backward not:
+    its live activations), one cap for every stage or P caps; 0 or ``None`` = no cap (see
+    ``pipeline.schedule.StageScheduler``)."""
     rec: Floats | None = None
     """Recompute seconds per micro-batch, per stage; ``None`` = ``fwd``."""
     split_backward: bool = False
@@ -200,7 +205,16 @@ class SimInput:
         c = _core.SimConfig()
         c.P, c.m, c.D = P, int(self.m), int(self.D)
         c.policy = self.policy
-        c.recompute = _core.default_recompute(self.policy) if self.recompute is None else bool(self.recompute)
+        if self.recompute is None or not isinstance(self.recompute, (list, tuple)):
+            c.recompute = _core.default_recompute(self.policy) if self.recompute is None else bool(self.recompute)
+        else:
+            c.stage_recompute = [bool(x) for x in self.recompute]
+        if self.max_in_flight is not None:
+            caps = self.max_in_flight
+            caps = [caps] * P if isinstance(caps, numbers.Integral) else list(caps)
+            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in caps):
+                raise TypeError(f"max_in_flight must be an int or a sequence of ints, got {self.max_in_flight!r}")
+            c.max_in_flight = [int(x) for x in caps]
         c.fwd = _per(self.fwd, P, "fwd")
         c.bwd = _per(self.bwd, P, "bwd")
         if self.rec is not None:
