@@ -1,0 +1,133 @@
+"""Recompute only where memory needs it (issue 18 item 2): the planner's per-stage choice and the
+in-flight caps, checked against the memory model computed another way (``_core.stage_memory`` per
+stage), the simulator run with the row's settings, and the schedulers run under random delays.
+
+Synthetic profiles (no calibration); the engine's numbers with per-stage recompute and caps are
+checked against single-process training in ``test_engine.py`` (``cap_*`` jobs)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from test_planner import HEAVY, synthetic_profile
+from varuna_sdk.config import ConfigError, ParallelConfig
+from varuna_sdk.config.checks import validate_parallel
+from varuna_sdk.pipeline.schedule import StageScheduler
+from varuna_sdk.planner.plan import plan
+from varuna_sdk.planner.recompute import stage_memories
+from varuna_sdk.planner.simulate import simulate
+
+SPLIT4 = [[0, 1, 2], [3], [4, 5], [6, 7]]  # balanced compute (3, 3, 2, 2); stage 0 saves the most
+
+
+def _fixed(prof, **kw):
+    """Plan P=4 on the split above, one replica, micro-batch 1 (m = 16)."""
+    return plan(prof, 4, 16, boundaries=SPLIT4, replicas=1, micro_batch_sizes=[1], **kw)
+
+
+def _memories(pl, row):
+    return stage_memories(pl._search, SimpleNamespace(starts=[st[0] for st in row.stages]),
+                          pl._sizes.index(row.micro_batch_size))
+
+
+def test_without_a_memory_limit_no_stage_recomputes_and_caps_hold_the_simulated_peak():
+    prof = synthetic_profile(HEAVY)
+    pl = _fixed(prof)
+    row = pl.best
+    assert pl.recompute is None and row.stage_recompute == [False] * 4 and row.recompute_label == "none"
+    # the cap of every stage but the last is the peak the simulation saw (0: it would not bind)
+    uncapped = pl.simulate(row, record_timeline=False)  # Plan.simulate runs the row's caps ...
+    free = simulate(P=4, m=16, fwd=1.0, bwd=2.0, recompute=False)  # ... (any Varuna run without caps holds more)
+    assert max(free.peak_live) > 4
+    for s in range(3):
+        cap = row.max_in_flight[s]
+        assert cap == 0 or 1 <= uncapped.peak_live[s] <= cap, (s, cap, uncapped.peak_live)
+        assert "no memory limit" in row.recompute_why[s]
+    assert row.max_in_flight[3] == 0 and "last stage" in row.recompute_why[3]
+    assert uncapped.minibatch_time == pytest.approx(row.time_s, rel=1e-12)
+    # the faster of the two: recompute costs a second forward on every stage but the last
+    assert row.time_s < _fixed(prof, recompute=True).best.time_s
+
+
+def test_a_memory_limit_makes_only_the_stages_that_need_it_recompute():
+    prof = synthetic_profile(HEAVY)
+    free = _fixed(prof)
+    mems = _memories(free, free.best)
+    # a limit where stage 0 cannot keep the 4 micro-batches 1F1B holds there but every other stage
+    # keeps more than its own P - s: stage 0 must recompute, stages 1-2 keep activations under a cap
+    limit = mems[0].bytes(0, 3) * 1.0001
+    assert mems[0].bytes(0, 4) > limit and mems[0].bytes(16, 1) <= limit
+    assert all(mems[s].bytes(0, 4 - s) <= limit for s in (1, 2, 3))
+    pl = _fixed(prof, memory_limit_bytes=limit)
+    row = pl.best
+    assert row.stage_recompute == [True, False, False, False], row.recompute_why
+    assert "over the" in row.recompute_why[0] and "limit" in row.recompute_why[0]
+    for s in (1, 2):
+        cap = row.max_in_flight[s]
+        assert cap >= 4 - s and mems[s].bytes(0, cap) <= limit < mems[s].bytes(0, cap + 1), (s, cap)
+    # every stage's figure is within the limit, and the simulated run with the row's settings keeps it
+    assert all(b <= limit for b in row.stage_memory_bytes), (row.stage_memory_bytes, limit)
+    out = pl.simulate(row, record_timeline=False)
+    assert out.minibatch_time == pytest.approx(row.time_s, rel=1e-12)
+    for s in range(4):
+        assert mems[s].bytes(out.peak_stashed[s], out.peak_live[s]) <= limit
+    # no faster than keeping everything (which does not fit), faster than recomputing everywhere
+    assert free.best.time_s <= row.time_s < _fixed(prof, recompute=True, memory_limit_bytes=limit).best.time_s
+    # the choice travels to the run
+    par = pl.parallel_config()
+    assert par.recompute == [True, False, False, False] and par.max_in_flight == row.max_in_flight
+    validate_parallel(par)
+    assert "recompute" in pl.table() and "rank 1, stage 0: recomputes" in pl.table()
+
+
+def test_recompute_true_or_false_is_kept_on_every_stage():
+    prof = synthetic_profile(HEAVY)
+    on = _fixed(prof, recompute=True).best
+    assert on.stage_recompute == [True, True, True, False] and not any(on.max_in_flight)
+    assert all("recompute=True was asked" in w for w in on.recompute_why[:3])
+    off = _fixed(prof, recompute=False).best
+    assert off.stage_recompute == [False] * 4
+    for policy in ("gpipe", "1f1b"):
+        r = _fixed(prof, policy=policy).best
+        assert r.stage_recompute == [False] * 4 and not any(r.max_in_flight)
+
+
+def test_per_stage_settings_are_checked_before_a_run():
+    with pytest.raises(ConfigError, match="recompute lists 3 stages but P=2"):
+        validate_parallel(ParallelConfig(P=2, global_batch=4, recompute=[True, False, False]))
+    with pytest.raises(ConfigError, match="varuna policy only"):
+        validate_parallel(ParallelConfig(P=2, global_batch=4, policy="1f1b", max_in_flight=[1, 0]))
+    with pytest.raises(ConfigError, match="one integer >= 0 per stage"):
+        validate_parallel(ParallelConfig(P=2, global_batch=4, max_in_flight=[-1, 0]))
+    with pytest.raises(ValueError, match="one cap per stage"):
+        StageScheduler("varuna", 3, 4, 0, max_in_flight=[1, 0])
+    with pytest.raises(TypeError, match="list of 2 bools"):
+        StageScheduler("varuna", 2, 4, 0, recompute="yes")
+
+
+def test_caps_never_deadlock_and_bound_every_stage_under_random_delays():
+    """Random pipelines (P <= 6, m <= 14, recompute per stage, caps 0-3, the split backward,
+    jittered links and compute) through the simulator, which drives the runtime's schedulers: each
+    finishes, every stage's peak in flight is within its cap, and no R/B/W precedes its F."""
+    rng = random.Random(18)
+    for trial in range(300):
+        P, m, split = rng.randint(2, 6), rng.randint(1, 14), rng.random() < 0.3
+        rec = [rng.random() < 0.5 for _ in range(P)]
+        caps = [rng.choice([0, 0, 1, 2, 3]) for _ in range(P)]
+        out = simulate(P=P, m=m, fwd=rng.uniform(0.5, 2), bwd=rng.uniform(0.5, 3), wgt=1.0 if split else None,
+                       split_backward=split, recompute=rec, max_in_flight=caps, act_bytes=1e6,
+                       p2p_beta=rng.choice([1e6, 1e9]), p2p_jitter_sigma=rng.choice([0.0, 0.5]),
+                       compute_jitter_rel=rng.choice([0.0, 0.3]), seed=trial, record_timeline=True)
+        for s in range(P):
+            assert not caps[s] or out.peak_inflight[s] <= caps[s], (trial, P, m, rec, caps, out.peak_inflight)
+        for r, segs in enumerate(out.timeline):
+            assert len(segs) == m * (2 + (rec[r % P] and r % P < P - 1) + split), (trial, r)
+            forwarded = set()
+            for g in segs:
+                if g.kind == "F":
+                    forwarded.add(g.mb)
+                else:
+                    assert g.mb in forwarded, (trial, r, g)
