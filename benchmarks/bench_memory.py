@@ -10,7 +10,9 @@ saved + stashed bytes over a step (max over the measured steps: Varuna's opportu
 depends on arrival times). Process RSS growth over the first step (sampled at the same events)
 is reported alongside; it includes allocator behaviour, gradients and receive buffers.
 
-Reference rows use the engine's ``1f1b`` policy without recompute (activations of up to P
+The in-flight cap (``parallel.max_in_flight``, P - stage here: what 1F1B holds) is measured on
+Varuna without recompute: it bounds what the opportunistic forwards keep. Reference rows use the
+engine's ``1f1b`` policy without recompute (activations of up to P
 micro-batches in flight) and ``gpipe`` (all m).
 
 Run: ``.venv/bin/python benchmarks/bench_memory.py [--quick] [--P 2 4] [--m 8]``.
@@ -34,10 +36,12 @@ T, MICRO = common.T, common.MICRO
 CONFIGS = {  # name -> (policy, recompute)
     "varuna_rc": ("varuna", True),
     "varuna_norc": ("varuna", False),
+    "varuna_capped": ("varuna", False),  # in-flight cap P - stage on every stage but the last
     "1f1b_norc": ("1f1b", False),
     "gpipe_norc": ("gpipe", False),
 }
 LABEL = {"varuna_rc": "Varuna, recompute", "varuna_norc": "Varuna, no recompute",
+         "varuna_capped": "Varuna, no recompute, in-flight cap P - stage",
          "1f1b_norc": "1F1B (engine), no recompute", "gpipe_norc": "GPipe (engine), no recompute"}
 
 
@@ -45,7 +49,8 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
     P, m = world, opts["m"]
     policy, recompute = CONFIGS[opts["config"]]
     cfg = common.bench_gpt2_cfg()
-    eng = common.varuna_engine(cfg, P, m, SEED, policy=policy, recompute=recompute)
+    caps = [P - s if s < P - 1 else 0 for s in range(P)] if opts["config"] == "varuna_capped" else None
+    eng = common.varuna_engine(cfg, P, m, SEED, policy=policy, recompute=recompute, max_in_flight=caps)
     opt = torch.optim.AdamW(eng.parameters(), lr=1e-3)
     meter = common.ActivationMeter({p.untyped_storage().data_ptr() for p in eng.parameters()})
     common.count_stash(meter, eng)
@@ -77,7 +82,7 @@ def run(P: int, config: str, opts: dict, timeout_s: float) -> list[dict]:
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], lambda ap: common.add_pipeline_args(ap, timeout_s=180.0))
     Ps = args.P
-    configs = ["varuna_rc", "varuna_norc"] if args.quick else list(CONFIGS)
+    configs = ["varuna_rc", "varuna_norc", "varuna_capped"] if args.quick else list(CONFIGS)
     opts = {"m": args.m, "steps": 2 if args.quick else 3}
     cfg = common.bench_gpt2_cfg()
     hidden = MICRO * T * cfg.n_embd * 4
@@ -112,7 +117,10 @@ def main() -> None:
                 figures.append(common.Figure(f"P={P} stage {s}:   of which stashed stage inputs (recompute)", rc["stash"], "B"))
             figures.append(common.Figure(f"P={P} stage {s}:   RSS growth first step, recompute vs not",
                                          float(rc["rss_delta"]), "B", baseline=float(norc["rss_delta"])))
-            for c in configs[2:]:
+            figures.append(common.Figure(f"P={P} stage {s}:   no recompute, in-flight cap {P - s if s < P - 1 else 0} "
+                                         "(0 = none) vs uncapped", row["varuna_capped"]["peak"], "B",
+                                         baseline=norc["peak"]))
+            for c in configs[3:]:
                 figures.append(common.Figure(f"P={P} stage {s}:   reference {LABEL[c]}", row[c]["peak"], "B",
                                              baseline=norc["peak"]))
     common.print_table("Peak activation memory per stage (saved-for-backward + stashed inputs)", figures)

@@ -298,7 +298,8 @@ def varuna_boundaries(blocks: list[list[int]]) -> list[list[int]]:
 
 
 def varuna_engine(cfg, P: int, m: int, seed: int, *, policy: str = "varuna", recompute: bool | None = None,
-                  timeout_s: float = 120.0, split_backward: bool | None = None):
+                  timeout_s: float = 120.0, split_backward: bool | None = None,
+                  max_in_flight: list[int] | None = None):
     """``Varuna`` on the benchmark GPT-2: P stages split at ``block_split`` (P = 1: the whole model),
     D = 1, m micro-batches of ``MICRO`` x ``T`` tokens, name-keyed initial weights from ``seed``.
     Inside a worker of ``spawn_collect`` when P > 1."""
@@ -310,7 +311,8 @@ def varuna_engine(cfg, P: int, m: int, seed: int, *, policy: str = "varuna", rec
 
     boundaries = varuna_boundaries(block_split(cfg.n_layer, P)) if P > 1 else None
     par = ParallelConfig(P=P, D=1, global_batch=m * MICRO, micro_batch_size=MICRO, policy=policy,
-                         recompute=recompute, boundaries=boundaries, split_backward=split_backward)
+                         recompute=recompute, boundaries=boundaries, split_backward=split_backward,
+                         max_in_flight=max_in_flight)
     return Varuna(lambda: gpt2(cfg), lm_loss, par, (torch.zeros(MICRO, T, dtype=torch.long),), seed=seed,
                   init_fn=partial(init_gpt2, n_layer=cfg.n_layer), timeout_s=timeout_s)
 
