@@ -52,7 +52,9 @@ def _bad_values(rule) -> list:
                        {f"k{i}": i for i in range(5000)}],
                 "names": ["s", [1], [""], ["x" * 5000]],
                 "index_lists": ["s", [0, 1], [[-1]], [["0"]], [[True]]],
-                "inputs": ["s", [], [1], {"a": 1}]}[rule.kind]
+                "inputs": ["s", [], [1], {"a": 1}],
+                "stage_flags": ["yes", 1, [], [1, 0], ["true"], {"a": True}],
+                "stage_counts": ["s", 3, True, [], [-1], [1.5], [True], [1 << 21]]}[rule.kind]
     raise AssertionError(rule)
 
 
