@@ -26,7 +26,7 @@ import common  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 OPEN, CLOSE = "<!-- PERF-TABLE -->", "<!-- /PERF-TABLE -->"
 # Headline figures without a target, per benchmark (name substring).
-EXTRA_HEADLINES = {"memory": ("peak activations, recompute vs no recompute",)}
+EXTRA_HEADLINES = {"memory": ("peak activations, recompute vs no recompute", "in-flight cap")}
 ORDER = ("overhead", "schedules", "memory")  # table order; other result files follow by name
 
 
