@@ -7,7 +7,8 @@ host's sshd serves), so activations, gradients and all-reduces between ranks cro
 links, as between two VMs on a slow network. Rendezvous is gloo over TCP on the hosts' ``eth0``.
 
 ``run_on_slow_links(worker, P, opts, bandwidth_Bps, timeout_s)`` mirrors ``common.spawn_collect``:
-``worker(rank, P, out_dir, opts)`` must end with ``common.write_rank``. Needs root, iproute2, tc
+``worker(rank, P, out_dir, opts)`` must end with ``common.write_rank``. ``measure_link`` measures
+a limited link's alpha-beta the way the calibration measures a network. Needs root, iproute2, tc
 and sshd; ``skip_reason()`` says what is missing. Run as a script it is the worker launcher.
 """
 
@@ -90,6 +91,27 @@ def run_on_slow_links(worker: Callable, P: int, opts: dict, bandwidth_Bps: float
                     p.kill()
                     p.wait()
             th.close()
+
+
+def link_probe(rank: int, world: int, out_dir: str, opts: dict) -> None:
+    """netbed worker: one-way seconds of each size between ranks 0 and 1, sent as the pipeline
+    sends (the calibration's own p2p probe, ``profiling.network``)."""
+    from varuna_sdk.profiling.network import _probe_p2p
+
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"p2p": _probe_p2p(rank, opts["sizes"], opts["reps"])}))
+
+
+def measure_link(bandwidth_Bps: float, act_bytes: int, timeout_s: float) -> tuple[float, float, list]:
+    """The testbed link as the calibration measures a network: (alpha seconds, beta bytes/s) fitted
+    to one-way times of 1/4, 1 and 4 activations between two namespace hosts limited to
+    ``bandwidth_Bps``, and the points."""
+    from varuna_sdk.profiling.network import fit_alpha_beta
+
+    sizes = [act_bytes // 4, act_bytes, 4 * act_bytes]
+    ranks, _ = run_on_slow_links(link_probe, 2, {"sizes": sizes, "reps": 5}, bandwidth_Bps, timeout_s)
+    points = [tuple(x) for x in ranks[0]["p2p"]]
+    alpha, beta = fit_alpha_beta(points)
+    return alpha, beta, points
 
 
 def _main(argv: list[str]) -> None:

@@ -64,6 +64,7 @@ void bind_simulator(py::module_& m) {
         .def_readwrite("recompute", &SimConfig::recompute)
         .def_readwrite("stage_recompute", &SimConfig::stage_recompute)
         .def_readwrite("max_in_flight", &SimConfig::max_in_flight)
+        .def_readwrite("shared_egress", &SimConfig::shared_egress)
         .def_readwrite("fwd", &SimConfig::fwd)
         .def_readwrite("bwd", &SimConfig::bwd)
         .def_readwrite("rec", &SimConfig::rec)

@@ -567,7 +567,7 @@ void Engine::complete_action(int r, double t) {
 void Engine::send(int src, int dst, int kind, int mb, double t) {
     auto& ks = ranks_[static_cast<std::size_t>(src)];
     auto& kd = ranks_[static_cast<std::size_t>(dst)];
-    double& link_free = kind == 0 ? ks.act_link_free : ks.grad_link_free;
+    double& link_free = kind == 0 || c_.shared_egress ? ks.act_link_free : ks.grad_link_free;
     const double lat = kind == 0 ? ks.lat_act : ks.lat_grad;
     const double start = std::max(t, link_free);
     const double arrival = start + lat + half_normal(c_.p2p_jitter_sigma);
@@ -616,7 +616,8 @@ double Engine::next_arrival_lb(int u, int r, int depth) const {
         const bool sends_to_r = down ? k.cur.kind == ActionKind::Forward : k.cur.kind == ActionKind::Backward;
         end_lb = sends_to_r ? e : e + dsend;
     }
-    return std::max(end_lb, down ? k.act_link_free : k.grad_link_free) + (down ? k.lat_act : k.lat_grad);
+    return std::max(end_lb, down || c_.shared_egress ? k.act_link_free : k.grad_link_free) +
+           (down ? k.lat_act : k.lat_grad);
 }
 
 bool Engine::try_advance(int r) {

@@ -36,7 +36,8 @@
 //     start = max(end of the sending action, link free),
 //     arrival = start + alpha + bytes / beta + |N(0, p2p_jitter_sigma)|,
 //   with (local_alpha, local_beta) when both ranks are on one host, else
-//   (p2p_alpha, p2p_beta).  The link is busy until the arrival.
+//   (p2p_alpha, p2p_beta).  The link is busy until the arrival.  With shared_egress a rank's
+//   two outgoing directions are one link.
 // Event order.  Events are processed in time order; at equal times: action ends
 //   (which send messages) before input-ready slot requests before decisions, then by
 //   rank.  So a rank decides only after every message arriving at or before t is in.
@@ -171,6 +172,10 @@ struct SimConfig {
     double ar_alpha = 0.0;
     double ar_beta = std::numeric_limits<double>::infinity();
     double consensus_latency = 0.0;
+    // true: each rank's outgoing messages share one link (one NIC, as a VM has; a namespace host's
+    // veth): activations downstream and gradients upstream go one at a time, FIFO; false: each
+    // direction has its own link.
+    bool shared_egress = false;
     // Gradient all-reduce bucket (bytes): buckets start during the last backward (see above);
     // 0 = one all-reduce after the pipeline phase.
     double bucket_bytes = 4194304.0;

@@ -473,3 +473,20 @@ def test_a_very_long_schedule_is_extrapolated():
     shown by benchmarks/bench_plan_speed.py, not asserted here)."""
     big = SimInput(P=96, m=1024, fwd=1.0, bwd=2.0, policy="1f1b", recompute=True, extrapolate=True)
     assert simulate(big).extrapolated
+
+
+def test_shared_egress_sends_one_message_at_a_time_per_rank():
+    """With ``shared_egress`` a middle stage's activations (downstream) and gradients (upstream)
+    cross one link, FIFO: its transfers never overlap, and a slow link makes the mini-batch
+    longer than with one link per direction (whose transfers do overlap here)."""
+    kw = dict(P=3, m=6, fwd=0.2, bwd=0.4, recompute=False, act_bytes=1e6, p2p_beta=1e6, record_timeline=True)
+    both, one = simulate(**kw), simulate(**kw, shared_egress=True)
+
+    def overlaps(out):
+        tr = sorted((t for t in out.transfers if t.src == 1), key=lambda t: t.start)
+        return any(a.end > b.start + 1e-12 for a, b in zip(tr, tr[1:]))
+
+    assert overlaps(both) and not overlaps(one)
+    assert one.minibatch_time > both.minibatch_time * 1.1
+    # the last stage sends only gradients: nothing to share, same timings for its messages
+    assert [t for t in one.transfers if t.src == 2][:1] == [t for t in both.transfers if t.src == 2][:1]

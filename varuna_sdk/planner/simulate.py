@@ -157,6 +157,10 @@ class SimInput:
     """All-reduce bandwidth, bytes/s."""
     consensus_latency: float = 0.0
     """World-wide consensus all-reduce at the end of each step, seconds (0 when P*D == 1)."""
+    shared_egress: bool = False
+    """Each rank's outgoing messages share one link (one NIC, as a VM or a network-namespace host
+    has): activations downstream and gradients upstream go one at a time, FIFO; False: one link
+    per direction."""
     bucket_bytes: float = 4 * 2**20
     """Gradient all-reduce bucket, bytes (the engine's ``pipeline.grad_sync.DEFAULT_BUCKET_BYTES``):
     a stage's buckets start during its last backward, so only the last one must follow it;
@@ -244,6 +248,7 @@ class SimInput:
         c.seed = int(self.seed)
         if self.rank_compute_scale is not None:
             c.rank_compute_scale = [float(x) for x in self.rank_compute_scale]
+        c.shared_egress = bool(self.shared_egress)
         c.record_timeline = bool(self.record_timeline)
         c.extrapolate = bool(self.extrapolate)
         c.extrapolate_cap = int(self.extrapolate_cap)
