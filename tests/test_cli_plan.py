@@ -80,3 +80,31 @@ def test_nothing_fits_exits_1(files):
     # 3 GPUs: plans exist (P=1 D=2 ...), but none with the config's P=2 x D=2 = 4 workers
     out = _cli("plan", config(P=2, D=2), "--gpus", "3", "--profile", path)
     assert out.returncode == 1 and "no feasible plan keeps parallel.P=2, parallel.D=2" in out.stderr
+
+
+def test_memory_gib_plans_recompute_per_stage_as_plan_does(tmp_path):
+    """``varuna plan --memory-gib`` is ``plan(memory_limit_bytes=...)``: with a limit under which
+    some stages must recompute, the table's ``recompute`` column and the best row's per-stage
+    reasons are the planner's; a limit <= 0 is refused before planning."""
+    from varuna_sdk.planner.plan import plan as plan_any
+
+    prof = synthetic_profile(HEAVY)  # light parameters: activations decide
+    path = tmp_path / "light.json"
+    prof.to_json(path)
+    job = _job()
+    job.parallel.recompute = None  # the default: per stage
+    cfg = tmp_path / "auto.yaml"
+    job.to_yaml(cfg)
+    free = plan_any(prof, 4, 32).best
+    gib = next(f * max(free.stage_memory_bytes) / 2**30 for f in (0.9, 0.7, 0.5, 0.4, 0.3, 0.25, 0.2)
+               if plan_any(prof, 4, 32, memory_limit_bytes=f * max(free.stage_memory_bytes)).best.recompute_label
+               != "none")
+    best = plan_any(prof, 4, 32, memory_limit_bytes=round(gib, 6) * 2**30).best
+    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(path), "--memory-gib", f"{gib:.6f}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = out.stdout.splitlines()[2].split()
+    assert first[1:4] == [str(best.P), str(best.D), str(best.micro_batch_size)] and first[7] == best.recompute_label
+    for s, why in enumerate(best.recompute_why):
+        assert f"rank 1, stage {s}: {why}" in out.stdout
+    bad = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(path), "--memory-gib", "0")
+    assert bad.returncode == 2 and "--memory-gib 0.0 must be a finite number > 0" in bad.stderr

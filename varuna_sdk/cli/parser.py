@@ -92,6 +92,9 @@ def _add_calibrate_plan(sub) -> None:
     sp.add_argument("--policy", choices=list(POLICIES),
                     help="pipeline schedule to plan for (default: the config's parallel.policy)")
     sp.add_argument("--bandwidth-gbps", dest="bandwidth_gbps", type=float, help="what-if cross-VM bandwidth (Gbit/s)")
+    sp.add_argument("--memory-gib", dest="memory_gib", type=float,
+                    help="what-if memory per GPU (GiB; default: the calibrated device's, none on a CPU): Varuna "
+                         "recomputes only on the stages that need it and caps what the others hold")
     sp.add_argument("--spot-price", dest="spot_price", type=float, help="$ per GPU-hour, spot")
     sp.add_argument("--on-demand-price", dest="on_demand_price", type=float, help="$ per GPU-hour, on-demand")
     sp.add_argument("--target-examples", dest="target_examples", type=int, help="show time and cost to this many examples")

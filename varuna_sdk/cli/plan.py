@@ -46,6 +46,7 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     # a per-stage list is an earlier plan's choice for its own P: plan per stage again
     common = dict(policy=args.policy or par.policy, recompute=par.recompute if isinstance(par.recompute, bool) else None,
                   network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
+                  memory_limit_bytes=args.memory_gib * 2**30 if args.memory_gib is not None else None,
                   prices=_prices(args), target_examples=args.target_examples, **placement)
     pl = plan(prof, G, B, exhaustive=not args.best_only, **common)
     print(pl.table(top=args.top))
@@ -73,7 +74,8 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
     if args.gpus > MAX_GPUS:
         raise ConfigError(f"--gpus {args.gpus} is more than the planner searches ({MAX_GPUS}); plan at most {MAX_GPUS} "
                           "GPUs")
-    for flag, value in (("--bandwidth-gbps", args.bandwidth_gbps), ("--spot-price", args.spot_price),
+    for flag, value in (("--bandwidth-gbps", args.bandwidth_gbps), ("--memory-gib", args.memory_gib),
+                        ("--spot-price", args.spot_price),
                         ("--on-demand-price", args.on_demand_price)):
         if value is not None and not (math.isfinite(value) and value >= (0 if flag.endswith("price") else 1e-9)):
             raise ConfigError(f"{flag} {value} must be a finite number {'>= 0' if flag.endswith('price') else '> 0'}")
