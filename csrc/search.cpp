@@ -527,6 +527,15 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
                 host_work[h] += work;
             }
         }
+        if (cfg.shared_egress)  // a middle rank sends its activation and its gradient by one link
+            for (int s = 1; s + 1 < P; ++s) {
+                auto lat = [&](int to, double bytes) {
+                    const bool local = (s / rph) == (to / rph);
+                    return (local ? cfg.local_alpha : cfg.p2p_alpha) + bytes / (local ? cfg.local_beta : cfg.p2p_beta);
+                };
+                const double gb = cfg.grad_bytes.empty() ? cfg.act_bytes[s - 1] : cfg.grad_bytes[s - 1];
+                rate = std::max(rate, lat(s + 1, cfg.act_bytes[s]) + lat(s - 1, gb));
+            }
         if (cfg.compute_slots_per_host > 0)
             for (double w : host_work) rate = std::max(rate, w / cfg.compute_slots_per_host);
         rate = std::max(rate, flow_rate(cfg, in.policy));
