@@ -108,3 +108,18 @@ def test_memory_gib_plans_recompute_per_stage_as_plan_does(tmp_path):
         assert f"rank 1, stage {s}: {why}" in out.stdout
     bad = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(path), "--memory-gib", "0")
     assert bad.returncode == 2 and "--memory-gib 0.0 must be a finite number > 0" in bad.stderr
+
+
+def test_plan_checks_the_config_as_train_does(tmp_path):
+    """A config field out of range is refused by ``varuna plan`` before anything is planned (exit 2,
+    the field named), as ``varuna train`` refuses it."""
+    prof = synthetic_profile(HEAVY)
+    path = tmp_path / "p.json"
+    prof.to_json(path)
+    cfg = tmp_path / "bad.yaml"
+    _job(P=2).to_yaml(cfg)
+    text = cfg.read_text()
+    assert "max_in_flight: null" in text
+    cfg.write_text(text.replace("max_in_flight: null", "max_in_flight: [-1, 0]"))
+    out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(path))
+    assert out.returncode == 2 and "parallel.max_in_flight" in out.stderr, (out.returncode, out.stderr[-500:])

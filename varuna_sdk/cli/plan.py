@@ -26,7 +26,8 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     missing or was measured on another model."""
     from ..profiling.job import calibrate_job
 
-    job = JobConfig.from_yaml(Path(args.config)) if args.config else demo_config()
+    # every field checked, as `varuna train` does, before a calibration or a plan
+    job = (JobConfig.from_yaml(Path(args.config)) if args.config else demo_config()).validate()
     if args.cmd == "calibrate":
         prof = calibrate_job(job, refresh=args.refresh)
         if args.output:

@@ -94,21 +94,20 @@ def _check_recompute(P: int, recompute: object) -> bool | list[bool] | None:
 
 
 def _check_caps(policy: str, P: int, stage: int, max_in_flight: object) -> list[int]:
-    """One cap for this stage, or a list of ``P`` caps (one per stage), as the C++ takes them: P caps."""
+    """One cap for every stage, or a list of ``P`` caps (one per stage), as the C++ takes them: P caps."""
     caps = [0] * P
     if isinstance(max_in_flight, int) and not isinstance(max_in_flight, bool):
-        if 0 <= stage < P:
-            caps[stage] = max_in_flight
+        caps = [max_in_flight] * P  # the same cap on every stage (as the other stages must be told)
     elif isinstance(max_in_flight, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
                                                           for x in max_in_flight):
         if len(max_in_flight) != P:
             raise ValueError(f"max_in_flight lists one cap per stage: P={P} stages, got {len(max_in_flight)}")
         caps = list(max_in_flight)
     else:
-        raise TypeError(f"max_in_flight must be an int (this stage's cap, 0 = none) or a list of {P} ints (every "
-                        f"stage's), got {type(max_in_flight).__name__} {max_in_flight!r}")
-    if any(c < 0 for c in caps):
-        raise ValueError(f"max_in_flight must be >= 0 (0 = no cap), got {max_in_flight!r}")
+        raise TypeError(f"max_in_flight must be an int (every stage's cap, 0 = none) or a list of {P} ints (one per "
+                        f"stage), got {type(max_in_flight).__name__} {max_in_flight!r}")
+    if any(c < 0 or c >= 1 << 31 for c in caps):
+        raise ValueError(f"max_in_flight must be >= 0 and < 2**31 (0 = no cap), got {max_in_flight!r}")
     if any(caps) and policy != "varuna":
         raise ValueError(f"an in-flight cap applies to the varuna policy only ({policy} holds what it publishes); "
                          "pass max_in_flight=0 or policy='varuna'")
@@ -243,8 +242,8 @@ class StageScheduler:
 
     Args:
         policy, P, m, stage, recompute, split_backward: as in :func:`stage_schedule`.
-        max_in_flight: micro-batches, >= 0: this stage's cap (an int; 0, the default, = none, and
-            no caps upstream) or every stage's (a list of ``P``).
+        max_in_flight: micro-batches, >= 0: one cap for every stage (an int; 0, the default, =
+            none) or one per stage (a list of ``P``).
 
     Raises:
         ValueError, TypeError: as in :func:`stage_schedule`; ``max_in_flight`` negative, not an

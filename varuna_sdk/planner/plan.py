@@ -92,6 +92,8 @@ def plan(
             beat the fastest found, so it costs about linearly in G; the best row is the same,
             other rows are the fastest candidate simulated for their depth (not necessarily its
             fastest), and depths never simulated are excluded as pruned (``PlanRow.pruned``).
+            Varuna with ``recompute=None`` under a memory limit always searches exhaustively
+            (recompute is chosen per stage after the search; ``Plan.exhaustive`` says so).
         split_backward: the zero-bubble split of the backward (Varuna only; B = input gradient,
             W = weight gradients deferred into waits). None (default): searched both ways where
             the profile holds the split's B and W times, each row taking the faster (its

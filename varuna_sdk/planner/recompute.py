@@ -6,15 +6,18 @@ recompute, the cap on the micro-batches each other stage holds in flight, and a 
 stage saying why. The search (``planner.search``) runs whole-pipeline modes (recompute on
 everywhere, or off everywhere); this module then refines the candidate it keeps for a depth:
 
-* a stage that does not recompute holds one live graph (its input plus every activation its
-  segments save for the backward) per micro-batch in flight. Its cap is the most micro-batches
-  that fit the memory limit, or, with no limit, the simulated peak — so that however late
-  messages arrive at run time, no stage holds more than the plan's memory figure says
-  (``pipeline.schedule.StageScheduler``: the runtime's scheduler enforces it);
+* every stage but the last gets an in-flight cap: the most micro-batches that fit the memory
+  limit, or with no limit the simulated peak — so that however late messages arrive at run time
+  no stage holds more than the plan's memory figure, which is that bound (a stage that keeps its
+  activations holds one live graph — its input plus every activation its segments save — per
+  micro-batch in flight; a recomputing stage holds stashed inputs plus the graphs being
+  recomputed). The runtime's scheduler enforces the caps (``pipeline.schedule.StageScheduler``);
 * a stage recomputes only when keeping the activations of the micro-batches 1F1B would hold
   there (``P - stage``; fewer would starve the pipeline) does not fit the limit. The mixed
   configuration is simulated; it is kept when it fits and is no slower than recompute
-  everywhere.
+  everywhere;
+* a no-recompute candidate the search excluded for memory (its uncapped peaks) is re-simulated
+  with the caps that fit (``planner.search._rescue``).
 
 Varuna only (GPipe and 1F1B run as published: their recompute is one flag and they take no
 cap). The last stage never recomputes. Memory per stage is ``SearchInput``'s model
@@ -58,11 +61,14 @@ class StageMemory:
 @dataclass
 class StagePlan:
     """The refined candidate of one depth: the C++ ``Candidate`` it simulates as, recompute per
-    stage (size P, the last False), the in-flight cap per stage (size P, 0 = none) and why."""
+    stage (size P, the last False), the in-flight cap per stage (size P, 0 = none), the memory
+    bound per stage (bytes: what the stage may hold at most, its cap — or all m micro-batches when
+    uncapped — whatever the timing) and why."""
 
     candidate: object
     recompute: list[bool]
     max_in_flight: list[int]
+    memory: list[float]
     why: list[str]
 
 
@@ -87,66 +93,114 @@ def _evaluate(inp, c, ti: int, rec: list[bool], caps: list[int]):
     return _core.evaluate(x, c.P, c.D, ti)
 
 
-def _cap(fit: int | None, peak: int, m: int) -> int:
-    """The cap of a stage that keeps its activations: what fits (None: the simulated peak); 0 when
-    it would not bind (>= m)."""
-    k = peak if fit is None else fit
+def _keep_cap(mem: StageMemory, limit: float | None, peak_live: int, m: int) -> int:
+    """The cap of a stage that keeps its activations: the most live graphs that fit ``limit``, or
+    with no limit the simulated peak; 0 (none) when it would not bind (>= m)."""
+    fit = mem.live_fit(limit)
+    k = max(1, peak_live) if fit is None else fit
+    return 0 if k >= m else k
+
+
+def _rec_cap(mem: StageMemory, limit: float | None, live: int, peak: int, m: int) -> int:
+    """The cap of a recomputing stage (stashed inputs plus ``live`` graphs at once): the most
+    micro-batches that fit ``limit``, or with no limit the simulated peak ``peak``; 0 when >= m."""
+    if not limit:
+        k = max(1, peak)
+    elif mem.per_stashed <= 0:
+        k = m
+    else:
+        k = live + math.floor((limit - mem.bytes(0, live)) / mem.per_stashed)
     return 0 if k >= m else max(1, k)
 
 
-def _keep_why(cap: int, mem: StageMemory, limit: float | None, m: int) -> str:
+def _bound(mem: StageMemory, rec: bool, cap: int, live: int, m: int) -> float:
+    """Bytes a stage may hold at most: its cap (or all m micro-batches) in flight."""
     held = cap or m
-    size = format_bytes(mem.bytes(0, held))
+    return mem.bytes(max(0, held - live), min(held, live)) if rec else mem.bytes(0, held)
+
+
+def _keep_why(cap: int, bound: float, limit: float | None, m: int) -> str:
+    size = format_bytes(bound)
     if not limit:
-        return (f"keeps activations: at most {held} micro-batches in flight ({size}; no memory limit, capped at "
-                "the simulated peak)" if cap else f"keeps activations of up to all {m} micro-batches ({size}; no "
-                "memory limit)")
-    return (f"keeps activations: at most {held} micro-batches in flight, {size} of the {format_bytes(limit)} limit"
-            + ("" if cap else " (all of them fit)"))
+        return (f"keeps activations: at most {cap} micro-batches in flight ({size}; no memory limit, capped at the "
+                "simulated peak)" if cap else f"keeps activations of up to all {m} micro-batches ({size}; no memory "
+                "limit)")
+    return (f"keeps activations: at most {cap or m} micro-batches in flight, {size} of the {format_bytes(limit)} "
+            f"limit" + ("" if cap else " (all of them fit)"))
 
 
-def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool) -> StagePlan:
-    """Per-stage recompute and in-flight caps for the feasible Varuna candidate ``c`` that the
-    search found in mode ``recompute`` (on or off everywhere) with input ``inp``.
+def _rec_why(cap: int, bound: float, limit: float | None, reason: str) -> str:
+    held = f"at most {cap} micro-batches in flight" if cap else "every micro-batch may be in flight"
+    lim = f" of the {format_bytes(limit)} limit" if limit else ""
+    return f"recomputes ({reason}): {held}, {format_bytes(bound)}{lim}"
 
-    ``auto`` (the planner's ``recompute=None``): a recompute candidate gets recompute only on the
-    stages where the activations of ``P - stage`` micro-batches do not fit ``limit`` (bytes per
-    GPU, None = no limit), kept when the simulation finds it feasible and no slower. A stage that
-    keeps its activations is capped (``_cap``). With ``auto`` False the mode is the user's (every
-    stage but the last as asked) and only the caps are set.
+
+def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool) -> StagePlan | None:
+    """Per-stage recompute, in-flight caps and memory bounds for the Varuna candidate ``c`` that
+    the search found in mode ``recompute`` (on or off everywhere) with input ``inp``.
+
+    Every stage but the last gets a cap (``_keep_cap``, ``_rec_cap``: what fits ``limit``, bytes
+    per GPU, None = no limit; else the simulated peak), so that its memory figure holds whatever the
+    timing. ``auto`` (the planner's ``recompute=None``): a recompute candidate gets recompute only
+    on the stages where the activations of ``P - stage`` micro-batches do not fit, kept when the
+    simulation finds it feasible and no slower. A no-recompute candidate that the search excluded
+    for memory is tried with its caps (None when that cannot fit either). With ``auto`` False the
+    recompute setting is the user's.
     """
     P, m = c.P, c.m
     mems = stage_memories(inp, c, ti)
-    fits = [mem.live_fit(limit) for mem in mems]
-    last = [s == P - 1 for s in range(P)]
+    last = P - 1
+    live = [max(1, x) for x in c.peak_live]
+    peak = [a + b for a, b in zip(c.peak_stashed, c.peak_live)]
+
+    def configure(rec: list[bool]) -> tuple[list[int], list[float]]:
+        caps = [0 if s == last else (_rec_cap(mems[s], limit, live[s], peak[s], m) if rec[s]
+                                     else _keep_cap(mems[s], limit, c.peak_live[s], m)) for s in range(P)]
+        bound = [_bound(mems[s], rec[s], caps[s], live[s], m) if s != last else c.stage_memory[s] for s in range(P)]
+        return caps, bound
+
+    def run(rec: list[bool]):
+        caps, bound = configure(rec)
+        if limit and any(b > limit for b in bound[:last]):
+            return None, caps, bound
+        cand = _evaluate(inp, c, ti, rec, caps)
+        return (cand if cand.feasible else None), caps, bound
+
+    last_why = "last stage: runs each backward right after its forward (never recomputes)"
     if not recompute:
-        caps = [0 if last[s] else _cap(fits[s], c.peak_live[s], m) for s in range(P)]
-        why = [_keep_why(caps[s], mems[s], limit, m) for s in range(P)]
-        if last[-1]:
-            why[-1] = "last stage: runs each backward right after its forward (never recomputes)"
-        cand = _evaluate(inp, c, ti, [False] * P, caps) if any(caps) else c
-        return StagePlan(cand, [False] * P, caps, why)
+        rec = [False] * P
+        cand, caps, bound = run(rec)
+        if cand is None:
+            return None
+        why = [_keep_why(caps[s], bound[s], limit, m) for s in range(last)] + [last_why]
+        return StagePlan(cand, rec, caps, bound, why)
     need = [min(m, P - s) for s in range(P)]
-    keep = [not last[s] and auto and (fits[s] is None or fits[s] >= need[s]) for s in range(P)]
-    rec = [not last[s] and not keep[s] for s in range(P)]
-    caps = [_cap(fits[s], m, m) if keep[s] else 0 for s in range(P)]
+    fits = [mem.live_fit(limit) for mem in mems]
+    keep = [s != last and auto and (fits[s] is None or fits[s] >= need[s]) for s in range(P)]
+    every = [s != last for s in range(P)]
+    options = [(every, "recompute=True was asked" if not auto else "")]
+    if any(keep):
+        options.insert(0, ([s != last and not keep[s] for s in range(P)], ""))
+    best = None
+    for rec, asked in options:
+        cand, caps, bound = run(rec)
+        if cand is not None and (best is None or cand.minibatch_time < best[0].minibatch_time):
+            best = (cand, rec, caps, bound, asked)
+    if best is None:
+        return None
+    cand, rec, caps, bound, asked = best
     why = []
     for s in range(P):
-        if last[s]:
-            why.append("last stage: runs each backward right after its forward (never recomputes)")
-        elif keep[s]:
-            why.append(_keep_why(caps[s], mems[s], limit, m))
-        elif not auto:
-            why.append("recomputes: recompute=True was asked")
+        if s == last:
+            why.append(last_why)
+        elif not rec[s]:
+            why.append(_keep_why(caps[s], bound[s], limit, m))
+        elif asked:
+            why.append(_rec_why(caps[s], bound[s], limit, asked))
+        elif keep[s]:  # the mixed configuration simulated slower
+            why.append(_rec_why(caps[s], bound[s], limit, "keeping activations here simulates slower"))
         else:
-            why.append(f"recomputes: keeping the activations of {need[s]} micro-batches (as many as 1F1B holds here) "
-                       f"needs {format_bytes(mems[s].bytes(0, need[s]))}, over the {format_bytes(limit)} limit")
-    if any(keep):
-        mixed = _evaluate(inp, c, ti, rec, caps)
-        if mixed.feasible and mixed.minibatch_time <= c.minibatch_time:
-            return StagePlan(mixed, rec, caps, why)
-        slower = (f"recomputes: keeping activations (capped at what fits) simulates slower, "
-                  f"{mixed.minibatch_time:.4g} s against {c.minibatch_time:.4g} s per mini-batch"
-                  if mixed.feasible else "recomputes: keeping activations does not fit as simulated")
-        why = [slower if keep[s] else why[s] for s in range(P)]
-    return StagePlan(c, [not last[s] for s in range(P)], [0] * P, why)
+            why.append(_rec_why(caps[s], bound[s], limit, f"keeping the activations of {need[s]} micro-batches, as "
+                                f"many as 1F1B holds here, needs {format_bytes(mems[s].bytes(0, need[s]))}, over the "
+                                f"limit"))
+    return StagePlan(cand, rec, caps, bound, why)

@@ -169,6 +169,10 @@ class PlanRequest:
         self.prices = self.prices or Prices()
         self.sizes = (sorted(set(self.micro_batch_sizes)) if self.micro_batch_sizes
                       else candidate_micro_batch_sizes(self.profile, self.global_batch))
+        if self.auto_recompute and self.limit:
+            # a best-only search prunes per whole-pipeline mode, before recompute is chosen per stage
+            # (planner.recompute), and could miss the depth that wins once refined: search them all
+            self.exhaustive = True
 
     @property
     def auto_recompute(self) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._native import core as _core
-from .recompute import StagePlan, refine, stage_memories
+from .recompute import StagePlan, refine
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
 from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
 
@@ -140,14 +140,16 @@ def _with_split(inp):
 
 def _per_depth(results: dict[Mode, list]) -> list[tuple[object, Mode]]:
     """One candidate per depth from the searches of every mode: the fastest feasible one (a tie
-    keeps the mode sorted first: no recompute, then the whole backward), else the first mode's
-    excluded row; ranked as the C++ search ranks (feasible by time, then the shallower pipeline;
+    keeps the mode sorted first: no recompute, then the whole backward), else an excluded row (the
+    recompute search's when there is one: its reason names the least memory); ranked as the C++ search ranks (feasible by time, then the shallower pipeline;
     excluded rows after)."""
     by_p: dict[int, tuple[object, Mode]] = {}
     for mode in sorted(results):
         for c in results[mode]:
             had = by_p.get(c.P)
-            if had is None or (c.feasible and (not had[0].feasible or c.minibatch_time < had[0].minibatch_time)):
+            # an excluded depth keeps the recompute search's reason (recompute needs the least memory)
+            if had is None or (c.feasible and (not had[0].feasible or c.minibatch_time < had[0].minibatch_time)) or \
+                    (not c.feasible and not had[0].feasible and mode[0] and not had[1][0]):
                 by_p[c.P] = (c, mode)
     feasible = sorted((x for x in by_p.values() if x[0].feasible), key=lambda x: (x[0].minibatch_time, x[0].P))
     order = {c.P: i for i, c in enumerate(next(iter(results.values())))}
@@ -157,36 +159,71 @@ def _per_depth(results: dict[Mode, list]) -> list[tuple[object, Mode]]:
 def plan_rows(req: PlanRequest, found: SearchResult) -> list[PlanRow]:
     """One row per depth (``_per_depth``): times, memory and dollar costs of a feasible
     candidate — for Varuna with recompute per stage and in-flight caps (``planner.recompute``),
-    re-ranked by the refined time —, the reason of an excluded one."""
-    rows = [_row(req, c, mode, found.searches[mode]) for c, mode in _per_depth(found.results)]
+    re-ranked by the refined time —, the reason of an excluded one. Under a memory limit a Varuna
+    candidate without recompute that the search excluded for memory is tried with in-flight caps
+    first (``_rescue``)."""
+    plans = _rescue(req, found)
+    rows = [_row(req, c, mode, found.searches[mode], plans.get((mode, c.P))) for c, mode in _per_depth(found.results)]
     feasible = sorted((r for r in rows if r.feasible), key=lambda r: (r.time_s, r.P))
     return feasible + [r for r in rows if not r.feasible]
 
 
+def _rescue(req: PlanRequest, found: SearchResult) -> dict:
+    """Varuna without recompute under a memory limit: each simulated candidate the search excluded
+    for memory (its uncapped peaks) re-simulated with the in-flight caps that fit; one that then
+    fits replaces it in ``found.results``. Returns the ``StagePlan`` per (mode, P)."""
+    plans = {}
+    if req.policy != "varuna" or not req.limit:
+        return plans
+    for mode, cands in found.results.items():
+        if mode[0]:
+            continue
+        inp = found.searches[mode]
+        for i, c in enumerate(cands):
+            if c.feasible or not c.simulated or not c.micro_batch_size or c.micro_batch_size not in req.sizes:
+                continue
+            ti = req.sizes.index(c.micro_batch_size)
+            if not c.starts:  # no split fit the search's uncapped in-flight bounds: split without the limit
+                free = copy.copy(inp)
+                free.memory_limit = 0.0
+                c = _core.evaluate(free, c.P, c.D, ti)
+                if not c.starts or not c.peak_live:
+                    continue
+            sp = refine(inp, c, ti, limit=req.limit, recompute=False, auto=req.auto_recompute)
+            if sp is not None:
+                cands[i] = sp.candidate
+                plans[(mode, c.P)] = sp
+    return plans
+
+
 def _stage_plan(req: PlanRequest, c, mode: Mode, inp) -> StagePlan:
-    """Recompute per stage and in-flight caps of a feasible candidate (Varuna: ``refine``; GPipe
-    and 1F1B: the searched setting on every stage but the last, no caps)."""
+    """Recompute per stage, in-flight caps and memory bounds of a feasible candidate (Varuna:
+    ``refine``, else as searched; GPipe and 1F1B: the searched setting on every stage but the
+    last, no caps)."""
     rec, P = mode[0], c.P
-    if req.policy == "varuna":
-        return refine(inp, c, req.sizes.index(c.micro_batch_size), limit=req.limit, recompute=rec,
-                      auto=req.auto_recompute)
     flags = [rec and s < P - 1 for s in range(P)]
-    why = [("recomputes" if f else "keeps activations") + f" ({req.policy}: one setting for every stage)"
-           for f in flags]
-    return StagePlan(c, flags, [0] * P, why)
+    if req.policy == "varuna":
+        sp = refine(inp, c, req.sizes.index(c.micro_batch_size), limit=req.limit, recompute=rec,
+                    auto=req.auto_recompute)
+        if sp is not None:
+            return sp
+        why = ["no in-flight cap fits the memory limit: as searched, uncapped"] * P
+    else:
+        why = [("recomputes" if f else "keeps activations") + f" ({req.policy}: one setting for every stage)"
+               for f in flags]
+    return StagePlan(c, flags, [0] * P, list(c.stage_memory), why)
 
 
-def _row(req: PlanRequest, c, mode: Mode, inp) -> PlanRow:
-    """The candidate ``c`` of search input ``inp`` (mode ``(recompute, split)``) as a ``PlanRow``,
-    priced with ``req.prices``."""
+def _row(req: PlanRequest, c, mode: Mode, inp, sp: StagePlan | None = None) -> PlanRow:
+    """The candidate ``c`` of search input ``inp`` (mode ``(recompute, split)``; ``sp``: its stage
+    plan when already refined) as a ``PlanRow``, priced with ``req.prices``."""
     split = mode[1]
-    sp = _stage_plan(req, c, mode, inp) if c.feasible else None
+    if c.feasible and sp is None:
+        sp = _stage_plan(req, c, mode, inp)
     if sp is not None:
         c = sp.candidate
-        mems = stage_memories(inp, c, req.sizes.index(c.micro_batch_size))
-        # a capped stage may hold up to its cap whatever the simulation saw: the figure is the bound
-        memory = [max(x, mems[s].bytes(0, k)) if k else x
-                  for s, (x, k) in enumerate(zip(c.stage_memory, sp.max_in_flight))]
+        # the bound (cap, or all m, in flight) whatever the timing, never below what was simulated
+        memory = [max(x, b) for x, b in zip(c.stage_memory, sp.memory)]
     else:
         memory = list(c.stage_memory)
     n, prices, target = req.profile.num_segments, req.prices, req.target_examples

@@ -37,6 +37,8 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Sequence
 
+import numpy as np
+
 from varuna_sdk._native import core as _core
 from varuna_sdk.config import POLICIES
 
@@ -209,15 +211,24 @@ class SimInput:
         c = _core.SimConfig()
         c.P, c.m, c.D = P, int(self.m), int(self.D)
         c.policy = self.policy
-        if self.recompute is None or not isinstance(self.recompute, (list, tuple)):
-            c.recompute = _core.default_recompute(self.policy) if self.recompute is None else bool(self.recompute)
+        rec = self.recompute
+        flags = list(rec) if isinstance(rec, (list, tuple)) else [rec]
+        if rec is None:
+            c.recompute = _core.default_recompute(self.policy)
+        elif not all(isinstance(x, (bool, np.bool_)) for x in flags) or (isinstance(rec, (list, tuple)) and not flags):
+            raise TypeError(f"recompute must be None, a bool or a sequence of P bools (one per stage), got {rec!r}")
+        elif isinstance(rec, (list, tuple)):
+            c.stage_recompute = [bool(x) for x in flags]
         else:
-            c.stage_recompute = [bool(x) for x in self.recompute]
+            c.recompute = bool(rec)
+        if not isinstance(self.shared_egress, (bool, np.bool_)):
+            raise TypeError(f"shared_egress must be a bool, got {self.shared_egress!r}")
         if self.max_in_flight is not None:
             caps = self.max_in_flight
             caps = [caps] * P if isinstance(caps, numbers.Integral) else list(caps)
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in caps):
-                raise TypeError(f"max_in_flight must be an int or a sequence of ints, got {self.max_in_flight!r}")
+            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < 1 << 31 for x in caps):
+                raise TypeError(f"max_in_flight must be an int or a sequence of ints in [0, 2**31), got "
+                                f"{self.max_in_flight!r}")
             c.max_in_flight = [int(x) for x in caps]
         c.fwd = _per(self.fwd, P, "fwd")
         c.bwd = _per(self.bwd, P, "bwd")
