@@ -296,7 +296,7 @@ StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, const Sta
     : policy_(policy), P_(P), m_(m), stage_(stage), split_(split_backward), cap_(max_in_flight) {
     list_ = stage_schedule(policy, P, m, stage, rec, split_backward);  // validates
     validate_cap(policy, max_in_flight);
-    recompute_ = rec[static_cast<std::size_t>(stage)];
+    recompute_ = rec[static_cast<std::size_t>(stage)] && stage < P - 1;  // the last stage never recomputes
     init();
 }
 
@@ -307,13 +307,13 @@ StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, const Sta
     const auto up = upstream_caps(policy, P, max_in_flight);
     cap_ = max_in_flight.empty() ? 0 : max_in_flight[static_cast<std::size_t>(stage)];
     up_cap_ = up[static_cast<std::size_t>(stage)];
-    recompute_ = rec[static_cast<std::size_t>(stage)];
+    recompute_ = rec[static_cast<std::size_t>(stage)] && stage < P - 1;  // the last stage never recomputes
     init();
 }
 
 StageScheduler::StageScheduler(Policy policy, int P, int m, int stage, bool recompute,
                                bool split_backward, int max_in_flight, int up_cap, std::vector<Action> list)
-    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute), split_(split_backward),
+    : policy_(policy), P_(P), m_(m), stage_(stage), recompute_(recompute && stage < P - 1), split_(split_backward),
       cap_(max_in_flight), up_cap_(up_cap), list_(std::move(list)) {
     init();
 }

@@ -75,6 +75,16 @@ def test_batch_identity_and_derived_sizes():
     validate_parallel(ParallelConfig(P=7, D=1, global_batch=5, micro_batch_size=5))  # P plays no part
 
 
+def test_per_stage_lists_given_as_tuples_are_kept_as_lists():
+    """ParallelConfig(recompute=(True, False), ...) was refused as 'must be true, false, one
+    true/false per stage'; tuples are the same plain data and become lists (as YAML gives)."""
+    p = ParallelConfig(P=2, global_batch=8, recompute=(True, False), max_in_flight=(2, 0),
+                       boundaries=((0, 1), (2,)), shared_params=("wte",))
+    assert (p.recompute, p.max_in_flight, p.boundaries, p.shared_params) == (
+        [True, False], [2, 0], [[0, 1], [2]], ["wte"])
+    validate_parallel(p)
+
+
 def test_global_batch_not_divisible_by_d_names_valid_choices():
     with pytest.raises(ConfigError) as ei:
         validate_parallel(ParallelConfig(P=2, D=3, global_batch=100, micro_batch_size=1))

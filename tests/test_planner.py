@@ -880,6 +880,21 @@ def test_plan_for_job_rejects_bad_or_conflicting_boundaries(P, D, bnd, gpus, mat
         plan_for_job(_job_with(P, D, bnd, gpus), synthetic_profile(HEAVY, param_bytes=4e8))
 
 
+@pytest.mark.parametrize("P,bnd", [(2, [[0, 1, 2], [3, 4, 5, 6, 7]]), (2, None)])
+def test_plan_for_job_says_why_a_fixed_p_does_not_fit(P, bnd):
+    """A fixed P (or boundaries) that no plan fits named the feasible plans ("none") but not why:
+    the error now quotes the exclusion of the fixed P's rows (here memory), as plan() would."""
+    from varuna_sdk.planner.plan import plan_for_job
+
+    prof = synthetic_profile(HEAVY, param_bytes=4e8, memory_bytes=2e9)
+    pl = plan(prof, 4, 32, max_depth=2, replicas=None)
+    excluded = [r for r in pl.rows if r.P == 2 and not r.feasible]
+    assert excluded and all("memory limit of 1.9 GiB" in r.reason for r in excluded)
+    with pytest.raises(ConfigError, match=r"has parallel.P=2.*\(P=2 D=\d: .*memory limit of 1.9 GiB"
+                                          r".*\); feasible plans: "):
+        plan_for_job(_job_with(P, None, bnd), prof)
+
+
 def test_simulate_refuses_a_row_of_another_plan():
     """A row from another Plan (or an edited row) was simulated with this plan's inputs and gave a
     wrong time silently; rows of this plan, and equal copies of them, still simulate."""

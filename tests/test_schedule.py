@@ -574,6 +574,29 @@ def test_invalid_misc():
         StageScheduler("varuna", 2, 2, True)
 
 
+def test_numpy_integers_and_bools_are_accepted_and_the_last_stage_never_recomputes():
+    """A sweep over NumPy arrays handed np.int64 counts and np.bool_ flags, which were refused;
+    they act exactly as Python ints/bools. The last stage reported recompute=True when given it,
+    though it never recomputes (its action list has no R)."""
+    np = pytest.importorskip("numpy")
+    flags = list(np.array([True, False, True]))
+    for stage in range(3):
+        a = StageScheduler("varuna", np.int64(3), np.int32(6), np.int64(stage), recompute=flags,
+                           max_in_flight=list(np.array([2, 1, 0])))
+        b = StageScheduler("varuna", 3, 6, stage, recompute=[True, False, True], max_in_flight=[2, 1, 0])
+        assert (a.recompute, a.max_in_flight, a.remaining()) == (b.recompute, b.max_in_flight, b.remaining())
+        assert a.next(np.int64(6), np.int64(0)) == b.next(6, 0)
+    assert stage_schedule("varuna", np.int64(2), np.int64(2), np.int64(0), np.bool_(False)) == \
+        stage_schedule("varuna", 2, 2, 0, False)
+    assert StageScheduler("varuna", 3, 4, 1, recompute=True).recompute
+    last = StageScheduler("varuna", 3, 4, 2, recompute=True)
+    assert not last.recompute and all(x.kind != "R" for x in last.remaining())
+    with pytest.raises(TypeError, match="recompute must be None, a bool or a list of 3 bools"):
+        StageScheduler("varuna", 3, 4, 1, recompute=list(np.array([1, 0, 1])))
+    with pytest.raises(TypeError, match="max_in_flight must be an int"):
+        StageScheduler("varuna", 3, 4, 1, max_in_flight=np.float64(2.0))
+
+
 def test_module_never_imports_torch():
     src = pathlib.Path(sch.__file__).read_text()
     for node in ast.walk(ast.parse(src)):

@@ -111,6 +111,15 @@ class ParallelConfig:
     split_backward: bool | None = None
     max_in_flight: list[int] | None = None
 
+    def __post_init__(self) -> None:
+        # tuples are the same plain data as lists: keep lists, as YAML and JSON give
+        for name in ("recompute", "max_in_flight", "boundaries", "shared_params"):
+            v = getattr(self, name)
+            if isinstance(v, tuple):
+                setattr(self, name, [list(x) if isinstance(x, tuple) else x for x in v])
+            elif name == "boundaries" and isinstance(v, list):
+                setattr(self, name, [list(x) if isinstance(x, tuple) else x for x in v])
+
     @property
     def num_micro_batches(self) -> int:
         """m = global_batch / (micro_batch_size × D)."""

@@ -25,6 +25,7 @@ would wait for a message (see :class:`StageScheduler`).
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import NamedTuple, Sequence
 
@@ -80,15 +81,25 @@ def _check_split(policy: str, split_backward: object) -> bool:
     return split_backward
 
 
+def _is_flag(x: object) -> bool:
+    """A Python bool or a NumPy bool (anything whose type is named ``bool``/``bool_`` and is not an int)."""
+    return isinstance(x, bool) or type(x).__name__ in ("bool_", "bool") and not isinstance(x, numbers.Integral)
+
+
+def _is_count(x: object) -> bool:
+    """An integer that is not a flag: Python ``int`` or a NumPy integer (``numbers.Integral``)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_recompute(P: int, recompute: object) -> bool | list[bool] | None:
-    """``None``, one bool, or a list/tuple of exactly ``P`` bools (one per stage)."""
-    if recompute is None or isinstance(recompute, bool):
-        return recompute
-    if isinstance(recompute, (list, tuple)) and all(isinstance(x, bool) for x in recompute):
+    """``None``, one bool, or a list/tuple of exactly ``P`` bools (one per stage); NumPy bools count."""
+    if recompute is None or _is_flag(recompute):
+        return None if recompute is None else bool(recompute)
+    if isinstance(recompute, (list, tuple)) and all(_is_flag(x) for x in recompute):
         if len(recompute) != P:
             raise ValueError(f"recompute lists one flag per stage: P={P} stages, got {len(recompute)} flags "
                              f"{list(recompute)!r}")
-        return list(recompute)
+        return [bool(x) for x in recompute]
     raise TypeError(f"recompute must be None, a bool or a list of {P} bools (one per stage), got "
                     f"{type(recompute).__name__} {recompute!r}")
 
@@ -96,13 +107,12 @@ def _check_recompute(P: int, recompute: object) -> bool | list[bool] | None:
 def _check_caps(policy: str, P: int, stage: int, max_in_flight: object) -> list[int]:
     """One cap for every stage, or a list of ``P`` caps (one per stage), as the C++ takes them: P caps."""
     caps = [0] * P
-    if isinstance(max_in_flight, int) and not isinstance(max_in_flight, bool):
-        caps = [max_in_flight] * P  # the same cap on every stage (as the other stages must be told)
-    elif isinstance(max_in_flight, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
-                                                          for x in max_in_flight):
+    if _is_count(max_in_flight):
+        caps = [int(max_in_flight)] * P  # the same cap on every stage (as the other stages must be told)
+    elif isinstance(max_in_flight, (list, tuple)) and all(_is_count(x) for x in max_in_flight):
         if len(max_in_flight) != P:
             raise ValueError(f"max_in_flight lists one cap per stage: P={P} stages, got {len(max_in_flight)}")
-        caps = list(max_in_flight)
+        caps = [int(x) for x in max_in_flight]
     else:
         raise TypeError(f"max_in_flight must be an int (every stage's cap, 0 = none) or a list of {P} ints (one per "
                         f"stage), got {type(max_in_flight).__name__} {max_in_flight!r}")
@@ -114,10 +124,12 @@ def _check_caps(policy: str, P: int, stage: int, max_in_flight: object) -> list[
     return caps
 
 
-def _check_ints(**values: object) -> None:
+def _check_ints(**values: object) -> list[int]:
+    """The values as Python ints (NumPy integers accepted); a bool or a non-integer is refused."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_count(value):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return [int(v) for v in values.values()]  # type: ignore[call-overload]
 
 
 def default_recompute(policy: str) -> bool:
@@ -163,7 +175,7 @@ def stage_schedule(
         TypeError: ``P``, ``m`` or ``stage`` is not an int, ``split_backward`` not a bool,
             ``recompute`` not None, a bool or a list of bools.
     """
-    _check_ints(P=P, m=m, stage=stage)
+    P, m, stage = _check_ints(P=P, m=m, stage=stage)
     policy = _check_policy(policy)
     split = _check_split(policy, split_backward)
     rec = _check_recompute(P, recompute)
@@ -177,7 +189,7 @@ def pipeline_schedule(
 
     Same arguments, units and errors as :func:`stage_schedule` (paper §3.2).
     """
-    _check_ints(P=P, m=m)
+    P, m = _check_ints(P=P, m=m)
     policy = _check_policy(policy)
     split = _check_split(policy, split_backward)
     rec = _check_recompute(P, recompute)
@@ -254,7 +266,7 @@ class StageScheduler:
         self, policy: str, P: int, m: int, stage: int, recompute: bool | Sequence[bool] | None = None,
         split_backward: bool = False, max_in_flight: int | Sequence[int] = 0,
     ) -> None:
-        _check_ints(P=P, m=m, stage=stage)
+        P, m, stage = _check_ints(P=P, m=m, stage=stage)
         policy = _check_policy(policy)
         split = _check_split(policy, split_backward)
         rec = _check_recompute(P, recompute)
@@ -273,8 +285,8 @@ class StageScheduler:
             ValueError: a count is negative.
             TypeError: a count is not an int.
         """
-        _check_ints(acts_arrived=acts_arrived, grads_arrived=grads_arrived)
-        t = self._impl.next(acts_arrived, grads_arrived)
+        acts, grads = _check_ints(acts_arrived=acts_arrived, grads_arrived=grads_arrived)
+        t = self._impl.next(acts, grads)
         return None if t is None else _action(t)
 
     def remaining(self) -> list[Action]:
@@ -308,7 +320,7 @@ class StageScheduler:
 
     @property
     def recompute(self) -> bool:
-        """Whether this stage recomputes activations."""
+        """Whether this stage recomputes activations (never the last stage, whatever it was given)."""
         return self._impl.recompute
 
     @property

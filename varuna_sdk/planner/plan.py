@@ -189,8 +189,11 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
         if not fixed:
             raise ConfigError(f"no configuration fits {G} workers and global batch {p.global_batch}: "
                               + "; ".join(f"P={r.P}: {r.reason}" for r in pl.rows[:6]))
+        why = [r for r in pl.rows if not r.feasible and (fixed_P is None or r.P == fixed_P)
+               and (fixed_D is None or r.D == fixed_D)]
+        reasons = "; ".join(dict.fromkeys(f"P={r.P} D={r.D}: {r.reason}" for r in why[:3]))
         raise ConfigError(f"no plan for {G} workers and global batch {p.global_batch} has parallel.{fixed}"
-                          f"{': ' + pl.rows[0].reason if bnd is not None and pl.rows else ''}; "
+                          f"{' (' + reasons + ')' if reasons else ''}; "
                           f"feasible plans: {offered}. Set P, D and boundaries to null, or change them")
     best = fits[0]
     job = copy.deepcopy(job)
