@@ -95,23 +95,24 @@ def run_on_slow_links(worker: Callable, P: int, opts: dict, bandwidth_Bps: float
 
 def link_probe(rank: int, world: int, out_dir: str, opts: dict) -> None:
     """netbed worker: one-way seconds of each size between ranks 0 and 1, sent as the pipeline
-    sends (the calibration's own p2p probe, ``profiling.network``)."""
+    sends (the calibration's own p2p probe, ``profiling.network``, for a link between hosts: the
+    larger of an isolated message's and a duplex train's per-message time)."""
     from varuna_sdk.profiling.network import _probe_p2p
 
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"p2p": _probe_p2p(rank, opts["sizes"], opts["reps"])}))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"p2p": _probe_p2p(rank, opts["sizes"], opts["reps"], duplex=True)}))
 
 
-def measure_link(bandwidth_Bps: float, act_bytes: int, timeout_s: float) -> tuple[float, float, list]:
+def measure_link(bandwidth_Bps: float, act_bytes: int, timeout_s: float, reps: int = 5) -> tuple[float, float, list]:
     """The testbed link as the calibration measures a network: (alpha seconds, beta bytes/s) fitted
     to one-way times of 1/4, 1 and 4 activations between two namespace hosts limited to
-    ``bandwidth_Bps``, and the points."""
+    ``bandwidth_Bps``, and the probe's rows ``[bytes, one-way s, isolated s, duplex s]``."""
     from varuna_sdk.profiling.network import fit_alpha_beta
 
     sizes = [act_bytes // 4, act_bytes, 4 * act_bytes]
-    ranks, _ = run_on_slow_links(link_probe, 2, {"sizes": sizes, "reps": 5}, bandwidth_Bps, timeout_s)
-    points = [tuple(x) for x in ranks[0]["p2p"]]
-    alpha, beta = fit_alpha_beta(points)
-    return alpha, beta, points
+    ranks, _ = run_on_slow_links(link_probe, 2, {"sizes": sizes, "reps": reps}, bandwidth_Bps, timeout_s)
+    rows = ranks[0]["p2p"]
+    alpha, beta = fit_alpha_beta([(x[0], x[1]) for x in rows])
+    return alpha, beta, rows
 
 
 def _main(argv: list[str]) -> None:

@@ -435,6 +435,7 @@ def test_real_job_event_log(real_run, browser):
     dash.store.close()
     # and served, in the browser
     with _signed_in(browser, real_run, height=1900) as page:
+        page.locator(".vm").first.wait_for(timeout=60_000)  # first render: 30 s was missed on a loaded 2-core box
         page.wait_for_function(f"() => ({_ROWS})(['partition_cells', 'rank']) === {P * D}", timeout=30_000)
         page.wait_for_function(f"() => ({_ROWS})(['throughput', 'step']) === {len(metrics)}", timeout=10_000)
         assert page.locator('.vm[data-status="up"]').count() == len(plan["hosts"])

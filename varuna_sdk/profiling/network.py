@@ -78,14 +78,29 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
         Path(out).write_text(json.dumps(res))
 
 
-def _probe_p2p(rank: int, sizes: list[int], reps: int) -> list[list]:
-    """``[bytes, seconds one way]`` per size between ranks 0 and 1, sent as the pipeline sends: a
-    ``Channel`` (header + tensors, its own two-rank communicator per direction), ping-pong halved."""
+_TRAIN = 4  # messages each way in a duplex train of the p2p probe
+
+
+def _probe_p2p(rank: int, sizes: list[int], reps: int, train: int = _TRAIN, duplex: bool = False) -> list[list]:
+    """``[bytes, seconds one way, isolated, duplex]`` per size between ranks 0 and 1, sent as the
+    pipeline sends: a ``Channel`` (header + tensors, its own two-rank communicator per direction).
+
+    Isolated: one message ping-pong, halved. With ``duplex`` (a link between hosts): both ranks also
+    send ``train`` messages back to back at once and receive the peer's (a pipeline's steady state:
+    activations one way, gradients the other), seconds per message, and the one-way figure is the
+    larger of the two. On a link with a token bucket (cloud egress caps, ``tc tbf``) an isolated
+    message rides the bucket's burst (a 256 KiB message on a 14.6 MB/s link measured 28.6 MB/s), and
+    on a slow duplex link the acknowledgements queue behind the other direction's data (3.4 MB/s one
+    way measured 2.5 MB/s both ways), while a pipeline's messages follow one another both ways.
+    Without ``duplex`` (the calibration's loopback probe; duplex column 0.0) the isolated time is
+    the figure: on loopback a duplex train times two processes' copies contending for the cores
+    (4 KiB: 0.3-1.9 ms from run to run on 2 cores), not a link."""
     import torch.distributed as dist
 
     from ..pipeline.comm import Channel
 
     fwd_g, bwd_g = dist.new_group([0, 1]), dist.new_group([0, 1])
+    meet = dist.new_group([0, 1])  # the two ranks agree on the duplex time apart from the channels' groups
     dev = torch.device("cpu")
     if rank < 2:
         there = Channel(1 - rank, fwd_g if rank == 0 else bwd_g, dev)
@@ -93,7 +108,8 @@ def _probe_p2p(rank: int, sizes: list[int], reps: int) -> list[list]:
     out = []
     for nbytes in sizes:
         t = torch.zeros(max(1, nbytes // 4))
-        samples = []
+        iso: list[float] = []
+        dup: list[float] = []
         if rank < 2:  # a new signature: the first (untimed) message carries the header
             there.begin_step()
             back.begin_step()
@@ -109,8 +125,26 @@ def _probe_p2p(rank: int, sizes: list[int], reps: int) -> list[list]:
                 there.send([t])
                 there.wait_sends()
             if i >= _WARMUP:
-                samples.append((time.perf_counter() - t0) / 2)
-        out.append([nbytes, statistics.median(samples)])
+                iso.append((time.perf_counter() - t0) / 2)
+        for i in range(reps + _WARMUP if duplex else 0):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank < 2:
+                for _ in range(train):
+                    there.send([t])
+                for _ in range(train):
+                    back.recv()
+                there.wait_sends()
+            if i >= _WARMUP:
+                dup.append((time.perf_counter() - t0) / train)
+        if duplex and rank < 2:  # the slower direction's time: the larger of what rank 0 and rank 1 saw
+            ends = torch.tensor([statistics.median(dup)], dtype=torch.float64)
+            dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=meet)
+            d = float(ends)
+        else:
+            d = 0.0
+        i_s = statistics.median(iso)
+        out.append([nbytes, max(i_s, d), i_s, d])
     return out
 
 
@@ -303,7 +337,7 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
             res["compute_samples"] = [[k, crowded_mean([pr[str(k)] for pr in per_rank[:k]])] for k in ks]
             res["compute"] = [[k, statistics.median(v)] for k, v in res["compute_samples"]]
     cores = max(1, int(res.get("cpu_count") or 1) // max(1, threads))
-    p_alpha, p_beta = fit_alpha_beta([(b, t) for b, t in res["p2p"]])
+    p_alpha, p_beta = fit_alpha_beta([(row[0], row[1]) for row in res["p2p"]])
     # ring α–β from the all-reduces with a core per participant (absolute residuals: the large
     # buckets, which gradients are, decide the bandwidth); all of them if there are none
     ar = res["allreduce"]
