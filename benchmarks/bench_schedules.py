@@ -62,7 +62,9 @@ SYSTEMS = VARUNA + TORCH
 # (in this run) with the benchmark's boundaries picks the split backward or the whole one; no
 # recompute (memory allows it: no limit on this CPU)
 PLANNED = {True: "varuna_zb", False: "varuna_norc"}
-LABEL = {"varuna_zb": "Varuna (split backward)", "varuna_rc": "Varuna (recompute)",
+# bench_schedules runs the planner's row itself (backward split or whole, recompute per stage, in-flight caps)
+AS_PLANNED = "varuna_planned"
+LABEL = {AS_PLANNED: "Varuna as planned", "varuna_zb": "Varuna (split backward)", "varuna_rc": "Varuna (recompute)",
          "varuna_norc": "Varuna (no recompute)", "torch_1f1b": "torch Schedule1F1B",
          "torch_gpipe": "torch ScheduleGPipe", "torch_interleaved1f1b": "torch ScheduleInterleaved1F1B",
          "torch_loopedbfs": "torch ScheduleLoopedBFS", "torch_interleavedzb": "torch ScheduleInterleavedZeroBubble",
@@ -123,9 +125,11 @@ class System:
 
 
 class VarunaSystem(System):
-    def __init__(self, cfg, P: int, m: int, recompute: bool, split_backward: bool = False):
+    def __init__(self, cfg, P: int, m: int, recompute: bool | list[bool], split_backward: bool = False,
+                 max_in_flight: list[int] | None = None):
         super().__init__()
-        self.eng = common.varuna_engine(cfg, P, m, SEED, recompute=recompute, split_backward=split_backward)
+        self.eng = common.varuna_engine(cfg, P, m, SEED, recompute=recompute, split_backward=split_backward,
+                                        max_in_flight=max_in_flight)
         self.opt = torch.optim.AdamW(self.eng.parameters(), lr=LR)
         common.timed_optimizer(self.opt, self.phase)
 
@@ -224,6 +228,10 @@ def worker(rank: int, world: int, out_dir: str, opts: dict) -> None:
         "varuna_norc": VarunaSystem(cfg, P, m, recompute=False),
         "varuna_rc": VarunaSystem(cfg, P, m, recompute=True),
     }
+    if opts.get("planned"):  # the planner's own row: split or whole backward, recompute per stage, caps
+        row = opts["planned"]
+        systems[AS_PLANNED] = VarunaSystem(cfg, P, m, recompute=row["recompute"], split_backward=row["split_backward"],
+                                           max_in_flight=row["max_in_flight"])
     cannot: dict[str, str] = {}
     for name in TORCH:
         try:
@@ -385,15 +393,15 @@ def calibrate_bench_model():
 
 
 def predicted(profile, P: int, m: int, bandwidth_Bps: float | None = None,
-              split_backward: bool | None = None):
+              split_backward: bool | None = None, recompute: bool | None = False):
     """The planner's row for the benchmark's split into P stages (D = 1, m micro-batches of
     MICRO, P workers sharing this machine's cores, or with ``bandwidth_Bps`` one per namespace
     host behind links of that speed), with the backward as ``split_backward`` says (None: the
-    faster as simulated)."""
+    faster as simulated) and ``recompute`` as ``plan()`` takes it (None: per stage, the default)."""
     from varuna_sdk.planner.plan import plan
 
     bnd = common.varuna_boundaries(common.block_split(N_LAYER, P)) if P > 1 else None
-    return plan(profile, P, m * MICRO, boundaries=bnd, replicas=1, recompute=False, micro_batch_sizes=[MICRO],
+    return plan(profile, P, m * MICRO, boundaries=bnd, replicas=1, recompute=recompute, micro_batch_sizes=[MICRO],
                 gpus_per_vm=1 if bandwidth_Bps else P, compute_slots_per_vm=0 if bandwidth_Bps else common.cpu_count(),
                 network_bandwidth_Bps=bandwidth_Bps, split_backward=split_backward).best
 
@@ -403,6 +411,20 @@ def planned_split(profile, P: int, m: int, bandwidth_Bps: float | None = None) -
     mini-batch."""
     row = predicted(profile, P, m, bandwidth_Bps)
     return row.split_backward, row.time_s
+
+
+def planned_row(profile, P: int, m: int) -> dict:
+    """What the planner configures with its defaults (recompute per stage from the memory limit,
+    the backward split or whole, in-flight caps) for the benchmark's split: the settings the
+    ``AS_PLANNED`` system runs, its predicted seconds per mini-batch and a short description."""
+    row = predicted(profile, P, m, recompute=None)
+    rec = [bool(x) for x in row.stage_recompute] or [False] * P
+    caps = [int(x) for x in row.max_in_flight] if any(row.max_in_flight) else None
+    what = (f"{'split' if row.split_backward else 'whole'} backward, recompute "
+            f"{'on stages ' + str([s for s, r in enumerate(rec) if r]) if any(rec) else 'nowhere'}, "
+            f"in-flight caps {caps if caps else 'none'}")
+    return {"split_backward": bool(row.split_backward), "recompute": rec, "max_in_flight": caps,
+            "predicted_s": row.time_s, "what": what}
 
 
 def best_torch(stats: dict, jit: int) -> str:
@@ -425,7 +447,7 @@ def print_run(P: int, m: int, res: dict) -> None:
     print("  peak activation memory per rank (MB: saved for backward + stashed inputs): " + "; ".join(
         f"{LABEL[k]} {'/'.join(f'{b / 1e6:.1f}' for b in v)}" for k, v in res["activation_peak_bytes"].items()))
     print("  per rank, no jitter (median ms): step = compute [F R B W] + optimizer + rest")
-    for name in SYSTEMS:
+    for name in (AS_PLANNED,) + SYSTEMS:
         if f"{name}|0" not in res["split"]:
             continue
         cells = [f"r{k} {x['step'] * 1e3:.0f} = {x['compute'] * 1e3:.0f} [{x['F'] * 1e3:.0f} {x['R'] * 1e3:.0f} "
@@ -454,19 +476,19 @@ def main() -> None:
     for P in args.P:
         for f in factors:
             m = f * P
-            split, predicted = planned_split(profile, P, m)
-            planned = PLANNED[split]
-            print(f"P={P} m={m}: the planner runs {LABEL[planned]} (predicted {predicted * 1e3:.0f} ms per mini-batch)")
+            row = planned_row(profile, P, m)
+            planned, predicted = AS_PLANNED, row["predicted_s"]
+            print(f"P={P} m={m}: the planner runs {row['what']} (predicted {predicted * 1e3:.0f} ms per mini-batch)")
             idle[f"{P}x{m}"] = common.wait_for_idle(args.wait_idle)
-            res = run_P(P, {**opts, "m": m}, args.timeout)
-            res["planned"], res["predicted_s"] = planned, predicted
+            res = run_P(P, {**opts, "m": m, "planned": row}, args.timeout)
+            res["planned"], res["predicted_s"], res["planned_row"] = planned, predicted, row
             runs[f"P={P} m={m}"] = res
             cannot.update({f"P={P} m={m} {LABEL[k]}": v for k, v in res["cannot_run"].items()})
             print_run(P, m, res)
             st = res["stats"]
             for jit in (0, 1):
                 tag = f"P={P} m={m} {'jitter' if jit else 'no jitter'}"
-                for name in SYSTEMS:
+                for name in (AS_PLANNED,) + SYSTEMS:
                     if f"{name}|{jit}" in st:
                         figures.append(common.Figure(f"{tag}: time per mini-batch, {LABEL[name]}",
                                                      st[f"{name}|{jit}"]["median"], "s",
@@ -478,7 +500,7 @@ def main() -> None:
                 best = best_torch(st, jit)
                 for name in ("planned",) + VARUNA:
                     sys_name = planned if name == "planned" else name
-                    label = f"Varuna as planned ({LABEL[planned]})" if name == "planned" else LABEL[name]
+                    label = LABEL[AS_PLANNED] if name == "planned" else LABEL[name]
                     rob = robustness(res["times"], sys_name, best, jit)
                     figures.append(common.Figure(
                         f"{tag}: throughput {label} / best torch ({LABEL[best].replace('torch ', '')})",
@@ -498,11 +520,13 @@ def main() -> None:
         "into 2P chunks, 2 per rank on the same P ranks (rank r holds r and r+P, or r and 2P-1-r). Tied embedding / "
         "LM-head gradient summed between the ranks holding the first and last stage. AdamW; gloo on CPU, one torch "
         "thread per process; systems interleaved round by round in the same processes. Varuna as planned = the "
-        "Varuna system plan() picks for that (P, m) from a calibration of this model made in this run (same "
-        "boundaries, D = 1, P workers on this machine's cores), before measuring: the backward split into B (input "
-        "gradient, sent at once) and W (weight gradients, deferred into waits) or whole; no recompute (no memory "
-        "limit here). Planner's choices: " + "; ".join(f"{k} {LABEL[r['planned']]} (predicted {r['predicted_s'] * 1e3:.0f}"
-                                                       " ms)" for k, r in runs.items()) + ". "
+        "row plan() picks with its defaults for that (P, m) from a calibration of this model made in this run (same "
+        "boundaries, D = 1, P workers on this machine's cores), before measuring, and run as a system of its own "
+        "exactly as configured: the backward split into B (input gradient, sent at once) and W (weight gradients, "
+        "deferred into waits) or whole, recompute per stage from the memory limit, and an in-flight cap per stage "
+        "(with no memory limit the simulated peak, so that the plan's memory figure holds whatever the timing). "
+        "Planner's choices: " + "; ".join(f"{k} {r['planned_row']['what']} (predicted {r['predicted_s'] * 1e3:.0f}"
+                                          " ms)" for k, r in runs.items()) + ". "
         f"Jitter: seeded exponential delivery delays, mean {args.jitter_frac} x the slowest stage's pure "
         "forward+backward time per micro-batch, identical per message for every system (jitter.py). Ratio = median "
         "over rounds of the paired per-round throughput ratio against the torch schedule fastest at that (P, m, "
