@@ -195,7 +195,7 @@ def test_the_p2p_probe_measures_a_token_bucket_link_at_its_sustained_rate():
         sys.path.remove(str(root))
     if netbed.skip_reason():
         pytest.skip(netbed.skip_reason())
-    limit = 12e6
+    limit = 24e6
     alpha, beta, rows = netbed.measure_link(limit, 262144, timeout_s=150, reps=3)
     print(f"\nlimit {limit / 1e6:g} MB/s: fitted alpha {alpha * 1e3:.2f} ms beta {beta / 1e6:.2f} MB/s; rows {rows}")
     by_size = {r[0]: r for r in rows}
