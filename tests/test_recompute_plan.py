@@ -83,6 +83,26 @@ def test_a_memory_limit_makes_only_the_stages_that_need_it_recompute():
     assert "recompute" in pl.table() and "rank 1, stage 0: recomputes" in pl.table()
 
 
+def test_a_stage_where_fewer_than_1f1b_holds_fit_is_also_tried_throttled():
+    """Where stage 0 fits 3 live graphs but 1F1B holds 4 there, keeping 3 under a cap (throttling
+    the pipeline) is simulated too, not ruled out; here it is slower than recomputing, and the
+    reason says so with the time the simulation gives it."""
+    from varuna_sdk.planner.recompute import _evaluate
+
+    prof = synthetic_profile(HEAVY)
+    free = _fixed(prof)
+    mems = _memories(free, free.best)
+    limit = mems[0].bytes(0, 3) * 1.0001
+    pl = _fixed(prof, memory_limit_bytes=limit)
+    row = pl.best
+    assert row.stage_recompute[0] and "keeping 3 under a cap simulates slower" in row.recompute_why[0]
+    c = SimpleNamespace(starts=[st[0] for st in row.stages], P=4, D=1)
+    ti = pl._sizes.index(row.micro_batch_size)
+    throttled = _evaluate(pl._search, c, ti, [False] * 4, [3] + list(row.max_in_flight[1:]))
+    assert throttled.feasible and throttled.minibatch_time > row.time_s
+    assert mems[0].bytes(0, 3) <= limit < mems[0].bytes(0, 4)
+
+
 def test_recompute_true_or_false_is_kept_on_every_stage():
     prof = synthetic_profile(HEAVY)
     on = _fixed(prof, recompute=True).best

@@ -13,9 +13,9 @@ everywhere, or off everywhere); this module then refines the candidate it keeps 
   micro-batch in flight; a recomputing stage holds stashed inputs plus the graphs being
   recomputed). The runtime's scheduler enforces the caps (``pipeline.schedule.StageScheduler``);
 * a stage recomputes only when keeping the activations of the micro-batches 1F1B would hold
-  there (``P - stage``; fewer would starve the pipeline) does not fit the limit. The mixed
-  configuration is simulated; it is kept when it fits and is no slower than recompute
-  everywhere;
+  there (``P - stage``) does not fit the limit — and, where at least one micro-batch's do, keeping
+  fewer under a smaller cap (which throttles the pipeline) simulates slower. The mixed
+  configurations are simulated; the fastest that fits is kept (recompute everywhere included);
 * a no-recompute candidate the search excluded for memory (its uncapped peaks) is re-simulated
   with the caps that fit (``planner.search._rescue``).
 
@@ -177,10 +177,15 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
     need = [min(m, P - s) for s in range(P)]
     fits = [mem.live_fit(limit) for mem in mems]
     keep = [s != last and auto and (fits[s] is None or fits[s] >= need[s]) for s in range(P)]
+    # a stage where fewer graphs than 1F1B holds fit (but at least one) may still keep its
+    # activations under that smaller cap: it throttles the pipeline instead of paying a second forward
+    throttle = [s != last and auto and not keep[s] and fits[s] is not None and fits[s] >= 1 for s in range(P)]
     every = [s != last for s in range(P)]
     options = [(every, "recompute=True was asked" if not auto else "")]
     if any(keep):
         options.insert(0, ([s != last and not keep[s] for s in range(P)], ""))
+    if any(throttle):
+        options.insert(0, ([s != last and not (keep[s] or throttle[s]) for s in range(P)], ""))
     best = None
     for rec, asked in options:
         cand, caps, bound = run(rec)
@@ -194,11 +199,17 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
         if s == last:
             why.append(last_why)
         elif not rec[s]:
-            why.append(_keep_why(caps[s], bound[s], limit, m))
+            why.append(_keep_why(caps[s], bound[s], limit, m) + (
+                f"; fewer than the {need[s]} 1F1B holds here, which throttles the pipeline but simulates faster than "
+                "recomputing" if throttle[s] else ""))
         elif asked:
             why.append(_rec_why(caps[s], bound[s], limit, asked))
         elif keep[s]:  # the mixed configuration simulated slower
             why.append(_rec_why(caps[s], bound[s], limit, "keeping activations here simulates slower"))
+        elif throttle[s]:  # keeping fewer than need[s] under a smaller cap simulated slower
+            why.append(_rec_why(caps[s], bound[s], limit, f"keeping the activations of {need[s]} micro-batches, as "
+                                f"many as 1F1B holds here, needs {format_bytes(mems[s].bytes(0, need[s]))}, over the "
+                                f"limit, and keeping {fits[s]} under a cap simulates slower"))
         else:
             why.append(_rec_why(caps[s], bound[s], limit, f"keeping the activations of {need[s]} micro-batches, as "
                                 f"many as 1F1B holds here, needs {format_bytes(mems[s].bytes(0, need[s]))}, over the "
