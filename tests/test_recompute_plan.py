@@ -103,6 +103,35 @@ def test_a_stage_where_fewer_than_1f1b_holds_fit_is_also_tried_throttled():
     assert mems[0].bytes(0, 3) <= limit < mems[0].bytes(0, 4)
 
 
+def test_caps_below_a_capped_stage_are_cascaded_when_that_simulates_faster():
+    """Under a limit where stage 0 fits exactly the 4 micro-batches 1F1B holds there, the caps that
+    fit ([4, 0, 7, 0]: stages 1-2 fit more) simulate 2.75 s — the loosely capped stages take
+    forwards while stage 0 waits for a gradient — and the planner used to prefer recomputing
+    everywhere (2.06 s). Caps cascaded from stage 0 ([4, 3, 2, 0]) simulate 1.66 s, hold less, and
+    are what the plan now runs, with no recompute."""
+    from varuna_sdk.planner.recompute import _evaluate, cascade_caps
+
+    assert cascade_caps([4, 0, 7, 0], 16) == [4, 3, 2, 0] and cascade_caps([0, 3, 4, 0], 16) == [0, 3, 2, 0]
+    assert cascade_caps([8, 5, 3, 0], 16) == [8, 5, 3, 0] and cascade_caps([1, 0, 0], 16) == [1, 1, 0]
+    prof = synthetic_profile(HEAVY)
+    free = _fixed(prof)
+    mems = _memories(free, free.best)
+    limit = mems[0].bytes(0, 4) * 1.0001
+    assert mems[0].bytes(0, 5) > limit
+    pl = _fixed(prof, memory_limit_bytes=limit)
+    row = pl.best
+    assert row.stage_recompute == [False] * 4 and row.max_in_flight == [4, 3, 2, 0], row.recompute_why
+    c = SimpleNamespace(starts=[st[0] for st in row.stages], P=4, D=1)
+    ti = pl._sizes.index(row.micro_batch_size)
+    loose = _evaluate(pl._search, c, ti, [False] * 4, [4, 0, 7, 0])
+    everywhere = _fixed(prof, memory_limit_bytes=limit, recompute=True).best
+    assert row.time_s < everywhere.time_s < loose.minibatch_time
+    assert all(b <= limit for b in row.stage_memory_bytes)
+    out = pl.simulate(row, record_timeline=False)
+    assert out.minibatch_time == pytest.approx(row.time_s, rel=1e-12)
+    assert all(out.peak_live[s] <= row.max_in_flight[s] for s in range(3))
+
+
 def test_recompute_true_or_false_is_kept_on_every_stage():
     prof = synthetic_profile(HEAVY)
     on = _fixed(prof, recompute=True).best
