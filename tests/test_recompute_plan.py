@@ -132,6 +132,25 @@ def test_caps_below_a_capped_stage_are_cascaded_when_that_simulates_faster():
     assert all(out.peak_live[s] <= row.max_in_flight[s] for s in range(3))
 
 
+def test_a_stage_below_a_capped_stage_is_bounded_by_that_cap_too():
+    """A micro-batch in flight on stage s is in flight on every stage above it, so a stage's memory
+    figure is its graphs at the tightest cap at or above it: stage 1 below stage 0's cap of 6 was
+    reported as holding all 16 micro-batches (91.6 MiB) though it can never hold more than 6."""
+    prof = synthetic_profile(HEAVY)
+    free = _fixed(prof)
+    mems = _memories(free, free.best)
+    limit = mems[0].bytes(0, 6) * 1.0001
+    pl = _fixed(prof, memory_limit_bytes=limit)
+    row = pl.best
+    caps = row.max_in_flight
+    assert caps[0] == 6 and row.stage_recompute == [False] * 4, (caps, row.recompute_why)
+    for s in range(3):
+        held = min(x for x in caps[:s + 1] if x)
+        assert row.stage_memory_bytes[s] == pytest.approx(mems[s].bytes(0, held), rel=1e-12)
+    out = pl.simulate(row, record_timeline=False)
+    assert all(out.peak_live[s] <= min(x for x in caps[:s + 1] if x) for s in range(3))
+
+
 def test_recompute_true_or_false_is_kept_on_every_stage():
     prof = synthetic_profile(HEAVY)
     on = _fixed(prof, recompute=True).best

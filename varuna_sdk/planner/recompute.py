@@ -172,7 +172,10 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
     peak = [a + b for a, b in zip(c.peak_stashed, c.peak_live)]
 
     def bounds(rec: list[bool], caps: list[int]) -> list[float]:
-        return [_bound(mems[s], rec[s], caps[s], live[s], m) if s != last else c.stage_memory[s] for s in range(P)]
+        # a micro-batch in flight on a stage is in flight on every stage above it (their backward
+        # waits for its gradient): a stage never holds more than the tightest cap above it either
+        held = [min([x for x in caps[:s + 1] if x] or [0]) for s in range(P)]
+        return [_bound(mems[s], rec[s], held[s], live[s], m) if s != last else c.stage_memory[s] for s in range(P)]
 
     def run(rec: list[bool]):
         """The faster of the caps that fit (or the simulated peaks) and those caps cascaded."""
