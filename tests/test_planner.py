@@ -893,6 +893,9 @@ def test_plan_for_job_says_why_a_fixed_p_does_not_fit(P, bnd):
     with pytest.raises(ConfigError, match=r"has parallel.P=2.*\(P=2 D=\d: .*memory limit of 1.9 GiB"
                                           r".*\); feasible plans: "):
         plan_for_job(_job_with(P, None, bnd), prof)
+    if bnd is None:  # the search stops at the fixed depth: the message says so, deeper plans may fit
+        with pytest.raises(ConfigError, match=r"feasible plans: none \(depths up to P=2 searched\)"):
+            plan_for_job(_job_with(P, None, bnd), prof)
 
 
 def test_simulate_refuses_a_row_of_another_plan():

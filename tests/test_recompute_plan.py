@@ -168,7 +168,7 @@ def test_per_stage_settings_are_checked_before_a_run():
         validate_parallel(ParallelConfig(P=2, global_batch=4, recompute=[True, False, False]))
     with pytest.raises(ConfigError, match="varuna policy only"):
         validate_parallel(ParallelConfig(P=2, global_batch=4, policy="1f1b", max_in_flight=[1, 0]))
-    with pytest.raises(ConfigError, match="one integer >= 0 per stage"):
+    with pytest.raises(ConfigError, match="one integer >= 0 and < 1048576 per stage"):
         validate_parallel(ParallelConfig(P=2, global_batch=4, max_in_flight=[-1, 0]))
     with pytest.raises(ValueError, match="one cap per stage"):
         StageScheduler("varuna", 3, 4, 0, max_in_flight=[1, 0])
@@ -228,6 +228,13 @@ def test_best_only_and_recompute_false_agree_with_the_exhaustive_per_stage_plan(
     full = plan(prof, 6, 48, memory_limit_bytes=1e8).best
     fast = plan(prof, 6, 48, memory_limit_bytes=1e8, exhaustive=False)
     assert fast.exhaustive and (fast.best.P, fast.best.time_s) == (full.P, full.time_s)
+    # recompute=False too: P=3 rescued with caps at 563 ms was pruned by a 765 ms "bound" of the
+    # uncapped pipeline and best-only returned P=1 at 748 ms (second trial)
+    small = synthetic_profile([1, 1, 1], act_factor=10.0, param_bytes=1e6)
+    kw0 = dict(memory_limit_bytes=46e6, recompute=False)
+    full0, fast0 = plan(small, 6, 32, **kw0).best, plan(small, 6, 32, exhaustive=False, **kw0)
+    assert fast0.exhaustive and (fast0.best.P, fast0.best.D, fast0.best.time_s) == (full0.P, full0.D, full0.time_s)
+    assert full0.P == 3 and any(full0.max_in_flight)
     heavy = synthetic_profile(HEAVY)
     kw = dict(memory_limit_bytes=100e6, max_depth=2, micro_batch_sizes=[1])
     auto = next(r for r in plan(heavy, 2, 32, **kw).feasible if r.P == 2)

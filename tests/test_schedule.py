@@ -595,6 +595,14 @@ def test_numpy_integers_and_bools_are_accepted_and_the_last_stage_never_recomput
         StageScheduler("varuna", 3, 4, 1, recompute=list(np.array([1, 0, 1])))
     with pytest.raises(TypeError, match="max_in_flight must be an int"):
         StageScheduler("varuna", 3, 4, 1, max_in_flight=np.float64(2.0))
+    assert stage_schedule("varuna", 2, 2, 0, split_backward=np.bool_(True)) == \
+        stage_schedule("varuna", 2, 2, 0, split_backward=True)
+    # counts beyond the C++ int were pybind's "incompatible function arguments"
+    for call, name in ((lambda: stage_schedule("varuna", 2 ** 40, 4, 0), "P"),
+                       (lambda: stage_schedule("varuna", 2, 2 ** 33, 0), "m"),
+                       (lambda: StageScheduler("varuna", 2, 2, 0).next(2 ** 40, 0), "acts_arrived")):
+        with pytest.raises(ValueError, match=f"{name}=\\d+ is out of range: at most 2147483647"):
+            call()
 
 
 def test_module_never_imports_torch():

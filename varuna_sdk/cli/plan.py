@@ -78,7 +78,7 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--bandwidth-gbps", args.bandwidth_gbps), ("--memory-gib", args.memory_gib),
                         ("--spot-price", args.spot_price),
                         ("--on-demand-price", args.on_demand_price)):
-        if value is not None and not (math.isfinite(value) and value >= (0 if flag.endswith("price") else 1e-9)):
+        if value is not None and not (math.isfinite(value) and (value >= 0 if flag.endswith("price") else value > 0)):
             raise ConfigError(f"{flag} {value} must be a finite number {'>= 0' if flag.endswith('price') else '> 0'}")
 
 

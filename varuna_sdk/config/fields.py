@@ -157,8 +157,8 @@ class Plain:
                                   "[true, false]), or null")
         elif self.kind == "stage_counts":
             if not (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(_is_int(x) and 0 <= x < 1 << 20 for x in v)):
-                raise ConfigError(f"{where}={_show(v)} must be one integer >= 0 per stage (e.g. [4, 2, 0]; 0 = no "
-                                  "cap), or null")
+                raise ConfigError(f"{where}={_show(v)} must be one integer >= 0 and < {1 << 20} per stage (e.g. "
+                                  "[4, 2, 0]; 0 = no cap), or null")
         elif self.kind == "inputs":
             ok = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(isinstance(x, str) for x in v)) or (
                 isinstance(v, dict) and 0 < len(v) <= MAX_ITEMS

@@ -71,14 +71,14 @@ def _check_policy(policy: object) -> str:
 
 
 def _check_split(policy: str, split_backward: object) -> bool:
-    if not isinstance(split_backward, bool):
+    if not _is_flag(split_backward):
         raise TypeError(f"split_backward must be a bool, got {type(split_backward).__name__} {split_backward!r}")
     if split_backward and policy != "varuna":
         raise ValueError(
             f"split_backward applies to the varuna policy only ({policy} runs its backward whole, as "
             "published); pass split_backward=False or policy='varuna'"
         )
-    return split_backward
+    return bool(split_backward)
 
 
 def _is_flag(x: object) -> bool:
@@ -92,7 +92,8 @@ def _is_count(x: object) -> bool:
 
 
 def _check_recompute(P: int, recompute: object) -> bool | list[bool] | None:
-    """``None``, one bool, or a list/tuple of exactly ``P`` bools (one per stage); NumPy bools count."""
+    """``None``, one bool, or a list/tuple of exactly ``P`` bools (one per stage); NumPy bools count (a NumPy
+    array does not: pass ``list(array)``)."""
     if recompute is None or _is_flag(recompute):
         return None if recompute is None else bool(recompute)
     if isinstance(recompute, (list, tuple)) and all(_is_flag(x) for x in recompute):
@@ -124,11 +125,17 @@ def _check_caps(policy: str, P: int, stage: int, max_in_flight: object) -> list[
     return caps
 
 
+_INT_MAX = (1 << 31) - 1  # the C++ core's int
+
+
 def _check_ints(**values: object) -> list[int]:
-    """The values as Python ints (NumPy integers accepted); a bool or a non-integer is refused."""
+    """The values as Python ints (NumPy integers accepted); a bool or a non-integer is refused
+    (``TypeError``), and one beyond the C++ core's int (``ValueError``)."""
     for name, value in values.items():
         if not _is_count(value):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if not -_INT_MAX <= int(value) <= _INT_MAX:  # type: ignore[call-overload]
+            raise ValueError(f"{name}={value} is out of range: at most {_INT_MAX}")
     return [int(v) for v in values.values()]  # type: ignore[call-overload]
 
 
@@ -169,7 +176,7 @@ def stage_schedule(
         The actions in execution order, e.g. ``[F0, F1, R0, B0, ...]``.
 
     Raises:
-        ValueError: unknown policy, ``P < 1``, ``m < 1``, ``stage`` out of range, a
+        ValueError: unknown policy, ``P < 1``, ``m < 1``, ``P``/``m`` above ``2**31 - 1``, ``stage`` out of range, a
             ``recompute`` list without exactly ``P`` flags, or ``split_backward`` with a policy
             other than ``varuna``; the message names the valid values.
         TypeError: ``P``, ``m`` or ``stage`` is not an int, ``split_backward`` not a bool,

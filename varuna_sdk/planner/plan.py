@@ -183,6 +183,8 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
+        if fixed_P is not None and bnd is None:  # the search stopped at the fixed depth
+            offered = f"{offered} (depths up to P={fixed_P} searched)"
         fixed = " and ".join(f"{k}={v}" for k, v in (("P", fixed_P), ("D", fixed_D)) if v is not None)
         if bnd is not None:
             fixed += " (from parallel.boundaries)" if p.P is None else " and these boundaries"

@@ -20,8 +20,8 @@ everywhere, or off everywhere); this module then refines the candidate it keeps 
 * a no-recompute candidate the search excluded for memory (its uncapped peaks) is re-simulated
   with the caps that fit (``planner.search._rescue``).
 
-Varuna only (GPipe and 1F1B run as published: their recompute is one flag and they take no
-cap). The last stage never recomputes. Memory per stage is ``SearchInput``'s model
+Varuna only (GPipe and 1F1B run as published and take no cap; the planner gives them one
+recompute flag for every stage, though a config may list one per stage). The last stage never recomputes. Memory per stage is ``SearchInput``'s model
 (``_core.stage_memory``: weights, gradients and optimizer state plus stashed inputs and live
 graphs). Paper §3.2 (recompute), §4.4 (memory-aware configuration).
 
@@ -137,18 +137,22 @@ def _bound(mem: StageMemory, rec: bool, cap: int, live: int, m: int) -> float:
     return mem.bytes(max(0, held - live), min(held, live)) if rec else mem.bytes(0, held)
 
 
+def _mbs(n: int) -> str:
+    return f"{n} micro-batch{'' if n == 1 else 'es'}"
+
+
 def _keep_why(cap: int, bound: float, limit: float | None, m: int) -> str:
     size = format_bytes(bound)
     if not limit:
-        return (f"keeps activations: at most {cap} micro-batches in flight ({size}; no memory limit, capped at no "
+        return (f"keeps activations: at most {_mbs(cap)} in flight ({size}; no memory limit, capped at no "
                 "more than the simulated peak)" if cap else f"keeps activations of up to all {m} micro-batches ({size}; no memory "
                 "limit)")
-    return (f"keeps activations: at most {cap or m} micro-batches in flight, {size} of the {format_bytes(limit)} "
+    return (f"keeps activations: at most {_mbs(cap or m)} in flight, {size} of the {format_bytes(limit)} "
             f"limit" + ("" if cap else " (all of them fit)"))
 
 
 def _rec_why(cap: int, bound: float, limit: float | None, reason: str) -> str:
-    held = f"at most {cap} micro-batches in flight" if cap else "every micro-batch may be in flight"
+    held = f"at most {_mbs(cap)} in flight" if cap else "every micro-batch may be in flight"
     lim = f" of the {format_bytes(limit)} limit" if limit else ""
     return f"recomputes ({reason}): {held}, {format_bytes(bound)}{lim}"
 

@@ -169,9 +169,12 @@ class PlanRequest:
         self.prices = self.prices or Prices()
         self.sizes = (sorted(set(self.micro_batch_sizes)) if self.micro_batch_sizes
                       else candidate_micro_batch_sizes(self.profile, self.global_batch))
-        if self.auto_recompute and self.limit:
-            # a best-only search prunes per whole-pipeline mode, before recompute is chosen per stage
-            # (planner.recompute), and could miss the depth that wins once refined: search them all
+        if self.limit and self.policy == "varuna" and self.recompute is not True:
+            # a best-only search prunes per whole-pipeline mode by a lower bound of the uncapped
+            # pipeline, before recompute and in-flight caps are chosen per stage (planner.recompute)
+            # and before a no-recompute candidate over the limit is rescued with caps: it could miss
+            # the depth that wins once refined (a P=3 rescued at 563 ms was pruned at a "bound" of
+            # 765 ms): search them all
             self.exhaustive = True
 
     @property
