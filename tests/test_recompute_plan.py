@@ -151,6 +151,40 @@ def test_a_stage_below_a_capped_stage_is_bounded_by_that_cap_too():
     assert all(out.peak_live[s] <= min(x for x in caps[:s + 1] if x) for s in range(3))
 
 
+def test_a_limit_only_a_memory_balanced_split_fits_is_planned_on_that_split():
+    """The search's memory-aware split assumes uncapped in-flight and the cap rescue reused the
+    cost-balanced split, so at 42 MB every depth was excluded ("needs at least 45.8 MiB") though the
+    even split fits at 39.1 MiB with caps [1, 1, 1, 0] (trial finding). The rescue now also tries
+    the split that balances memory at one live graph per stage; that split is the brute-force
+    min-max over every split."""
+    import itertools
+    import math
+
+    from varuna_sdk._native import core as _core
+    from varuna_sdk.planner.recompute import memory_balanced_starts
+
+    prof = synthetic_profile(HEAVY)
+    row = plan(prof, 4, 16, memory_limit_bytes=4.2e7).best
+    assert row.P == 4 and row.stages == [[0, 1], [2, 3], [4, 5], [6, 7]], row
+    assert all(b <= 4.2e7 for b in row.stage_memory_bytes) and row.max_in_flight == [1, 1, 1, 0]
+    assert plan(prof, 4, 16, memory_limit_bytes=4.2e7).simulate(row, record_timeline=False).minibatch_time == \
+        pytest.approx(row.time_s, rel=1e-12)
+    rng = random.Random(7)
+    for _ in range(12):
+        n, P = rng.randint(4, 9), rng.randint(2, 4)
+        p = synthetic_profile([rng.randint(1, 4) for _ in range(n)], act_factor=rng.uniform(1, 10),
+                              param_bytes=[rng.choice([1e6, 5e6, 2e7]) for _ in range(n)])
+        inp = plan(p, P, 4 * P, replicas=1, max_depth=P)._search
+        ti = 0
+        cost = lambda a, b: _core.stage_memory(inp, ti, a, b, 0, 1)  # noqa: E731
+        starts = memory_balanced_starts(inp, ti, P)
+        assert len(starts) == P and starts[0] == 0 and starts == sorted(set(starts))
+        got = max(cost(a, b) for a, b in zip(starts, starts[1:] + [n]))
+        brute = min(max(cost(a, b) for a, b in zip((0,) + cut, cut + (n,)))
+                    for cut in itertools.combinations(range(1, n), P - 1))
+        assert got <= brute * (1 + 1e-4) and not math.isnan(got), (starts, got, brute)
+
+
 def test_recompute_true_or_false_is_kept_on_every_stage():
     prof = synthetic_profile(HEAVY)
     on = _fixed(prof, recompute=True).best

@@ -85,6 +85,54 @@ def stage_memories(inp, c, ti: int) -> list[StageMemory]:
     return out
 
 
+def memory_balanced_starts(inp, ti: int, P: int, per_live: int = 1) -> list[int] | None:
+    """The split into ``P`` contiguous stages (first segment of each) whose largest stage needs the
+    least memory holding ``per_live`` live graphs (bytes: ``_core.stage_memory`` of the segment
+    range), to 0.01 %: a bisection on that maximum, each step a greedy packing (a stage's memory only
+    grows with its range), O(n log) stage-memory calls for n segments. The search's memory-aware
+    split assumes uncapped in-flight; under caps a stage holds one graph or a few, so a split that
+    balances weights and optimizer state can fit a limit the search calls too small. None when
+    there are fewer segments than stages."""
+    n = len(inp.tables[ti].fwd)
+    if P < 1 or n < P:
+        return None
+    memo: dict[tuple[int, int], float] = {}
+
+    def cost(a: int, b: int) -> float:
+        if (a, b) not in memo:
+            memo[(a, b)] = _core.stage_memory(inp, ti, a, b, 0, per_live)
+        return memo[(a, b)]
+
+    def pack(x: float) -> list[int] | None:
+        starts, a = [0], 0
+        for b in range(1, n):
+            if cost(a, b + 1) > x:
+                starts.append(b)
+                a = b
+                if len(starts) > P:
+                    return None
+        return starts
+
+    lo = max(cost(k, k + 1) for k in range(n))
+    hi = max(lo, cost(0, n))
+    best = pack(hi)
+    if pack(lo) is not None:
+        best, hi = pack(lo), lo
+    while hi - lo > 1e-4 * hi:
+        mid = 0.5 * (lo + hi)
+        got = pack(mid)
+        if got is None:
+            lo = mid
+        else:
+            best, hi = got, mid
+    starts = list(best or [0])
+    while len(starts) < P:  # fewer stages than P: split the largest stage that has two segments
+        ends = starts[1:] + [n]
+        k = max((k for k in range(len(starts)) if ends[k] - starts[k] > 1), key=lambda k: cost(starts[k], ends[k]))
+        starts.insert(k + 1, ends[k] - 1)
+    return starts
+
+
 def _evaluate(inp, c, ti: int, rec: list[bool], caps: list[int]):
     """``c`` (its split fixed) simulated with recompute per stage and caps."""
     x = copy.copy(inp)

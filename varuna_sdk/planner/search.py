@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._native import core as _core
-from .recompute import StagePlan, refine
+from .recompute import StagePlan, memory_balanced_starts, refine
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
 from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
 
@@ -190,10 +190,28 @@ def _rescue(req: PlanRequest, found: SearchResult) -> dict:
                 if not c.starts or not c.peak_live:
                     continue
             sp = refine(inp, c, ti, limit=req.limit, recompute=False, auto=req.auto_recompute)
+            if sp is None and not req.boundaries:
+                sp = _memory_balanced(req, inp, c, ti)
             if sp is not None:
                 cands[i] = sp.candidate
                 plans[(mode, c.P)] = sp
     return plans
+
+
+def _memory_balanced(req: PlanRequest, inp, c, ti: int) -> StagePlan | None:
+    """Candidate ``c``'s depth on the split that balances memory at one live graph per stage
+    (``memory_balanced_starts``), simulated without the limit for its peaks and refined with the caps
+    that fit; None when that does not fit either (or is the split already tried)."""
+    starts = memory_balanced_starts(inp, ti, c.P)
+    if starts is None or list(starts) == list(c.starts):
+        return None
+    free = copy.copy(inp)
+    free.memory_limit = 0.0
+    free.fixed_starts = starts
+    m = _core.evaluate(free, c.P, c.D, ti)
+    if not m.starts or not m.peak_live:
+        return None
+    return refine(inp, m, ti, limit=req.limit, recompute=False, auto=req.auto_recompute)
 
 
 def _stage_plan(req: PlanRequest, c, mode: Mode, inp) -> StagePlan:
