@@ -33,6 +33,17 @@ def _memories(pl, row):
                           pl._sizes.index(row.micro_batch_size))
 
 
+def _stage0_fits(k: int):
+    """HEAVY planned under a limit where stage 0 fits exactly ``k`` live graphs: (plan, best row,
+    per-stage memory models, limit)."""
+    prof = synthetic_profile(HEAVY)
+    free = _fixed(prof)
+    mems = _memories(free, free.best)
+    limit = mems[0].bytes(0, k) * 1.0001
+    pl = _fixed(prof, memory_limit_bytes=limit)
+    return pl, pl.best, mems, limit
+
+
 def test_without_a_memory_limit_no_stage_recomputes_and_caps_hold_the_simulated_peak():
     prof = synthetic_profile(HEAVY)
     pl = _fixed(prof)
@@ -89,12 +100,7 @@ def test_a_stage_where_fewer_than_1f1b_holds_fit_is_also_tried_throttled():
     reason says so with the time the simulation gives it."""
     from varuna_sdk.planner.recompute import _evaluate
 
-    prof = synthetic_profile(HEAVY)
-    free = _fixed(prof)
-    mems = _memories(free, free.best)
-    limit = mems[0].bytes(0, 3) * 1.0001
-    pl = _fixed(prof, memory_limit_bytes=limit)
-    row = pl.best
+    pl, row, mems, limit = _stage0_fits(3)
     assert row.stage_recompute[0] and "keeping 3 under a cap simulates slower" in row.recompute_why[0]
     c = SimpleNamespace(starts=[st[0] for st in row.stages], P=4, D=1)
     ti = pl._sizes.index(row.micro_batch_size)
@@ -113,13 +119,9 @@ def test_caps_below_a_capped_stage_are_cascaded_when_that_simulates_faster():
 
     assert cascade_caps([4, 0, 7, 0], 16) == [4, 3, 2, 0] and cascade_caps([0, 3, 4, 0], 16) == [0, 3, 2, 0]
     assert cascade_caps([8, 5, 3, 0], 16) == [8, 5, 3, 0] and cascade_caps([1, 0, 0], 16) == [1, 1, 0]
+    pl, row, mems, limit = _stage0_fits(4)
     prof = synthetic_profile(HEAVY)
-    free = _fixed(prof)
-    mems = _memories(free, free.best)
-    limit = mems[0].bytes(0, 4) * 1.0001
     assert mems[0].bytes(0, 5) > limit
-    pl = _fixed(prof, memory_limit_bytes=limit)
-    row = pl.best
     assert row.stage_recompute == [False] * 4 and row.max_in_flight == [4, 3, 2, 0], row.recompute_why
     c = SimpleNamespace(starts=[st[0] for st in row.stages], P=4, D=1)
     ti = pl._sizes.index(row.micro_batch_size)
@@ -136,12 +138,7 @@ def test_a_stage_below_a_capped_stage_is_bounded_by_that_cap_too():
     """A micro-batch in flight on stage s is in flight on every stage above it, so a stage's memory
     figure is its graphs at the tightest cap at or above it: stage 1 below stage 0's cap of 6 was
     reported as holding all 16 micro-batches (91.6 MiB) though it can never hold more than 6."""
-    prof = synthetic_profile(HEAVY)
-    free = _fixed(prof)
-    mems = _memories(free, free.best)
-    limit = mems[0].bytes(0, 6) * 1.0001
-    pl = _fixed(prof, memory_limit_bytes=limit)
-    row = pl.best
+    pl, row, mems, limit = _stage0_fits(6)
     caps = row.max_in_flight
     assert caps[0] == 6 and row.stage_recompute == [False] * 4, (caps, row.recompute_why)
     for s in range(3):
