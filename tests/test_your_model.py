@@ -15,7 +15,10 @@ import pytest
 from _jupyter import kernel_session
 from ssh_hosts import procs_left
 
-STEPS = 100
+# enough steps that the run is still going when the test removes its second VM: at 100 the tiny
+# model on an idle machine finished the 44 steps after its first resume (about 1 s) before the
+# sudden loss could be injected, so no second morph came
+STEPS = 300
 
 SETUP = f'''
 import time
