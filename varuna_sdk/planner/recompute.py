@@ -115,9 +115,9 @@ def memory_balanced_starts(inp, ti: int, P: int, per_live: int = 1) -> list[int]
 
     lo = max(cost(k, k + 1) for k in range(n))
     hi = max(lo, cost(0, n))
-    best = pack(hi)
-    if pack(lo) is not None:
-        best, hi = pack(lo), lo
+    best, at_lo = pack(hi), pack(lo)
+    if at_lo is not None:
+        best, hi = at_lo, lo
     while hi - lo > 1e-4 * hi:
         mid = 0.5 * (lo + hi)
         got = pack(mid)
@@ -237,7 +237,8 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
         if limit and any(b > limit for b in bound[:last]):
             return None, caps, bound
         best = None
-        for cs in (caps, cascade_caps(caps, m)) if cascade_caps(caps, m) != caps else (caps,):
+        cascaded = cascade_caps(caps, m)
+        for cs in (caps, cascaded) if cascaded != caps else (caps,):
             cand = _evaluate(inp, c, ti, rec, cs)
             if cand.feasible and (best is None or cand.minibatch_time < best[0].minibatch_time):
                 best = (cand, cs, bounds(rec, cs))
