@@ -212,7 +212,7 @@ def run_job(rank: int, job: dict) -> dict:
         return {n: q.detach().clone() for n, q in eng.named_parameters()}
 
     history = [snapshot()] if keep_history else []
-    losses, norms, skipped, scales = [], [], [], []
+    losses, norms, skipped, scales, step_peaks = [], [], [], [], []
     spent = {"time_s": 0.0, "compute_s": 0.0, "wait_F": 0.0, "wait_B": 0.0, "W": 0.0}   # summed over the steps
     for step in range(job["steps"]):
         handle = None
@@ -231,13 +231,14 @@ def run_job(rank: int, job: dict) -> dict:
         norms.append(r.grad_norm)
         skipped.append(r.skipped)
         scales.append(r.loss_scale)
+        step_peaks.append(r.peak_live_graphs)
         if keep_history:
             history.append(snapshot())
     out = {"losses": torch.tensor(losses, dtype=torch.float64), "norms": torch.tensor(norms, dtype=torch.float64),
            "skipped": torch.tensor(skipped), "scales": torch.tensor(scales, dtype=torch.float64),
            "stage": eng.stage, "replica": eng.replica, "params": snapshot(), "spent": spent,
            "overlapped": eng.grad_sync.launched, "buckets": len(eng.grad_sync.buckets),
-           "peak_live_graphs": eng.peak_live_graphs}
+           "peak_live_graphs": eng.peak_live_graphs, "step_peaks": step_peaks}
     if keep_history:
         out["history"] = history
     if opts.get("eval"):

@@ -58,6 +58,12 @@ def test_a_value_overridden_on_the_command_line_is_not_blamed_on_the_file(tmp_pa
     assert main(["train", str(tmp_path / "job.yaml"), "--steps", "0"]) == 2
     err = capsys.readouterr().err
     assert "train.steps=0 must be an integer >= 1" in err and "line" not in err, err
+    assert "[flags given over the config's values: --steps 0]" in err, err
+    # a file value that fitted until a flag changed another field: the file's line, and the flag
+    (tmp_path / "job.yaml").write_text("name: x\nparallel:\n  P: 2\n  max_in_flight: [4, 0]\n")
+    assert main(["train", str(tmp_path / "job.yaml"), "--P", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "line 4: parallel.max_in_flight lists 2 stages but P=3" in err and "[flags given over the config's values: --P 3]" in err, err
 
 
 TINY = """name: tiny-cli

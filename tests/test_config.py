@@ -85,6 +85,36 @@ def test_per_stage_lists_given_as_tuples_are_kept_as_lists():
     validate_parallel(p)
 
 
+def test_numpy_values_are_plain_data_and_one_cap_serves_every_stage():
+    """A notebook's NumPy values (``np.int64`` P, ``np.bool_`` flags, an ``np.int32`` cap) were refused
+    as "must be an integer"; they are kept as Python values, so the job spec stays JSON. One integer
+    ``max_in_flight`` caps every stage, as the schedule API takes it."""
+    import json
+
+    import numpy as np
+
+    from varuna_sdk.config import JobConfig
+
+    p = ParallelConfig(P=np.int64(3), D=np.int64(1), global_batch=np.int64(12), recompute=[np.bool_(True)] * 3,
+                       max_in_flight=np.int32(2))
+    validate_parallel(p)
+    assert (type(p.P), type(p.recompute[0]), p.max_in_flight, type(p.max_in_flight)) == (int, bool, 2, int)
+    assert p.stage_caps(3) == [2, 2, 2] and ParallelConfig(max_in_flight=None).stage_caps(2) == [0, 0]
+    assert ParallelConfig(P=2, max_in_flight=[3, 0]).stage_caps(2) == [3, 0]
+    with pytest.raises(ValueError, match="lists 2 stages but P=3"):
+        ParallelConfig(P=2, max_in_flight=[3, 0]).stage_caps(3)
+    job = JobConfig(parallel=ParallelConfig(P=2, global_batch=8))
+    job.parallel.micro_batch_size = np.int16(2)   # set after construction: made plain by validate()
+    job.train.lr = np.float32(0.5)
+    job.validate()
+    assert type(job.parallel.micro_batch_size) is int and type(job.train.lr) is float
+    json.dumps(job.to_dict())
+    with pytest.raises(ConfigError, match=r"one for every stage \(e.g. 4\)"):
+        validate_parallel(ParallelConfig(P=2, global_batch=8, max_in_flight=-1))
+    with pytest.raises(ConfigError, match="varuna policy only"):
+        validate_parallel(ParallelConfig(P=2, global_batch=8, policy="1f1b", max_in_flight=2))
+
+
 def test_global_batch_not_divisible_by_d_names_valid_choices():
     with pytest.raises(ConfigError) as ei:
         validate_parallel(ParallelConfig(P=2, D=3, global_batch=100, micro_batch_size=1))

@@ -201,6 +201,9 @@ def test_in_flight_cap_bounds_the_graphs_a_stage_holds(name, results):
     caps = ALL_JOBS[name]["par"]["max_in_flight"]
     for r in results(name):
         cap = caps[r["stage"]]
+        # each step reports its own peak (StepResult.peak_live_graphs, in the metrics line), the
+        # engine the peak over all steps
+        assert max(r["step_peaks"]) == r["peak_live_graphs"] and min(r["step_peaks"]) >= 1, (name, r["step_peaks"])
         if cap:
             assert 1 <= r["peak_live_graphs"] <= cap, (name, r["stage"], r["peak_live_graphs"], cap)
     uncapped = [r["peak_live_graphs"] for r in results("zb_p2_m4_norc") if r["stage"] == 0]

@@ -76,10 +76,13 @@ def final_losses(run_dir: Path) -> dict[int, float]:
 
 
 def steps_redone(run_dir: Path) -> list[int]:
-    """Steps each generation after the first trained again, counted from the metrics rows (every
-    row the job recorded, by its ``generation`` field) — not from the manager's morph records, which
-    they are compared with. Also checks that no step was skipped: each generation starts at most one
-    step after the furthest step before it and trains consecutive steps."""
+    """Steps each generation after the first trained again *of the generation before it*, counted
+    from the metrics rows (every row the job recorded, by its ``generation`` field) — not from the
+    manager's morph records, which they are compared with: the steps that generation's morph lost.
+    (A step a sudden loss lost is re-done once, and lost once: a generation stopped by a later morph
+    before it passed the lost generation's furthest step loses nothing more.) Also checks that no
+    step was skipped: each generation starts at most one step after the furthest step before it and
+    trains consecutive steps."""
     log = EventLog.reader(run_dir / "events.db")
     try:
         rows = log.metrics()
@@ -88,15 +91,17 @@ def steps_redone(run_dir: Path) -> list[int]:
     by_gen: dict[int, list[int]] = {}
     for r in rows:
         by_gen.setdefault(int(r["generation"]), []).append(int(r["step"]))
-    seen: set[int] = set()
+    furthest = None
+    previous: list[int] = []
     redone = []
     for g in sorted(by_gen):
         steps = sorted(set(by_gen[g]))
         assert steps == list(range(steps[0], steps[-1] + 1)), f"generation {g} skipped steps: {steps}"
-        assert not seen or steps[0] <= max(seen) + 1, f"generation {g} starts at {steps[0]}, after {max(seen)}"
-        if seen:
-            redone.append(len(set(steps) & seen))
-        seen |= set(steps)
+        assert furthest is None or steps[0] <= furthest + 1, f"generation {g} starts at {steps[0]}, after {furthest}"
+        if furthest is not None:
+            redone.append(sum(1 for s in previous if s >= steps[0]))
+        furthest = steps[-1] if furthest is None else max(furthest, steps[-1])
+        previous = steps
     return redone
 
 
@@ -247,6 +252,43 @@ def test_manager_refuses_bad_settings_before_starting(tmp_path):
     with pytest.raises(ConfigError):
         Manager(bad, emu, run_dir=tmp_path)
     assert not (tmp_path / "gen0").exists()
+
+
+def test_steps_a_sudden_loss_lost_are_not_lost_again_by_the_next_morph(tmp_path):
+    """A morph's ``from_step`` is the last step of the newest generation that trained, not the
+    furthest step any generation reached: generation 0 trains steps 0..9 and is lost with a
+    checkpoint of 6 steps (4 lost); generation 1 resumes at 6 and is stopped at a boundary after
+    step 7 (checkpoint of 8 steps, the grow's stop): nothing more is lost, though step 9 was once
+    trained. (The end-to-end test above hits this when the VM returns before generation 1 passes
+    step 9.) Rows reach the manager through the event log, and through rank 0's ``metrics.jsonl``
+    when their heartbeat never left (backfill): there too, only the lineage's new steps are added."""
+    from varuna_sdk.manager.decisions import advance_lineage, steps_lost
+
+    mgr = Manager(tiny_job(), SpotEmulator(capacity=2, backend="local", notice_s=None), run_dir=tmp_path / "run")
+    try:
+        def trained(gen: int, steps) -> None:
+            for s in steps:
+                mgr.log.append_metric(s, {"step": s, "loss": 1.0, "generation": gen}, job_id=mgr.job_id)
+            mgr._poll_metrics(None)
+
+        trained(0, range(10))
+        assert steps_lost(mgr._lineage[1], 6) == 4
+        trained(1, (6, 7))
+        assert mgr._lineage == (1, 7) and mgr._last_step == 9
+        assert steps_lost(mgr._lineage[1], 8) == 0
+        trained(0, (10,))    # a late row of the lost generation does not move the new lineage
+        assert mgr._lineage == (1, 7)
+        # metrics.jsonl holds every generation's lines: only generation 1's steps 8, 9 are new
+        lines = [{"step": s, "generation": 0} for s in range(10)] + [{"step": s, "generation": 1} for s in range(6, 10)]
+        (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "{torn")
+        mgr._backfill_metrics()
+        mgr._poll_metrics(None)
+        assert mgr._lineage == (1, 9)
+        assert sorted(r["step"] for r in mgr.log.metrics(job_id=mgr.job_id) if r["generation"] == 1) == [6, 7, 8, 9]
+    finally:
+        mgr.log.close()
+    assert advance_lineage((2, None), 2, 0) == ((2, 0), True) and advance_lineage((2, 5), None, 3) == ((2, 5), False)
+    assert advance_lineage((2, 5), 1, 9) == ((2, 5), False) and advance_lineage((2, 5), 3, 1) == ((3, 1), True)
 
 
 def _worker_pids(run: Path) -> list[int]:

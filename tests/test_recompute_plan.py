@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from test_planner import HEAVY, synthetic_profile
-from varuna_sdk.config import ConfigError, ParallelConfig
+from varuna_sdk.config import ConfigError, JobConfig, LaunchConfig, ParallelConfig
 from varuna_sdk.config.checks import validate_parallel
 from varuna_sdk.pipeline.schedule import StageScheduler
-from varuna_sdk.planner.plan import plan
+from varuna_sdk.planner.plan import plan, plan_for_job
 from varuna_sdk.planner.recompute import stage_memories
 from varuna_sdk.planner.simulate import simulate
 
@@ -92,6 +92,14 @@ def test_a_memory_limit_makes_only_the_stages_that_need_it_recompute():
     assert par.recompute == [True, False, False, False] and par.max_in_flight == row.max_in_flight
     validate_parallel(par)
     assert "recompute" in pl.table() and "rank 1, stage 0: recomputes" in pl.table()
+    # ... and a job planned for the same limit (a what-if, without another profile) gets it too
+    job = JobConfig(parallel=ParallelConfig(P=None, D=1, global_batch=16, micro_batch_size=1, boundaries=SPLIT4),
+                    launch=LaunchConfig(gpus=4))
+    one_per_vm = dict(gpus_per_vm=1, compute_slots_per_vm=1, micro_batch_sizes=[1])   # as plan() above
+    planned, jpl = plan_for_job(job, prof, memory_limit_bytes=limit, **one_per_vm)
+    assert jpl.best.time_s == row.time_s and jpl.best.stage_memory_bytes == row.stage_memory_bytes
+    assert planned.parallel.recompute == row.stage_recompute and planned.parallel.max_in_flight == row.max_in_flight
+    assert plan_for_job(job, prof, **one_per_vm)[0].parallel.recompute == [False] * 4   # the profile's memory: none needed
 
 
 def test_a_stage_where_fewer_than_1f1b_holds_fit_is_also_tried_throttled():

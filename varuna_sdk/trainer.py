@@ -56,7 +56,9 @@ def lr_at(step: int, job: JobConfig) -> float:
 
 @dataclass
 class StepMetrics:
-    """One line of ``metrics.jsonl``: units are seconds, tokens/s and examples/s."""
+    """One line of ``metrics.jsonl``: units are seconds, tokens/s and examples/s.
+    ``peak_live_graphs``: the most micro-batches whose activations rank 0 (the first stage, which
+    holds the most) kept at once in the step (``StepResult.peak_live_graphs``)."""
 
     step: int
     loss: float
@@ -71,6 +73,7 @@ class StepMetrics:
     P: int
     D: int
     generation: int = 0
+    peak_live_graphs: int = 0
 
 
 def build_engine(job: JobConfig, rank: int | None = None, resolved: ResolvedJob | None = None) -> Varuna:
@@ -412,7 +415,8 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
     m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
                     loss_scale=r.loss_scale, step_time_s=r.time_s,
                     tokens_per_s=tokens_per_step / r.time_s, examples_per_s=p.global_batch / r.time_s,
-                    wall_time=time.time(), P=p.P, D=p.D, generation=run.generation)
+                    wall_time=time.time(), P=p.P, D=p.D, generation=run.generation,
+                    peak_live_graphs=r.peak_live_graphs)
     md = asdict(m)
     if on_step is not None:
         on_step(step, r, md)

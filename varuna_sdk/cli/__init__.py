@@ -29,15 +29,30 @@ from .runs import run_folder_command
 from .serve import dashboard_command
 
 
-def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> JobConfig:
-    """``--P``, ``--D``, ``--global-batch``, ``--micro-batch-size``, ``--policy``, ``--steps`` over ``job``'s values."""
+def _apply_overrides(job: JobConfig, args: argparse.Namespace) -> list[str]:
+    """``--P``, ``--D``, ``--global-batch``, ``--micro-batch-size``, ``--policy``, ``--steps`` over
+    ``job``'s values (in place); returns the flags applied, as typed (``["--P 3"]``)."""
+    given = []
     for field_name in ("P", "D", "global_batch", "micro_batch_size", "policy"):
         v = getattr(args, field_name, None)
         if v is not None:
             setattr(job.parallel, field_name, v)
+            given.append(f"--{field_name.replace('_', '-')} {v}")
     if getattr(args, "steps", None) is not None:
         job.train.steps = args.steps
-    return job
+        given.append(f"--steps {args.steps}")
+    return given
+
+
+def _validated(job: JobConfig, given: list[str]) -> JobConfig:
+    """``job.validate()``; a ``ConfigError`` also names the command-line flags applied over the
+    file (a file line it quotes held a value that fitted until a flag changed another field)."""
+    try:
+        return job.validate()
+    except ConfigError as e:
+        if not given:
+            raise
+        raise ConfigError(f"{e} [flags given over the config's values: {', '.join(given)}]") from None
 
 
 def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
@@ -94,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             job = demo_config(120 if args.no_spot else SPOT_DEMO_STEPS)
         else:
             job = JobConfig.from_yaml(Path(args.config))
-        job = _apply_overrides(job, args).validate()
+        job = _validated(job, _apply_overrides(job, args))
         if args.cmd == "demo" and not args.no_spot:
             return _spot_demo(job, args)
         from ..pipeline.spawn import WorkerFailure

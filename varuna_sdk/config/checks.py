@@ -94,7 +94,8 @@ def validate_parallel(p: ParallelConfig) -> None:
             f"parallel.split_backward=true applies to the varuna policy only (policy={p.policy!r} runs its "
             "backward whole, as published); set split_backward to false or null, or policy to 'varuna'"
         )
-    if p.max_in_flight is not None and any(p.max_in_flight) and p.policy != "varuna":
+    caps = p.max_in_flight
+    if caps is not None and any(caps if isinstance(caps, list) else [caps]) and p.policy != "varuna":
         raise ConfigError(f"parallel.max_in_flight applies to the varuna policy only (policy={p.policy!r} holds "
                           "what it publishes); set it to null, or policy to 'varuna'")
     if p.planned:

@@ -31,6 +31,22 @@ MAX_GPUS = 4096            # workers a job (and the planner's search) may have
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
+def plain(v: Any) -> Any:
+    """``v`` as the plain data YAML and JSON hold: a NumPy scalar (``np.int64(4)``, ``np.bool_``,
+    ``np.float32``) becomes its Python value and a tuple a list, inside lists and mappings too;
+    anything else, and plain data already, is returned as is (the same object; the rules then judge
+    it). NumPy is never imported."""
+    if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
+        return v.item()
+    if isinstance(v, (list, tuple)):
+        got = [plain(x) for x in v]
+        return v if isinstance(v, list) and all(a is b for a, b in zip(got, v)) else got
+    if isinstance(v, dict):
+        got = {k: plain(x) for k, x in v.items()}
+        return v if all(got[k] is x for k, x in v.items()) else got
+    return v
+
+
 def _show(v: Any) -> str:
     r = repr(v)
     return r if len(r) <= 60 else r[:57] + "..."
@@ -126,7 +142,7 @@ class Flag:
 class Plain:
     """Plain data: a mapping (``kind="map"``), a list of names (``"names"``), a list of lists of
     integers (``"index_lists"``), names-or-mapping (``"inputs"``), one flag or a list of flags per
-    stage (``"stage_flags"``) or a list of integers >= 0 per stage (``"stage_counts"``); bounded in
+    stage (``"stage_flags"``) or an integer >= 0, or a list of them per stage (``"stage_counts"``); bounded in
     size and depth, floats finite, keys strings."""
 
     kind: str
@@ -156,9 +172,11 @@ class Plain:
                 raise ConfigError(f"{where}={_show(v)} must be true, false, one true/false per stage (e.g. "
                                   "[true, false]), or null")
         elif self.kind == "stage_counts":
-            if not (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(_is_int(x) and 0 <= x < 1 << 20 for x in v)):
+            def count(x: Any) -> bool:
+                return _is_int(x) and 0 <= x < 1 << 20
+            if not (count(v) or (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(count(x) for x in v))):
                 raise ConfigError(f"{where}={_show(v)} must be one integer >= 0 and < {1 << 20} per stage (e.g. "
-                                  "[4, 2, 0]; 0 = no cap), or null")
+                                  "[4, 2, 0]; 0 = no cap), one for every stage (e.g. 4), or null")
         elif self.kind == "inputs":
             ok = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(isinstance(x, str) for x in v)) or (
                 isinstance(v, dict) and 0 < len(v) <= MAX_ITEMS

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .fields import MAX_GPUS, ConfigError, Flag, Int, Num, Plain, Text
+from .fields import MAX_GPUS, ConfigError, Flag, Int, Num, Plain, Text, plain
 
 POLICIES = ("varuna", "gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -95,7 +95,8 @@ class ParallelConfig:
     ``planner.recompute``); ``None`` = the policy's default (Varuna: on; GPipe, 1F1B: off), which
     the planner replaces by a per-stage choice from the memory limit. ``max_in_flight`` (Varuna
     only): per stage, the most micro-batches whose activations the stage holds at once (0 = no
-    cap; ``pipeline.schedule.StageScheduler``); ``None`` = no caps. ``split_backward`` (Varuna only) splits each backward into
+    cap; ``pipeline.schedule.StageScheduler``), one integer for every stage, or ``None`` = no
+    caps. ``split_backward`` (Varuna only) splits each backward into
     the input gradient (B, sent upstream at once) and the weight gradients (W, deferred into the
     stage's waits; the zero-bubble split); ``None`` = the policy's default. ``P``/``D`` ``None`` =
     let the planner choose for ``launch.gpus`` workers from a calibration (paper §4.4)."""
@@ -109,16 +110,28 @@ class ParallelConfig:
     boundaries: list[list[int]] | None = None
     shared_params: list[str] | None = None
     split_backward: bool | None = None
-    max_in_flight: list[int] | None = None
+    max_in_flight: int | list[int] | None = None
 
     def __post_init__(self) -> None:
-        # tuples are the same plain data as lists: keep lists, as YAML and JSON give
-        for name in ("recompute", "max_in_flight", "boundaries", "shared_params"):
-            v = getattr(self, name)
-            if isinstance(v, tuple):
-                setattr(self, name, [list(x) if isinstance(x, tuple) else x for x in v])
-            elif name == "boundaries" and isinstance(v, list):
-                setattr(self, name, [list(x) if isinstance(x, tuple) else x for x in v])
+        # tuples and NumPy scalars are the same plain data as lists and ints: keep what YAML and JSON give
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if plain(v) is not v:
+                setattr(self, f.name, plain(v))
+
+    def stage_caps(self, P: int) -> list[int]:
+        """``max_in_flight`` as one cap per stage of a ``P``-stage pipeline (0 = no cap): the list
+        itself, one integer repeated, or zeros for ``None``. Raises ``ValueError`` when a list does
+        not have ``P`` entries."""
+        caps = self.max_in_flight
+        if caps is None:
+            return [0] * P
+        if not isinstance(caps, list):
+            return [int(caps)] * P
+        if len(caps) != P:
+            raise ValueError(f"parallel.max_in_flight lists {len(caps)} stages but P={P}; give one cap per stage, "
+                             "one integer for every stage, or null")
+        return [int(c) for c in caps]
 
     @property
     def num_micro_batches(self) -> int:
@@ -223,4 +236,7 @@ def check_fields(section: str, obj: Any) -> None:
     mappings). Raises ``ConfigError`` naming ``section.field``, the value and what would work."""
     rules = RULES[type(obj)]
     for f in fields(obj):
+        v = getattr(obj, f.name)
+        if plain(v) is not v:   # NumPy scalars and tuples (a notebook's values) kept as plain data
+            setattr(obj, f.name, plain(v))
         rules[f.name].check(f"{section}.{f.name}", getattr(obj, f.name))

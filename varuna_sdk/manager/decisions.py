@@ -28,7 +28,7 @@ numbers.
    there is shown by its bare name.
 
 Owns ``worker_slots``, ``pool_slots``, ``pool_prices``, ``GrowRule``, ``StragglerRule``,
-``find_stragglers``, ``judge_straggler``, ``steps_lost``, ``DriftRule``, ``step_time_drift``,
+``find_stragglers``, ``judge_straggler``, ``advance_lineage``, ``steps_lost``, ``DriftRule``, ``step_time_drift``,
 ``compute_ratios``, ``segment_factors``. Imports ``cluster.hosts`` and ``manager.billing.price`` (a
 label's US $ per hour); never torch, never the rest of the manager.
 """
@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..cluster.hosts import Host
 from .billing import price
@@ -241,6 +241,22 @@ def judge_straggler(plan, row, rank: int, slowdown: float, without) -> tuple[boo
 
 
 
+def advance_lineage(lineage: tuple[int, int | None], generation: Any, step: int) -> tuple[tuple[int, int | None], bool]:
+    """The job's lineage after one metrics row: ``lineage`` is (the newest generation that
+    trained, the last step it finished; None: none yet), the row is ``step`` of ``generation``
+    (not an int: an old row without one, counted in the current lineage). A newer generation
+    starts a new lineage at its row, whatever the older one reached — steps an older generation
+    finished past a sudden loss are re-done, and were lost once, by that morph; a late row of an
+    older generation changes nothing. Returns (the lineage after the row, True when the row is new
+    to it: a later step, or a newer generation's)."""
+    gen, last = lineage
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation == gen:
+        return (gen, step if last is None else max(last, step)), last is None or step > last
+    if generation > gen:
+        return (generation, step), True
+    return lineage, False
+
+
 def steps_lost(last_step_done: int | None, resume_step: int) -> int:
     """Optimizer steps trained but not in the checkpoint the job resumes from: with a notice 0
     (the checkpoint is taken at the boundary), after a sudden loss at most the checkpoint
@@ -252,5 +268,5 @@ def steps_lost(last_step_done: int | None, resume_step: int) -> int:
 
 
 __all__ = ["worker_slots", "pool_slots", "pool_prices", "GrowRule", "StragglerRule", "find_stragglers",
-           "judge_straggler", "steps_lost", "DriftRule",
+           "judge_straggler", "advance_lineage", "steps_lost", "DriftRule",
            "step_time_drift", "compute_ratios", "segment_factors"]

@@ -163,7 +163,11 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._joined: set[int] = set()                # ranks of this generation that said hello
         self._world = 0                               # how many it has
         self._hb_last_step: dict[int, int] = {}
-        self._last_step: int | None = None
+        self._last_step: int | None = None            # the highest step any generation finished
+        # (the newest generation that trained, the last step it finished): a morph's ``from_step``
+        # (``decisions.advance_lineage``; not ``_last_step``: steps a lost generation trained past
+        # its checkpoint are lost once, by its morph, not again by the next one)
+        self._lineage: tuple[int, int | None] = (0, None)
         self._pending: MorphRecord | None = None
         self._lock_fd: int | None = None              # the run folder's manager lock while running
 
@@ -186,6 +190,8 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         if newest:
             self._metric_cursor = newest[-1]["id"]
             self._last_step = self.log.max_step(job_id=self.job_id)
+            gen = newest[-1].get("generation")
+            self._lineage = (gen if isinstance(gen, int) else 0, self._last_step)
         self.state = last
         if last == JobState.FAILED:   # a relaunched failed run says why it failed, not "None"
             self.error = (f"this run failed before and is not run again (start a new run folder): "
@@ -197,7 +203,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         if plans:
             self._pending = MorphRecord(time=time.time(), cause="manager_restart",
                                         old={k: plans[-1].payload.get(k) for k in ("P", "D", "gpus", "micro_batch_size", "hosts")},
-                                        from_step=self._last_step)
+                                        from_step=self._lineage[1])
         return True
 
     # -------------------------------------------------------------------------------- public
@@ -401,7 +407,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._poll_metrics(None)
         self._backfill_metrics()   # steps whose heartbeat never left a lost VM
         self._poll_metrics(None)
-        rec.from_step = self._last_step
+        rec.from_step = self._lineage[1]
         rec.new = plan_summary(job_g, used)
         rec.resume_step = resume
         rec.steps_lost = steps_lost(rec.from_step, resume)

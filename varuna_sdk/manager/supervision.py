@@ -218,7 +218,7 @@ class ManagerSupervision:
         if self._pending is not None:
             return
         old = plan_summary(run.job, run.hosts) if run is not None else {}
-        self._pending = MorphRecord(time=at or time.time(), cause=cause, old=old, host=host, from_step=self._last_step)
+        self._pending = MorphRecord(time=at or time.time(), cause=cause, old=old, host=host, from_step=self._lineage[1])
 
     def _fail(self, why: str) -> JobState:
         """Record FAILED with ``why`` (also ``error``); returns the state."""

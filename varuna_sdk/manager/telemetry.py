@@ -9,7 +9,7 @@ orphaned workers finished into the event log.
 
 ``ManagerTelemetry`` is that part of ``Manager`` (a mixin: it uses the manager's ``log``,
 ``job_id``, ``generation``, ``options``, ``run_dir`` and the fields ``_metric_cursor``,
-``_hb_cursor``, ``_history``, ``_hb_last_step``, ``_step_times``, ``_last_step``, ``_pending``,
+``_hb_cursor``, ``_history``, ``_hb_last_step``, ``_step_times``, ``_last_step``, ``_lineage``, ``_pending``,
 ``_excluded``, ``_profile``, ``morphs``, set by ``Manager.__init__``).
 
 Owns ``ManagerTelemetry``, ``HISTORY``. Imports ``config``, ``manager.decisions|events|planning|state``;
@@ -23,7 +23,7 @@ import os
 import statistics
 
 from ..config import ConfigError
-from .decisions import compute_ratios, find_stragglers, judge_straggler, segment_factors, step_time_drift, worker_slots
+from .decisions import advance_lineage, compute_ratios, find_stragglers, judge_straggler, segment_factors, step_time_drift, worker_slots
 from .events import Kind
 from .planning import on_this_machine
 from .state import RunningGeneration
@@ -43,6 +43,7 @@ class ManagerTelemetry:
             step = m.get("step")
             if step is not None:
                 self._last_step = int(step) if self._last_step is None else max(self._last_step, int(step))
+                self._lineage = advance_lineage(self._lineage, m.get("generation"), int(step))[0]
             if run is not None and int(m.get("generation", -1)) == self.generation and \
                     isinstance(m.get("step_time_s"), (int, float)):
                 self._step_times.append(float(m["step_time_s"]))
@@ -169,7 +170,7 @@ class ManagerTelemetry:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return
-        last = -1 if self._last_step is None else self._last_step
+        lineage = self._lineage
         added = 0
         with open(path) as f:
             for line in f:
@@ -177,12 +178,14 @@ class ManagerTelemetry:
                     m = json.loads(line)
                 except ValueError:
                     continue  # a line torn by the kill
-                step = m.get("step")
-                if isinstance(step, int) and step > last:
+                step = m.get("step") if isinstance(m, dict) else None
+                if not isinstance(step, int) or isinstance(step, bool):
+                    continue
+                lineage, new = advance_lineage(lineage, m.get("generation"), step)
+                if new:
                     self.log.append_metric(step, m, job_id=self.job_id)
-                    last = step
                     added += 1
         if added:
             self.log.append(Kind.METRICS_BACKFILLED, job_id=self.job_id,
-                            payload={"steps": added, "source": str(path), "last_step": last})
+                            payload={"steps": added, "source": str(path), "last_step": lineage[1]})
 

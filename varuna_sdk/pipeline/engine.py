@@ -57,7 +57,10 @@ class StepResult:
     whole step (seconds); ``compute_s``: this stage's seconds per action kind over the step
     (``{"F", "R", "B"}``, computing only); ``wait_s``: seconds blocked waiting for an input
     that had not arrived (``"F"``: an activation from the stage before, ``"B"``: a gradient from
-    the stage after) — the pipeline bubble as this stage saw it, never counted as compute."""
+    the stage after) — the pipeline bubble as this stage saw it, never counted as compute.
+    ``peak_live_graphs``: the most micro-batches whose activations (autograd graph, or deferred
+    weight-gradient work) this stage held at once during the step — at most its in-flight cap
+    when it has one (``parallel.max_in_flight``)."""
 
     step: int
     loss: float
@@ -67,6 +70,7 @@ class StepResult:
     time_s: float
     compute_s: dict[str, float] = field(default_factory=dict)
     wait_s: dict[str, float] = field(default_factory=dict)
+    peak_live_graphs: int = 0
 
 
 @dataclass
@@ -77,7 +81,8 @@ class _StepState:
     of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``: which received
     tensors carry a gradient; ``stash``: micro-batch -> received inputs awaiting R; ``live``:
     micro-batch -> (leaves, outputs) with a graph awaiting B; ``deferred``: micro-batch -> its
-    weight-gradient work awaiting W; ``grad_actions``: gradient-accumulating actions run so far."""
+    weight-gradient work awaiting W; ``grad_actions``: gradient-accumulating actions run so far;
+    ``peak_live``: the most entries of ``live`` + ``deferred`` at once so far."""
 
     mb_in: list
     mb_tg: list
@@ -91,6 +96,7 @@ class _StepState:
     compute_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0})
     wait_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     grad_actions: int = 0
+    peak_live: int = 0
 
 
 def _as_tuple(x) -> tuple:
@@ -195,10 +201,7 @@ class Varuna:
             raise ValueError(f"parallel.recompute lists {len(self.stage_recompute)} stages but P={self.P}; give one "
                              "flag per stage, or one bool for every stage")
         self.recompute = self.stage_recompute[self.stage] and not self.is_last
-        self.stage_caps = [int(c) for c in parallel.max_in_flight] if parallel.max_in_flight else [0] * self.P
-        if len(self.stage_caps) != self.P:
-            raise ValueError(f"parallel.max_in_flight lists {len(self.stage_caps)} stages but P={self.P}; give one "
-                             "cap per stage (0 = none)")
+        self.stage_caps = parallel.stage_caps(self.P)
         self.max_in_flight = self.stage_caps[self.stage]
         self.split_backward = bool(parallel.split_backward)
         #: Most micro-batches whose activation graph this stage held at once (awaiting B or W), over
@@ -328,6 +331,7 @@ class Varuna:
         result.time_s = time.perf_counter() - t0
         result.compute_s = st.compute_s
         result.wait_s = st.wait_s
+        result.peak_live_graphs = st.peak_live
         self.step_count += 1
         return result
 
@@ -366,7 +370,8 @@ class Varuna:
             self._count_grad_action(st, action.kind)
             ta = time.perf_counter()
             waited = actions[action.kind](st, action.mb)
-            self.peak_live_graphs = max(self.peak_live_graphs, len(st.live) + len(st.deferred))
+            st.peak_live = max(st.peak_live, len(st.live) + len(st.deferred))
+            self.peak_live_graphs = max(self.peak_live_graphs, st.peak_live)
             st.compute_s[action.kind] += time.perf_counter() - ta - waited
             if waited:
                 st.wait_s[action.kind] += waited

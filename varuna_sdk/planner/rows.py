@@ -90,11 +90,14 @@ class PlanRow:
 
     @property
     def recompute_label(self) -> str:
-        """Which stages recompute: ``none``, ``all`` (every stage but the last) or ``0,2``."""
+        """Which stages recompute: ``none``, ``all`` (every stage but the last), ``stage 0`` or
+        ``stages 0,2`` (stage indices from 0, named as such: a bare ``0`` read as "none")."""
         which = [s for s, r in enumerate(self.stage_recompute) if r]
         if not which:
             return "none"
-        return "all" if len(which) == self.P - 1 else ",".join(map(str, which))
+        if len(which) == self.P - 1:
+            return "all"
+        return f"stage{'s' if len(which) > 1 else ''} {','.join(map(str, which))}"
 
     def __repr__(self) -> str:
         """Fields as in the dataclass, floats to 4 significant digits (not 15)."""
