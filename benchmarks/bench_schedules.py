@@ -415,9 +415,15 @@ def planned_split(profile, P: int, m: int, bandwidth_Bps: float | None = None) -
 
 def planned_row(profile, P: int, m: int) -> dict:
     """What the planner configures with its defaults (recompute per stage from the memory limit,
-    the backward split or whole, in-flight caps) for the benchmark's split: the settings the
-    ``AS_PLANNED`` system runs, its predicted seconds per mini-batch and a short description."""
-    row = predicted(profile, P, m, recompute=None)
+    the backward split or whole, in-flight caps) for the benchmark's split: ``row_settings`` of
+    its row."""
+    return row_settings(predicted(profile, P, m, recompute=None))
+
+
+def row_settings(row) -> dict:
+    """A plan row as the ``AS_PLANNED`` system runs it: the backward split or whole, recompute per
+    stage, in-flight caps; with its predicted seconds per mini-batch and a short description."""
+    P = row.P
     rec = [bool(x) for x in row.stage_recompute] or [False] * P
     caps = [int(x) for x in row.max_in_flight] if any(row.max_in_flight) else None
     what = (f"{'split' if row.split_backward else 'whole'} backward, recompute "

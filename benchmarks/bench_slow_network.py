@@ -7,10 +7,11 @@ Two bandwidths per P, chosen from this CPU's speed so that sending one micro-bat
 across a cut-point takes 35 % and 150 % of that micro-batch's forward + backward compute on one
 stage (measured here, one process, one thread, before the run): bandwidth = activation bytes /
 (fraction x compute). P in {2, 4}, m = 2P. Figure: the throughput of Varuna as the planner runs it
-over the fastest torch schedule on the same links, the median of paired per-round ratios; target
->= 1.1 (issue 18). The simulator's prediction uses the testbed as it is: the link's alpha-beta measured
-on it before each run (the calibration's p2p probe), the P hosts sharing this machine's cores, and one
-egress link per rank (``SimConfig.shared_egress``).
+(its row for the testbed: backward split or whole, recompute per stage, in-flight caps; run as a
+system of its own) over the fastest torch schedule on the same links, the median of paired
+per-round ratios; target >= 1.1 (issue 18). The planner sees the testbed as it is: the link's
+alpha-beta measured on it before each run (the calibration's p2p probe), the P hosts sharing this
+machine's cores, and one egress link per rank (``plan(shared_egress=True)``).
 
 Run: ``.venv/bin/python benchmarks/bench_slow_network.py [--quick] [--P 2 4]`` (root: namespaces).
 """
@@ -44,29 +45,21 @@ def per_mb_compute(P: int) -> float:
     return max(times)
 
 
-def testbed_prediction(profile, P: int, m: int, alpha: float, beta: float, split_backward: bool) -> float:
-    """The planner's simulated seconds per mini-batch of the benchmark's Varuna without recompute
-    (its split into P stages, D = 1, no cap: as ``bench_schedules`` runs it) placed as the testbed
-    places it: P namespace hosts on this machine, so the ranks share its cores (time-sliced), every
-    link has the measured (alpha, beta), and each rank's activations and gradients leave by one
-    veth (``shared_egress``)."""
-    import copy
+def testbed_plan(profile, P: int, m: int, alpha: float, beta: float, **kw):
+    """``plan()`` for the benchmark's split into P stages (D = 1, micro-batches of MICRO) placed as
+    the testbed places it: P namespace hosts on this machine, so the ranks share its cores
+    (time-sliced); every link, the tied-weight sum's included, has the (alpha, beta) measured on
+    the testbed; each rank's activations and gradients leave by one veth (``shared_egress``).
+    ``kw``: ``recompute`` / ``split_backward`` as ``plan()`` takes them (defaults: the planner's)."""
+    import dataclasses
 
-    from varuna_sdk._native import core as _core
     from varuna_sdk.planner.plan import plan
 
+    net = dataclasses.replace(profile.network, p2p_alpha_s=alpha, p2p_beta_Bps=beta, ar_alpha_s=alpha, ar_beta_Bps=beta)
     bnd = common.varuna_boundaries(common.block_split(bs.N_LAYER, P))
-    pl = plan(profile, P, m * common.MICRO, boundaries=bnd, replicas=1, recompute=False,
-              micro_batch_sizes=[common.MICRO], gpus_per_vm=P, compute_slots_per_vm=common.cpu_count(),
-              split_backward=split_backward)
-    inp = copy.copy(pl._search_split if split_backward else pl._search)
-    sim = inp.sim
-    sim.p2p_alpha = sim.local_alpha = alpha
-    sim.p2p_beta = sim.local_beta = beta
-    sim.shared_egress = True
-    inp.sim = sim
-    inp.fixed_starts = [b[0] for b in bnd]
-    return _core.evaluate(inp, P, 1, 0).minibatch_time
+    return plan(dataclasses.replace(profile, network=net), P, m * common.MICRO, boundaries=bnd, replicas=1,
+                micro_batch_sizes=[common.MICRO], gpus_per_vm=P, compute_slots_per_vm=common.cpu_count(),
+                shared_egress=True, **kw)
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -97,21 +90,21 @@ def main() -> None:
             tag = f"P={P} m={m} link {bw / 1e6:.1f} MB/s (comm {frac:.0%} of compute)"
             alpha, beta, points = netbed.measure_link(bw, act_bytes, args.timeout)
             print(f"{tag}: measured link alpha {alpha * 1e3:.2f} ms, beta {beta / 1e6:.2f} MB/s")
-            pred_by_split = {sp: testbed_prediction(profile, P, m, alpha, beta, sp) for sp in (False, True)}
-            split = pred_by_split[True] < pred_by_split[False]
-            predicted = pred_by_split[split]
-            planned = bs.PLANNED[split]
-            print(f"{tag}: the planner runs {bs.LABEL[planned]} (predicted {predicted * 1e3:.0f} ms per mini-batch)")
-            res = bs.run_P(P, {**opts, "m": m}, args.timeout, bandwidth_Bps=bw)
+            pred_by_split = {sp: testbed_plan(profile, P, m, alpha, beta, recompute=False, split_backward=sp).best.time_s
+                             for sp in (False, True)}
+            row = bs.row_settings(testbed_plan(profile, P, m, alpha, beta).best)
+            planned, predicted = bs.AS_PLANNED, row["predicted_s"]
+            print(f"{tag}: the planner runs {row['what']} (predicted {predicted * 1e3:.0f} ms per mini-batch)")
+            res = bs.run_P(P, {**opts, "m": m, "planned": row}, args.timeout, bandwidth_Bps=bw)
             res["bandwidth_Bps"], res["fraction"], res["per_mb_compute_alone_s"] = bw, frac, compute
-            res["planned"], res["predicted_s"] = planned, predicted
+            res["planned"], res["predicted_s"], res["planned_row"] = planned, predicted, row
             res["link_alpha_s"], res["link_beta_Bps"], res["link_points"] = alpha, beta, points
             runs[tag] = res
             print(f"\n{tag}: one micro-batch's activation {act_bytes / 1e3:.0f} kB, its compute alone "
                   f"{compute * 1e3:.1f} ms")
             bs.print_run(P, m, res)
             st = res["stats"]
-            for name in bs.SYSTEMS:
+            for name in (bs.AS_PLANNED,) + bs.SYSTEMS:
                 if f"{name}|0" in st:
                     figures.append(common.Figure(f"{tag}: time per mini-batch, {bs.LABEL[name]}",
                                                  st[f"{name}|0"]["median"], "s",
@@ -119,14 +112,14 @@ def main() -> None:
             best = bs.best_torch(st, 0)
             for name in ("planned",) + bs.VARUNA:
                 sys_name = planned if name == "planned" else name
-                label = f"Varuna as planned ({bs.LABEL[planned]})" if name == "planned" else bs.LABEL[name]
+                label = bs.LABEL[planned] if name == "planned" else bs.LABEL[name]
                 rob = bs.robustness(res["times"], sys_name, best, 0)
                 figures.append(common.Figure(
                     f"{tag}: throughput {label} / best torch ({bs.LABEL[best].replace('torch ', '')})",
                     1.0 / st[f"{sys_name}|0"]["median"], "mb/s", baseline=1.0 / st[f"{best}|0"]["median"],
                     ratio=rob["median_paired_ratio"], target=">= 1.1" if name == "planned" else None, detail=rob))
-            for split, name in ((False, "varuna_norc"), (True, "varuna_zb")):
-                pred = pred_by_split[split]
+            for pred, name in ((pred_by_split[False], "varuna_norc"), (pred_by_split[True], "varuna_zb"),
+                               (predicted, bs.AS_PLANNED)):
                 meas = st[f"{name}|0"]["median"]
                 accuracy.append((pred, meas))
                 figures.append(common.Figure(f"{tag}: simulator's prediction vs measured, {bs.LABEL[name]}",
@@ -145,13 +138,15 @@ def main() -> None:
         "directions, so traffic between two ranks crosses two limited links; gloo over TCP on eth0. Bandwidths per P: "
         f"activation bytes ({act_bytes}) / (fraction x the heaviest stage's forward+backward per micro-batch measured "
         f"alone), fractions {FRACTIONS}. Systems, model and pairing as in bench_schedules; no injected jitter. "
-        "Varuna as planned: plan() on a calibration made in this run, simulated with the testbed's placement (P "
-        "namespace hosts time-sharing this machine's cores; every link's alpha-beta measured on the testbed by the "
-        "calibration's p2p probe before the run; one egress link per rank: shared_egress), picks the split or "
-        "the whole backward per (P, link) before measuring; its prediction is compared with the measured time "
-        "(ratio = larger / smaller, target <= 1.05), for the whole and the split backward, and the simulator's "
-        f"ranking of all {2 * len(FRACTIONS) * len(args.P)} measured Varuna configurations is compared with the measured "
-        "one by Kendall's tau. "
+        "Varuna as planned: the row plan() picks with its defaults (backward split or whole, recompute per stage, "
+        "in-flight caps) on a calibration made in this run, simulated with the testbed's placement (P namespace "
+        "hosts time-sharing this machine's cores; every link's alpha-beta measured on the testbed by the "
+        "calibration's p2p probe before the run; one egress link per rank: plan(shared_egress=True)), run as a "
+        "system of its own; the planner's prediction is compared with the measured time (ratio = larger / smaller, "
+        "target <= 1.05) for it and for the fixed whole and split backward without recompute, and the simulator's "
+        f"ranking of all {3 * len(FRACTIONS) * len(args.P)} measured Varuna configurations is compared with the "
+        "measured one by Kendall's tau. "
+        "Planner's choices: " + "; ".join(f"{k} {r['planned_row']['what']}" for k, r in runs.items()) + ". "
         f"Targets (>= 1.1) met {sum(bool(f.met) for f in targeted)}/{len(targeted)}: "
         + "; ".join(f"{f.name.split(': ')[0]} {f.ratio:.3f} vs {f.name.split('best torch (')[1][:-1]}" for f in targeted)
         + f". Simulator vs measured: Kendall tau {tau:.2f}; errors "

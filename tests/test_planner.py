@@ -955,6 +955,7 @@ BAD_ARGS = [
     (dict(gpus_per_vm=1.5), r"gpus_per_vm=1.5 must be an integer >= 1, not a float"),
     (dict(compute_slots_per_vm=-1), r"compute_slots_per_vm=-1 must be an integer >= 0"),
     (dict(compute_slots_per_vm=2.5), r"compute_slots_per_vm=2.5 must be an integer >= 0, not a float"),
+    (dict(shared_egress="yes"), r"shared_egress='yes' must be True \(a rank's sends share one link\) or False"),
     (dict(target_examples=0), r"target_examples=0 must be a finite number > 0, or None"),
     (dict(target_examples=-5), r"target_examples=-5 must be a finite number > 0"),
     (dict(target_examples="100"), r"target_examples='100' must be a finite number > 0"),
@@ -1077,6 +1078,21 @@ def test_idle_note_says_why_gpus_are_left_idle():
     assert (bnd.best.P, bnd.best.D) == (3, 2)
     assert any(n.endswith("because P=3 does not divide G=7; no configuration tried that uses all 7 GPUs is faster "
                           "(boundaries fix P=3)") for n in bnd.notes), bnd.notes
+
+
+def test_shared_egress_plans_each_rank_sending_on_one_link():
+    """``plan(shared_egress=True)``: the rows are simulated with a rank's activations and gradients
+    queued on one link — each row's time is the simulator's with ``shared_egress`` for that row's
+    settings, never faster than with a link per pair of ranks, and slower on a slow network."""
+    prof = synthetic_profile(HEAVY, param_bytes=4e8)
+    kw = dict(network_bandwidth_Bps=2e6, replicas=1, micro_batch_sizes=[1], recompute=False, split_backward=False)
+    apart, shared = plan(prof, 4, 16, **kw), plan(prof, 4, 16, shared_egress=True, **kw)
+    by_P = {r.P: r for r in apart.feasible}
+    assert {r.P for r in shared.feasible} == set(by_P)
+    for r in shared.feasible:
+        assert r.time_s >= by_P[r.P].time_s * (1 - 1e-12)
+        assert shared.simulate(r, record_timeline=False).minibatch_time == pytest.approx(r.time_s, rel=1e-9)
+    assert max(r.time_s / by_P[r.P].time_s for r in shared.feasible if r.P > 2) > 1.01
 
 
 # ---- the split backward (zero-bubble B / W) -----------------------------------------------------

@@ -280,3 +280,31 @@ def test_best_only_and_recompute_false_agree_with_the_exhaustive_per_stage_plan(
     assert auto.stage_recompute == [False, False] and auto.max_in_flight[0] >= 1
     off = next(r for r in plan(heavy, 2, 32, recompute=False, **kw).rows if r.P == 2)
     assert off.feasible and off.max_in_flight[0] >= 1 and max(off.stage_memory_bytes) <= 100e6, off.reason
+
+
+def test_a_recompute_candidate_refined_to_keep_activations_is_capped_at_that_configurations_peak():
+    """The recompute search's candidate for a depth, refined with no memory limit, keeps its
+    activations (recompute only where memory needs it) under caps from the peaks of keeping them —
+    not from its own recompute peaks (one live graph a stage), which throttled it: on the testbed's
+    profile that made the mixed configuration simulate slower and the plan recompute on stage 0
+    with room to spare. The result equals refining the no-recompute search's candidate."""
+    import copy
+
+    from varuna_sdk._native import core as _core
+    from varuna_sdk.planner.recompute import refine
+
+    pl = _fixed(synthetic_profile(HEAVY))
+    ti = pl._sizes.index(1)
+
+    def candidate(mode):
+        x = copy.copy(pl._searches[mode])
+        x.fixed_starts = [st[0] for st in SPLIT4]
+        return x, _core.evaluate(x, 4, 1, ti)
+
+    rec_inp, c_rec = candidate((True, False))
+    keep_inp, c_keep = candidate((False, False))
+    got = refine(rec_inp, c_rec, ti, limit=None, recompute=True, auto=True)
+    want = refine(keep_inp, c_keep, ti, limit=None, recompute=False, auto=True)
+    assert got.recompute == [False] * 4 and got.max_in_flight == want.max_in_flight, (got.why, want.why)
+    assert got.candidate.minibatch_time == pytest.approx(want.candidate.minibatch_time, rel=1e-12)
+    assert max(c_rec.peak_live[:3]) < max(got.max_in_flight), (c_rec.peak_live, got.max_in_flight)

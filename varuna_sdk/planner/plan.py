@@ -49,6 +49,7 @@ def plan(
     replicas: int | None = None,
     exhaustive: bool = True,
     split_backward: bool | None = None,
+    shared_egress: bool = False,
 ) -> Plan:
     """Rank every configuration of ``gpus`` GPUs for a fixed ``global_batch`` (paper §4.4).
 
@@ -99,6 +100,10 @@ def plan(
             the profile holds the split's B and W times, each row taking the faster (its
             ``split_backward`` says which); True: always (the profile must hold them); False:
             never.
+        shared_egress: True where each rank's activations and gradients leave it by one network
+            link, one message at a time (one rank per VM behind one NIC, as on the namespace
+            testbed): the simulator queues a rank's sends to both neighbours on that link
+            (``SimConfig.shared_egress``). False (default): each pair of ranks has a link of its own.
 
     Raises ``ConfigError`` for bad arguments (each checked before any work, the message saying
     what to pass instead) and ``ProfileError`` naming what the profile lacks.
@@ -109,7 +114,7 @@ def plan(
                       compute_slots_per_vm=compute_slots_per_vm, micro_batch_sizes=micro_batch_sizes,
                       boundaries=boundaries, network_bandwidth_Bps=network_bandwidth_Bps, prices=prices,
                       target_examples=target_examples, max_depth=max_depth, replicas=replicas, exhaustive=exhaustive,
-                      split_backward=split_backward)
+                      split_backward=split_backward, shared_egress=shared_egress)
     t0 = time.perf_counter()
     found = run_search(req)
     rows = plan_rows(req, found)

@@ -16,7 +16,8 @@ everywhere, or off everywhere); this module then refines the candidate it keeps 
 * a stage recomputes only when keeping the activations of the micro-batches 1F1B would hold
   there (``P - stage``) does not fit the limit — and, where at least one micro-batch's do, keeping
   fewer under a smaller cap (which throttles the pipeline) simulates slower. The mixed
-  configurations are simulated; the fastest that fits is kept (recompute everywhere included);
+  configurations are simulated; the fastest that fits is kept (recompute everywhere included),
+  one recomputing on more stages only when it simulates ``RECOMPUTE_GAIN`` faster;
 * a no-recompute candidate the search excluded for memory (its uncapped peaks) is re-simulated
   with the caps that fit (``planner.search._rescue``).
 
@@ -199,6 +200,14 @@ def _keep_why(cap: int, bound: float, limit: float | None, m: int) -> str:
             f"limit" + ("" if cap else " (all of them fit)"))
 
 
+#: A configuration that recomputes on more stages is chosen only when it simulates this much faster
+#: (a fraction of the mini-batch time): recompute spends a second forward, which the simulator
+#: charges only as compute time — not the cores it takes from other ranks on a shared host, nor its
+#: memory traffic — and the simulator is a few per cent off on real links (bench_slow_network);
+#: below this, keeping the activations is the plan (recompute only where memory needs it).
+RECOMPUTE_GAIN = 0.02
+
+
 def _rec_why(cap: int, bound: float, limit: float | None, reason: str) -> str:
     held = f"at most {_mbs(cap)} in flight" if cap else "every micro-batch may be in flight"
     lim = f" of the {format_bytes(limit)} limit" if limit else ""
@@ -213,17 +222,28 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
     per GPU, None = no limit; else the simulated peak), so that its memory figure holds whatever the
     timing. ``auto`` (the planner's ``recompute=None``): a recompute candidate gets recompute only
     on the stages where the activations of ``P - stage`` micro-batches do not fit, kept when the
-    simulation finds it feasible and no slower. A no-recompute candidate that the search excluded
+    simulation finds it feasible and no slower (more recompute only when ``RECOMPUTE_GAIN`` faster). A no-recompute candidate that the search excluded
     for memory is tried with its caps (None when that cannot fit either). With ``auto`` False the
     recompute setting is the user's.
     """
     P, m = c.P, c.m
     mems = stage_memories(inp, c, ti)
     last = P - 1
-    live = [max(1, x) for x in c.peak_live]
-    peak = [a + b for a, b in zip(c.peak_stashed, c.peak_live)]
+    searched = [recompute and s != last for s in range(P)]
 
-    def bounds(rec: list[bool], caps: list[int]) -> list[float]:
+    def peaks(rec: list[bool]) -> tuple[list[int], list[int], list[int]]:
+        """Per stage (live graphs, at least 1), (stashed + live) and live at the simulated peak of
+        ``rec`` uncapped: the candidate's own for its searched mode, else simulated here (a
+        recompute candidate's peaks say nothing of what its stages hold keeping activations)."""
+        src = c
+        if rec != searched:
+            free = copy.copy(inp)
+            free.memory_limit = 0.0
+            src = _evaluate(free, c, ti, rec, [0] * P)
+        return ([max(1, x) for x in src.peak_live], [a + b for a, b in zip(src.peak_stashed, src.peak_live)],
+                list(src.peak_live))
+
+    def bounds(rec: list[bool], caps: list[int], live: list[int]) -> list[float]:
         # a micro-batch in flight on a stage is in flight on every stage above it (their backward
         # waits for its gradient): a stage never holds more than the tightest cap above it either
         held = [min([x for x in caps[:s + 1] if x] or [0]) for s in range(P)]
@@ -231,9 +251,10 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
 
     def run(rec: list[bool]):
         """The faster of the caps that fit (or the simulated peaks) and those caps cascaded."""
+        live, peak, peak_live = peaks(rec)
         caps = [0 if s == last else (_rec_cap(mems[s], limit, live[s], peak[s], m) if rec[s]
-                                     else _keep_cap(mems[s], limit, c.peak_live[s], m)) for s in range(P)]
-        bound = bounds(rec, caps)
+                                     else _keep_cap(mems[s], limit, peak_live[s], m)) for s in range(P)]
+        bound = bounds(rec, caps, live)
         if limit and any(b > limit for b in bound[:last]):
             return None, caps, bound
         best = None
@@ -241,7 +262,7 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
         for cs in (caps, cascaded) if cascaded != caps else (caps,):
             cand = _evaluate(inp, c, ti, rec, cs)
             if cand.feasible and (best is None or cand.minibatch_time < best[0].minibatch_time):
-                best = (cand, cs, bounds(rec, cs))
+                best = (cand, cs, bounds(rec, cs, live))
         return best if best is not None else (None, caps, bound)
 
     last_why = "last stage: runs each backward right after its forward (never recomputes)"
@@ -265,9 +286,9 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
     if any(throttle):
         options.insert(0, ([s != last and not (keep[s] or throttle[s]) for s in range(P)], ""))
     best = None
-    for rec, asked in options:
+    for rec, asked in options:  # fewest recomputing stages first: a later option must win by RECOMPUTE_GAIN
         cand, caps, bound = run(rec)
-        if cand is not None and (best is None or cand.minibatch_time < best[0].minibatch_time):
+        if cand is not None and (best is None or cand.minibatch_time < best[0].minibatch_time * (1 - RECOMPUTE_GAIN)):
             best = (cand, rec, caps, bound, asked)
     if best is None:
         return None
@@ -283,7 +304,8 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool)
         elif asked:
             why.append(_rec_why(caps[s], bound[s], limit, asked))
         elif keep[s]:  # the mixed configuration simulated slower
-            why.append(_rec_why(caps[s], bound[s], limit, "keeping activations here simulates slower"))
+            why.append(_rec_why(caps[s], bound[s], limit, f"keeping activations here simulates more than "
+                                f"{RECOMPUTE_GAIN:.0%} slower"))
         elif throttle[s]:  # keeping fewer than need[s] under a smaller cap simulated slower
             why.append(_rec_why(caps[s], bound[s], limit, f"keeping the activations of {need[s]} micro-batches, as "
                                 f"many as 1F1B holds here, needs {format_bytes(mems[s].bytes(0, need[s]))}, over the "

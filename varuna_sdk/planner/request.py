@@ -157,6 +157,7 @@ class PlanRequest:
     replicas: int | None = None
     exhaustive: bool = True
     split_backward: bool | None = None
+    shared_egress: bool = False
     limit: float | None = field(init=False, default=None)
     sizes: list[int] = field(init=False, default_factory=list)
     checked: tuple = field(init=False, default=(), repr=False)
@@ -236,7 +237,7 @@ class PlanRequest:
         self.micro_batch_sizes = [int(b) for b in given]
 
     def _check_options(self) -> None:
-        """The memory limit, bandwidth, depth, placement, prices, search mode and split backward."""
+        """The memory limit, bandwidth, depth, placement, prices, search mode, split backward and egress."""
         self.memory_limit_bytes = positive_or_none(
             "memory_limit_bytes", self.memory_limit_bytes, "pass bytes per GPU such as 16 * 2**30, or None for the "
             "profile's device memory (no limit when none is recorded)")
@@ -266,6 +267,10 @@ class PlanRequest:
         if split and not self.profile.has_split_backward:
             raise ProfileError("split_backward=True needs the split backward's B and W times per segment (bwd_in_s, "
                                "wgt_s), which this profile lacks; re-run calibrate(), or pass split_backward=None")
+        if not isinstance(self.shared_egress, (bool, np.bool_)):
+            raise ConfigError(f"shared_egress={self.shared_egress!r} must be True (a rank's sends share one link) or "
+                              "False (a link per pair of ranks)")
+        self.shared_egress = bool(self.shared_egress)
         if self.target_examples is not None:
             positive_or_none("target_examples", self.target_examples,
                              "pass the examples to train on, e.g. 10**7, or None for no time/cost-to-target columns")

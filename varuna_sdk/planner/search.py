@@ -96,6 +96,7 @@ def search_input(req: PlanRequest, recompute: bool = False):
         sim.ar_alpha, sim.ar_beta = net.ar_alpha_s, bw or net.ar_beta_Bps
         sim.consensus_latency = net.consensus_s
     sim.ranks_per_host = req.gpus_per_vm
+    sim.shared_egress = req.shared_egress
     sim.compute_slots_per_host = req.compute_slots_per_vm
     sim.action_overhead = profile.per_action_s
     inp.sim = sim
