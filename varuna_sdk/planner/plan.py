@@ -134,7 +134,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
                  compute_slots_per_vm: int | None = None, keep_fixed: bool = True,
                  micro_batch_sizes: Sequence[int] | None = None,
                  exhaustive: bool = True, prices: Prices | None = None,
-                 memory_limit_bytes: float | None = None) -> tuple[JobConfig, Plan]:
+                 memory_limit_bytes: float | None = None, shared_egress: bool = False) -> tuple[JobConfig, Plan]:
     """Plan ``job`` for ``gpus`` workers (default ``job.launch.gpus``) and return a copy of it
     with ``parallel`` filled in from the best row (P, D, micro-batch size, stage boundaries),
     and the ``Plan``. The global batch and policy are the job's; recompute is the job's when it is
@@ -151,7 +151,8 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     best row; a fixed P is still searched exhaustively (its row must be exact). ``prices``: the
     pool's $ per GPU-hour for the rows' costs (default ``Prices()``'s example figures).
     ``memory_limit_bytes``: bytes per GPU to plan for (a what-if: "would this job fit a 16 GiB
-    card?"), as ``plan`` takes it; None: the profile's device memory. Raises
+    card?"), as ``plan`` takes it; None: the profile's device memory. ``shared_egress``: as ``plan``
+    takes it (one network link per rank). Raises
     ``ConfigError`` for boundaries that do not list the profile's segments once each in order, a
     P that contradicts them, a P x D over the workers, or when no feasible plan has the fixed P/D
     (listing the feasible ones) or none fits at all.
@@ -187,7 +188,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=rec, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
-              prices=prices, memory_limit_bytes=memory_limit_bytes)
+              prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress)
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
