@@ -54,7 +54,7 @@ def _bad_values(rule) -> list:
                 "index_lists": ["s", [0, 1], [[-1]], [["0"]], [[True]]],
                 "inputs": ["s", [], [1], {"a": 1}],
                 "stage_flags": ["yes", 1, [], [1, 0], ["true"], {"a": True}],
-                "stage_counts": ["s", 3, True, [], [-1], [1.5], [True], [1 << 21]]}[rule.kind]
+                "stage_counts": ["s", -3, 1 << 21, 2.5, True, [], [-1], [1.5], [True], [1 << 21]]}[rule.kind]
     raise AssertionError(rule)
 
 
