@@ -106,9 +106,15 @@ def test_numpy_values_are_plain_data_and_one_cap_serves_every_stage():
     job = JobConfig(parallel=ParallelConfig(P=2, global_batch=8))
     job.parallel.micro_batch_size = np.int16(2)   # set after construction: made plain by validate()
     job.train.lr = np.float32(0.5)
+    json.dumps(job.to_dict())   # before validate() too: to_dict/to_yaml write plain values
+    assert "np." not in job.to_yaml() and JobConfig.from_yaml_text(job.to_yaml()).train.lr == job.to_dict()["train"]["lr"]
     job.validate()
     assert type(job.parallel.micro_batch_size) is int and type(job.train.lr) is float
-    json.dumps(job.to_dict())
+    for bad in (2.5, True, "4", -1, [2, -1]):
+        with pytest.raises(ConfigError, match="parallel.max_in_flight"):
+            ParallelConfig(max_in_flight=bad).stage_caps(2)
+    with pytest.raises(ValueError, match="P=0 must be an integer >= 1"):
+        ParallelConfig(max_in_flight=1).stage_caps(0)
     with pytest.raises(ConfigError, match=r"one for every stage \(e.g. 4\)"):
         validate_parallel(ParallelConfig(P=2, global_batch=8, max_in_flight=-1))
     with pytest.raises(ConfigError, match="varuna policy only"):

@@ -1130,6 +1130,45 @@ def test_split_backward_is_chosen_per_row_where_the_simulator_finds_it_faster(b_
     assert auto.parallel_config().split_backward == auto.best.split_backward
 
 
+def test_plan_for_job_runs_the_backward_its_row_was_simulated_with():
+    """plan_for_job copies the best row's split backward into the job (it was dropped: the engine
+    ran the whole backward, ``bool(None)``, for a row timed and capped as B|W), and a job that sets
+    ``split_backward`` is planned with it."""
+    from varuna_sdk.config.checks import validate_parallel
+    from varuna_sdk.planner.plan import plan_for_job
+
+    prof = _with_split_costs(synthetic_profile(HEAVY, out_bytes=1e5), 0.5, 0.5)
+
+    def planned(split):
+        job = _job(P=4, D=1, gpus=8)
+        job.parallel.global_batch, job.parallel.recompute, job.parallel.split_backward = 64, False, split
+        return plan_for_job(job, prof, gpus_per_vm=1, compute_slots_per_vm=0)
+
+    job, pl = planned(None)
+    assert pl.best.split_backward and job.parallel.split_backward is True
+    row = pl.best.parallel_config(64)
+    assert (job.parallel.boundaries, job.parallel.max_in_flight) == (row.boundaries, row.max_in_flight)
+    for fixed in (False, True):
+        job, pl = planned(fixed)
+        assert job.parallel.split_backward is fixed and all(r.split_backward is fixed for r in pl.feasible)
+    job = _job(P=2, D=1, gpus=2)
+    job.parallel.policy = "1f1b"
+    assert plan_for_job(job, prof)[0].parallel.split_backward is None   # 1F1B: as published, untouched
+    # the row as another policy's config drops Varuna's split and caps (it failed validation)
+    validate_parallel(pl.best.parallel_config(64, policy="gpipe"))
+    with pytest.raises(ConfigError, match="gpus_per_vm=0 must be an integer >= 1"):   # as plan() says
+        plan_for_job(_job(P=4, D=1, gpus=8), prof, gpus_per_vm=0)
+
+
+def test_numpy_ints_in_boundaries_are_segment_indices():
+    """A notebook's ``np.arange`` boundaries were refused as not listing the segments in order."""
+    import numpy as np
+
+    prof = synthetic_profile(HEAVY)
+    got = plan(prof, 4, 32, boundaries=[list(np.arange(4)), list(np.arange(4, 8))]).best
+    assert got.stages == [[0, 1, 2, 3], [4, 5, 6, 7]] and all(type(i) is int for st in got.stages for i in st)
+
+
 def test_split_row_simulates_with_w_actions_and_the_choice_is_validated():
     prof = _with_split_costs(synthetic_profile(HEAVY, out_bytes=1e5), 0.5, 0.5)
     pl = plan(prof, 4, 32, recompute=False, split_backward=True, max_depth=4, replicas=1)

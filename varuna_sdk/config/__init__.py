@@ -35,7 +35,7 @@ import yaml
 
 from .checks import validate_checkpointing, validate_data, validate_model, validate_parallel
 from .fields import (MAX_CONFIG_BYTES, MAX_DEPTH, MAX_GPUS, MAX_ITEMS, MAX_TEXT, NAME_RE, ConfigError, Flag, Int,
-                     Num, Plain, Text, check_name)
+                     Num, Plain, Text, check_name, plain)
 from .sections import (POLICIES, PRECISIONS, RULES, DataConfig, LaunchConfig, ModelConfig, ParallelConfig,
                        TrainConfig, check_fields)
 from .yamlio import field_lines, load_yaml, unknown_key_line
@@ -141,8 +141,9 @@ class JobConfig:
 
     # ---- YAML -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The job as plain data (nested dicts), as ``from_dict`` takes it."""
-        return asdict(self)
+        """The job as plain data (nested dicts), as ``from_dict`` takes it (NumPy scalars as Python
+        values, tuples as lists: ``fields.plain``)."""
+        return plain(asdict(self))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """The job as YAML text, also written to ``path`` when given."""

@@ -103,7 +103,7 @@ def validate_parallel(p: ParallelConfig) -> None:
     for name, per in (("recompute", p.recompute), ("max_in_flight", p.max_in_flight)):
         if isinstance(per, list) and len(per) != p.P:
             raise ConfigError(f"parallel.{name} lists {len(per)} stages but P={p.P}; give one entry per stage, or "
-                              f"null{' (or true/false for every stage)' if name == 'recompute' else ''}")
+                              f"null{' (or true/false for every stage)' if name == 'recompute' else ' (or one integer for every stage)'}")
     if p.boundaries is not None and len(p.boundaries) != p.P:
         raise ConfigError(
             f"parallel.boundaries has {len(p.boundaries)} stages but P={p.P}; give one list of segment "

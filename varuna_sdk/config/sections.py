@@ -122,16 +122,20 @@ class ParallelConfig:
     def stage_caps(self, P: int) -> list[int]:
         """``max_in_flight`` as one cap per stage of a ``P``-stage pipeline (0 = no cap): the list
         itself, one integer repeated, or zeros for ``None``. Raises ``ValueError`` when a list does
-        not have ``P`` entries."""
-        caps = self.max_in_flight
+        not have ``P`` entries or P is not an integer >= 1, and ``ConfigError`` (a ``ValueError``)
+        for a cap that is not an integer >= 0."""
+        if not (isinstance(P, int) and not isinstance(P, bool) and P >= 1):
+            raise ValueError(f"P={P!r} must be an integer >= 1 (the pipeline's stages)")
+        caps = plain(self.max_in_flight)
+        RULES[ParallelConfig]["max_in_flight"].check("parallel.max_in_flight", caps)   # each cap an integer >= 0
         if caps is None:
             return [0] * P
         if not isinstance(caps, list):
-            return [int(caps)] * P
+            return [caps] * P
         if len(caps) != P:
             raise ValueError(f"parallel.max_in_flight lists {len(caps)} stages but P={P}; give one cap per stage, "
                              "one integer for every stage, or null")
-        return [int(c) for c in caps]
+        return list(caps)
 
     @property
     def num_micro_batches(self) -> int:

@@ -138,7 +138,9 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     """Plan ``job`` for ``gpus`` workers (default ``job.launch.gpus``) and return a copy of it
     with ``parallel`` filled in from the best row (P, D, micro-batch size, stage boundaries),
     and the ``Plan``. The global batch and policy are the job's; recompute is the job's when it is
-    True or False, else the best row's per-stage choice, and the row's in-flight caps are set.
+    True or False, else the best row's per-stage choice; the split backward (Varuna) is the job's
+    when it is True or False, else the best row's; the row's in-flight caps are set (a job's own
+    ``max_in_flight`` is replaced: the caps are chosen for the row's split and schedule).
 
     Placement defaults model local workers: all ``gpus`` on one VM whose compute is shared by
     ``os.cpu_count()`` cores (fewer workers than ``gpus`` may then be fastest: the plan's rows
@@ -163,7 +165,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     fixed_P = p.P if keep_fixed else None
     fixed_D = p.D if keep_fixed else None
     bnd = p.boundaries if keep_fixed else None
-    per_vm = gpus_per_vm or G
+    per_vm = G if gpus_per_vm is None else gpus_per_vm   # 0 is refused by plan(), as there
     slots = compute_slots_per_vm if compute_slots_per_vm is not None else (os.cpu_count() or 1)
 
     if fixed_D is not None and (fixed_D > G or p.global_batch % fixed_D):
@@ -185,7 +187,9 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     # boundaries fix P and the split; a fixed P caps the depths tried; a fixed D is the only replica count tried
     # a per-stage list was a plan's choice for its own P: plan again per stage
     rec = p.recompute if isinstance(p.recompute, bool) else None
-    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=rec, gpus_per_vm=min(per_vm, G),
+    # the job's split backward when it sets one (Varuna only), else the planner's choice per row
+    split = p.split_backward if p.policy == "varuna" else None
+    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=rec, split_backward=split, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
               prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress)
@@ -213,6 +217,8 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     job.parallel.boundaries = best.stages
     job.parallel.recompute = list(best.stage_recompute) if rec is None else rec
     job.parallel.max_in_flight = list(best.max_in_flight) if any(best.max_in_flight) else None
+    if p.policy == "varuna":   # the schedule the row was simulated (and its caps chosen) with
+        job.parallel.split_backward = bool(best.split_backward)
     job.launch.gpus = G
     return job.validate(), pl
 

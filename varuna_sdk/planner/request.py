@@ -22,6 +22,7 @@ import numpy as np
 
 from .._native import core as _core
 from ..config import POLICIES, ConfigError
+from ..config.fields import plain
 from ..profiling.profile import Profile, ProfileError
 from .rows import Prices
 
@@ -163,6 +164,7 @@ class PlanRequest:
     checked: tuple = field(init=False, default=(), repr=False)
 
     def __post_init__(self) -> None:
+        self.boundaries = plain(self.boundaries)   # NumPy ints in a notebook's boundaries
         self._check_counts()
         self._check_micro_batch_sizes()
         self._check_options()

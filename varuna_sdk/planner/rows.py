@@ -111,11 +111,13 @@ class PlanRow:
 
     def parallel_config(self, global_batch: int, policy: str = "varuna") -> ParallelConfig:
         """This row as a ``ParallelConfig``: explicit stage boundaries (so the run uses this split),
-        the row's choice of the split backward, its recompute per stage and in-flight caps."""
+        the row's choice of the split backward, its recompute per stage and in-flight caps (Varuna's
+        only: GPipe and 1F1B run their backward whole, uncapped)."""
+        varuna = policy == "varuna"
         return ParallelConfig(P=self.P, D=self.D, global_batch=global_batch, micro_batch_size=self.micro_batch_size,
                               policy=policy, recompute=list(self.stage_recompute) or None, boundaries=self.stages,
-                              split_backward=self.split_backward,
-                              max_in_flight=list(self.max_in_flight) if any(self.max_in_flight) else None)
+                              split_backward=self.split_backward if varuna else None,
+                              max_in_flight=list(self.max_in_flight) if varuna and any(self.max_in_flight) else None)
 
 
 @dataclass
