@@ -308,3 +308,26 @@ def test_a_recompute_candidate_refined_to_keep_activations_is_capped_at_that_con
     assert got.recompute == [False] * 4 and got.max_in_flight == want.max_in_flight, (got.why, want.why)
     assert got.candidate.minibatch_time == pytest.approx(want.candidate.minibatch_time, rel=1e-12)
     assert max(c_rec.peak_live[:3]) < max(got.max_in_flight), (c_rec.peak_live, got.max_in_flight)
+
+
+def test_more_recompute_must_win_by_the_margin(monkeypatch):
+    """``RECOMPUTE_GAIN`` decides between keeping activations and recomputing when memory allows
+    both: with the recompute search's candidate and no limit, a margin no option can beat keeps the
+    activations, and a negative margin (recompute preferred unless more than 10x slower) recomputes
+    on every stage but the last, saying that keeping them simulated slower by the margin."""
+    import copy
+
+    from varuna_sdk._native import core as _core
+    from varuna_sdk.planner import recompute as rc
+
+    pl = _fixed(synthetic_profile(HEAVY))
+    ti = pl._sizes.index(1)
+    x = copy.copy(pl._searches[(True, False)])
+    x.fixed_starts = [st[0] for st in SPLIT4]
+    c = _core.evaluate(x, 4, 1, ti)
+    monkeypatch.setattr(rc, "RECOMPUTE_GAIN", 0.99)
+    assert rc.refine(x, c, ti, limit=None, recompute=True, auto=True).recompute == [False] * 4
+    monkeypatch.setattr(rc, "RECOMPUTE_GAIN", -9.0)
+    got = rc.refine(x, c, ti, limit=None, recompute=True, auto=True)
+    assert got.recompute == [True, True, True, False]
+    assert all("keeping activations here simulates more than" in w for w in got.why[:3]), got.why
