@@ -113,11 +113,7 @@ class ParallelConfig:
     max_in_flight: int | list[int] | None = None
 
     def __post_init__(self) -> None:
-        # tuples and NumPy scalars are the same plain data as lists and ints: keep what YAML and JSON give
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if plain(v) is not v:
-                setattr(self, f.name, plain(v))
+        _make_plain(self)   # tuples and NumPy scalars kept as the lists and ints YAML and JSON give
 
     def stage_caps(self, P: int) -> list[int]:
         """``max_in_flight`` as one cap per stage of a ``P``-stage pipeline (0 = no cap): the list
@@ -239,8 +235,14 @@ def check_fields(section: str, obj: Any) -> None:
     its type and range (finite floats, integers that are integers, bounded strings, lists and
     mappings). Raises ``ConfigError`` naming ``section.field``, the value and what would work."""
     rules = RULES[type(obj)]
+    _make_plain(obj)   # NumPy scalars and tuples (a notebook's values, set at any time) as plain data
+    for f in fields(obj):
+        rules[f.name].check(f"{section}.{f.name}", getattr(obj, f.name))
+
+
+def _make_plain(obj: Any) -> None:
+    """Replace, in place, every field of the config dataclass ``obj`` that ``plain`` changes."""
     for f in fields(obj):
         v = getattr(obj, f.name)
-        if plain(v) is not v:   # NumPy scalars and tuples (a notebook's values) kept as plain data
+        if plain(v) is not v:
             setattr(obj, f.name, plain(v))
-        rules[f.name].check(f"{section}.{f.name}", getattr(obj, f.name))
