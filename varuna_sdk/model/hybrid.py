@@ -54,17 +54,107 @@ def _to_meta(x: Any) -> Any:
     return x
 
 
+_SCALARS = (int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout,
+            torch.memory_format)
+_INPLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__imatmul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ixor__", "__ior__",
+                              "__setitem__", "__delitem__", "__set__", "__delete__"})
+
+
+def _leaf_key(x: Any) -> tuple | None:
+    """What decides an operation's meta output about one argument: a tensor's dtype, shape and strides
+    (on meta its values never matter: real arguments are moved to meta first), a scalar's type and value,
+    a slice's parts; ``None`` for anything else (the operation is then not cached)."""
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, tuple(x.shape), tuple(x.stride()))
+    t = type(x)
+    if t in _SCALARS:
+        return (t, x)
+    if t is slice:
+        parts = (_leaf_key(x.start), _leaf_key(x.stop), _leaf_key(x.step))
+        return None if None in parts else (slice, parts)
+    if t is torch.Size:
+        return (t, tuple(x))
+    return None
+
+
+def _mutates(func: Any, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS or "out" in kwargs
+
+
+class MetaShapeCache:
+    """Output metadata (shape, strides, dtype) of the meta operations a stage's prefix runs, keyed by
+    the operation and its arguments' metadata, so that running the segments before a stage costs a
+    dictionary lookup per operation instead of a meta kernel (torch's meta kernels for elementwise
+    operations are Python decompositions: ~0.2 ms an ``add`` on this CPU, against ~5 µs a lookup).
+
+    A meta output depends only on its arguments' metadata (every argument is on meta when it runs), so
+    a hit is exact. Not cached: operations that mutate an argument (``add_``, ``x[i] = …``, ``out=``),
+    outputs that are not a tensor or a plain tuple/list of tensors, arguments of other types. A replayed
+    output is a fresh meta tensor without ``requires_grad``, as the prefix's stubbed modules return
+    (nothing runs backward through the prefix). At most ``max_entries`` entries (then it starts over)."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self.entries: dict[tuple, tuple] = {}
+        self.hits = 0
+
+    def key(self, func: Any, leaves: list, spec: Any, kwargs: dict) -> tuple | None:
+        """The cache key of ``func`` on these flattened ``(args, kwargs)``; ``None`` when not cacheable."""
+        if _mutates(func, kwargs):
+            return None
+        parts = []
+        for x in leaves:
+            k = _leaf_key(x)
+            if k is None:
+                return None
+            parts.append(k)
+        return (func, spec, torch.is_grad_enabled(), tuple(parts))
+
+    def replay(self, key: tuple) -> Any:
+        """Fresh meta tensors shaped as the recorded output of ``key``, or ``None`` on a miss."""
+        rec = self.entries.get(key)
+        if rec is None:
+            return None
+        self.hits += 1
+        kind, metas = rec
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=_META) for shape, stride, dtype in metas]
+        return outs[0] if kind is None else kind(outs)
+
+    def record(self, key: tuple, out: Any, leaves: list) -> bool:
+        """Remember ``out``'s metadata under ``key`` when it is a meta tensor or a tuple/list of them,
+        none of them one of the arguments (``x.to(dtype)`` may return ``x`` itself); True if it did."""
+        if isinstance(out, torch.Tensor):
+            kind, ts = None, [out]
+        elif type(out) in (tuple, list) and out and all(isinstance(t, torch.Tensor) for t in out):
+            kind, ts = type(out), list(out)
+        else:
+            return False
+        if not all(t.device.type == "meta" for t in ts) or any(t is x for t in ts for x in leaves):
+            return False
+        if len(self.entries) >= self.max_entries:
+            self.entries.clear()
+        self.entries[key] = (kind, [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in ts])
+        return True
+
+
 class MetaAsDevice(TorchFunctionMode):
     """Torch-function mode: meta tensors pose as tensors on ``device``; operations mixing meta and
     real tensors run on meta (see the module docstring); ``on_mixed(func, args, kwargs)``, if
-    given, sees each such operation with its real arguments first. Use as a context manager; ``pop()``
+    given, sees each such operation with its real arguments first. ``cache`` (a ``MetaShapeCache``
+    kept across forwards, not with ``on_mixed``) replays the metadata of meta operations seen before
+    instead of running their meta kernels. Use as a context manager; ``pop()``
     leaves it in the middle of a forward (a stage reaching its own layers), ``pop`` again and
     ``__exit__`` are then no-ops."""
 
-    def __init__(self, device: torch.device | str, on_mixed=None):
+    def __init__(self, device: torch.device | str, on_mixed=None, cache: MetaShapeCache | None = None):
         super().__init__()
+        if cache is not None and on_mixed is not None:
+            raise ValueError("MetaAsDevice: a cache skips the operations on_mixed must see; give one or the other")
         self.device = torch.device(device)
         self.on_mixed = on_mixed  # (func, args, kwargs) of each operation run on meta, before moving
+        self.cache = cache
         self._on = False
 
     def __enter__(self):
@@ -95,9 +185,14 @@ class MetaAsDevice(TorchFunctionMode):
             return self.device.type == "cpu" if _is_meta(args[0]) else func(*args)
         if func is _GET_DEVICE and args and _is_meta(args[0]):
             return -1 if self.device.type == "cpu" else (self.device.index or 0)
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
         if not any(_is_meta(t) for t in leaves):
             return func(*args, **kwargs)
+        key = self.cache.key(func, leaves, spec, kwargs) if self.cache is not None and func not in _VALUE_READS else None
+        if key is not None:
+            out = self.cache.replay(key)
+            if out is not None:
+                return out
         if func in _VALUE_READS:
             t = next(x for x in leaves if _is_meta(x))
             raise WeightValueError(
@@ -107,4 +202,7 @@ class MetaAsDevice(TorchFunctionMode):
                 "what the forward does; move such a check out of forward() or make it depend on the inputs")
         if self.on_mixed is not None:
             self.on_mixed(func, args, kwargs)
-        return func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        if key is not None and self.cache.record(key, out, leaves):
+            return self.cache.replay(key)  # the first call returns what every later one will
+        return out

@@ -289,7 +289,7 @@ class Varuna:
         meta, see ``stage_prefix``): the stage's output tensors, or on the last stage the model's
         output. Raises ``RuntimeError`` if the forward skips the stage's cut-points."""
         with forked_rng(), self.prefix.running(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
-            mode = None if self.is_first else MetaAsDevice(self.device)
+            mode = None if self.is_first else MetaAsDevice(self.device, cache=self.prefix.meta_cache)
             run = StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode)
             seed_segment(self.seed, self.step_count, mb, 0)
             with observe_cutpoints(run), (mode if mode is not None else contextlib.nullcontext()):

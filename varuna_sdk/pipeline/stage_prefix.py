@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..model.cutpoint import observe_cutpoints
-from ..model.hybrid import MetaAsDevice
+from ..model.hybrid import MetaAsDevice, MetaShapeCache
 from ..model.inputs import ModelInputs, call_model, shapes_key, tensors_of
 from ..model.rng import seed_segment
 from ..model.tracer import ModelStructure
@@ -146,6 +146,8 @@ class StagePrefix:
         self.start_cut = first_segment - 1
         self.swaps = self._pre_stage_params(structure, first_segment)
         self._stub_cache: dict[tuple, list[Stub]] = {}
+        #: the meta operations' output metadata, replayed on every forward after the first (``MetaAsDevice``)
+        self.meta_cache = MetaShapeCache()
 
     def _pre_stage_params(self, structure: ModelStructure, first_segment: int) -> list[Swap]:
         """Local parameters also used by segments *before* this stage (tied weights): they are
