@@ -30,8 +30,8 @@ def test_fixed_P_and_D_are_reported_as_the_run_train_makes(files):
     prof, path, config = files
     out = _cli("plan", config(P=2, D=2), "--gpus", "4", "--profile", path)
     assert out.returncode == 0, out.stderr[-2000:]
-    best = plan(prof, 4, 32).best
-    kept = next(r for r in plan(prof, 4, 32, max_depth=2, replicas=2).feasible if r.P == 2)
+    best = plan(prof, 4, 32, shared_egress=True).best  # VMs: one egress link per worker, as the manager plans
+    kept = next(r for r in plan(prof, 4, 32, max_depth=2, replicas=2, shared_egress=True).feasible if r.P == 2)
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=2, parallel.D=2"))
     assert f"P=2 D=2 micro-batch {kept.micro_batch_size} (m={kept.m})" in line
     assert f"{kept.time_s * 1e3:.1f} ms" in line and f"({kept.time_s / best.time_s:.2f}x" in line
@@ -52,6 +52,30 @@ def test_local_plans_like_train_does(files):
     assert first[:3] == ["1", str(local.P), str(local.D)]
 
 
+def test_vms_are_planned_with_one_egress_link_per_worker_unless_told_per_pair_links(tmp_path):
+    """On VMs a worker's activations (to the next stage) and gradients (to the one before) leave by
+    one link, as the manager plans VMs: the table is ``plan(shared_egress=True)``'s, and
+    ``--per-pair-links`` gives ``plan()``'s per-pair links; on a slow network they differ."""
+    prof = synthetic_profile(HEAVY, out_bytes=4e6)  # heavy messages: links matter at P > 2
+    path = tmp_path / "profile.json"
+    prof.to_json(path)
+    cfg = tmp_path / "job.yaml"
+    _job(P=4, D=1).to_yaml(cfg)
+    args = ("plan", str(cfg), "--gpus", "4", "--profile", str(path), "--bandwidth-gbps", "0.2")
+    shared = plan(prof, 4, 32, max_depth=4, replicas=1, network_bandwidth_Bps=0.2e9 / 8, shared_egress=True)
+    pairs = plan(prof, 4, 32, max_depth=4, replicas=1, network_bandwidth_Bps=0.2e9 / 8)
+    r_shared = next(r for r in shared.feasible if r.P == 4)
+    r_pairs = next(r for r in pairs.feasible if r.P == 4)
+    assert r_shared.time_s > r_pairs.time_s * 1.01  # the test means something: the models differ here
+    for flags, row, says in (((), r_shared, "leaving its VM by one link"),
+                             (("--per-pair-links",), r_pairs, "a network link per pair")):
+        out = _cli(*args, *flags)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert says in out.stdout
+        line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=4"))
+        assert f"{row.time_s * 1e3:.1f} ms per mini-batch" in line
+
+
 def test_profile_of_another_model_is_refused(files, tmp_path):
     _, _, config = files
     other = tmp_path / "other.json"
@@ -68,6 +92,7 @@ def test_profile_of_another_model_is_refused(files, tmp_path):
     (["--gpus", "4", "--spot-price", "-1"], "--spot-price -1.0 must be a finite number >= 0"),
     (["--gpus", "4", "--bandwidth-gbps", "0"], "--bandwidth-gbps 0.0 must be a finite number > 0"),
     (["--gpus", "4", "--target-examples", "-5"], "--target-examples -5 must be >= 1"),
+    (["--gpus", "4", "--local", "--per-pair-links"], "--per-pair-links applies to VMs"),
 ])
 def test_bad_flags_fail_before_any_work(files, flags, says):
     _, path, config = files
@@ -95,11 +120,11 @@ def test_memory_gib_plans_recompute_per_stage_as_plan_does(tmp_path):
     job.parallel.recompute = None  # the default: per stage
     cfg = tmp_path / "auto.yaml"
     job.to_yaml(cfg)
-    free = plan_any(prof, 4, 32).best
+    free = plan_any(prof, 4, 32, shared_egress=True).best
     gib = next(f * max(free.stage_memory_bytes) / 2**30 for f in (0.9, 0.7, 0.5, 0.4, 0.3, 0.25, 0.2)
-               if plan_any(prof, 4, 32, memory_limit_bytes=f * max(free.stage_memory_bytes)).best.recompute_label
-               != "none")
-    best = plan_any(prof, 4, 32, memory_limit_bytes=round(gib, 6) * 2**30).best
+               if plan_any(prof, 4, 32, memory_limit_bytes=f * max(free.stage_memory_bytes),
+                           shared_egress=True).best.recompute_label != "none")
+    best = plan_any(prof, 4, 32, memory_limit_bytes=round(gib, 6) * 2**30, shared_egress=True).best
     out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(path), "--memory-gib", f"{gib:.6f}")
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.splitlines()[2]

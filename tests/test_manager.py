@@ -564,3 +564,35 @@ def test_a_deterministic_worker_error_is_not_retried(tmp_path, error, generation
     assert said in (mgr.error or "") and f"{error}: user code broke" in mgr.error, mgr.error
     assert len(plans) == generations, [p.payload.get("generation") for p in plans]
     assert failed and failed[0].payload["cause"] == ("code" if error == "TypeError" else "error"), failed
+
+
+def test_vms_are_planned_with_one_egress_link_per_worker_and_local_slots_over_loopback(tmp_path):
+    """The plan a generation runs on VMs models each worker's activations and gradients leaving its
+    VM by one link (``plan_for_job(shared_egress=True)``); on local slots (one machine, loopback) a
+    link per pair. No worker starts: ``_replan`` only plans (synthetic profile, slow 0.2 Gbit/s
+    links where the two models differ)."""
+    from dashboard_writer import profile
+
+    from varuna_sdk.cluster.hostfile import HostFileProvider
+    from varuna_sdk.cluster.provider import LocalProvider
+    from varuna_sdk.planner.plan import plan_for_job
+
+    prof = profile([1.0, 2.0, 2.0, 3.0])
+    prof.network.p2p_beta_Bps = prof.network.ar_beta_Bps = 0.2e9 / 8
+    job = tiny_job(P=None, D=None)
+    (tmp_path / "hosts").write_text("".join(f"vm{i} 10.77.0.{i + 1}\n" for i in range(4)))
+    for provider, shared in ((HostFileProvider(tmp_path / "hosts"), True), (LocalProvider(4), False)):
+        mgr = Manager(job, provider, run_dir=tmp_path / f"run-{shared}", profile=prof)
+        try:
+            hosts = provider.hosts()
+            job_g, pl, row, used = mgr._replan(hosts, first=True)
+        finally:
+            provider.close()
+        kw = dict(gpus_per_vm=1, compute_slots_per_vm=0) if shared else {}
+        _, want = plan_for_job(job, prof, 4, keep_fixed=True, shared_egress=shared, **kw)
+        _, other = plan_for_job(job, prof, 4, keep_fixed=True, shared_egress=not shared, **kw)
+        assert [(r.P, r.D, r.micro_batch_size, r.time_s) for r in pl.feasible] == \
+               [(r.P, r.D, r.micro_batch_size, r.time_s) for r in want.feasible]
+        deep = [(a.time_s, b.time_s) for a in want.feasible for b in other.feasible
+                if (a.P, a.D, a.micro_batch_size) == (b.P, b.D, b.micro_batch_size) and a.P > 2]
+        assert deep and any(abs(a - b) > 1e-3 * a for a, b in deep)  # the two link models differ here

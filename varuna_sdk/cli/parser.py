@@ -89,6 +89,9 @@ def _add_calibrate_plan(sub) -> None:
                     help="GPUs on each VM (default 1): stages on one VM talk over its local links")
     sp.add_argument("--local", action="store_true",
                     help="plan local workers sharing this machine's cores (as `varuna train` runs them)")
+    sp.add_argument("--per-pair-links", dest="per_pair_links", action="store_true",
+                    help="VMs only: model a network link per pair of neighbouring workers (default: each worker's "
+                         "activations and gradients leave its VM by one link, as on a VM with one network interface)")
     sp.add_argument("--policy", choices=list(POLICIES),
                     help="pipeline schedule to plan for (default: the config's parallel.policy)")
     sp.add_argument("--bandwidth-gbps", dest="bandwidth_gbps", type=float, help="what-if cross-VM bandwidth (Gbit/s)")

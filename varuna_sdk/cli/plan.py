@@ -72,6 +72,9 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
                         ("--target-examples", args.target_examples), ("--top", args.top)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
+    if args.local and args.per_pair_links:
+        raise ConfigError("--per-pair-links applies to VMs; --local workers talk over this machine's loopback. Leave "
+                          "out one of the two")
     if args.gpus > MAX_GPUS:
         raise ConfigError(f"--gpus {args.gpus} is more than the planner searches ({MAX_GPUS}); plan at most {MAX_GPUS} "
                           "GPUs")
@@ -99,10 +102,13 @@ def _placement(args: argparse.Namespace, G: int) -> tuple[dict, str]:
     if args.local:  # as `varuna train` runs: every worker a local process sharing this machine's cores
         placement = dict(gpus_per_vm=G, compute_slots_per_vm=os.cpu_count() or 1)
         where = f"{G} local workers sharing this machine's {os.cpu_count() or 1} cores (as `varuna train` runs them)"
-    else:
-        placement = dict(gpus_per_vm=args.gpus_per_vm)
-        where = (f"{args.gpus_per_vm} GPU(s) per VM, one worker per GPU; pass --local to plan local workers "
-                 "sharing this machine's cores, as `varuna train` runs them")
+    else:  # as the manager plans VMs: a worker's sends to both neighbours leave its VM by one link
+        placement = dict(gpus_per_vm=args.gpus_per_vm, shared_egress=not args.per_pair_links)
+        where = (f"{args.gpus_per_vm} GPU(s) per VM, one worker per GPU, "
+                 + ("a network link per pair of neighbouring workers" if args.per_pair_links else
+                    "each worker's activations and gradients leaving its VM by one link (--per-pair-links: one per "
+                    "neighbour)")
+                 + "; pass --local to plan local workers sharing this machine's cores, as `varuna train` runs them")
     return placement, where
 
 

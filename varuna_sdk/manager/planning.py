@@ -101,10 +101,17 @@ class ManagerPlanning:
         pinned = None if self._micro_batch_size is None else [self._micro_batch_size]
         if first and pinned is None and not p0.planned:   # a configured P x D: its configured micro-batch size
             pinned = [p0.micro_batch_size]
+
+        def plan_on_pool(keep_fixed: bool, sizes: list[int] | None):
+            # VMs: a worker's activations and gradients leave its VM by one network link (shared egress);
+            # local workers talk over this machine's loopback
+            return plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
+                                keep_fixed=keep_fixed, exhaustive=not best_only, prices=prices,
+                                micro_batch_sizes=sizes, shared_egress=not local)
+
         try:
             try:
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=first, exhaustive=not best_only, prices=prices, micro_batch_sizes=pinned)
+                job_g, pl = plan_on_pool(first, pinned)
             except ConfigError:
                 if pinned is None:
                     raise
@@ -112,8 +119,7 @@ class ManagerPlanning:
                        "ops (dropout) draw other masks from here on")
                 _log.warning("job %s: %s", self.job_id, msg)
                 self.log.append(Kind.WARNING, job_id=self.job_id, payload={"message": msg})
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=first, exhaustive=not best_only, prices=prices)
+                job_g, pl = plan_on_pool(first, None)
         except ConfigError as e:
             if not first:
                 raise
@@ -124,11 +130,9 @@ class ManagerPlanning:
             job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
             job.parallel.boundaries = None
             try:   # ... P and D, with the configured micro-batch size when some plan has it
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=False, exhaustive=not best_only, prices=prices, micro_batch_sizes=pinned)
+                job_g, pl = plan_on_pool(False, pinned)
             except ConfigError:
-                job_g, pl = plan_for_job(job, profile or self.profile(), G, gpus_per_vm=per_vm, compute_slots_per_vm=slots,
-                                         keep_fixed=False, exhaustive=not best_only, prices=prices)
+                job_g, pl = plan_on_pool(False, None)
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
         if first and not best_only and self._micro_batch_size is None:
             self._micro_batch_size = job_g.parallel.micro_batch_size
