@@ -32,10 +32,21 @@ and page faults — and the simulator's counterparts from the same prediction's 
 pipeline end, synchronisation, optimizer; printed under each measured stage), to trace a gap to
 its source.
 
-Targets (DESIGN.md): |error| <= 5 % on every configuration; aggregate max |error| <= 5 % (aim 3 %).
+Targets (DESIGN.md): |error| <= 5 % on every configuration; aggregate max |error| <= 5 % (aim 3 %);
+the simulator's ranking of the configurations is reported as Kendall's tau (predicted vs measured).
+
+Slow links (``--link-MBps X``, root): the same configurations on the bandwidth-limited testbed
+(``netbed``: each rank its own network namespace host, every link limited to X MB/s each way by
+``tc`` token buckets), written to ``sim_accuracy_testbed.json``. Each round then also measures the
+link as the calibration measures a network (``netbed.measure_link``) before calibrating, and the
+prediction sees the testbed as it is: every link's (p2p and all-reduce) alpha-beta the measured
+link's, the P x D hosts sharing this machine's cores, one egress link per rank
+(``plan(shared_egress=True)``). The kernel's work behind the links (token buckets, veths) shows as
+other processes' CPU in /proc/stat, so on the testbed every step counts.
 
 Run: ``.venv/bin/python benchmarks/bench_sim_accuracy.py [--quick] [--steps 6] [--rounds 5]
-[--configs 1,1,2,8 2,1,2,8] [--profile PROFILE.json] [--save-profile PATH]`` (about 22 minutes).
+[--configs 1,1,2,8 2,1,2,8] [--profile PROFILE.json] [--save-profile PATH] [--link-MBps 20]`` (about 22
+minutes on loopback).
 """
 
 from __future__ import annotations
@@ -128,18 +139,27 @@ def foreign_cpu(docs: list[dict], i: int) -> float:
 
 
 def run_config(P: int, D: int, mbs: int, B: int, steps: int, warmup: int, timeout_s: float, wait_idle: float,
-               attempts: int) -> dict:
+               attempts: int, link_Bps: float | None = None) -> dict:
     """One run of the configuration: its ranks' per-step records, only the steps during which no
     other process used the CPUs (a shared machine). If fewer than half the timed steps are clean,
-    wait for idle CPUs and run again (at most ``attempts`` runs; the one with most clean steps counts)."""
+    wait for idle CPUs and run again (at most ``attempts`` runs; the one with most clean steps counts).
+    ``link_Bps``: on the testbed, P x D namespace hosts with links of that many bytes/s (every step
+    counts: the links' kernel work shows as other processes' CPU)."""
+    import bench_sim_accuracy as me  # the worker by its module's name: netbed starts it in each namespace
+
     job = demo_job(P, D, mbs, B)
+    opts = {"job": job.to_dict(), "steps": steps, "warmup": warmup}
     best = None
     for attempt in range(attempts):
         idle = common.wait_for_idle(wait_idle)
-        docs, wall = common.spawn_collect(_worker, P * D, {"job": job.to_dict(), "steps": steps, "warmup": warmup},
-                                          timeout_s)
+        if link_Bps is None:
+            docs, wall = common.spawn_collect(me._worker, P * D, opts, timeout_s)
+        else:
+            import netbed
+
+            docs, wall = netbed.run_on_slow_links(me._worker, P * D, opts, link_Bps, timeout_s)
         foreign = [foreign_cpu(docs, i) for i in range(len(docs[0]["steps"]))]
-        clean = [i for i, f in enumerate(foreign) if f < FOREIGN_MAX]
+        clean = [i for i, f in enumerate(foreign) if f < FOREIGN_MAX or link_Bps is not None]
         if best is None or len(clean) > len(best[2]):
             best = (docs, wall, clean, foreign, idle, attempt + 1)
         if 2 * len(clean) >= steps:
@@ -193,12 +213,21 @@ def summarize(P: int, run_list: list[dict]) -> dict:
             "runs": [{k: v for k, v in run.items() if k != "docs"} for run in run_list]}
 
 
-def predict(profile, P: int, D: int, mbs: int, B: int) -> dict:
-    """The planner's simulated mini-batch time for exactly this configuration."""
+def predict(profile, P: int, D: int, mbs: int, B: int, link: tuple[float, float] | None = None) -> dict:
+    """The planner's simulated mini-batch time for exactly this configuration; ``link``: the
+    testbed's measured (alpha s, beta bytes/s) for every link, p2p and all-reduce, with one egress
+    link per rank."""
+    import dataclasses
+
     from varuna_sdk.planner.plan import plan
 
+    if link is not None:
+        alpha, beta = link
+        net = dataclasses.replace(profile.network, p2p_alpha_s=alpha, p2p_beta_Bps=beta, ar_alpha_s=alpha,
+                                  ar_beta_Bps=beta)
+        profile = dataclasses.replace(profile, network=net)
     pl = plan(profile, gpus=P * D, global_batch=B, boundaries=BOUNDARIES[P], micro_batch_sizes=[mbs],
-              gpus_per_vm=P * D, compute_slots_per_vm=os.cpu_count() or 1, replicas=D)
+              gpus_per_vm=P * D, compute_slots_per_vm=os.cpu_count() or 1, replicas=D, shared_egress=link is not None)
     row = pl.rows[0]
     if not row.feasible:
         raise RuntimeError(f"planner rejects P={P} D={D} mbs={mbs} B={B}: {row.reason}")
@@ -278,8 +307,18 @@ def main() -> None:
                         help="rounds, each a calibration and one run of every configuration (default 5, quick 1)")
         ap.add_argument("--attempts", type=int, default=3,
                         help="runs per configuration at most, until half the timed steps are clean (default 3)")
+        ap.add_argument("--link-MBps", dest="link_MBps", type=float, default=None,
+                        help="run on the bandwidth-limited testbed with links of this many MB/s each way (root)")
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
+    link_Bps = args.link_MBps * 1e6 if args.link_MBps else None
+    if link_Bps is not None:
+        import netbed
+
+        why = netbed.skip_reason()
+        if why:
+            sys.exit(f"bench_sim_accuracy --link-MBps: {why}")
+        args.attempts = 1  # every step counts on the testbed (run_config)
     steps = args.steps or (2 if args.quick else 6)
     args.rounds = args.rounds or (1 if args.quick else 5)
     configs = _parse_configs(args.configs)
@@ -302,12 +341,23 @@ def main() -> None:
     # rounds: calibrate, then every configuration once (A B C ...), each predicted from the
     # calibration just before it (module docstring: the VM's speed drifts over minutes)
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    links = []
     for rnd in range(args.rounds):
+        link = None
+        if link_Bps is not None:  # the link as the calibration measures a network, before calibrating
+            import netbed
+
+            act = 2 * demo_job(1, 1, 2, 8).data.seq_len * 128 * 4  # one micro-batch of 2's activation (d = 128)
+            alpha, beta, points = netbed.measure_link(link_Bps, act, args.timeout)
+            link = (alpha, beta)
+            links.append({"alpha_s": alpha, "beta_Bps": beta, "points": points})
+            print(f"round {rnd + 1}: link limited to {args.link_MBps} MB/s measured alpha {alpha * 1e3:.2f} ms, "
+                  f"beta {beta / 1e6:.2f} MB/s", flush=True)
         profile = calibrate_now()
         for c in configs:
-            run = run_config(*c, steps, args.warmup, args.timeout, args.wait_idle, args.attempts)
+            run = run_config(*c, steps, args.warmup, args.timeout, args.wait_idle, args.attempts, link_Bps)
             run["measured_s"] = run_median_s(run)
-            run["simulated"] = predict(profile, *c)
+            run["simulated"] = predict(profile, *c, link=link)
             run["rel_error"] = run["simulated"]["time_s"] / run["measured_s"] - 1.0
             P, D, mbs, B = c
             print(f"  round {rnd + 1}: P={P} D={D} mbs={mbs} B={B}: measured {run['measured_s'] * 1e3:.1f} ms, "
@@ -343,6 +393,10 @@ def main() -> None:
         figures.append(common.Figure(name=f"simulated / measured mini-batch time, {name}", value=sim["time_s"],
                                      unit="s", baseline=pick["measured_s"], ratio=abs(err), target=f"<= {TARGET}",
                                      detail={"rel_error": err, "rounds": per_round, "measured": meas["stats"]}))
+    tau = common.kendall_tau([r["simulated"]["time_s"] for r in rows],
+                             [statistics.median(x["measured_s"] for x in r["rounds"]) for r in rows])
+    figures.append(common.Figure(name="simulator ranking of the configurations: Kendall tau (predicted vs measured)",
+                                 value=tau, unit=""))
     worst = max(abs(r["rel_error"]) for r in rows)
     figures.append(common.Figure(name="max |simulated / measured - 1| over configurations", value=worst, unit="",
                                  ratio=worst, target=f"<= {TARGET}",
@@ -354,13 +408,22 @@ def main() -> None:
              "compute_slots_per_vm = cpu count (all workers share this machine's cores). Measured: median over "
              "timed steps of the mean over ranks of their step() time (random tokens, demo AdamW). A "
              "configuration's error is the median over rounds of its per-round error; value and baseline are "
-             "that round's. Ratio = |simulated/measured - 1|.")
-    common.write_results("sim_accuracy", figures, notes, out=args.out,
+             f"that round's. Ratio = |simulated/measured - 1|. Kendall tau of the simulated vs measured order of the "
+             f"configurations: {tau:.2f}.")
+    if link_Bps is not None:
+        notes += (f" On the bandwidth-limited testbed: every rank in its own network namespace host, every link limited "
+                  f"to {args.link_MBps} MB/s each way by tc tbf (two limited links between two ranks); per round the "
+                  "link's alpha-beta measured as the calibration measures a network, before calibrating, and used for "
+                  "every p2p message and all-reduce of the prediction, one egress link per rank "
+                  "(plan(shared_egress=True)); every step counts (the links' kernel work shows as other CPU use). "
+                  "Links measured: " + "; ".join(f"alpha {x['alpha_s'] * 1e3:.2f} ms, beta {x['beta_Bps'] / 1e6:.2f} MB/s"
+                                                 for x in links) + ".")
+    common.write_results("sim_accuracy_testbed" if link_Bps is not None else "sim_accuracy", figures, notes, out=args.out,
                          machine=common.machine_info(worker_threads=1, idle_before=idle,
                                                      load_average=[load0, common.load_average()]),
                          extra={"calibration_s": calib_times, "profiles": [_profile_summary(p) for p in profiles],
                              "configs": rows, "steps": steps, "warmup": args.warmup, "rounds": args.rounds,
-                             "quick": args.quick})
+                             "quick": args.quick, "link_MBps": args.link_MBps, "links": links})
 
 
 if __name__ == "__main__":

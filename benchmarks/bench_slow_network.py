@@ -10,7 +10,8 @@ stage (measured here, one process, one thread, before the run): bandwidth = acti
 (its row for the testbed: backward split or whole, recompute per stage, in-flight caps; run as a
 system of its own) over the fastest torch schedule on the same links, the median of paired
 per-round ratios; target >= 1.1 (issue 18). The planner sees the testbed as it is: the link's
-alpha-beta measured on it before each run (the calibration's p2p probe), the P hosts sharing this
+alpha-beta measured on it before each run (the calibration's p2p probe), the model calibrated right
+before each run (this machine's speed drifts by 5-20 % over minutes), the P hosts sharing this
 machine's cores, and one egress link per rank (``plan(shared_egress=True)``).
 
 Run: ``.venv/bin/python benchmarks/bench_slow_network.py [--quick] [--P 2 4]`` (root: namespaces).
@@ -62,15 +63,6 @@ def testbed_plan(profile, P: int, m: int, alpha: float, beta: float, **kw):
                 shared_egress=True, **kw)
 
 
-def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-a between two equally long lists (1: same order, -1: reversed)."""
-    n, score = len(a), 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            score += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
-    return score / (n * (n - 1) / 2) if n > 1 else 1.0
-
-
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], lambda ap: common.add_pipeline_args(ap, timeout_s=900.0))
     why = netbed.skip_reason()
@@ -80,7 +72,6 @@ def main() -> None:
     cfg = common.bench_gpt2_cfg(n_layer=bs.N_LAYER)
     act_bytes = common.MICRO * common.T * cfg.n_embd * 4
     load0 = common.load_average()
-    profile = bs.calibrate_bench_model()
     figures, runs, accuracy = [], {}, []
     for P in args.P:
         m = 2 * P
@@ -90,6 +81,10 @@ def main() -> None:
             tag = f"P={P} m={m} link {bw / 1e6:.1f} MB/s (comm {frac:.0%} of compute)"
             alpha, beta, points = netbed.measure_link(bw, act_bytes, args.timeout)
             print(f"{tag}: measured link alpha {alpha * 1e3:.2f} ms, beta {beta / 1e6:.2f} MB/s")
+            # a calibration right before each point's run, as bench_sim_accuracy calibrates per round: this
+            # machine's speed drifts by 5-20 % over minutes, and one calibration for all four points (11
+            # minutes) left later points predicted from a faster or slower machine than the one measured
+            profile = bs.calibrate_bench_model()
             pred_by_split = {sp: testbed_plan(profile, P, m, alpha, beta, recompute=False, split_backward=sp).best.time_s
                              for sp in (False, True)}
             row = bs.row_settings(testbed_plan(profile, P, m, alpha, beta).best)
@@ -126,7 +121,7 @@ def main() -> None:
                                              pred, "s", baseline=meas, target="<= 1.05",
                                              ratio=max(pred, meas) / min(pred, meas)))
     load1 = common.load_average()
-    tau = kendall_tau([p for p, _ in accuracy], [m for _, m in accuracy])
+    tau = common.kendall_tau([p for p, _ in accuracy], [m for _, m in accuracy])
     figures.append(common.Figure("simulator ranking of the measured configurations: Kendall tau (predicted vs measured)",
                                  tau, "", detail={"pairs": accuracy}))
     common.print_table("Slow links: Varuna vs every torch.distributed.pipelining schedule (value/baseline: median "
@@ -139,7 +134,7 @@ def main() -> None:
         f"activation bytes ({act_bytes}) / (fraction x the heaviest stage's forward+backward per micro-batch measured "
         f"alone), fractions {FRACTIONS}. Systems, model and pairing as in bench_schedules; no injected jitter. "
         "Varuna as planned: the row plan() picks with its defaults (backward split or whole, recompute per stage, "
-        "in-flight caps) on a calibration made in this run, simulated with the testbed's placement (P namespace "
+        "in-flight caps) on a calibration made right before that point's run, simulated with the testbed's placement (P namespace "
         "hosts time-sharing this machine's cores; every link's alpha-beta measured on the testbed by the "
         "calibration's p2p probe before the run; one egress link per rank: plan(shared_egress=True)), run as a "
         "system of its own; the planner's prediction is compared with the measured time (ratio = larger / smaller, "

@@ -341,6 +341,15 @@ def write_rank(out_dir: str, rank: int, doc: dict) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(doc))
 
 
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two equally long lists (1: same order, -1: reversed)."""
+    n, score = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            score += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
+    return score / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
 # ---- results --------------------------------------------------------------------------------
 @dataclass
 class Figure:
