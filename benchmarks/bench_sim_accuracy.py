@@ -219,20 +219,28 @@ def predict(profile, P: int, D: int, mbs: int, B: int, link: tuple[float, float]
     link per rank."""
     import dataclasses
 
+    from varuna_sdk.pipeline.schedule import default_recompute
     from varuna_sdk.planner.plan import plan
 
+    # the configuration the engine runs for the job: its recompute (None = the policy's default, Varuna:
+    # every stage but the last) and its whole or split backward (None = whole) — not the planner's own
+    # per-stage choice, which on slow links picks the split backward and no recompute (another system)
+    par = demo_job(P, D, mbs, B).parallel
+    rec = default_recompute(par.policy) if par.recompute is None else par.recompute
     if link is not None:
         alpha, beta = link
         net = dataclasses.replace(profile.network, p2p_alpha_s=alpha, p2p_beta_Bps=beta, ar_alpha_s=alpha,
                                   ar_beta_Bps=beta)
         profile = dataclasses.replace(profile, network=net)
     pl = plan(profile, gpus=P * D, global_batch=B, boundaries=BOUNDARIES[P], micro_batch_sizes=[mbs],
-              gpus_per_vm=P * D, compute_slots_per_vm=os.cpu_count() or 1, replicas=D, shared_egress=link is not None)
+              gpus_per_vm=P * D, compute_slots_per_vm=os.cpu_count() or 1, replicas=D, shared_egress=link is not None,
+              recompute=rec, split_backward=bool(par.split_backward) if par.policy == "varuna" else None)
     row = pl.rows[0]
     if not row.feasible:
         raise RuntimeError(f"planner rejects P={P} D={D} mbs={mbs} B={B}: {row.reason}")
     assert (row.P, row.D, row.micro_batch_size) == (P, D, mbs) and row.stages == BOUNDARIES[P], row
     return {"time_s": row.time_s, "bubble_fraction": row.bubble_fraction, "m": row.m,
+            "split_backward": row.split_backward, "recompute": row.stage_recompute, "max_in_flight": row.max_in_flight,
             "stages": simulated_stages(pl, row)}
 
 
