@@ -58,6 +58,9 @@ class StepResult:
     (``{"F", "R", "B"}``, computing only); ``wait_s``: seconds blocked waiting for an input
     that had not arrived (``"F"``: an activation from the stage before, ``"B"``: a gradient from
     the stage after) — the pipeline bubble as this stage saw it, never counted as compute.
+    ``model_s``: the part of ``compute_s`` spent inside the model itself — its forward and the
+    loss (F, R), autograd's backward (B, W) — so that ``compute_s - model_s`` is the engine's own
+    work per action kind (scheduling, RNG, receiving, sending, bookkeeping; seconds).
     ``peak_live_graphs``: the most micro-batches whose activations (autograd graph, or deferred
     weight-gradient work) this stage held at once during the step — at most its in-flight cap
     when it has one (``parallel.max_in_flight``)."""
@@ -71,6 +74,7 @@ class StepResult:
     compute_s: dict[str, float] = field(default_factory=dict)
     wait_s: dict[str, float] = field(default_factory=dict)
     peak_live_graphs: int = 0
+    model_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,7 +85,8 @@ class _StepState:
     of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``: which received
     tensors carry a gradient; ``stash``: micro-batch -> received inputs awaiting R; ``live``:
     micro-batch -> (leaves, outputs) with a graph awaiting B; ``deferred``: micro-batch -> its
-    weight-gradient work awaiting W; ``grad_actions``: gradient-accumulating actions run so far;
+    weight-gradient work awaiting W; ``compute_s``/``model_s``: seconds per action kind in the
+    action / inside the model (``StepResult``); ``grad_actions``: gradient-accumulating actions run so far;
     ``peak_live``: the most entries of ``live`` + ``deferred`` at once so far."""
 
     mb_in: list
@@ -94,6 +99,7 @@ class _StepState:
     live: dict[int, tuple] = field(default_factory=dict)
     deferred: dict[int, WeightWork] = field(default_factory=dict)
     compute_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0})
+    model_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0})
     wait_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     grad_actions: int = 0
     peak_live: int = 0
@@ -284,19 +290,25 @@ class Varuna:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def _forward(self, inputs: ModelInputs, received: tuple | None, mb: int, grad: bool):
+    def _forward(self, inputs: ModelInputs, received: tuple | None, mb: int, grad: bool,
+                 model_s: dict[str, float] | None = None, kind: str = "F"):
         """Run this stage's part of the user forward for global micro-batch ``mb`` (the prefix on
         meta, see ``stage_prefix``): the stage's output tensors, or on the last stage the model's
-        output. Raises ``RuntimeError`` if the forward skips the stage's cut-points."""
+        output. ``model_s[kind]``, when given, gets the seconds inside the model's own forward.
+        Raises ``RuntimeError`` if the forward skips the stage's cut-points."""
         with forked_rng(), self.prefix.running(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
             mode = None if self.is_first else MetaAsDevice(self.device, cache=self.prefix.meta_cache)
             run = StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode)
             seed_segment(self.seed, self.step_count, mb, 0)
             with observe_cutpoints(run), (mode if mode is not None else contextlib.nullcontext()):
+                t0 = time.perf_counter()
                 try:
                     out = call_model(self.model, inputs)
                 except StageExit as e:
                     return e.tensors
+                finally:
+                    if model_s is not None:
+                        model_s[kind] += time.perf_counter() - t0
             if not run.entered:
                 raise RuntimeError(
                     f"stage {self.stage}: the forward never reached cut-point {self.start_cut}; the model "
@@ -331,6 +343,7 @@ class Varuna:
         result.time_s = time.perf_counter() - t0
         result.compute_s = st.compute_s
         result.wait_s = st.wait_s
+        result.model_s = st.model_s
         result.peak_live_graphs = st.peak_live
         self.step_count += 1
         return result
@@ -403,9 +416,11 @@ class Varuna:
         received, waited = self._receive(self.rx_acts, i)
         with_grad = self.is_last or not self.recompute
         leaves = self._leaves(received, st.recv_flags, with_grad)
-        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad)
+        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad, model_s=st.model_s)
         if self.is_last:
+            t0 = time.perf_counter()
             loss = self.loss_fn(out, st.mb_tg[i])
+            st.model_s["F"] += time.perf_counter() - t0
             st.live[i] = (leaves, (loss,))
             st.loss_sum = st.loss_sum + loss.detach()
         else:
@@ -420,7 +435,7 @@ class Varuna:
         """R of micro-batch ``i``: the forward again from its stashed input, with a graph."""
         received = st.stash.pop(i)
         leaves = self._leaves(received, st.recv_flags, True)
-        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True)
+        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True, model_s=st.model_s, kind="R")
         st.live[i] = (leaves, _as_tuple(out))
         return 0.0
 
@@ -439,10 +454,12 @@ class Varuna:
             flagged = [o for o, f in zip(outs, self.send_flags) if f]
             pairs = [(o, g) for o, g in zip(flagged, g_tensors) if o.requires_grad]
             roots, gouts = [o for o, _ in pairs], [g for _, g in pairs]
+        t0 = time.perf_counter()
         if self.split_backward:
             st.deferred[i] = self._backward_input(roots, gouts, leaves)
         elif roots:
             torch.autograd.backward(roots, gouts if not self.is_last else None)
+        st.model_s["B"] += time.perf_counter() - t0
         if not self.is_first:
             self.ch_grad_out.send(self._input_grads(leaves, st.recv_flags))
         return waited
@@ -450,7 +467,9 @@ class Varuna:
     def _run_weights(self, st: _StepState, i: int) -> float:
         """W of micro-batch ``i`` (split backward): its deferred weight gradients; during the last W
         each parameter group's gradients are handed to the all-reduce as they turn final."""
+        t0 = time.perf_counter()
         st.deferred.pop(i).run(on_group=self._weights_final if st.grad_actions == self.m else None)
+        st.model_s["W"] += time.perf_counter() - t0
         return 0.0
 
     def _end_transfers(self) -> None:

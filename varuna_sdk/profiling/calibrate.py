@@ -24,7 +24,6 @@ import os
 import platform
 import statistics
 import time
-from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -203,11 +202,6 @@ class _Bench:
         """``_time_segments`` of micro-batch size ``b`` (seconds and bytes per segment)."""
         return _time_segments(self.model, self.loss_fn, *self.batches[b], self.n, self.device, self.autocast, **kwargs)
 
-    def segment_compute(self, b: int) -> float:
-        """Seconds of Σ(rec + bwd) of one pass at size ``b``, for a paired difference."""
-        r = self.time(b)
-        return sum(r["rec_s"]) + sum(r["bwd_s"])
-
 
 def calibrate(
     model_fn: Callable[[], nn.Module],
@@ -263,8 +257,8 @@ def calibrate(
                                                probe_host if network else None)
             params_bytes = {nm: q.numel() * q.element_size() for nm, q in bench.model.named_parameters()}
             b0 = sizes[0]
-            costs = _engine_costs(model_fn, loss_fn, make_batch, b0, partial(bench.segment_compute, b0), structure,
-                                  seed, init_fn, precision, device, warmup, repeats, grad_clip)
+            costs = _engine_costs(model_fn, loss_fn, make_batch, b0, structure, seed, init_fn, precision, device,
+                                  warmup, repeats, grad_clip)
             del bench
         finally:
             torch.set_num_threads(old_threads)
@@ -345,15 +339,17 @@ def _probe_host(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precision: 
     return measure_host(threads=threads, opt_bytes=opt_bytes, compute=probe)
 
 
-def _engine_costs(model_fn, loss_fn, make_batch, b: int, segment_compute: Callable[[], float], structure, seed,
-                  init_fn, precision, device, warmup: int, repeats: int, grad_clip: float | None,
-                  m: int = 4) -> dict[str, float]:
+def _engine_costs(model_fn, loss_fn, make_batch, b: int, structure, seed, init_fn, precision, device,
+                  warmup: int, repeats: int, grad_clip: float | None, m: int = 4) -> dict[str, float]:
     """The engine's own costs, read off real steps of ``Varuna`` at P=1, D=1 with ``m``
     micro-batches of size ``b`` (measured, not fitted: the step reports each action's time):
 
-    * ``per_action_s``: what an F or B action costs beyond its segments' compute (scheduler,
-      RNG fork, cut-point bookkeeping, gradient accumulation), ``(F + B - m·Σ(rec + bwd)) / 2m``,
-      each step paired with a segment pass (``segment_compute()``) run just before it;
+    * ``per_action_s``: what an F or B action costs beyond the model's own compute (scheduler,
+      RNG fork, cut-point bookkeeping, sending and receiving), read off each action itself: its
+      time less the time inside the model's forward and loss or autograd's backward
+      (``StepResult.compute_s - model_s``), ``/ 2m``. Not the step less a separate segment pass:
+      on a 2-vCPU VM one pass of the demo model varied by 20–40 % from the next, which moved that
+      difference by ±20 ms per action and the median of 9 between 0 and 21 ms for a cost of ~1 ms;
     * ``opt_s_per_param_byte``: the end of the step (gradient norm, clipping, optimizer step;
       no collective runs at P=D=1) per parameter byte;
     * ``per_step_s``: the rest of the step (batch split, receivers, schedule set-up).
@@ -379,11 +375,10 @@ def _engine_costs(model_fn, loss_fn, make_batch, b: int, segment_compute: Callab
     batch = (to_device(_repeat_rows(as_inputs(inputs), m), device), to_device(_repeat_rows(targets, m), device))
     action, end, rest = [], [], []
     for i in range(warmup + repeats):
-        compute = segment_compute()
         r = eng.step(batch, opt)
         if i >= warmup:
             acts = r.compute_s["F"] + r.compute_s["B"]
-            action.append((acts - m * compute) / (2 * m))
+            action.append((acts - r.model_s["F"] - r.model_s["B"]) / (2 * m))
             end.append(sync_s[-1])
             rest.append(r.time_s - acts - sync_s[-1])
     pbytes = max(1, sum(structure.segment_param_bytes))
