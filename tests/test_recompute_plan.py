@@ -44,21 +44,24 @@ def _stage0_fits(k: int):
     return pl, pl.best, mems, limit
 
 
-def test_without_a_memory_limit_no_stage_recomputes_and_caps_hold_the_simulated_peak():
+def test_without_a_memory_limit_no_stage_recomputes_and_none_is_capped():
+    """No memory limit: nothing to bound, so no stage is capped — a cap at the simulated peak bound
+    as soon as messages came later than simulated, and throttled the schedule under jitter — and
+    each stage's memory figure is all m micro-batches in flight, which the simulation stays within."""
     prof = synthetic_profile(HEAVY)
     pl = _fixed(prof)
     row = pl.best
     assert pl.recompute is None and row.stage_recompute == [False] * 4 and row.recompute_label == "none"
-    # the cap of every stage but the last is the peak the simulation saw (0: it would not bind)
-    uncapped = pl.simulate(row, record_timeline=False)  # Plan.simulate runs the row's caps ...
-    free = simulate(P=4, m=16, fwd=1.0, bwd=2.0, recompute=False)  # ... (any Varuna run without caps holds more)
-    assert max(free.peak_live) > 4
+    assert row.max_in_flight == [0, 0, 0, 0]
+    out = pl.simulate(row, record_timeline=False)
+    assert max(out.peak_live) > 4  # more than 1F1B holds anywhere: the slack a cap would take away
+    mems = _memories(pl, row)
     for s in range(3):
-        cap = row.max_in_flight[s]
-        assert cap == 0 or 1 <= uncapped.peak_live[s] <= cap, (s, cap, uncapped.peak_live)
-        assert "no memory limit" in row.recompute_why[s]
-    assert row.max_in_flight[3] == 0 and "last stage" in row.recompute_why[3]
-    assert uncapped.minibatch_time == pytest.approx(row.time_s, rel=1e-12)
+        assert "no memory limit: uncapped" in row.recompute_why[s], row.recompute_why[s]
+        assert row.stage_memory_bytes[s] == pytest.approx(mems[s].bytes(0, 16), rel=1e-12)
+        assert mems[s].bytes(0, out.peak_live[s]) <= row.stage_memory_bytes[s]
+    assert "last stage" in row.recompute_why[3]
+    assert out.minibatch_time == pytest.approx(row.time_s, rel=1e-12)
     # the faster of the two: recompute costs a second forward on every stage but the last
     assert row.time_s < _fixed(prof, recompute=True).best.time_s
 
@@ -106,7 +109,7 @@ def test_a_stage_where_fewer_than_1f1b_holds_fit_is_also_tried_throttled():
     """Where stage 0 fits 3 live graphs but 1F1B holds 4 there, keeping 3 under a cap (throttling
     the pipeline) is simulated too, not ruled out; here it is slower than recomputing, and the
     reason says so with the time the simulation gives it."""
-    from varuna_sdk.planner.recompute import _evaluate
+    from varuna_sdk.planner.recompute import evaluate_with as _evaluate
 
     pl, row, mems, limit = _stage0_fits(3)
     assert row.stage_recompute[0] and "keeping 3 under a cap simulates slower" in row.recompute_why[0]
@@ -123,7 +126,7 @@ def test_caps_below_a_capped_stage_are_cascaded_when_that_simulates_faster():
     forwards while stage 0 waits for a gradient — and the planner used to prefer recomputing
     everywhere (2.06 s). Caps cascaded from stage 0 ([4, 3, 2, 0]) simulate 1.66 s, hold less, and
     are what the plan now runs, with no recompute."""
-    from varuna_sdk.planner.recompute import _evaluate, cascade_caps
+    from varuna_sdk.planner.recompute import evaluate_with as _evaluate, cascade_caps
 
     assert cascade_caps([4, 0, 7, 0], 16) == [4, 3, 2, 0] and cascade_caps([0, 3, 4, 0], 16) == [0, 3, 2, 0]
     assert cascade_caps([8, 5, 3, 0], 16) == [8, 5, 3, 0] and cascade_caps([1, 0, 0], 16) == [1, 1, 0]
@@ -282,12 +285,12 @@ def test_best_only_and_recompute_false_agree_with_the_exhaustive_per_stage_plan(
     assert off.feasible and off.max_in_flight[0] >= 1 and max(off.stage_memory_bytes) <= 100e6, off.reason
 
 
-def test_a_recompute_candidate_refined_to_keep_activations_is_capped_at_that_configurations_peak():
+def test_a_recompute_candidate_refined_without_a_limit_keeps_activations_uncapped():
     """The recompute search's candidate for a depth, refined with no memory limit, keeps its
-    activations (recompute only where memory needs it) under caps from the peaks of keeping them —
-    not from its own recompute peaks (one live graph a stage), which throttled it: on the testbed's
-    profile that made the mixed configuration simulate slower and the plan recompute on stage 0
-    with room to spare. The result equals refining the no-recompute search's candidate."""
+    activations (recompute only where memory needs it), uncapped — never under caps from its own
+    recompute peaks (one live graph a stage), which throttled it: on the testbed's profile that made
+    the mixed configuration simulate slower and the plan recompute on stage 0 with room to spare. The
+    result equals refining the no-recompute search's candidate."""
     import copy
 
     from varuna_sdk._native import core as _core
@@ -305,9 +308,10 @@ def test_a_recompute_candidate_refined_to_keep_activations_is_capped_at_that_con
     keep_inp, c_keep = candidate((False, False))
     got = refine(rec_inp, c_rec, ti, limit=None, recompute=True, auto=True)
     want = refine(keep_inp, c_keep, ti, limit=None, recompute=False, auto=True)
-    assert got.recompute == [False] * 4 and got.max_in_flight == want.max_in_flight, (got.why, want.why)
+    assert got.recompute == [False] * 4 and got.max_in_flight == want.max_in_flight == [0] * 4, (got.why, want.why)
     assert got.candidate.minibatch_time == pytest.approx(want.candidate.minibatch_time, rel=1e-12)
-    assert max(c_rec.peak_live[:3]) < max(got.max_in_flight), (c_rec.peak_live, got.max_in_flight)
+    # its memory figure is that of keeping activations, not of its own recompute peaks (one graph a stage)
+    assert got.memory == want.memory and max(c_rec.peak_live[:3]) < 16
 
 
 def test_more_recompute_must_win_by_the_margin(monkeypatch):
@@ -331,3 +335,45 @@ def test_more_recompute_must_win_by_the_margin(monkeypatch):
     got = rc.refine(x, c, ti, limit=None, recompute=True, auto=True)
     assert got.recompute == [True, True, True, False]
     assert all("keeping activations here simulates more than" in w for w in got.why[:3]), got.why
+
+
+def test_a_users_max_in_flight_is_a_ceiling_on_every_stage_and_is_simulated():
+    """``plan(max_in_flight=k)``: no stage — the last included — gets a cap above k, the rows are
+    simulated with those caps (the simulation's peaks stay within them and ``Plan.simulate`` of
+    the row gives the row's time), and the reason says where the ceiling binds. Without it the
+    planner's own caps are looser here (so the ceiling is what changed them)."""
+    from test_planner import _with_split_costs
+
+    prof = _with_split_costs(synthetic_profile(HEAVY), 0.55, 0.6)
+    free = _fixed(prof).best
+    assert any(c == 0 or c > 2 for c in free.max_in_flight)
+    for split in (False, True):
+        pl = _fixed(prof, max_in_flight=2, split_backward=split)
+        row = pl.best
+        assert all(1 <= c <= 2 for c in row.max_in_flight), row.max_in_flight
+        sim = pl.simulate(row, record_timeline=False)
+        assert all(live <= 2 for live in sim.peak_live), sim.peak_live
+        assert sim.minibatch_time == pytest.approx(row.time_s, rel=1e-9)
+        assert all("max_in_flight=2 asked" in w for c, w in zip(row.max_in_flight, row.recompute_why) if c == 2)
+    with pytest.raises(ConfigError, match="max_in_flight=0 must be an integer >= 1"):
+        _fixed(prof, max_in_flight=0)
+    with pytest.raises(ConfigError, match="varuna policy only"):
+        _fixed(prof, max_in_flight=2, policy="1f1b")
+
+
+def test_plan_for_job_keeps_a_users_int_cap_and_chooses_a_per_stage_list_afresh():
+    """A job's ``max_in_flight`` as one int is the user's: the planned job's caps never exceed it.
+    A per-stage list is a plan's choice for its own P: planned afresh (as a recompute list is)."""
+    prof = synthetic_profile(HEAVY)
+    one_per_vm = dict(gpus_per_vm=1, compute_slots_per_vm=1, micro_batch_sizes=[1])
+
+    def job(cap):
+        return JobConfig(parallel=ParallelConfig(P=None, D=1, global_batch=16, micro_batch_size=1, boundaries=SPLIT4,
+                                                 max_in_flight=cap), launch=LaunchConfig(gpus=4))
+
+    free, _ = plan_for_job(job(None), prof, **one_per_vm)
+    assert any(c == 0 or c > 2 for c in free.parallel.max_in_flight or [0])
+    capped, cpl = plan_for_job(job(2), prof, **one_per_vm)
+    assert capped.parallel.max_in_flight == cpl.best.max_in_flight and all(1 <= c <= 2 for c in capped.parallel.max_in_flight)
+    replanned, _ = plan_for_job(job([1, 1, 1, 1]), prof, **one_per_vm)
+    assert replanned.parallel.max_in_flight == free.parallel.max_in_flight

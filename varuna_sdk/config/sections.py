@@ -96,7 +96,7 @@ class ParallelConfig:
     the planner replaces by a per-stage choice from the memory limit. ``max_in_flight`` (Varuna
     only): per stage, the most micro-batches whose activations the stage holds at once (0 = no
     cap; ``pipeline.schedule.StageScheduler``), one integer for every stage, or ``None`` = no
-    caps. ``split_backward`` (Varuna only) splits each backward into
+    caps; the planner keeps one integer as a ceiling on its per-stage caps and replaces a list. ``split_backward`` (Varuna only) splits each backward into
     the input gradient (B, sent upstream at once) and the weight gradients (W, deferred into the
     stage's waits; the zero-bubble split); ``None`` = the policy's default. ``P``/``D`` ``None`` =
     let the planner choose for ``launch.gpus`` workers from a calibration (paper §4.4)."""

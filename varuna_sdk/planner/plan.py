@@ -50,6 +50,7 @@ def plan(
     exhaustive: bool = True,
     split_backward: bool | None = None,
     shared_egress: bool = False,
+    max_in_flight: int | None = None,
 ) -> Plan:
     """Rank every configuration of ``gpus`` GPUs for a fixed ``global_batch`` (paper §4.4).
 
@@ -104,6 +105,10 @@ def plan(
             link, one message at a time (one rank per VM behind one NIC, as on the namespace
             testbed): the simulator queues a rank's sends to both neighbours on that link
             (``SimConfig.shared_egress``). False (default): each pair of ranks has a link of its own.
+        max_in_flight: the user's ceiling (Varuna only, an int >= 1, micro-batches): no stage —
+            the last included — holds more micro-batches in flight than this, whatever the
+            planner's own caps; each row is simulated with the resulting caps and its
+            ``recompute_why`` says where the ceiling binds. None (default): the planner's caps.
 
     Raises ``ConfigError`` for bad arguments (each checked before any work, the message saying
     what to pass instead) and ``ProfileError`` naming what the profile lacks.
@@ -114,7 +119,7 @@ def plan(
                       compute_slots_per_vm=compute_slots_per_vm, micro_batch_sizes=micro_batch_sizes,
                       boundaries=boundaries, network_bandwidth_Bps=network_bandwidth_Bps, prices=prices,
                       target_examples=target_examples, max_depth=max_depth, replicas=replicas, exhaustive=exhaustive,
-                      split_backward=split_backward, shared_egress=shared_egress)
+                      split_backward=split_backward, shared_egress=shared_egress, max_in_flight=max_in_flight)
     t0 = time.perf_counter()
     found = run_search(req)
     rows = plan_rows(req, found)
@@ -139,8 +144,10 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     with ``parallel`` filled in from the best row (P, D, micro-batch size, stage boundaries),
     and the ``Plan``. The global batch and policy are the job's; recompute is the job's when it is
     True or False, else the best row's per-stage choice; the split backward (Varuna) is the job's
-    when it is True or False, else the best row's; the row's in-flight caps are set (a job's own
-    ``max_in_flight`` is replaced: the caps are chosen for the row's split and schedule).
+    when it is True or False, else the best row's; the row's in-flight caps are set. A job's own
+    ``max_in_flight`` given as one int is the user's ceiling: every stage's cap is at most that
+    (``plan(max_in_flight=...)``, the rows simulated with it); a per-stage list was a plan's choice
+    for its own P and is chosen afresh (as a per-stage recompute list is).
 
     Placement defaults model local workers: all ``gpus`` on one VM whose compute is shared by
     ``os.cpu_count()`` cores (fewer workers than ``gpus`` may then be fastest: the plan's rows
@@ -189,10 +196,13 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     rec = p.recompute if isinstance(p.recompute, bool) else None
     # the job's split backward when it sets one (Varuna only), else the planner's choice per row
     split = p.split_backward if p.policy == "varuna" else None
+    # one int is the user's ceiling on every stage (0: none); a per-stage list was a plan's choice
+    ceiling = p.max_in_flight if isinstance(p.max_in_flight, int) and p.max_in_flight > 0 else None
     pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=rec, split_backward=split, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
-              prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress)
+              prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress,
+              max_in_flight=ceiling)
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"

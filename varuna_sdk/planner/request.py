@@ -159,6 +159,7 @@ class PlanRequest:
     exhaustive: bool = True
     split_backward: bool | None = None
     shared_egress: bool = False
+    max_in_flight: int | None = None
     limit: float | None = field(init=False, default=None)
     sizes: list[int] = field(init=False, default_factory=list)
     checked: tuple = field(init=False, default=(), repr=False)
@@ -239,7 +240,8 @@ class PlanRequest:
         self.micro_batch_sizes = [int(b) for b in given]
 
     def _check_options(self) -> None:
-        """The memory limit, bandwidth, depth, placement, prices, search mode, split backward and egress."""
+        """The memory limit, bandwidth, depth, placement, prices, search mode, split backward, egress and the
+        user's in-flight ceiling."""
         self.memory_limit_bytes = positive_or_none(
             "memory_limit_bytes", self.memory_limit_bytes, "pass bytes per GPU such as 16 * 2**30, or None for the "
             "profile's device memory (no limit when none is recorded)")
@@ -273,6 +275,13 @@ class PlanRequest:
             raise ConfigError(f"shared_egress={self.shared_egress!r} must be True (a rank's sends share one link) or "
                               "False (a link per pair of ranks)")
         self.shared_egress = bool(self.shared_egress)
+        if self.max_in_flight is not None:
+            self.max_in_flight = int_arg("max_in_flight", self.max_in_flight, 1,
+                                         "pass the most micro-batches any stage may hold in flight, e.g. 2, or None "
+                                         "for the planner's own caps")
+            if self.policy != "varuna":
+                raise ConfigError(f"max_in_flight={self.max_in_flight} applies to the varuna policy only "
+                                  f"(policy={self.policy!r} holds what it publishes); pass max_in_flight=None")
         if self.target_examples is not None:
             positive_or_none("target_examples", self.target_examples,
                              "pass the examples to train on, e.g. 10**7, or None for no time/cost-to-target columns")

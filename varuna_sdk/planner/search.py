@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._native import core as _core
-from .recompute import StagePlan, memory_balanced_starts, refine
+from .recompute import StagePlan, evaluate_with, memory_balanced_starts, refine, with_ceiling
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
 from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
 
@@ -190,7 +190,8 @@ def _rescue(req: PlanRequest, found: SearchResult) -> dict:
                 c = _core.evaluate(free, c.P, c.D, ti)
                 if not c.starts or not c.peak_live:
                     continue
-            sp = refine(inp, c, ti, limit=req.limit, recompute=False, auto=req.auto_recompute)
+            sp = refine(inp, c, ti, limit=req.limit, recompute=False, auto=req.auto_recompute,
+                        ceiling=req.max_in_flight or 0)
             if sp is None and not req.boundaries:
                 sp = _memory_balanced(req, inp, c, ti)
             if sp is not None:
@@ -212,7 +213,8 @@ def _memory_balanced(req: PlanRequest, inp, c, ti: int) -> StagePlan | None:
     m = _core.evaluate(free, c.P, c.D, ti)
     if not m.starts or not m.peak_live:
         return None
-    return refine(inp, m, ti, limit=req.limit, recompute=False, auto=req.auto_recompute)
+    return refine(inp, m, ti, limit=req.limit, recompute=False, auto=req.auto_recompute,
+                  ceiling=req.max_in_flight or 0)
 
 
 def _stage_plan(req: PlanRequest, c, mode: Mode, inp) -> StagePlan:
@@ -223,9 +225,14 @@ def _stage_plan(req: PlanRequest, c, mode: Mode, inp) -> StagePlan:
     flags = [rec and s < P - 1 for s in range(P)]
     if req.policy == "varuna":
         sp = refine(inp, c, req.sizes.index(c.micro_batch_size), limit=req.limit, recompute=rec,
-                    auto=req.auto_recompute)
+                    auto=req.auto_recompute, ceiling=req.max_in_flight or 0)
         if sp is not None:
             return sp
+        if req.max_in_flight:  # the user's ceiling still holds, simulated as asked
+            caps = with_ceiling([0] * P, req.max_in_flight, c.m)
+            capped = evaluate_with(inp, c, req.sizes.index(c.micro_batch_size), flags, caps)
+            return StagePlan(capped, flags, caps, list(capped.stage_memory),
+                             [f"no in-flight cap fits the memory limit: max_in_flight={req.max_in_flight} asked"] * P)
         why = ["no in-flight cap fits the memory limit: as searched, uncapped"] * P
     else:
         why = [("recomputes" if f else "keeps activations") + f" ({req.policy}: one setting for every stage)"
