@@ -210,13 +210,13 @@ def count_stash(meter: "ActivationMeter", eng) -> None:
     """Count a ``Varuna`` engine's stashed stage inputs (recompute) in ``meter`` from now on."""
     orig_forward = eng._forward
 
-    def counted_forward(inputs, received, mb, grad):
+    def counted_forward(inputs, received, mb, grad, **timing):
         if received is not None:
             if not grad:  # forward of the recompute policy: the stage input waits in the stash
                 meter.stash_add(mb, received)
             else:  # recompute (or a normal forward): from now on autograd holds the input
                 meter.stash_pop(mb)
-        return orig_forward(inputs, received, mb, grad)
+        return orig_forward(inputs, received, mb, grad, **timing)
 
     eng._forward = counted_forward
 
