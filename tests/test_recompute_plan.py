@@ -377,3 +377,6 @@ def test_plan_for_job_keeps_a_users_int_cap_and_chooses_a_per_stage_list_afresh(
     assert capped.parallel.max_in_flight == cpl.best.max_in_flight and all(1 <= c <= 2 for c in capped.parallel.max_in_flight)
     replanned, _ = plan_for_job(job([1, 1, 1, 1]), prof, **one_per_vm)
     assert replanned.parallel.max_in_flight == free.parallel.max_in_flight
+    for bad in (-1, 2.5, "2", True, [1, -1, 0, 0]):   # refused, never read as "no ceiling"
+        with pytest.raises(ConfigError, match="parallel.max_in_flight="):
+            plan_for_job(job(bad), prof, **one_per_vm)

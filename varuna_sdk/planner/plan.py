@@ -196,8 +196,11 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     rec = p.recompute if isinstance(p.recompute, bool) else None
     # the job's split backward when it sets one (Varuna only), else the planner's choice per row
     split = p.split_backward if p.policy == "varuna" else None
-    # one int is the user's ceiling on every stage (0: none); a per-stage list was a plan's choice
-    ceiling = p.max_in_flight if isinstance(p.max_in_flight, int) and p.max_in_flight > 0 else None
+    # one int is the user's ceiling on every stage (0: none); a per-stage list was a plan's choice.
+    # Checked first (each cap an integer >= 0), so that a bad value is refused, not read as "no ceiling"
+    caps = p.max_in_flight
+    p.stage_caps(len(caps) if isinstance(caps, list) and caps else 1)
+    ceiling = caps if isinstance(caps, int) and not isinstance(caps, bool) and caps > 0 else None
     pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=rec, split_backward=split, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
