@@ -6,8 +6,9 @@ a stage send the input gradient upstream as soon as it is known and run the weig
 in a gap where it would otherwise wait for a message (Qi et al., "Zero Bubble Pipeline
 Parallelism", arXiv 2401.10241; the same split torch.distributed.pipelining's zero-bubble
 schedules make). :func:`backward_input` is the B: one ``torch.autograd.grad`` to the stage's input
-leaves that also records, through hooks, the gradient flowing out of every autograd node where a
-weight's subgraph joins the input path. :class:`WeightWork` is the W: for each group of weights
+leaves that also returns, as extra ``GradientEdge`` inputs of the same call, the gradient flowing
+into every autograd node where a weight's subgraph joins the input path (the engine captures them
+in C++: no Python hook runs during the backward; hooks cost a quarter of B on CPU). :class:`WeightWork` is the W: for each group of weights
 sharing such nodes, one ``torch.autograd.grad`` from those nodes (with the recorded gradients) to
 the weights, so no input-path work is done twice. The sum B + W equals the full backward to the
 float rounding of the order of accumulation (tests compare with 1e-5).
@@ -156,8 +157,10 @@ class WeightWork:
             if len(g.joins) > 1:
                 # one join may feed another (a weight used twice): its recorded gradient is already
                 # complete, so whatever flows into it again here is replaced, not added
-                hooks = [j.register_prehook(lambda _gin, saved=tuple(self._captured[j]): saved)
-                         for j in g.joins if j in self._captured]
+                # (slots past the last captured one received nothing in B: None)
+                hooks = [j.register_prehook(
+                    lambda gin, saved=tuple(self._captured[j]): saved + (None,) * (len(gin) - len(saved)))
+                    for j in g.joins if j in self._captured]
             params = list(g.params)
             try:
                 dws = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in params], gouts,
@@ -228,21 +231,37 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             if n in parents:
                 params_by_node[n] = p
     groups = _groups(list(params_by_node), on_input_path | set(captured), parents)
-    hooks = []
-    for j in {j for g in groups for j in g.joins} - set(captured):
-        def record(gout, j=j):
-            captured[j] = [None if t is None else t.detach() for t in gout]
-        hooks.append(j.register_prehook(record))
+    joins = {j for g in groups for j in g.joins} - set(captured)
+    edges = _join_edges(joins, parents, outs, out_nodes)
     result: list[torch.Tensor | None] = [None] * len(inputs)
     if timing is not None:
         timing["analysis_s"] = time.perf_counter() - t0
-    try:
-        if want and outs:
-            got = torch.autograd.grad(outs, [inputs[i] for i in want], gouts,
-                                      retain_graph=True, allow_unused=True)
-            for i, g in zip(want, got):
-                result[i] = g
-    finally:
-        for h in hooks:
-            h.remove()
+    if want and outs:
+        got = torch.autograd.grad(outs, [inputs[i] for i in want] + edges, gouts,
+                                  retain_graph=True, allow_unused=True)
+        for i, g in zip(want, got):
+            result[i] = g
+        for e, g in zip(edges, got[len(want):]):
+            if g is not None:
+                slots = captured.setdefault(e.node, [])
+                slots.extend([None] * (e.output_nr + 1 - len(slots)))
+                slots[e.output_nr] = g
     return result, WeightWork(params_by_node, groups, captured)
+
+
+def _join_edges(joins: set[Node], parents: dict[Node, list[Node]], outs: Sequence[torch.Tensor],
+                out_nodes: Sequence[Node]) -> list[GradientEdge]:
+    """One ``GradientEdge`` per gradient slot of each join node that can receive a gradient: the
+    slots its parents' edges (and the outputs themselves, for a join that is an output's node)
+    point at. Asked of ``torch.autograd.grad`` as inputs, each returns the gradient flowing into
+    that slot — summed over every edge into it, as a pre-hook on the node would see it."""
+    slots: dict[Node, set[int]] = {}
+    for j in joins:
+        for p in parents.get(j, ()):
+            for child, k in p.next_functions:
+                if child is j:
+                    slots.setdefault(j, set()).add(k)
+    for o, n in zip(outs, out_nodes):
+        if n in joins:
+            slots.setdefault(n, set()).add(0 if o.grad_fn is None else o.output_nr)
+    return [GradientEdge(j, k) for j, ks in slots.items() for k in sorted(ks)]
