@@ -530,7 +530,7 @@ def main() -> None:
         "boundaries, D = 1, P workers on this machine's cores), before measuring, and run as a system of its own "
         "exactly as configured: the backward split into B (input gradient, sent at once) and W (weight gradients, "
         "deferred into waits) or whole, recompute per stage from the memory limit, and an in-flight cap per stage "
-        "(with no memory limit the simulated peak, so that the plan's memory figure holds whatever the timing). "
+        "where the memory limit needs one (none without a limit, as on this CPU). "
         "Planner's choices: " + "; ".join(f"{k} {r['planned_row']['what']} (predicted {r['predicted_s'] * 1e3:.0f}"
                                           " ms)" for k, r in runs.items()) + ". "
         f"Jitter: seeded exponential delivery delays, mean {args.jitter_frac} x the slowest stage's pure "

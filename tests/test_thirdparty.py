@@ -4,9 +4,9 @@ processes), against the same model trained by plain PyTorch from the same initia
 - Hugging Face ``GPT2LMHeadModel`` (``Conv1D`` without ``reset_parameters``, tied embeddings,
   ``labels=`` → ``.loss``) and ``LlamaForCausalLM`` (rotary ``position_embeddings=(cos, sin)``
   handed to every layer, an ``inv_freq`` buffer made in ``__init__``) at (P, D) = (2, 1), (3, 1)
-  and (2, 2);
+  and (2, 2), and with the zero-bubble split backward (``split_backward=True``) at P = 2 and 3;
 - a single-file GPT whose forward is ``(idx, targets) -> (logits, loss)`` (targets consumed by
-  the last stage only, a custom LayerNorm, causal-mask buffers) at P = 2 and 3.
+  the last stage only, a custom LayerNorm, causal-mask buffers) at P = 2, with and without the split.
 
 Each model is named by import path (``tests.thirdparty...``) and its data is a real text file, so
 the whole product path runs: ``jobspec`` resolves and checks, the engine trains. After 3 steps
@@ -37,18 +37,28 @@ MODELS = {
     "hf_llama": ("tests.thirdparty.hf_models:llama", {"n_layer": 3}, "hf"),
     "sf_gpt": ("tests.thirdparty.singlefile_gpt:make_gpt", {"n_layer": 3, "block_size": 64}, "targets"),
 }
-SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1)],
-          3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1)],     # a middle stage (the single-file GPT: P=2 only)
+# (model, P, D[, "zb"]): "zb" runs the zero-bubble split backward (B, then deferred W), which the
+# planner chooses per row for a user's model as it does for ours
+SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llama", 2, 1, "zb"),
+              ("sf_gpt", 2, 1, "zb")],
+          3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
+              ("hf_gpt2", 3, 1, "zb")],
           4: [("hf_gpt2", 2, 2), ("hf_llama", 2, 2)]}
 
 
-def _case(model: str, P: int, D: int, text: Path) -> dict:
+def _name(model: str, P: int, D: int, *variant: str) -> str:
+    return f"{model}-{P}x{D}" + "".join(f"-{v}" for v in variant)
+
+
+def _case(model: str, P: int, D: int, text: Path, *variant: str) -> dict:
     factory, kwargs, kind = MODELS[model]
-    job = JobConfig(name=f"{model}-{P}x{D}", model=ModelConfig(factory=factory, kwargs=kwargs),
+    name = _name(model, P, D, *variant)
+    job = JobConfig(name=name, model=ModelConfig(factory=factory, kwargs=kwargs),
                     data=DataConfig(path=str(text), tokenizer="byte", seq_len=24),
-                    parallel=ParallelConfig(P=P, D=D, global_batch=8, micro_batch_size=2),
+                    parallel=ParallelConfig(P=P, D=D, global_batch=8, micro_batch_size=2,
+                                            split_backward="zb" in variant),
                     train=TrainConfig(lr=3e-3, seed=11))
-    return {"name": f"{model}-{P}x{D}", "job": job.to_dict(), "kind": kind, "P": P, "D": D}
+    return {"name": name, "job": job.to_dict(), "kind": kind, "P": P, "D": D}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -63,7 +73,7 @@ def results(tmp_path_factory):
     text.write_text(TEXT * 30)
     out = {}
     for world, shapes in SHAPES.items():
-        cases = [_case(m, P, D, text) for m, P, D in shapes]
+        cases = [_case(*shape[:3], text, *shape[3:]) for shape in shapes]
         d = root / f"w{world}"
         d.mkdir()
         spawn_workers(TW.cases_worker, world, args=(str(d), cases), timeout_s=240, work_dir=d, backend="gloo")
@@ -73,7 +83,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("name", [f"{m}-{P}x{D}" for shapes in SHAPES.values() for m, P, D in shapes])
+@pytest.mark.parametrize("name", [_name(*shape) for shapes in SHAPES.values() for shape in shapes])
 def test_unedited_model_matches_plain_pytorch(results, name):
     case, ranks = results[name]
     ref = TW.reference(case)
