@@ -208,6 +208,41 @@ def test_measure_host_averages_every_crowded_process(monkeypatch, world):
     assert interference == pytest.approx(compute_interference(samples[1], samples[k], k))
 
 
+def test_compute_probe_carries_a_lambda_model_by_value_to_the_probe_processes():
+    """A model given as a lambda and a loss defined in a function (neither importable by reference,
+    as in a notebook) still reach the probe processes — by value, checked as a job's shipped code —
+    so the interference is measured, not silently taken as 0; a callable that cloudpickle cannot
+    pack either gives a warning and no probe."""
+    import os
+    import threading
+
+    import torch
+
+    from varuna_sdk.model.gpt2 import gpt2, init_gpt2, lm_loss, preset
+    from varuna_sdk.profiling import network as cal
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: no crowded compute probe")
+    cfg = preset("tiny")
+    x = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def loss(logits, targets):  # a local function: plain pickle refuses it
+        return lm_loss(logits, targets)
+
+    probe = cal.compute_probe(lambda: gpt2(cfg), loss, lambda m, n: init_gpt2(m, n, n_layer=cfg.n_layer), 0,
+                              ((x[:, :-1],), x[:, 1:]), "fp32")
+    assert probe is not None
+    net, _, interference = cal.measure_host(world=2, sizes=(4096,), reps=2, timeout_s=120, compute=probe)
+    samples = dict((k, v) for k, v in net.samples["compute_samples"])
+    assert sorted(samples) == [1, 2] and all(t > 0 for v in samples.values() for t in v)
+    assert interference == pytest.approx(compute_interference(samples[1], samples[2], 2))
+
+    lock = threading.Lock()
+    with pytest.warns(RuntimeWarning, match="compute_interference is taken as 0"):
+        assert cal.compute_probe(lambda: (lock, gpt2(cfg))[1], lm_loss, None, 0, ((x[:, :-1],), x[:, 1:]),
+                                 "fp32") is None
+
+
 # ---- profile and fits ---------------------------------------------------------------------------
 def test_new_figures_round_trip_and_old_profiles_load():
     prof = profile(opt_parallelism=1.4, ar_cpu_share=0.6, compute_interference=0.03)

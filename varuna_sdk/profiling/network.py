@@ -10,7 +10,8 @@ those samples into a ``NetworkProfile`` and figures (``fit_alpha_beta``, ``crowd
 Units: seconds, bytes, bytes/s.
 
 Imports ``model`` (to build the compute probe's model), ``pipeline`` (``Channel``, the process
-spawner) and ``profiling.profile``; must never import ``cluster``, ``planner``, ``trainer`` or
+spawner), ``shipping`` (a model that plain pickle cannot carry to the probe processes travels by
+value) and ``profiling.profile``; must never import ``cluster``, ``planner``, ``trainer`` or
 ``manager``.
 """
 
@@ -22,6 +23,7 @@ import pickle
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -30,6 +32,7 @@ import torch
 from ..model.inputs import call_model, to_device
 from ..model.materialize import build_on_meta, materialize
 from ..pipeline.spawn import spawn_workers
+from ..shipping import ByValue, find_objects, pack_objects
 from .profile import NetworkProfile, ring_allreduce_s
 
 
@@ -373,14 +376,32 @@ def measure_network(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 
 
 def compute_probe(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precision: str) -> dict | None:
     """What the probe processes need to run the model (``measure_host(compute=...)``): ``batch``
-    is ``(inputs, targets)`` of one micro-batch, copied to the CPU. None when the model cannot
-    travel to them (a lambda or closure: not picklable) or ``precision`` is not fp32."""
+    is ``(inputs, targets)`` of one micro-batch, copied to the CPU. Callables that plain pickle
+    cannot carry to a spawned process (a lambda, a closure, a class defined in a notebook cell)
+    travel by value, as a job's own code does (``shipping.pack_objects`` / ``ByValue``: cloudpickle,
+    versions and digest checked in the probe process before anything is unpickled). None (and a
+    ``RuntimeWarning`` saying the compute interference is taken as 0) when even that fails, or
+    when ``precision`` is not fp32 (the probe runs fp32 only)."""
     if precision != "fp32":
         return None
-    probe = {"model_fn": model_fn, "loss_fn": loss_fn, "init_fn": init_fn, "seed": seed,
-             "inputs": to_device(batch[0], "cpu"), "targets": to_device(batch[1], "cpu")}
+    fns = {"model_fn": model_fn, "loss_fn": loss_fn, "init_fn": init_fn}
     try:
-        pickle.dumps({k: v for k, v in probe.items() if k not in ("inputs", "targets")})
-    except Exception:  # noqa: BLE001 - any pickling failure means: no compute probe
-        return None
-    return probe
+        pickle.dumps(fns)
+    except Exception:  # noqa: BLE001 - not importable by reference: ship it by value
+        try:
+            fns = _by_value(fns)
+        except TypeError as e:
+            warnings.warn(f"calibration: the compute-interference probe cannot run this model in other processes "
+                          f"({e}); compute_interference is taken as 0 (the planner then assumes stages on one "
+                          "machine do not slow each other down)", RuntimeWarning, stacklevel=3)
+            return None
+    return {**fns, "seed": seed, "inputs": to_device(batch[0], "cpu"), "targets": to_device(batch[1], "cpu")}
+
+
+def _by_value(fns: dict) -> dict:
+    """``fns`` as ``ByValue`` callables of one checked ``Shipped`` (raises ``TypeError`` naming one
+    that cloudpickle cannot pack either)."""
+    roles = {"model_fn": "factory", "loss_fn": "loss", "init_fn": "init"}
+    digest, _ = pack_objects({roles[k]: v for k, v in fns.items()})
+    shipped = find_objects(digest)
+    return {k: (ByValue(shipped, roles[k]) if v is not None else None) for k, v in fns.items()}
