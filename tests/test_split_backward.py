@@ -1,9 +1,11 @@
 """The zero-bubble split of a stage's backward (``pipeline.split_backward``), on its own: B (input
 gradients, with the join-node gradients captured by the engine) followed by W (weight gradients)
-equals one whole ``torch.autograd.backward`` — input and weight gradients, accumulation into an
-existing ``.grad`` included — on graphs chosen for their awkward shapes: a weight used twice, a
+equals one whole ``torch.autograd.backward`` — input and weight gradients over two micro-batches in a
+row, accumulation into an existing ``.grad`` included — on graphs chosen for their awkward shapes: a weight used twice, a
 LayerNorm applied twice, a two-output node whose second output is unused and whose weight is used
-twice (its W pre-hook must return both slots), a multi-output
+twice (its W pre-hook must return both slots), an output made from weights only that the other output
+also uses (T5's position bias crossing with the hidden state), outputs y and 2y, two weights added
+(autograd hands both the same gradient tensor: W must not alias their ``.grad``), a multi-output
 split with an unused output, an output made from weights only, a first stage whose input needs no
 gradient, and a transformer block. The engine-level equivalence (tests/test_engine.py) covers whole
 pipelines; this pins the module itself, so a change to how B captures gradients fails here first."""
@@ -55,6 +57,21 @@ def _two_out_twice(m):
     return [y]
 
 
+def _bias_crossing(m):
+    bias = m["b"].weight * 2.0  # weights only; the hidden state that crosses with it uses it (T5's position bias)
+    return [torch.tanh(m["a"](m.x) + bias[:1]), bias]
+
+
+def _output_feeds_output(m):
+    y = m["a"](m.x)
+    return [y, 2 * y]  # on a first stage y is off the input path and 2*y feeds it gradient
+
+
+def _two_params_added(m):
+    pp = m["pp"]  # autograd hands one gradient tensor to both weights
+    return [torch.tanh(m["a"](m.x)) + pp["p1"] + pp["p2"]]
+
+
 def _weights_only_output(m):
     y = m["a"](m.x)
     return [y, m["b"].weight.sum() * torch.ones(2)]  # second output never touches the input
@@ -70,7 +87,9 @@ def _block(m):
 
 GRAPHS = {"shared_linear": _shared_linear, "layernorm_twice": _layernorm_twice,
           "split_unused": _split_unused, "weights_only_output": _weights_only_output,
-          "two_inputs": _two_inputs, "transformer_block": _block, "two_out_twice": _two_out_twice}
+          "two_inputs": _two_inputs, "transformer_block": _block, "two_out_twice": _two_out_twice,
+          "bias_crossing": _bias_crossing, "output_feeds_output": _output_feeds_output,
+          "two_params_added": _two_params_added}
 
 
 class _Model(nn.ModuleDict):
@@ -78,29 +97,36 @@ class _Model(nn.ModuleDict):
         torch.manual_seed(3)
         super().__init__({"a": nn.Linear(D, D), "b": nn.Linear(D, D), "ln": nn.LayerNorm(D),
                           "qkv": nn.Linear(D, 3 * D),
+                          "pp": nn.ParameterDict({"p1": nn.Parameter(torch.randn(4, D)),
+                                                  "p2": nn.Parameter(torch.randn(4, D))}),
                           "blk": nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)})
 
 
-def _run(graph, split: bool, input_grad: bool, seed_grads: bool):
+def _run(graph, split: bool, input_grad: bool, seed_grads: bool, micro_batches: int = 2):
+    """Backward of ``micro_batches`` forwards in a row (gradients accumulate across them)."""
     model = _Model()
     if seed_grads:  # W must add to an existing .grad, as backward() does
         for p in model.parameters():
             p.grad = torch.full_like(p, 0.25)
     g = torch.Generator().manual_seed(5)
-    model.x = torch.randn(4, D, generator=g).requires_grad_(input_grad)
-    model.x2 = torch.randn(4, D, generator=g).requires_grad_(input_grad)
-    outs = graph(model)
-    gouts = [torch.randn(o.shape, generator=g) for o in outs]
-    inputs = [model.x, model.x2]
-    if split:
-        got, work = backward_input(outs, gouts, inputs, model.parameters())
-        assert all(p.grad is None or torch.equal(p.grad, torch.full_like(p, 0.25)) or not seed_grads
-                   for p in model.parameters()), "B touched a weight gradient"
-        work.run()
-        work.run()  # a second run does nothing
-    else:
-        torch.autograd.backward(outs, gouts)
-        got = [t.grad for t in inputs]
+    got = []
+    for _ in range(micro_batches):
+        model.x = torch.randn(4, D, generator=g).requires_grad_(input_grad)
+        model.x2 = torch.randn(4, D, generator=g).requires_grad_(input_grad)
+        outs = graph(model)
+        gouts = [torch.randn(o.shape, generator=g) for o in outs]
+        inputs = [model.x, model.x2]
+        if split:
+            before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+            ins, work = backward_input(outs, gouts, inputs, model.parameters())
+            assert all((p.grad is None and before[n] is None) or torch.equal(p.grad, before[n])
+                       for n, p in model.named_parameters()), "B touched a weight gradient"
+            work.run()
+            work.run()  # a second run does nothing
+        else:
+            torch.autograd.backward(outs, gouts)
+            ins = [t.grad for t in inputs]
+        got += list(ins)
     return got, {n: p.grad for n, p in model.named_parameters()}
 
 

@@ -5,6 +5,9 @@ processes), against the same model trained by plain PyTorch from the same initia
   ``labels=`` → ``.loss``) and ``LlamaForCausalLM`` (rotary ``position_embeddings=(cos, sin)``
   handed to every layer, an ``inv_freq`` buffer made in ``__init__``) at (P, D) = (2, 1), (3, 1)
   and (2, 2), and with the zero-bubble split backward (``split_backward=True``) at P = 2 and 3;
+- Hugging Face ``T5ForConditionalGeneration`` (encoder-decoder; the relative position bias is made
+  from weights and crosses cut-points beside the hidden state that uses it) at P = 2, with and
+  without the split;
 - a single-file GPT whose forward is ``(idx, targets) -> (logits, loss)`` (targets consumed by
   the last stage only, a custom LayerNorm, causal-mask buffers) at P = 2, with and without the split.
 
@@ -35,12 +38,13 @@ TEXT = ("It was the best of times, it was the worst of times, it was the age of 
 MODELS = {
     "hf_gpt2": ("tests.thirdparty.hf_models:gpt2", {"n_layer": 3}, "hf"),
     "hf_llama": ("tests.thirdparty.hf_models:llama", {"n_layer": 3}, "hf"),
+    "hf_t5": ("tests.thirdparty.hf_models:t5", {"n_layer": 3}, "hf"),
     "sf_gpt": ("tests.thirdparty.singlefile_gpt:make_gpt", {"n_layer": 3, "block_size": 64}, "targets"),
 }
 # (model, P, D[, "zb"]): "zb" runs the zero-bubble split backward (B, then deferred W), which the
 # planner chooses per row for a user's model as it does for ours
 SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llama", 2, 1, "zb"),
-              ("sf_gpt", 2, 1, "zb")],
+              ("sf_gpt", 2, 1, "zb"), ("hf_t5", 2, 1), ("hf_t5", 2, 1, "zb")],
           3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
               ("hf_gpt2", 3, 1, "zb")],
           4: [("hf_gpt2", 2, 2), ("hf_llama", 2, 2)]}

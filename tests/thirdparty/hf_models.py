@@ -24,3 +24,12 @@ def llama(n_layer: int = 3, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
                                    num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab_size,
                                    max_position_embeddings=max_positions)
     return transformers.LlamaForCausalLM(cfg)
+
+
+def t5(n_layer: int = 3, d_model: int = 32, vocab_size: int = 256):
+    """``T5ForConditionalGeneration`` (encoder-decoder; relative position bias computed by the first
+    layer from its own weights and handed, with the hidden state, to every later layer — across
+    cut-points; ``labels=`` make the decoder inputs)."""
+    cfg = transformers.T5Config(vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=n_layer,
+                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg)

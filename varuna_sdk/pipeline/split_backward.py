@@ -173,7 +173,9 @@ class WeightWork:
                     continue
                 w = self._params[p]
                 if w.grad is None:
-                    w.grad = dw
+                    # a copy, as autograd's accumulation makes of a gradient it does not own: one tensor
+                    # may reach two weights (p1 + p2) or be the input gradient sent upstream (x + b)
+                    w.grad = dw.clone()
                 else:
                     w.grad += dw
             if on_group is not None:
@@ -202,9 +204,9 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     Returns ``(input gradients aligned with inputs, WeightWork)``. When no input requires a
     gradient (the first stage) the input path is empty: the whole backward then happens in
     :meth:`WeightWork.run`. Weights whose subgraph reaches an output without touching the input
-    path (an output computed from weights only) take that output's gradient as given — an output
-    that is itself computed from another output is not supported there (it would miss the
-    gradient flowing through the other output).
+    path (an output computed from weights only) take that output's gradient: the one given, plus
+    what flows into it through the other outputs when their graphs use it too (computed in this
+    call).
     """
     t0 = time.perf_counter()
     outs, gouts = [], []
@@ -231,12 +233,16 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             if n in parents:
                 params_by_node[n] = p
     groups = _groups(list(params_by_node), on_input_path | set(captured), parents)
-    joins = {j for g in groups for j in g.joins} - set(captured)
+    all_joins = {j for g in groups for j in g.joins}
+    # an output off the input path that the graph of another output also feeds (T5's position bias,
+    # used by the hidden state that crosses with it; y and 2*y) gets more than its given gradient:
+    # asked of the same call, its full gradient replaces the given one
+    joins = (all_joins - set(captured)) | {j for j in all_joins & set(captured) if parents.get(j)}
     edges = _join_edges(joins, parents, outs, out_nodes)
     result: list[torch.Tensor | None] = [None] * len(inputs)
     if timing is not None:
         timing["analysis_s"] = time.perf_counter() - t0
-    if want and outs:
+    if (want or edges) and outs:
         got = torch.autograd.grad(outs, [inputs[i] for i in want] + edges, gouts,
                                   retain_graph=True, allow_unused=True)
         for i, g in zip(want, got):
