@@ -28,7 +28,8 @@ class RecordingAdamW(torch.optim.AdamW):
     """AdamW that keeps a copy of every gradient it steps with (the last step's)."""
 
     def step(self, closure=None):
-        self.grads = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+        self.grads = [None if p.grad is None else p.grad.detach().clone()  # None: a frozen parameter
+                      for g in self.param_groups for p in g["params"]]
         return super().step(closure)
 
 

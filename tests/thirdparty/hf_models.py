@@ -8,12 +8,16 @@ transformers.logging.set_verbosity_error()
 
 
 def gpt2(n_layer: int = 3, n_embd: int = 32, n_head: int = 2, vocab_size: int = 256, n_positions: int = 64,
-         dropout: float = 0.0):
-    """``GPT2LMHeadModel`` (``Conv1D`` layers, tied embeddings, learned positions)."""
+         dropout: float = 0.0, frozen: tuple[str, ...] = ()):
+    """``GPT2LMHeadModel`` (``Conv1D`` layers, tied embeddings, learned positions); the parameters
+    named in ``frozen`` get ``requires_grad=False``, as a user freezes layers for fine-tuning."""
     cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size,
                                   n_positions=n_positions, resid_pdrop=dropout, embd_pdrop=dropout,
                                   attn_pdrop=dropout)
-    return transformers.GPT2LMHeadModel(cfg)
+    model = transformers.GPT2LMHeadModel(cfg)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    return model
 
 
 def llama(n_layer: int = 3, hidden: int = 32, heads: int = 4, kv_heads: int = 2, vocab_size: int = 256,

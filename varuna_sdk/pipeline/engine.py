@@ -264,15 +264,16 @@ class Varuna:
         data-parallel parameters (those of the last segments first, whose gradients are final
         first) over the replica group, each tied set over its stages' group."""
         last_use = {nm: max(segs) for nm, segs in self.structure.state_segments.items()}
-        dp = [p for nm, p in sorted(self.params, key=lambda x: (-last_use.get(x[0], 0), x[0]))
+        trained = [(nm, p) for nm, p in self.params if p.requires_grad]  # frozen weights get no gradient
+        dp = [p for nm, p in sorted(trained, key=lambda x: (-last_use.get(x[0], 0), x[0]))
               if nm not in self.shared]
         tied: dict[tuple, list[nn.Parameter]] = {}
-        for nm, p in self.params:
+        for nm, p in trained:
             if nm in self.shared:
                 tied.setdefault(tuple(self.shared[nm]), []).append(p)
         sets = [(self.groups.dp, dp)] + [(self.groups.tied.get(k), ps) for k, ps in sorted(tied.items())]
         sync = GradSync(sets, split=[True] + [False] * len(tied))
-        for _, p in self.params:  # the whole backward accumulates through autograd: its hook
+        for _, p in trained:  # the whole backward accumulates through autograd: its hook
             p.register_post_accumulate_grad_hook(sync.ready)
         return sync
 
@@ -521,8 +522,8 @@ class Varuna:
         self.grad_sync.finish(1.0 / (self.scaler.scale * self.D))
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         finite = torch.ones((), dtype=torch.float32, device=self.device)
-        counted = [p.grad for name, p in self.params
-                   if not (name in self.shared and self.shared[name][0] != self.stage)]  # tied: counted once
+        counted = [p.grad for name, p in self.params if p.grad is not None
+                   and not (name in self.shared and self.shared[name][0] != self.stage)]  # tied: counted once
         if counted:
             norm_sq = torch.stack([n.float() for n in torch._foreach_norm(counted)]).pow(2).sum()
         finite = torch.isfinite(norm_sq).float()
@@ -537,7 +538,8 @@ class Varuna:
             coef = self.grad_clip / (total_norm + 1e-6)
             if coef < 1.0:
                 for _, p in self.params:
-                    p.grad.mul_(coef)
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
         if not overflow:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
