@@ -13,10 +13,32 @@ from tests.thirdparty.singlefile_gpt import make_gpt
 from varuna_sdk.model.deferred import UninitializedError, build_recorded, construction_log
 from varuna_sdk.model.materialize import build_on_meta, materialize
 
+class _Swapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.bias = nn.Parameter(torch.zeros(3))
+        nn.init.normal_(self.bias)
+        self.bias.data = nn.functional.pad(self.bias, (0, 2), value=0.5)
+        self.lin.weight.data = self.lin.weight.data * 2
+
+
+class _DataSwap(nn.Module):
+    """Constructors that move a parameter to new storage after initialising it (``p.data = ...``,
+    as Hugging Face pads a tied head bias): the replay must use the storage each operation used."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Swapped(), _Swapped()])
+
+
 FACTORIES = {
     "hf_gpt2": lambda: hf_models.gpt2(n_layer=2),
     "hf_llama": lambda: hf_models.llama(n_layer=2),
+    "hf_bert_mlm": lambda: hf_models.bert_mlm(n_layer=2),
+    "hf_t5": lambda: hf_models.t5(n_layer=2),
     "singlefile_gpt": lambda: make_gpt(n_layer=2, block_size=32),
+    "data_swap": _DataSwap,
 }
 
 

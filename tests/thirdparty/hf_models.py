@@ -37,3 +37,13 @@ def t5(n_layer: int = 3, d_model: int = 32, vocab_size: int = 256):
     cfg = transformers.T5Config(vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=n_layer,
                                 num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
     return transformers.T5ForConditionalGeneration(cfg)
+
+
+def bert_mlm(n_layer: int = 3, hidden: int = 32, vocab_size: int = 256, max_positions: int = 64):
+    """``BertForMaskedLM`` (its LM head's bias is tied to the decoder's and padded in place by
+    ``post_init`` — ``bias.data = pad(bias)``; token-type ids and position ids are buffers)."""
+    cfg = transformers.BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=n_layer,
+                                  num_attention_heads=4, intermediate_size=2 * hidden,
+                                  max_position_embeddings=max_positions, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg)

@@ -51,6 +51,12 @@ def _is_meta(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "meta"
 
 
+def _alias(x: Any) -> Any:
+    """A meta tensor's alias (same storage, offset, sizes, strides; not recorded: called inside the
+    recording mode's handler), other values unchanged."""
+    return x.detach() if _is_meta(x) else x
+
+
 @dataclass
 class _Op:
     func: Any                     # torch._ops.OpOverload
@@ -91,7 +97,11 @@ class ConstructionLog:
                         mutated.add(_skey(t))
         fresh = {_skey(t) for t in metas_out} - self._known
         self._known |= fresh | {_skey(t) for t in metas_in}
-        self.ops.append(_Op(func=func, args=args, kwargs=dict(kwargs), outs=metas_out,
+        # keep aliases of the meta tensors as they are now: a later ``p.data = new`` (Hugging Face pads
+        # a tied bias that way) moves the tensor object to another storage, not what this op used
+        args, kwargs = tree_map(_alias, args), tree_map(_alias, dict(kwargs))
+        metas_out = [t.detach() for t in metas_out]
+        self.ops.append(_Op(func=func, args=args, kwargs=kwargs, outs=metas_out,
                             writes=frozenset(fresh | mutated), reads=frozenset(_skey(t) for t in metas_in),
                             defines=schema.name not in _EMPTY,
                             random=torch.Tag.nondeterministic_seeded in func.tags))
