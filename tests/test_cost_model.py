@@ -208,13 +208,14 @@ def test_measure_host_averages_every_crowded_process(monkeypatch, world):
     assert interference == pytest.approx(compute_interference(samples[1], samples[k], k))
 
 
-def test_compute_probe_carries_a_lambda_model_by_value_to_the_probe_processes():
+def test_compute_probe_carries_a_lambda_model_by_value_to_the_probe_processes(monkeypatch):
     """A model given as a lambda and a loss defined in a function (neither importable by reference,
     as in a notebook) still reach the probe processes — by value, checked as a job's shipped code —
-    so the interference is measured, not silently taken as 0; a callable that cloudpickle cannot
-    pack either gives a warning and no probe."""
+    so the interference is measured, not silently taken as 0; so does a function of ``__main__``;
+    a callable that cloudpickle cannot pack either gives a warning and no probe."""
     import os
     import threading
+    from functools import partial
 
     import torch
 
@@ -236,6 +237,21 @@ def test_compute_probe_carries_a_lambda_model_by_value_to_the_probe_processes():
     samples = dict((k, v) for k, v in net.samples["compute_samples"])
     assert sorted(samples) == [1, 2] and all(t > 0 for v in samples.values() for t in v)
     assert interference == pytest.approx(compute_interference(samples[1], samples[2], 2))
+
+    # defined in __main__ (a notebook cell): picklable here by reference, but a spawned process has
+    # another __main__, so it travels by value; an installed module's function goes by reference
+    import sys
+
+    from varuna_sdk.shipping import ByValue
+
+    def nb_model():
+        return gpt2(cfg)
+
+    nb_model.__module__, nb_model.__qualname__ = "__main__", "_varuna_test_nb_model"
+    monkeypatch.setattr(sys.modules["__main__"], "_varuna_test_nb_model", nb_model, raising=False)
+    batch = ((x[:, :-1],), x[:, 1:])
+    assert isinstance(cal.compute_probe(nb_model, lm_loss, None, 0, batch, "fp32")["model_fn"], ByValue)
+    assert cal.compute_probe(partial(gpt2, cfg), lm_loss, None, 0, batch, "fp32")["model_fn"].func is gpt2
 
     lock = threading.Lock()
     with pytest.warns(RuntimeWarning, match="compute_interference is taken as 0"):

@@ -377,17 +377,16 @@ def measure_network(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 
 def compute_probe(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precision: str) -> dict | None:
     """What the probe processes need to run the model (``measure_host(compute=...)``): ``batch``
     is ``(inputs, targets)`` of one micro-batch, copied to the CPU. Callables that plain pickle
-    cannot carry to a spawned process (a lambda, a closure, a class defined in a notebook cell)
-    travel by value, as a job's own code does (``shipping.pack_objects`` / ``ByValue``: cloudpickle,
-    versions and digest checked in the probe process before anything is unpickled). None (and a
+    cannot carry to a spawned process (a lambda, a closure, anything defined in ``__main__`` — a
+    notebook cell, a script — which a spawned process does not have) travel by value, as a job's
+    own code does (``shipping.pack_objects`` / ``ByValue``: cloudpickle, versions and digest
+    checked in the probe process before anything is unpickled). None (and a
     ``RuntimeWarning`` saying the compute interference is taken as 0) when even that fails, or
     when ``precision`` is not fp32 (the probe runs fp32 only)."""
     if precision != "fp32":
         return None
     fns = {"model_fn": model_fn, "loss_fn": loss_fn, "init_fn": init_fn}
-    try:
-        pickle.dumps(fns)
-    except Exception:  # noqa: BLE001 - not importable by reference: ship it by value
+    if not all(_by_reference(f) for f in fns.values()):
         try:
             fns = _by_value(fns)
         except TypeError as e:
@@ -396,6 +395,17 @@ def compute_probe(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precision
                           "machine do not slow each other down)", RuntimeWarning, stacklevel=3)
             return None
     return {**fns, "seed": seed, "inputs": to_device(batch[0], "cpu"), "targets": to_device(batch[1], "cpu")}
+
+
+def _by_reference(f) -> bool:
+    """Whether a spawned process can load ``f`` by plain pickle: already shipped by value, or
+    picklable without naming ``__main__`` (a spawned process has another one)."""
+    if f is None or isinstance(f, ByValue):
+        return True
+    try:
+        return b"__main__" not in pickle.dumps(f)
+    except Exception:  # noqa: BLE001 - any pickling failure: not by reference
+        return False
 
 
 def _by_value(fns: dict) -> dict:
