@@ -88,6 +88,9 @@ def _wrap(command: str | Sequence[str], with_env: bool, cwd: str | None = None) 
     return f"exec setsid -w /bin/sh -c {shlex.quote(inner)}"
 
 
+_EOF_GRACE_S = 2.0  # after the exit status: how long to wait for output still in flight
+
+
 class RemoteProcess:
     """A command running on a host in its own session. Output is delivered line by line to the
     callbacks (from a reader thread) and, with ``collect=True``, kept for ``.stdout``/``.stderr``.
@@ -167,12 +170,18 @@ class RemoteProcess:
         chan = self._chan
         try:
             fd = chan.fileno()
+            eof_deadline = None
             while True:
-                select.select([fd], [], [], 0.5)
+                select.select([fd], [], [], 0.5 if eof_deadline is None else 0.05)
                 self._drain()
                 if chan.exit_status_ready():
-                    self._drain()
-                    break
+                    # sshd may send the exit status before the last output: read on until the
+                    # channel's EOF (bounded: a leftover background process may hold the pipes)
+                    if eof_deadline is None:
+                        eof_deadline = time.monotonic() + _EOF_GRACE_S
+                    if chan.eof_received or chan.closed or time.monotonic() > eof_deadline:
+                        self._drain()
+                        break
             status = chan.exit_status  # -1: closed without a status (connection lost)
             if chan.status_event.is_set() and status != -1:
                 self.exit_code = status
