@@ -328,3 +328,22 @@ def hanging_worker(rank: int, world: int, out_dir: str) -> None:
     """Record this process's pid, then never finish (for the spawn timeout path)."""
     Path(out_dir, f"pid{rank}").write_text(str(os.getpid()))
     time.sleep(600)
+
+
+def grad_sync_worker(rank: int, world: int, out_dir: str) -> None:
+    """Three parameters reduced by ``GradSync`` over all ranks: ``a`` used on every rank (grad =
+    rank + 1), ``b`` on rank 0 only (grad 2), ``c`` on none; saves the reduced gradients."""
+    import torch.distributed as dist
+
+    from varuna_sdk.pipeline.grad_sync import GradSync
+
+    a, b, c = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    sync = GradSync([(dist.group.WORLD, [a, b, c])], split=[True])
+    sync.arm()
+    a.grad = torch.full((3,), float(rank + 1))
+    sync.ready(a)
+    if rank == 0:
+        b.grad = torch.full((3,), 2.0)
+        sync.ready(b)
+    sync.finish(1.0 / world)
+    torch.save({"a": a.grad, "b": b.grad, "c": c.grad}, Path(out_dir) / f"sync{rank}.pt")

@@ -443,3 +443,16 @@ def test_hanging_workers_are_stopped_at_the_timeout(tmp_path):
     pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(2) if Path(tmp_path, f"pid{r}").exists()]
     assert not [p for p in pids if _alive(p)], "a worker process is still alive"
     assert _live_children("spawn_main") == []
+
+
+@pytest.mark.timeout(60)
+def test_grad_sync_leaves_a_parameter_no_replica_used_without_gradient(tmp_path):
+    """Over 2 replicas: a parameter used on both gets the mean, one used on one replica gets half
+    its gradient (zeros on the other, as DDP), one used on neither keeps ``.grad = None`` (as plain
+    PyTorch: AdamW skips it) on every replica."""
+    spawn_workers(W.grad_sync_worker, 2, args=(str(tmp_path),), timeout_s=45, work_dir=tmp_path, backend="gloo")
+    for r in range(2):
+        g = torch.load(tmp_path / f"sync{r}.pt", weights_only=True)
+        assert torch.equal(g["a"], torch.full((3,), 1.5))
+        assert torch.equal(g["b"], torch.full((3,), 1.0))
+        assert g["c"] is None

@@ -45,16 +45,19 @@ MODELS = {
     # frozen weights on both stages (the position embedding, one block's attention projection)
     "hf_gpt2_frozen": ("tests.thirdparty.hf_models:gpt2",
                        {"n_layer": 3, "frozen": ["transformer.wpe.weight", "transformer.h.2.attn.c_attn.weight"]}, "hf"),
+    # a head the forward never calls: its gradient stays None (AdamW skips it, no weight decay)
+    "hf_gpt2_unused": ("tests.thirdparty.hf_models:gpt2", {"n_layer": 3, "unused_head": True}, "hf"),
     "sf_gpt": ("tests.thirdparty.singlefile_gpt:make_gpt", {"n_layer": 3, "block_size": 64}, "targets"),
 }
 # (model, P, D[, "zb"]): "zb" runs the zero-bubble split backward (B, then deferred W), which the
 # planner chooses per row for a user's model as it does for ours
 SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llama", 2, 1, "zb"),
               ("sf_gpt", 2, 1, "zb"), ("hf_t5", 2, 1), ("hf_t5", 2, 1, "zb"),
-              ("hf_gpt2_frozen", 2, 1), ("hf_gpt2_frozen", 2, 1, "zb"), ("hf_bert", 2, 1)],
+              ("hf_gpt2_frozen", 2, 1), ("hf_gpt2_frozen", 2, 1, "zb"), ("hf_bert", 2, 1),
+              ("hf_gpt2_unused", 2, 1, "zb")],
           3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
               ("hf_gpt2", 3, 1, "zb")],
-          4: [("hf_gpt2", 2, 2), ("hf_llama", 2, 2)]}
+          4: [("hf_gpt2_unused", 2, 2), ("hf_llama", 2, 2)]}
 
 
 def _name(model: str, P: int, D: int, *variant: str) -> str:
@@ -102,7 +105,7 @@ def test_unedited_model_matches_plain_pytorch(results, name):
         assert torch.allclose(res["losses"], ref["losses"], rtol=1e-5, atol=0), (name, r, res["losses"], ref["losses"])
         assert res["grads"], (name, r)
         for n, g in res["grads"].items():
-            if ref["grads"][n] is None:  # frozen: no gradient, as in plain PyTorch
+            if ref["grads"][n] is None:  # frozen or unused: no gradient, as in plain PyTorch
                 assert g is None, (name, r, n)
                 continue
             assert _close(g, ref["grads"][n]), (name, r, n, float((g - ref["grads"][n]).abs().max()))

@@ -2,21 +2,26 @@
 config, random weights, nothing downloaded. Import-path factories for the tests
 (``tests.thirdparty.hf_models:gpt2``)."""
 
+import torch
 import transformers
 
 transformers.logging.set_verbosity_error()
 
 
 def gpt2(n_layer: int = 3, n_embd: int = 32, n_head: int = 2, vocab_size: int = 256, n_positions: int = 64,
-         dropout: float = 0.0, frozen: tuple[str, ...] = ()):
+         dropout: float = 0.0, frozen: tuple[str, ...] = (), unused_head: bool = False):
     """``GPT2LMHeadModel`` (``Conv1D`` layers, tied embeddings, learned positions); the parameters
-    named in ``frozen`` get ``requires_grad=False``, as a user freezes layers for fine-tuning."""
+    named in ``frozen`` get ``requires_grad=False``, as a user freezes layers for fine-tuning;
+    ``unused_head`` adds a ``value_head`` (``nn.Linear``) the forward never calls, as a user keeps a
+    head for a later task: plain PyTorch leaves its gradient ``None`` and AdamW skips it."""
     cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size,
                                   n_positions=n_positions, resid_pdrop=dropout, embd_pdrop=dropout,
                                   attn_pdrop=dropout)
     model = transformers.GPT2LMHeadModel(cfg)
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
+    if unused_head:
+        model.value_head = torch.nn.Linear(n_embd, 1)
     return model
 
 

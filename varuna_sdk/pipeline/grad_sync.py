@@ -8,8 +8,10 @@ finish in); a tied weight's sum over its stages' group starts as soon as its gra
 too. A gradient is final during the stage's last gradient-producing action of the step — the
 last B, or with the split backward the last W — which ``arm()`` announces; ``ready(p)`` is then
 called per parameter (an autograd post-accumulate hook, or the split backward's W). ``finish()``
-launches whatever is left (a parameter no micro-batch reached has a zero gradient), waits,
-and writes the mean over replicas back into ``.grad`` (unscaled for fp16). Paper §6; the
+launches whatever is left, waits, and writes the mean over replicas back into ``.grad``
+(unscaled for fp16). A parameter no micro-batch of any replica reached keeps ``.grad = None``,
+as in plain PyTorch (AdamW skips it); one reached on some replicas only gets zeros on the others
+(as DDP does), so the mean is the whole mini-batch's gradient. Paper §6; the
 original all-reduced after the whole backward, in one fp16 bucket (varuna-original.md §8).
 
 Must never import anything above ``pipeline``.
@@ -91,12 +93,15 @@ class GradSync:
 
     @staticmethod
     def _launch(b: _Bucket) -> None:
-        for p in b.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         if b.group is None:
             return
-        b.flat = torch.cat([p.grad.reshape(-1) for p in b.params])
+        # one "has a gradient" flag per parameter rides along: a parameter no replica's forward
+        # used keeps a None gradient after the reduction, as in plain PyTorch (AdamW then skips
+        # it: no weight decay, no moment update); one used by some replica gets zeros elsewhere
+        dtype = next((p.grad.dtype for p in b.params if p.grad is not None), b.params[0].dtype)
+        used = torch.tensor([float(p.grad is not None) for p in b.params], dtype=dtype, device=b.params[0].device)
+        b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype)).reshape(-1)
+                            for p in b.params] + [used])
         b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
 
     def finish(self, scale: float) -> None:
@@ -107,14 +112,21 @@ class GradSync:
             self._next += 1
         for b in self.buckets:
             if b.work is None:  # nothing to reduce: scale in place
-                if scale != 1.0:
-                    torch._foreach_mul_([p.grad for p in b.params], scale)
+                grads = [p.grad for p in b.params if p.grad is not None]
+                if scale != 1.0 and grads:
+                    torch._foreach_mul_(grads, scale)
                 continue
             b.work.wait()
+            used = (b.flat[-len(b.params):] > 0).tolist()
             b.flat.mul_(scale)
             off = 0
-            for p in b.params:
-                p.grad.copy_(b.flat[off:off + p.numel()].view_as(p))
+            for p, u in zip(b.params, used):
+                if not u:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = b.flat[off:off + p.numel()].view_as(p).clone()
+                else:
+                    p.grad.copy_(b.flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
             b.flat, b.work = None, None
         self._armed = False
