@@ -10,6 +10,9 @@ processes), against the same model trained by plain PyTorch from the same initia
 - Hugging Face ``T5ForConditionalGeneration`` (encoder-decoder; the relative position bias is made
   from weights and crosses cut-points beside the hidden state that uses it) at P = 2, with and
   without the split;
+- plain ``nn.Module`` models: one block object at every depth (weights shared across depth, as in
+  ALBERT: the same module runs before stage 1 and within it), and blocks whose MLP is an
+  ``nn.Sequential`` longer than the list of blocks (the body is still the list) at P = 2;
 - a single-file GPT whose forward is ``(idx, targets) -> (logits, loss)`` (targets consumed by
   the last stage only, a custom LayerNorm, causal-mask buffers) at P = 2, with and without the split.
 
@@ -47,6 +50,10 @@ MODELS = {
                        {"n_layer": 3, "frozen": ["transformer.wpe.weight", "transformer.h.2.attn.c_attn.weight"]}, "hf"),
     # a head the forward never calls: its gradient stays None (AdamW skips it, no weight decay)
     "hf_gpt2_unused": ("tests.thirdparty.hf_models:gpt2", {"n_layer": 3, "unused_head": True}, "hf"),
+    # one block object at every depth (ALBERT-style sharing): it runs before stage 1 and within it
+    "shared_depth": ("tests.thirdparty.plain_models:shared_depth", {"n_layer": 4}, "plain"),
+    # each block's MLP an nn.Sequential longer than the list of blocks: the body is still the list
+    "wide_mlp": ("tests.thirdparty.plain_models:wide_mlp", {"n_layer": 3}, "plain"),
     "sf_gpt": ("tests.thirdparty.singlefile_gpt:make_gpt", {"n_layer": 3, "block_size": 64}, "targets"),
 }
 # (model, P, D[, "zb"]): "zb" runs the zero-bubble split backward (B, then deferred W), which the
@@ -54,7 +61,7 @@ MODELS = {
 SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llama", 2, 1, "zb"),
               ("sf_gpt", 2, 1, "zb"), ("hf_t5", 2, 1), ("hf_t5", 2, 1, "zb"),
               ("hf_gpt2_frozen", 2, 1), ("hf_gpt2_frozen", 2, 1, "zb"), ("hf_bert", 2, 1),
-              ("hf_gpt2_unused", 2, 1, "zb")],
+              ("hf_gpt2_unused", 2, 1, "zb"), ("shared_depth", 2, 1), ("wide_mlp", 2, 1)],
           3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
               ("hf_gpt2", 3, 1, "zb")],
           4: [("hf_gpt2_unused", 2, 2), ("hf_llama", 2, 2)]}
@@ -113,5 +120,6 @@ def test_unedited_model_matches_plain_pytorch(results, name):
     held = set().union(*(res["grads"] for res in ranks))
     assert held == set(ref["grads"]), (name, sorted(set(ref["grads"]) ^ held)[:5])
     expected_call = {"hf": "model(input_ids=input_ids, labels=labels), its own loss",
-                     "targets": "model(input_ids, targets), its own loss"}[case["kind"]]
+                     "targets": "model(input_ids, targets), its own loss",
+                     "plain": "model(input_ids), loss(output, targets)"}[case["kind"]]
     assert ranks[0]["call"] == expected_call

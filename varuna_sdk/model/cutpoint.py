@@ -127,15 +127,19 @@ def _cut_output(output: Any) -> Any:
 
 def find_block_list(model: nn.Module) -> tuple[str, nn.Module]:
     """Return ``(name, container)`` of the model's body: its largest ``nn.ModuleList`` or
-    ``nn.Sequential`` of at least two children (ties: the first found).
+    ``nn.Sequential`` of at least two children that no other such container holds (a block's
+    own ``nn.Sequential`` MLP is never the body, however many modules it has; ties: the first
+    found).
 
     Raises ``ValueError`` when the model has no such container.
     """
+    found = [(name, mod) for name, mod in model.named_modules()
+             if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2]
+    inner = {id(sub) for _, mod in found for sub in mod.modules() if sub is not mod}
     best: tuple[str, nn.Module] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
+    for name, mod in found:
+        if id(mod) not in inner and (best is None or len(mod) > len(best[1])):
+            best = (name, mod)
     if best is None:
         raise ValueError(
             f"auto_cutpoints: {type(model).__name__} has no nn.ModuleList or nn.Sequential of 2 or more "
@@ -151,7 +155,9 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     ``nn.ModuleList``/``nn.Sequential`` in the model (e.g. GPT-2's ``h``). Implemented with
     forward hooks, so neither the model's code nor its parameter names change (checkpoints of
     the plain model still load). With ``n`` blocks the model gets ``n + 1`` cut-points and
-    ``n + 2`` segments: [embeddings], [block 0], …, [block n-1], [head]. Every tensor argument of
+    ``n + 2`` segments: [embeddings], [block 0], …, [block n-1], [head] (one block object listed
+    ``n`` times, its weights shared across depth as in ALBERT: a cut-point before each of its
+    calls, ``n + 1`` segments, the head with the last call). Every tensor argument of
     a block crosses the cut-point — positional or keyword, alone or inside tuples, lists and dicts —
     so attention masks, position ids and rotary ``(cos, sin)`` travel between stages
     automatically, and every block of a stage receives them.
@@ -178,9 +184,13 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
         return _cut_output(output)
 
     children = list(body)
-    for child in children:
+    distinct = list({id(c): c for c in children}.values())
+    for child in distinct:  # one block object listed n times (weights shared across depth): one hook
         child.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    children[-1].register_forward_hook(post_hook)
+    if len(distinct) == len(children):
+        children[-1].register_forward_hook(post_hook)
+    # else: the last block is also an earlier one, whose every call would end a segment; the head
+    # stays in the last block's segment
     model._varuna_auto_cutpoints = True
     return model
 

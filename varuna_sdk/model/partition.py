@@ -199,7 +199,11 @@ def check_tensor_flow(structure: ModelStructure, stage_map: StageMap) -> None:
                 "between, so that stage would not have it. Keep those segments on one stage (other "
                 "parallel.boundaries, or a smaller P), pass the tensor through every cut-point in between (as "
                 "an argument of each block with automatic cut-points; x, skip = cut(x, skip) with CutPoint "
-                "modules), or recompute it in the later segment"
+                "modules), or recompute it in the later segment. If the cut-points are not where you expect "
+                "(automatic ones sit before every block of the model's largest ModuleList/Sequential that "
+                "no other holds: the segments above name their modules), set model.blocks to the dotted "
+                "name of the model's list of layers (e.g. 'transformer.h') or put CutPoint() modules in "
+                "its forward"
             )
 
 

@@ -185,10 +185,20 @@ class StagePrefix:
                     mod.__dict__.pop("forward", None)
                 restored[0] = True
 
+        def stub(mod: nn.Module, outs: list) -> Callable:
+            it = iter(outs)
+            real = type(mod).forward
+
+            def forward(*a, **k):
+                # a module called again at the stage's first cut-point (one block object used at
+                # every depth): torch looked its forward up before the cut-point's pre-hook
+                # restored it, so this call runs the real one
+                return real(mod, *a, **k) if restored[0] else next(it)
+            return forward
+
         self._swap_in_meta()
         for mod, outs in stubs:
-            calls = iter(outs)
-            mod.forward = (lambda it: (lambda *a, **k: next(it)))(calls)
+            mod.forward = stub(mod, outs)
         try:
             yield restore
         finally:
