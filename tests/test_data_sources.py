@@ -291,3 +291,30 @@ def test_a_replica_whose_data_fails_mid_mini_batch_is_named_at_once_and_not_retr
     with pytest.raises(WorkerFailure) as again:
         train_local(job, run_dir=tmp_path / "run", max_failures=2)
     assert "failed before" in str(again.value) and f"example {bad} (step {step_bad}" in str(again.value), again.value
+
+
+def test_a_dataset_or_loss_the_model_cannot_take_is_refused_before_anything_starts(tmp_path):
+    """A dataset factory whose examples differ in length, or hold token ids beyond the model's
+    vocabulary, and a loss returning a Python float (its value read, so the meta dry run cannot
+    run it): each refused when the job is resolved, naming the field, the id or the return type."""
+    from varuna_sdk.model.spec import ModelSpecError
+    from varuna_sdk.runner import JobObjects
+
+    def job(**kw) -> JobConfig:
+        j = JobConfig(data=DataConfig(dataset="tests.thirdparty.user_data:TokenWindows", dataset_kwargs=kw, seq_len=16),
+                      parallel=ParallelConfig(P=2, D=1, global_batch=4, micro_batch_size=2))
+        JobObjects(model=_Bare).pack(j)
+        return j
+
+    assert resolve_job(job(max_id=100)).spec.vocab_size in (None, 100)   # ids 0..99 fit _Bare's 100
+    with pytest.raises(DataError, match=r"cannot be stacked into one batch: field '0' has shape \(\d+,\) in the "
+                                        r"first example of the batch and shape \(\d+,\) in example 1; .*pad or crop"):
+        resolve_job(job(max_id=100, ragged=True))
+    with pytest.raises(DataError, match=r"an example holds token id 149, beyond the model's vocabulary of 100 ids "
+                                        r"\(tok.weight\)"):
+        resolve_job(job(max_id=150))
+    j = job(max_id=100)
+    JobObjects(model=_Bare, loss=lambda out, y: float(torch.nn.functional.cross_entropy(
+        out.reshape(-1, out.shape[-1]), y.reshape(-1)))).pack(j)
+    with pytest.raises(ModelSpecError, match="the loss returned a float; it must return a scalar tensor"):
+        resolve_job(j)

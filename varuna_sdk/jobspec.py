@@ -43,6 +43,7 @@ import importlib
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -437,12 +438,14 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
         try:
             loss = spec.loss_fn(out, targets)
         except WeightValueError:
-            return  # the loss reads values (e.g. to log them): fine in a real run, not checkable here
+            reads_values.append(out)  # e.g. to log them, or float(...): checked below, on real zeros
+            return
         except Exception as e:  # noqa: BLE001 - the user's loss failed on the model's output
             raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
                                  f"output, a {type(out).__name__}, as {spec.call.describe()})") from e
         _check_loss(loss, spec)
 
+    reads_values: list = []
     try:
         structure = trace_model(meta, inputs, after=loss_on)
     except (ModelSpecError, DataError):
@@ -452,17 +455,43 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                            if isinstance(v, torch.Tensor))
         raise ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
                              f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}") from e
+    if reads_values:  # what such a loss returns, on a real stand-in of the output (outside the dry run)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # e.g. float() of a tensor that requires grad
+                loss = spec.loss_fn(_real_stand_in(reads_values[0]), targets)
+        except Exception:  # noqa: BLE001 - a loss that cannot take zeros is not checked here; a real run says
+            loss = None
+        if loss is not None:
+            _check_loss(loss, spec)
     for e in structure.embeddings:
         if e["from_input"] and data.tokens is not None and data.tokens.max_id >= e["rows"]:
             raise DataError(f"{data.source} holds token id {data.tokens.max_id}, beyond the model's vocabulary of "
                             f"{e['rows']} ids ({e['param']}); use the tokenizer the model was made for, or a model "
                             f"with at least {data.tokens.max_id + 1} token embeddings")
+        if e["from_input"] and data.tokens is None and e["max_index"] >= e["rows"]:
+            raise DataError(f"{data.source}: an example holds token id {e['max_index']}, beyond the model's vocabulary "
+                            f"of {e['rows']} ids ({e['param']}); make the dataset's ids smaller than {e['rows']} "
+                            f"(its tokenizer), or build the model with at least {e['max_index'] + 1} token embeddings")
         if not e["from_input"] and e["max_index"] >= e["rows"]:
             raise DataError(f"data.seq_len={T} makes {spec.name} look up row {e['max_index']} of {e['param']}, which "
                             f"has {e['rows']} rows (its context); lower data.seq_len, or build the model with a "
                             "longer context")
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
+
+
+def _real_stand_in(out: Any) -> Any:
+    """``out`` with every meta tensor replaced by real zeros of its shape and dtype (floating ones
+    requiring grad), so that a loss that reads values can run on it."""
+    from torch.utils._pytree import tree_map
+
+    def real(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            z = torch.zeros(t.shape, dtype=t.dtype)
+            return z.requires_grad_() if z.is_floating_point() else z
+        return t
+    return tree_map(real, out)
 
 
 def _check_loss(loss: Any, spec: ModelSpec) -> None:

@@ -49,3 +49,21 @@ class OneBadExample(torch.utils.data.Dataset):
         if i == self.bad:
             raise IndexError(f"record {i} is missing from the file")
         return self.inner[i]
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """``(x, y)`` token windows (``y``: the next tokens) with ids below ``max_id``; ``ragged``: the
+    window length varies with the example (16 + i % 7 tokens), as a user forgets to pad."""
+
+    def __init__(self, n: int = 200, max_id: int = 100, ragged: bool = False):
+        self.n, self.max_id, self.ragged = n, max_id, ragged
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        length = 16 + i % 7 if self.ragged else 16
+        x = torch.randint(0, self.max_id, (length + 1,), generator=g)
+        x[0] = self.max_id - 1  # every example holds the largest id
+        return x[:-1], x[1:]

@@ -327,9 +327,9 @@ def eval_batches(
     if num_batches == 0:
         raise ValueError(
             f"{len(arr)} held-out tokens give {num_seqs} sequences of seq_len={seq_len}, "
-            f"fewer than one batch of batch_size={batch_size}: need at least "
-            f"{batch_size * seq_len + 1} tokens; use a smaller batch_size/seq_len or a "
-            "larger val_fraction"
+            f"fewer than one batch of {batch_size} sequences: need at least "
+            f"{batch_size * seq_len + 1} tokens; use a smaller global batch (parallel.global_batch) "
+            "or seq_len (data.seq_len), a larger data.val_fraction, or more text"
         )
     n = num_batches * batch_size * seq_len
     inputs = torch.from_numpy(arr[:n].astype(np.int64)).view(num_batches, batch_size, seq_len)
@@ -357,12 +357,40 @@ def collate(examples: list) -> dict[str, Any]:
     from torch.utils.data import default_collate
 
     first = examples[0]
-    batch = default_collate(examples)
+    try:
+        batch = default_collate(examples)
+    except (RuntimeError, TypeError) as e:
+        raise DataError(f"the dataset's examples cannot be stacked into one batch: {_unstackable(examples)}; "
+                        "every example must hold tensors of the same shapes (pad or crop each to data.seq_len "
+                        f"in __getitem__) [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
     if isinstance(first, Mapping):
         return dict(batch)
     if isinstance(first, (tuple, list)):
         return {str(i): v for i, v in enumerate(batch)}
     return {"0": batch}
+
+
+def _unstackable(examples: list) -> str:
+    """Which field of which example differs in shape or type from the first example's."""
+    def fields(ex: Any) -> dict[str, Any]:
+        if isinstance(ex, Mapping):
+            return {str(k): v for k, v in ex.items()}
+        if isinstance(ex, (tuple, list)):
+            return {str(i): v for i, v in enumerate(ex)}
+        return {"0": ex}
+
+    def kind(v: Any) -> str:
+        return f"shape {tuple(v.shape)}" if hasattr(v, "shape") else f"a {type(v).__name__}"
+
+    ref = fields(examples[0])
+    for i, ex in enumerate(examples[1:], 1):
+        got = fields(ex)
+        if set(got) != set(ref):
+            return f"example {i} has fields {sorted(got)}, the first {sorted(ref)}"
+        for k, v in got.items():
+            if kind(v) != kind(ref[k]):
+                return f"field {k!r} has {kind(ref[k])} in the first example of the batch and {kind(v)} in example {i}"
+    return "their fields differ in type"
 
 
 class ExampleLoader:
