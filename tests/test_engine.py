@@ -456,3 +456,26 @@ def test_grad_sync_leaves_a_parameter_no_replica_used_without_gradient(tmp_path)
         assert torch.equal(g["a"], torch.full((3,), 1.5))
         assert torch.equal(g["b"], torch.full((3,), 1.0))
         assert g["c"] is None
+
+
+@pytest.mark.timeout(90)
+def test_a_script_without_a_main_guard_gets_told_to_add_one(tmp_path):
+    """A user script that starts workers at its top level (no ``if __name__ == "__main__":``):
+    each spawned worker re-imports it and fails before its target runs; the error names the script
+    and the guard, not "no traceback"."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from varuna_sdk.pipeline.spawn import spawn_workers\n"
+        "def work(rank, world):\n"
+        "    pass\n"
+        f"spawn_workers(work, 2, timeout_s=40, work_dir={str(tmp_path)!r}, backend='gloo')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80, env=env,
+                       cwd=tmp_path)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("varuna_sdk.pipeline.spawn.WorkerFailure: worker rank"), r.stderr[-2000:]
+    assert f"re-importing the main script {script}" in last and 'if __name__ == "__main__":' in last

@@ -23,6 +23,7 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -195,12 +196,24 @@ def spawn_workers(
                     msg = f"workers did not finish within {timeout_s:.0f} s; all {world_size} stopped"
                 else:
                     tb = failures.get(first, (None, ""))[1].strip().splitlines()
-                    msg = f"worker rank {first} failed (exit {codes[first]}): " + (tb[-1] if tb else "no traceback")
+                    msg = f"worker rank {first} failed (exit {codes[first]}): " + (tb[-1] if tb else _no_traceback())
                 raise WorkerFailure(msg, failures)
             time.sleep(0.05)
     except KeyboardInterrupt:
         _kill(procs)
         raise
+
+
+def _no_traceback() -> str:
+    """Why a worker can fail before its target runs: ``spawn`` starts it by importing the parent's
+    main script, whose top-level code then runs again in the worker."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main:
+        return (f"it exited before starting its work, while re-importing the main script {main} (each worker "
+                "process starts by importing it, running its top-level code again; its error is on stderr). If "
+                "that script plans, calibrates or trains at its top level, put that code under "
+                "`if __name__ == \"__main__\":`")
+    return "it exited before starting its work, without a traceback (its error, if any, is on stderr)"
 
 
 def _kill(procs: list) -> None:
