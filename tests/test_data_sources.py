@@ -313,6 +313,11 @@ def test_a_dataset_or_loss_the_model_cannot_take_is_refused_before_anything_star
     with pytest.raises(DataError, match=r"an example holds token id 149, beyond the model's vocabulary of 100 ids "
                                         r"\(tok.weight\)"):
         resolve_job(job(max_id=150))
+    j = job()
+    j.data.dataset = "tests.thirdparty.user_data:long_windows"
+    with pytest.raises(DataError, match=r"its examples make _Bare look up row 39 of pos.weight, which has 32 rows "
+                                        r"\(its context\); make each example at most 32 long"):
+        resolve_job(j)
     j = job(max_id=100)
     JobObjects(model=_Bare, loss=lambda out, y: float(torch.nn.functional.cross_entropy(
         out.reshape(-1, out.shape[-1]), y.reshape(-1)))).pack(j)

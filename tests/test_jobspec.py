@@ -247,3 +247,15 @@ def test_by_value_unpickles_only_checked_shipped_objects():
         _spawned_by_value(tampered, "factory")
     with pytest.raises(ShippingError, match="cannot load"):
         _spawned_by_value(dataclasses.replace(packed, versions={**packed.versions, "cloudpickle": "0.0.1"}), "factory")
+
+
+def test_a_masked_lm_on_text_is_warned_about(tmp_path):
+    """``BertForMaskedLM`` on text gets ``labels=input_ids`` (unmasked: it sees what it predicts):
+    a warning says so and what to give it instead; a causal LM gets none."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"BertForMaskedLM is not a causal language model: .*DataCollatorForLanguage"):
+        resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:bert_mlm", kwargs={"n_layer": 2})))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:gpt2", kwargs={"n_layer": 2})))

@@ -473,6 +473,10 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             raise DataError(f"{data.source}: an example holds token id {e['max_index']}, beyond the model's vocabulary "
                             f"of {e['rows']} ids ({e['param']}); make the dataset's ids smaller than {e['rows']} "
                             f"(its tokenizer), or build the model with at least {e['max_index'] + 1} token embeddings")
+        if not e["from_input"] and e["max_index"] >= e["rows"] and data.tokens is None:
+            raise DataError(f"{data.source}: its examples make {spec.name} look up row {e['max_index']} of "
+                            f"{e['param']}, which has {e['rows']} rows (its context); make each example at most "
+                            f"{e['rows']} long (crop it in the dataset), or build the model with a longer context")
         if not e["from_input"] and e["max_index"] >= e["rows"]:
             raise DataError(f"data.seq_len={T} makes {spec.name} look up row {e['max_index']} of {e['param']}, which "
                             f"has {e['rows']} rows (its context); lower data.seq_len, or build the model with a "

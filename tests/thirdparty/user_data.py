@@ -67,3 +67,9 @@ class TokenWindows(torch.utils.data.Dataset):
         x = torch.randint(0, self.max_id, (length + 1,), generator=g)
         x[0] = self.max_id - 1  # every example holds the largest id
         return x[:-1], x[1:]
+
+
+def long_windows(n: int = 200, length: int = 40):
+    """``TokenWindows`` of ``length`` tokens each (longer than a 32-position model can take)."""
+    ds = TokenWindows(n)
+    return [(x.repeat(3)[:length], y.repeat(3)[:length]) for x, y in (ds[i] for i in range(n))]

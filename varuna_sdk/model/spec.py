@@ -21,6 +21,7 @@ Must never import ``varuna_sdk.pipeline``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -125,6 +126,22 @@ class CallSpec:
                                                else ", its own loss")
 
 
+def _warn_if_not_causal(model: nn.Module) -> None:
+    """Warn when a Hugging Face model given ``labels=input_ids`` from text is not a causal (or
+    encoder-decoder) language model: a masked-LM head sees, unmasked, every token it is asked to
+    predict, so its loss falls towards 0 without it learning anything."""
+    cfg = getattr(model, "config", None)
+    name = type(model).__name__
+    if cfg is None or getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "is_decoder", False):
+        return
+    if "CausalLM" in name or "LMHead" in name:
+        return
+    warnings.warn(f"{name} is not a causal language model: trained on text, its labels are its unmasked inputs, "
+                  "which it sees, so its loss falls towards 0 without learning. Give it masked inputs and labels "
+                  "from a dataset (data.dataset; e.g. transformers' DataCollatorForLanguageModeling), or train a "
+                  "causal LM (…ForCausalLM)", UserWarning, stacklevel=3)
+
+
 def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(model.forward).parameters.values())
@@ -162,6 +179,7 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     elif "input_ids" in fields:  # language-model data
         if "labels" in names and (loss is None or own):
             call, own = CallSpec(kwargs=(("input_ids", "input_ids"), ("labels", "labels"))), True
+            _warn_if_not_causal(model)
         elif "targets" in names[1:] and (loss is None or own):
             call, own = CallSpec(args=("input_ids", "targets")), True
         elif own:
