@@ -259,3 +259,41 @@ def test_a_masked_lm_on_text_is_warned_about(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:gpt2", kwargs={"n_layer": 2})))
+
+
+class _TiedLM(_Plain):
+    """``_Plain`` with its head tied to the embedding (one tensor under two names) and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 256, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+
+def test_initial_weights_are_the_engines_and_load_into_the_users_own_model(tmp_path):
+    """``Job.initial_weights()`` is the state every stage starts from: it loads, strictly, into a
+    fresh instance of the user's class (tied weights under both names, buffers too) and equals the
+    engine's parameters (built by the training path at P=1) exactly."""
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.trainer import build_training
+
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    cfg = JobConfig(name="init", data=DataConfig(tokenizer="byte", seq_len=32),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=4, micro_batch_size=2),
+                    train=TrainConfig(steps=2, eval_batches=1, seed=5, run_dir=str(tmp_path / "runs")))
+    job = Job(cfg, model=_TiedLM, data=str(f))
+    sd = job.initial_weights()
+    assert set(sd) == set(_TiedLM().state_dict()) and torch.equal(sd["scale"], torch.full((16,), 0.5))
+    mine = _TiedLM()
+    mine.load_state_dict(sd)                                 # strict: every name, nothing extra
+    assert mine.head.weight is mine.emb.weight and torch.equal(mine.head.weight, sd["emb.weight"])
+    engine = build_training(job.config).engine
+    got = dict(engine.named_parameters())
+    assert set(got) == {n for n, _ in mine.named_parameters()}
+    for n, p in got.items():
+        assert torch.equal(p.detach(), sd[n]), n
+    other = Job(cfg.__class__.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "seed": 6}}),
+                model=_TiedLM, data=str(f)).initial_weights()
+    assert not torch.equal(other["emb.weight"], sd["emb.weight"])  # the seed decides them

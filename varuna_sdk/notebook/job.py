@@ -161,6 +161,25 @@ class Job:
         self._profile = calibrate_job(self.config, refresh=refresh, resolved=self.resolved)
         return self._profile
 
+    def initial_weights(self) -> dict:
+        """The parameters and (persistent) buffers every stage starts from, as one ``state_dict``
+        of CPU tensors under the model's own names (tied weights under each of their names).
+
+        Each is made by the model's own constructor (or ``model.init``) seeded from
+        ``train.seed`` and its module's name, so every (P, D) starts from the same values. Load
+        it into your own copy — ``mine = MyModel(); mine.load_state_dict(job.initial_weights())``
+        — and a plain PyTorch loop over the same micro-batches (loss / m summed into the
+        gradients, the same optimizer) follows the pipeline's losses to fp32 rounding. Builds the
+        whole model in host memory (its size in bytes); raises what the model's constructor raises.
+        """
+        from ..model.materialize import build_on_meta, materialize
+
+        spec = self.resolved.spec
+        model = build_on_meta(spec.factory)
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        materialize(model, names, seed=self.config.train.seed, device="cpu", init_fn=spec.init_fn)
+        return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
     def _default_gpus(self) -> int:
         if self.provider is not None:
             from ..manager.decisions import pool_slots
