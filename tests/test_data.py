@@ -222,7 +222,9 @@ def test_eval_batches():
     again = eval_batches(val, seq_len=10, batch_size=4, max_batches=3)
     assert len(again) == 3
     assert all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match=r"20 held-out tokens give 1 sequences of seq_len=10, fewer than one batch "
+                                         r"of 4 sequences: need at least 41 tokens; use a smaller global batch "
+                                         r"\(parallel.global_batch\)"):
         eval_batches(val[:20], seq_len=10, batch_size=4, max_batches=1)
 
 

@@ -5,7 +5,8 @@ processes), against the same model trained by plain PyTorch from the same initia
   ``labels=`` → ``.loss``) and ``LlamaForCausalLM`` (rotary ``position_embeddings=(cos, sin)``
   handed to every layer, an ``inv_freq`` buffer made in ``__init__``) at (P, D) = (2, 1), (3, 1)
   and (2, 2), and with the zero-bubble split backward (``split_backward=True``) at P = 2 and 3;
-- ``BertForMaskedLM`` (a tied head bias that ``post_init`` replaces with ``bias.data = pad(bias)``) at P = 2;
+- ``BertForMaskedLM`` (a tied head bias that ``post_init`` replaces with ``bias.data = pad(bias)``) and
+  ``DebertaV2ForMaskedLM`` (relative position embeddings of the encoder used by every layer) at P = 2;
 - ``GPT2LMHeadModel`` with frozen weights (``requires_grad=False``) on both stages, whole and split;
 - Hugging Face ``T5ForConditionalGeneration`` (encoder-decoder; the relative position bias is made
   from weights and crosses cut-points beside the hidden state that uses it) at P = 2, with and
@@ -45,6 +46,7 @@ MODELS = {
     "hf_llama": ("tests.thirdparty.hf_models:llama", {"n_layer": 3}, "hf"),
     "hf_t5": ("tests.thirdparty.hf_models:t5", {"n_layer": 3}, "hf"),
     "hf_bert": ("tests.thirdparty.hf_models:bert_mlm", {"n_layer": 3}, "hf"),
+    "hf_deberta": ("tests.thirdparty.hf_models:deberta_v2", {"n_layer": 3}, "hf"),
     # frozen weights on both stages (the position embedding, one block's attention projection)
     "hf_gpt2_frozen": ("tests.thirdparty.hf_models:gpt2",
                        {"n_layer": 3, "frozen": ["transformer.wpe.weight", "transformer.h.2.attn.c_attn.weight"]}, "hf"),
@@ -61,7 +63,8 @@ MODELS = {
 SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llama", 2, 1, "zb"),
               ("sf_gpt", 2, 1, "zb"), ("hf_t5", 2, 1), ("hf_t5", 2, 1, "zb"),
               ("hf_gpt2_frozen", 2, 1), ("hf_gpt2_frozen", 2, 1, "zb"), ("hf_bert", 2, 1),
-              ("hf_gpt2_unused", 2, 1, "zb"), ("shared_depth", 2, 1), ("wide_mlp", 2, 1)],
+              ("hf_gpt2_unused", 2, 1, "zb"), ("shared_depth", 2, 1), ("wide_mlp", 2, 1),
+              ("hf_deberta", 2, 1)],
           3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
               ("hf_gpt2", 3, 1, "zb")],
           4: [("hf_gpt2_unused", 2, 2), ("hf_llama", 2, 2)]}

@@ -52,3 +52,14 @@ def bert_mlm(n_layer: int = 3, hidden: int = 32, vocab_size: int = 256, max_posi
                                   max_position_embeddings=max_positions, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0)
     return transformers.BertForMaskedLM(cfg)
+
+
+def deberta_v2(n_layer: int = 3, hidden: int = 32, vocab_size: int = 256, max_positions: int = 64):
+    """``DebertaV2ForMaskedLM`` (disentangled attention: the relative position embeddings are
+    weights of the encoder, used by every layer — across cut-points — beside the hidden state)."""
+    cfg = transformers.DebertaV2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=n_layer,
+                                       num_attention_heads=4, intermediate_size=2 * hidden,
+                                       max_position_embeddings=max_positions, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, relative_attention=True,
+                                       position_buckets=16, max_relative_positions=32, pos_att_type=["p2c", "c2p"])
+    return transformers.DebertaV2ForMaskedLM(cfg)
