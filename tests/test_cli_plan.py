@@ -31,8 +31,11 @@ def test_fixed_P_and_D_are_reported_as_the_run_train_makes(files):
     out = _cli("plan", config(P=2, D=2), "--gpus", "4", "--profile", path)
     assert out.returncode == 0, out.stderr[-2000:]
     best = plan(prof, 4, 32, shared_egress=True).best  # VMs: one egress link per worker, as the manager plans
-    kept = next(r for r in plan(prof, 4, 32, max_depth=2, replicas=2, shared_egress=True).feasible if r.P == 2)
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=2, parallel.D=2"))
+    # train runs a configured P x D at the config's micro-batch size (_job: 1): so does this row
+    kept = next(r for r in plan(prof, 4, 32, max_depth=2, replicas=2, shared_egress=True,
+                                micro_batch_sizes=[1]).feasible if r.P == 2)
+    line = next(ln for ln in out.stdout.splitlines()
+                if ln.startswith("with parallel.P=2, parallel.D=2, parallel.micro_batch_size=1 from the config"))
     assert f"P=2 D=2 micro-batch {kept.micro_batch_size} (m={kept.m})" in line
     assert f"{kept.time_s * 1e3:.1f} ms" in line and f"({kept.time_s / best.time_s:.2f}x" in line
     # nothing fixed: no such line; the placement assumed is said either way

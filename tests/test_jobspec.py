@@ -106,6 +106,11 @@ def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
         JobObjects(model=_Plain, loss=bad).pack(job)
         with pytest.raises(ModelSpecError, match=pattern):
             resolve_job(job)
+    job = _job(tmp_path, ModelConfig(loss="tests.thirdparty.hf_models:no_such_loss"))   # named, not run
+    JobObjects(model=_Plain).pack(job)
+    with pytest.raises(ConfigError, match=r"^model.loss: .*has no 'no_such_loss'") as ei:
+        resolve_job(job)
+    assert "the loss raised" not in str(ei.value)
     job = _job(tmp_path, ModelConfig(init="nowhere.inits:init"))
     JobObjects(model=_Plain).pack(job)
     with pytest.raises(ConfigError, match="cannot import 'nowhere.inits'"):

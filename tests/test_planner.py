@@ -719,6 +719,9 @@ def test_cli_plan_prints_table_and_reports_missing_profile(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[1].split()[:3] == ["rank", "P", "D"] and lines[2].split()[0] == "1"
     assert "prices are an EXAMPLE" in out.stdout and "to target" in out.stdout
+    # the run `varuna train` would make: the config's P, D and micro-batch size (train keeps all three)
+    assert ("with parallel.P=2, parallel.D=2, parallel.micro_batch_size=1 from the config: P=2 D=2 micro-batch 1 "
+            "(m=16)") in out.stdout, out.stdout[-2000:]
     # user prices are not flagged as an example
     out = _cli_here("plan", str(cfg), "--gpus", "4", "--profile", str(prof), "--spot-price", "0.5", "--global-batch", "64")
     assert out.returncode == 0 and "EXAMPLE" not in out.stdout and "global batch 64" in out.stdout

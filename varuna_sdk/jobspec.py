@@ -440,6 +440,8 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
         except WeightValueError:
             reads_values.append(out)  # e.g. to log them, or float(...): checked below, on real zeros
             return
+        except ConfigError as e:  # an import-path loss that does not resolve: the config's error
+            raise ConfigError(f"model.loss: {e}") from None
         except Exception as e:  # noqa: BLE001 - the user's loss failed on the model's output
             raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
                                  f"output, a {type(out).__name__}, as {spec.call.describe()})") from e
@@ -448,7 +450,7 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     reads_values: list = []
     try:
         structure = trace_model(meta, inputs, after=loss_on)
-    except (ModelSpecError, DataError):
+    except (ModelSpecError, DataError, ConfigError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's forward failed on real data: say which data
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(1, T).items()

@@ -113,11 +113,13 @@ def _placement(args: argparse.Namespace, G: int) -> tuple[dict, str]:
 
 
 def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
-    """The best plan that keeps the config's ``parallel.P``/``D``/``boundaries`` (the run ``varuna
-    train`` would make), printed beside the best plan ``pl``; 1 when none can keep them."""
+    """The best plan that keeps the config's ``parallel.P``/``D``/``boundaries`` and, when set,
+    ``micro_batch_size`` (the run ``varuna train`` would make), printed beside the best plan
+    ``pl``; 1 when none can keep them."""
     from ..planner.plan import plan
 
-    fixed = {k: v for k, v in (("P", par.P), ("D", par.D)) if v is not None}
+    fixed = {k: v for k, v in (("P", par.P), ("D", par.D), ("micro_batch_size", par.micro_batch_size))
+             if v is not None}
     what = ", ".join(f"parallel.{k}={v}" for k, v in fixed.items()) + (", parallel.boundaries" if par.boundaries else "")
     if par.D is not None and (par.D > G or B % par.D):
         print(f"varuna: parallel.D={par.D} from the config does not fit --gpus {G} and global batch {B} (D must "
@@ -126,11 +128,13 @@ def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
         return 1
     try:
         kept = plan(prof, G, B, max_depth=None if par.boundaries else par.P, replicas=par.D,
-                    boundaries=par.boundaries, **common)
+                    boundaries=par.boundaries,
+                    micro_batch_sizes=[par.micro_batch_size] if par.micro_batch_size is not None else None, **common)
     except ConfigError as e:
         print(f"varuna: {what} from the config cannot be kept with --gpus {G}: {e}", file=sys.stderr)
         return 1
-    rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)]
+    rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)
+            and (par.micro_batch_size is None or r.micro_batch_size == par.micro_batch_size)]
     if not rows:
         print(f"varuna: no feasible plan keeps {what} from the config; set them to null to let the planner "
               "choose", file=sys.stderr)
