@@ -61,7 +61,7 @@ from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
 from .model.spec import ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model
 from .model.hybrid import WeightValueError
-from .model.tracer import trace_model
+from .model.tracer import ModelStructure, trace_model
 from .shipping import ByValue, ShippingError, find_objects
 
 # ---- picklable callables ---------------------------------------------------------------------
@@ -466,6 +466,15 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             loss = None
         if loss is not None:
             _check_loss(loss, spec)
+    _check_lookups(structure, data, spec.name, T)
+    d, p = job.data, job.parallel
+    data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
+
+
+def _check_lookups(structure: ModelStructure, data: JobData, name: str, T: int) -> None:
+    """Every embedding lookup of the dry run within its table: token ids (from the inputs) below
+    the vocabulary — over the whole token data, or the sampled example of a dataset — and
+    positions below the context. Raises ``DataError`` naming the table and the fix."""
     for e in structure.embeddings:
         if e["from_input"] and data.tokens is not None and data.tokens.max_id >= e["rows"]:
             raise DataError(f"{data.source} holds token id {data.tokens.max_id}, beyond the model's vocabulary of "
@@ -476,15 +485,13 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                             f"of {e['rows']} ids ({e['param']}); make the dataset's ids smaller than {e['rows']} "
                             f"(its tokenizer), or build the model with at least {e['max_index'] + 1} token embeddings")
         if not e["from_input"] and e["max_index"] >= e["rows"] and data.tokens is None:
-            raise DataError(f"{data.source}: its examples make {spec.name} look up row {e['max_index']} of "
+            raise DataError(f"{data.source}: its examples make {name} look up row {e['max_index']} of "
                             f"{e['param']}, which has {e['rows']} rows (its context); make each example at most "
                             f"{e['rows']} long (crop it in the dataset), or build the model with a longer context")
         if not e["from_input"] and e["max_index"] >= e["rows"]:
-            raise DataError(f"data.seq_len={T} makes {spec.name} look up row {e['max_index']} of {e['param']}, which "
+            raise DataError(f"data.seq_len={T} makes {name} look up row {e['max_index']} of {e['param']}, which "
                             f"has {e['rows']} rows (its context); lower data.seq_len, or build the model with a "
                             "longer context")
-    d, p = job.data, job.parallel
-    data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
 
 
 def _real_stand_in(out: Any) -> Any:
