@@ -197,3 +197,45 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     assert "asked to stop from outside (SIGINT)" in events and "asked to stop from outside (varuna stop)" in events
     assert "asked to stop from outside (SIGTERM)" in events
     assert not procs_left(str(run), timeout_s=10)
+
+
+@pytest.mark.timeout(240)
+def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_path):
+    """``varuna train`` stopped by Ctrl-C names the ``varuna train ... --run-dir`` command that
+    continues it; that command trains the remaining steps (no step redone); run once more on the
+    finished folder it trains nothing and says the job had already ended; ``varuna launch`` says
+    the same."""
+    import os
+    import signal
+
+    from test_manager import steps_redone
+    from varuna_sdk.manager.runs import read_run
+
+    cfg, run = tmp_path / "tiny.yaml", tmp_path / "runs" / "tiny"
+    cfg.write_text(TINY.replace("P: 2, D: 1", "P: 1, D: 1").replace("steps: 4000", "steps: 800")
+                   .replace("gpus: 2", "gpus: 1"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    train = [sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--run-dir", str(run)]
+    first = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        _wait_steps(run, 3, first)
+        first.send_signal(signal.SIGINT)
+        out = first.communicate(timeout=60)[0]
+    finally:
+        first.kill()
+    assert first.returncode == 130, out
+    assert f"`varuna train {cfg} --run-dir {run}` continues the job" in out, out
+    stopped_at = read_run(run).steps_done
+    assert 3 <= stopped_at < 800, stopped_at
+    second = subprocess.run(train, capture_output=True, text=True, env=env, timeout=120)
+    assert second.returncode == 0 and "already ended" not in second.stdout, second.stdout + second.stderr
+    assert read_run(run).state == "SUCCEEDED" and read_run(run).steps_done == 800
+    assert set(steps_redone(run)) == {0}
+    mtime = (run / "metrics.jsonl").stat().st_mtime_ns
+    third = subprocess.run(train, capture_output=True, text=True, env=env, timeout=120)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "had already ended (800 step(s)); nothing was trained" in third.stdout, third.stdout
+    assert (run / "metrics.jsonl").stat().st_mtime_ns == mtime       # nothing ran, nothing written
+    fourth = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run),
+                             "--local", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert fourth.returncode == 0 and "had already ended (SUCCEEDED)" in fourth.stdout, fourth.stdout + fourth.stderr

@@ -85,7 +85,8 @@ def test_balanced_split_follows_costs():
 def test_depth_larger_than_segment_count_is_a_partition_error(P):
     _, s = traced_gpt2(7)  # 9 segments
     n = s.num_segments
-    msg = rf"P={P} is larger than the model's {n} segments \({n - 1} cut-points\); choose P <= {n}"
+    msg = (rf"P={P} is larger than the model's {n} segments \(the pieces its {n - 1} cut-points split it into: "
+           rf"typically what comes before the first block, each block, and what comes after the last\); choose P <= {n}")
     with pytest.raises(PartitionError, match=msg):
         balanced_stage_map(segment_costs(s), P)
     with pytest.raises(PartitionError, match=msg):

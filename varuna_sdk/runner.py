@@ -37,10 +37,13 @@ from .shipping import objects_file_name, pack_objects
 
 @dataclass
 class RunResult:
-    """Where a finished run wrote its files, and its headline numbers."""
+    """Where a finished run wrote its files, and its headline numbers. ``trained``: False when
+    ``run_dir`` held a job that had already finished, so nothing ran this time (its files are
+    the earlier run's)."""
 
     run_dir: Path
     summary: dict
+    trained: bool = True
 
     @property
     def metrics_path(self) -> Path:
@@ -326,7 +329,8 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
         raise WorkerFailure(f"job {summary['job_id']} {summary['state']}: {summary['error']}",
                             {0: (1, summary["error"] or "")})
     summary_path = out / "summary.json"
-    return RunResult(out, json.loads(summary_path.read_text()) if summary_path.exists() else {})
+    return RunResult(out, json.loads(summary_path.read_text()) if summary_path.exists() else {},
+                     trained=not summary.get("ended_before", False))
 
 
 __all__ = ["JobObjects", "JobStopped", "RunResult", "launch_job", "new_run_dir", "plan_job", "prepare_run", "stop_on_signals",

@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = train_local(job, run_dir=args.run_dir, signals=True)
         except JobStopped as e:
-            print(f"[varuna] {e}", file=sys.stderr)
+            done = 0 if e.last_step is None else e.last_step + 1
+            again = f"varuna demo --no-spot --run-dir {e.run_dir}" if args.cmd == "demo" else \
+                f"varuna train {args.config} --run-dir {e.run_dir}"
+            print(f"[varuna] stopped after {done} step(s) with a checkpoint in {e.run_dir}; `{again}` continues "
+                  "the job", file=sys.stderr)
             return 130
         except WorkerFailure as e:
             print(f"varuna: training failed: {e}", file=sys.stderr)
@@ -126,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                 if tb:
                     print(f"--- rank {rank} (exit {code}) ---\n{tb}", file=sys.stderr)
             return 1
+        if not result.trained:
+            print(f"[varuna] the job in {result.run_dir} had already ended ({result.summary.get('steps', '?')} "
+                  "step(s)); nothing was trained. Leave out --run-dir (or give a new folder) to train again.")
         print(f"[varuna] run folder: {result.run_dir} (metrics.jsonl, summary.json, config.yaml)")
         return 0
     except (ConfigError, ValueError, ShippingError) as e:

@@ -68,6 +68,10 @@ def launch_command(args: argparse.Namespace) -> int:
     finally:
         if provider is not None:
             provider.close()
+    if summary.get("ended_before"):
+        print(f"[varuna] job {summary['job_id']} had already ended ({summary['state']}) in {summary['run_dir']}; "
+              "nothing ran. Give a new --run-dir to run it again.", flush=True)
+        return 0 if summary["state"] == "SUCCEEDED" else 1
     print(f"[varuna] job {summary['job_id']}: {summary['state']} after {summary['generation'] + 1} generation(s), "
           f"{len(summary['morphs'])} morph(s); run folder {summary['run_dir']}", flush=True)
     from ..manager.runs import morph_sentence

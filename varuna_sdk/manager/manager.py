@@ -137,6 +137,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self.log = EventLog(self.run_dir / "events.db")
         self._init_state()
         self._restored = self._restore()
+        self._ended_before = False   # run() found the job already ended in its folder: nothing ran
 
     def _init_state(self) -> None:
         """The fields of a job not yet run (``_restore`` then reads a previous manager's back)."""
@@ -238,6 +239,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         """Run the job to the end in this thread; returns SUCCEEDED, FAILED or STOPPED.
         Raises ``ManagerError`` (after recording FAILED) when it cannot go on."""
         if self.state in (JobState.SUCCEEDED, JobState.FAILED) and self._restored:
+            self._ended_before = True
             if self._lock_fd is not None:   # taken by start(): nothing to run
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -489,8 +491,10 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._backfill_metrics()
 
     def summary(self) -> dict[str, Any]:
-        """State, generation, budgets used, morphs and the error, as plain data."""
+        """State, generation, budgets used, morphs and the error, as plain data. ``ended_before``:
+        the job had already ended (SUCCEEDED or FAILED) in this run folder, so ``run()`` ran nothing."""
         return {"job_id": self.job_id, "state": self.state.value, "generation": self.generation,
+                "ended_before": self._ended_before,
                 "last_step": self._last_step, "preemptions": self.preemptions, "failures": self.failures,
                 "morphs": [m.to_dict() for m in self.morphs], "error": self.error, "run_dir": str(self.run_dir)}
 

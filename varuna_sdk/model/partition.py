@@ -101,8 +101,9 @@ def check_depth(num_segments: int, P: int) -> None:
         hint = (" (it has no cut-points: set model.blocks to the dotted name of its list of layers, or put "
                 "CutPoint() modules in its forward)") if num_segments == 1 else ""
         raise PartitionError(
-            f"pipeline depth P={P} is larger than the model's {num_segments} segments "
-            f"({num_segments - 1} cut-points); choose P <= {num_segments} or add cut-points{hint}"
+            f"pipeline depth P={P} is larger than the model's {num_segments} segments (the pieces its "
+            f"{num_segments - 1} cut-points split it into: typically what comes before the first block, each "
+            f"block, and what comes after the last); choose P <= {num_segments} or add cut-points{hint}"
         )
 
 
