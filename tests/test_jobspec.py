@@ -218,6 +218,11 @@ def test_a_job_whose_loss_is_never_finite_fails_instead_of_succeeding(tmp_path):
     job.train.steps = 8
     with pytest.raises(WorkerFailure, match=r"not finite .* 3 steps in a row in fp32, so no step was applied"):
         train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))
+    # the same folder again: it says the job had already failed, and runs nothing
+    with pytest.raises(WorkerFailure, match=r"had already ended FAILED; nothing ran this time: give a new --run-dir "
+                                            r".* Its error: .*FloatingPointError: steps 1..3: the loss or the gradients "
+                                            r"were not finite"):
+        train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))
 
 
 def _call_shipped(fn) -> str:
