@@ -90,7 +90,7 @@ def reference(case: dict) -> dict:
         total = 0.0
         for j in range(n_mb):
             x = batch["input_ids"][j * b:(j + 1) * b]
-            y = batch["targets"][j * b:(j + 1) * b]
+            y = (batch["labels"] if case["kind"] == "hf_mlm" else batch["targets"])[j * b:(j + 1) * b]
             loss = _plain_loss(case, model, x, y)
             (loss / n_mb).backward()
             total += loss.item() / n_mb
@@ -106,6 +106,8 @@ def _plain_loss(case: dict, model, x, y):
     kind = case["kind"]
     if kind == "hf":        # Hugging Face: labels=input_ids, the model shifts them itself
         return model(input_ids=x, labels=x).loss
+    if kind == "hf_mlm":    # masked LM: the masked inputs and their labels (-100: not predicted)
+        return model(input_ids=x, labels=y).loss
     if kind == "targets":   # single-file GPT: (idx, targets) -> (logits, loss)
         return model(x, y)[1]
     logits = model(x)       # plain: logits, cross-entropy against the next tokens

@@ -71,7 +71,7 @@ class _NoLayers(nn.Module):
 
 
 def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
-    with pytest.raises(ConfigError, match=r"neither an import path .* nor a registered model \(\['gpt2', 'hf-causal-lm'\]\)"):
+    with pytest.raises(ConfigError, match=r"neither an import path .* nor a registered model \(\['gpt2', 'hf-causal-lm', 'hf-masked-lm'\]\)"):
         resolve_job(_job(tmp_path, ModelConfig(factory="gtp2")))
     with pytest.raises(ConfigError, match="cannot import 'nowhere.models'"):
         resolve_job(_job(tmp_path, ModelConfig(factory="nowhere.models:build")))
@@ -218,11 +218,6 @@ def test_a_job_whose_loss_is_never_finite_fails_instead_of_succeeding(tmp_path):
     job.train.steps = 8
     with pytest.raises(WorkerFailure, match=r"not finite .* 3 steps in a row in fp32, so no step was applied"):
         train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))
-    # the same folder again: it says the job had already failed, and runs nothing
-    with pytest.raises(WorkerFailure, match=r"had already ended FAILED; nothing ran this time: give a new --run-dir "
-                                            r".* Its error: .*FloatingPointError: steps 1..3: the loss or the gradients "
-                                            r"were not finite"):
-        train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))
 
 
 def _call_shipped(fn) -> str:
@@ -264,7 +259,7 @@ def test_a_masked_lm_on_text_is_warned_about(tmp_path):
     a warning says so and what to give it instead; a causal LM gets none."""
     import warnings
 
-    with pytest.warns(UserWarning, match=r"BertForMaskedLM is not a causal language model: .*DataCollatorForLanguage"):
+    with pytest.warns(UserWarning, match=r"BertForMaskedLM is not a causal language model: .*Set data.mlm_probability: 0.15"):
         resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:bert_mlm", kwargs={"n_layer": 2})))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

@@ -5,8 +5,10 @@ process starts, and again, identically, in every worker.
 A model is named one of three ways (``config.ModelConfig``):
 
 - a **registered** model (``MODELS``; ``register_model`` adds one): ``gpt2`` (our GPT-2 presets,
-  the default) and ``hf-causal-lm`` (any Hugging Face causal LM from a config:
-  ``kwargs: {model_type: llama, hidden_size: 64, ...}``, random weights, nothing downloaded);
+  the default), ``hf-causal-lm`` (any Hugging Face causal LM from a config:
+  ``kwargs: {model_type: llama, hidden_size: 64, ...}``, random weights, nothing downloaded) and
+  ``hf-masked-lm`` (the same for a masked LM: ``model_type: bert``, ``roberta``…; train it with
+  ``data.mlm_probability``);
 - an **import path** ``package.module:function`` in the user's code folder, called with
   ``kwargs`` — shipped *by reference*: the bootstrap syncs the folder to the VMs and each worker
   imports it there;
@@ -56,6 +58,7 @@ from torch import nn
 from .config import ConfigError, JobConfig
 from .data.loader import (LM_FIELDS, BatchLoader, ExampleLoader, collate, eval_batches, example_eval_batches,
                           lm_fields, train_val_split)
+from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
@@ -167,20 +170,33 @@ def _gpt2_builder(job: JobConfig, tok: Tokenizer) -> Registered:
                       loss=lm_loss, init_fn=functools.partial(init_gpt2, n_layer=cfg.n_layer))
 
 
+#: ``model.factory`` name of a Hugging Face model from a config → the transformers Auto class that builds it
+HF_HEADS = {"hf-causal-lm": "AutoModelForCausalLM", "hf-masked-lm": "AutoModelForMaskedLM"}
+
+
 def hf_causal_lm(model_type: str, **config: Any) -> nn.Module:
     """A Hugging Face causal LM of ``model_type`` (``gpt2``, ``llama``, ``mistral``, ``qwen2``…)
-    from a config with ``config`` overriding its defaults — random weights, nothing downloaded."""
+    from a config with ``config`` overriding its defaults — random weights, nothing downloaded.
+    Raises ``ConfigError`` for an unknown model type or config field."""
+    return hf_model("hf-causal-lm", model_type, **config)
+
+
+def hf_model(factory: str, model_type: str, **config: Any) -> nn.Module:
+    """The Hugging Face model ``factory`` (a key of ``HF_HEADS``: causal or masked LM) of
+    ``model_type`` from a config with ``config`` overriding its defaults — random weights, nothing
+    downloaded. Raises ``ConfigError`` naming an unknown model type, a field the config does not
+    know (with the likely one) or a model type that has no such head."""
     import transformers
 
     try:
         cls = transformers.AutoConfig.for_model(model_type).__class__
     except ValueError as e:
-        raise ConfigError(f"hf-causal-lm: {_short(str(e), 300)}") from None
+        raise ConfigError(f"{factory}: {_short(str(e), 300)}") from None
     known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
     unknown = sorted(set(config) - known)
     if unknown:
         hints = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
-        raise ConfigError(f"hf-causal-lm: {cls.__name__} has no field(s) {unknown}"
+        raise ConfigError(f"{factory}: {cls.__name__} has no field(s) {unknown}"
                           + "".join(f"; {k}: did you mean {h[0]!r}?" for k, h in hints.items() if h)
                           + " (a field it does not know would be ignored and the model built with its default)")
     cfg = transformers.AutoConfig.for_model(model_type, **config)
@@ -188,23 +204,31 @@ def hf_causal_lm(model_type: str, **config: Any) -> nn.Module:
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of a vocabulary it no longer has
         if isinstance(getattr(cfg, k, None), int) and vocab is not None and getattr(cfg, k) >= vocab and k not in config:
             setattr(cfg, k, None)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    try:
+        return getattr(transformers, HF_HEADS[factory]).from_config(cfg)
+    except ValueError as e:   # e.g. a masked-LM head for a causal-only model type
+        raise ConfigError(f"{factory}: {_short(str(e), 300)}") from None
 
 
-def _hf_builder(job: JobConfig, tok: Tokenizer) -> Registered:
+def _hf_builder(factory: str, job: JobConfig, tok: Tokenizer) -> Registered:
     import transformers
 
     kw = dict(job.model.kwargs or {})
     if "model_type" not in kw:
-        raise ConfigError("model.factory hf-causal-lm needs model.kwargs.model_type (e.g. gpt2, llama, mistral) and "
+        examples = "bert, roberta, deberta-v2" if factory == "hf-masked-lm" else "gpt2, llama, mistral"
+        raise ConfigError(f"model.factory {factory} needs model.kwargs.model_type (e.g. {examples}) and "
                           "the config fields to set (e.g. num_hidden_layers, hidden_size)")
     kw.setdefault("vocab_size", tok.vocab_size)
-    return Registered(functools.partial(hf_causal_lm, **kw), name=f"Hugging Face {kw['model_type']}",
-                      identity={"kind": "hf", "kwargs": kw, "transformers": transformers.__version__})
+    identity = {"kind": "hf", "kwargs": kw, "transformers": transformers.__version__}
+    if factory != "hf-causal-lm":   # (the causal LM's identity as before: its cached calibrations stay valid)
+        identity["head"] = factory
+    return Registered(functools.partial(hf_model, factory, **kw), name=f"Hugging Face {kw['model_type']}",
+                      identity=identity)
 
 
 register_model("gpt2", _gpt2_builder)
-register_model("hf-causal-lm", _hf_builder)
+for _factory in HF_HEADS:
+    register_model(_factory, functools.partial(_hf_builder, _factory))
 
 
 def _by_value_ref(value: str | None) -> str | None:
@@ -285,7 +309,7 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
     except Exception as e:  # noqa: BLE001 - the user's constructor failed: say where, keep its words
         raise ModelSpecError(f"building the model ({name}{'(**' + repr(kwargs) + ')' if kwargs else '()'}) failed: "
                              f"{type(e).__name__}: {_short(str(e))}") from e
-    call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets)
+    call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets, masked=job.data.mlm_probability is not None)
     vocab, ctx = model_limits(meta)
     del meta
     return ModelSpec(factory=prepared, loss_fn=loss_fn, call=call, name=name, identity=identity,
@@ -295,12 +319,15 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
 @dataclass
 class JobData:
     """The job's data, opened and checked: a token stream (``tokens``, with its ``tokenizer``)
-    or a dataset of examples (``examples``). ``fields``: the names a batch has."""
+    or a dataset of examples (``examples``). ``fields``: the names a batch has. ``mlm``: masked-LM
+    masking of token data (``data.mlm_probability``): ``input_ids`` masked, ``labels`` and
+    ``targets`` the ids to predict (-100 elsewhere), the same examples whatever P, D or morphs."""
 
     tokenizer: Tokenizer
     tokens: TokenData | None = None
     examples: ExampleData | None = None
     source: str = ""
+    mlm: MLMMasking | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -319,7 +346,7 @@ class JobData:
             span = len(toks) - seq_len
             rows_ = [toks[(i * (seq_len + 1)) % span:(i * (seq_len + 1)) % span + seq_len + 1] for i in range(n)]
             x = torch.from_numpy(np.stack(rows_).astype("int64"))
-            return lm_fields(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+            return _lm(x[:, :-1].contiguous(), x[:, 1:].contiguous(), self.mlm, [(SAMPLE, i) for i in range(n)])
         return collate([self.examples.dataset[i % len(self.examples)] for i in range(n)])
 
     def loaders(self, seq_len: int, global_batch: int, seed: int, val_fraction: float, eval_batches_max: int):
@@ -330,10 +357,12 @@ class JobData:
             train, val = train_val_split(self.tokens.tokens, val_fraction)
             try:
                 loader = BatchLoader(train, seq_len, global_batch, seed=seed)
-                val_b = [lm_fields(x, y) for x, y in eval_batches(val, seq_len, global_batch, max_batches=eval_batches_max)]
+                val_b = [_lm(x, y, self.mlm, [(HELD_OUT, b, k) for k in range(len(x))])
+                         for b, (x, y) in enumerate(eval_batches(val, seq_len, global_batch,
+                                                                 max_batches=eval_batches_max))]
             except ValueError as e:
                 raise DataError(f"{self.source}: {e}") from None
-            return _LMLoader(loader), val_b
+            return _LMLoader(loader, self.mlm), val_b
         n = len(self.examples)
         n_val = max(1, int(round(n * val_fraction)))
         if n - n_val < 1:
@@ -346,17 +375,30 @@ class JobData:
         return loader, val_b
 
 
-class _LMLoader:
-    """``BatchLoader`` giving named fields (``LM_FIELDS``) instead of ``(inputs, targets)``."""
+def _lm(inputs: torch.Tensor, targets: torch.Tensor, mlm: MLMMasking | None, keys: list) -> dict[str, torch.Tensor]:
+    """Language-model fields of ``inputs``/``targets`` (``[n, T]``); with ``mlm``, the inputs
+    masked and ``labels``/``targets`` the masked positions' ids (example ``i`` drawn by ``keys[i]``)."""
+    if mlm is None:
+        return lm_fields(inputs, targets)
+    masked, labels = mlm.apply(inputs, keys)
+    return {"input_ids": masked, "targets": labels, "labels": labels}
 
-    def __init__(self, loader: BatchLoader):
-        self.inner = loader
+
+class _LMLoader:
+    """``BatchLoader`` giving named fields (``LM_FIELDS``) instead of ``(inputs, targets)``;
+    with ``mlm``, masked by example (its step and row of the global batch)."""
+
+    def __init__(self, loader: BatchLoader, mlm: MLMMasking | None = None):
+        self.inner, self.mlm = loader, mlm
 
     def replica_batch(self, step: int, replica: int, num_replicas: int) -> dict[str, torch.Tensor]:
-        return lm_fields(*self.inner.replica_batch(step, replica, num_replicas))
+        x, y = self.inner.replica_batch(step, replica, num_replicas)
+        first = replica * (self.inner.global_batch // num_replicas)
+        return _lm(x, y, self.mlm, [(TRAIN, step, first + k) for k in range(len(x))])
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
-        return lm_fields(*self.inner.batch(step))
+        x, y = self.inner.batch(step)
+        return _lm(x, y, self.mlm, [(TRAIN, step, k) for k in range(len(x))])
 
     @property
     def position(self) -> int:
@@ -393,10 +435,18 @@ def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> Jo
             raise
         except Exception as e:  # noqa: BLE001 - the user's factory failed: say which, keep its message
             raise DataError(f"{where} raised {type(e).__name__}: {e}") from e
+        if d.mlm_probability is not None:
+            raise DataError(f"data.mlm_probability masks token data (text or token files), and {where} gives "
+                            "examples: mask them in the dataset (e.g. with transformers' "
+                            "DataCollatorForLanguageModeling) and remove data.mlm_probability")
         return JobData(tok, examples=open_examples(ds, where), source=where)
+    try:
+        mlm = masking_for(d.mlm_probability, tok, d.mask_token, d.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     tokens = open_tokens(d.path, tokenizer=tok, fmt=d.format, text_column=d.text_column,
                          token_dtype=d.token_dtype, corpus=d.corpus)
-    return JobData(tok, tokens=tokens, source=tokens.source)
+    return JobData(tok, tokens=tokens, source=tokens.source, mlm=mlm)
 
 
 @dataclass

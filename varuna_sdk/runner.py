@@ -325,10 +325,6 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     out = Path(summary["run_dir"])
     if summary["state"] == "STOPPED":
         raise JobStopped(out, summary.get("last_step"))
-    if summary["state"] != "SUCCEEDED" and summary.get("ended_before"):
-        last = [ln for ln in (summary["error"] or "").splitlines() if ln.strip()][-1:] or ["no error recorded"]
-        raise WorkerFailure(f"the job in {out} had already ended {summary['state']}; nothing ran this time: give a "
-                            f"new --run-dir (run_dir) to train it again. Its error: {last[0].strip()}", {0: (1, "")})
     if summary["state"] != "SUCCEEDED":
         raise WorkerFailure(f"job {summary['job_id']} {summary['state']}: {summary['error']}",
                             {0: (1, summary["error"] or "")})

@@ -73,3 +73,16 @@ def long_windows(n: int = 200, length: int = 40):
     """``TokenWindows`` of ``length`` tokens each (longer than a 32-position model can take)."""
     ds = TokenWindows(n)
     return [(x.repeat(3)[:length], y.repeat(3)[:length]) for x, y in (ds[i] for i in range(n))]
+
+
+def wordlevel_tokenizer(text: str, path) -> str:
+    """A word-level ``tokenizer.json`` made from ``text`` with the ``tokenizers`` library, with
+    ``[PAD]``, ``[UNK]``, ``[MASK]`` special tokens (what a masked LM's saved tokenizer has);
+    returns its path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[MASK]"]))
+    tok.save(str(path))
+    return str(path)

@@ -26,7 +26,7 @@ class ModelConfig:
     - ``factory``: an import path ``package.module:function`` (or ``:Class``) in the user's code
       folder, called as ``function(**kwargs)`` and returning the whole ``nn.Module`` (its tensors
       are made on the meta device; each worker computes only its stage's) — or the name of a
-      registered model (``gpt2``, ``hf-causal-lm``; see ``varuna_sdk.jobspec.MODELS``);
+      registered model (``gpt2``, ``hf-causal-lm``, ``hf-masked-lm``; see ``varuna_sdk.jobspec.MODELS``);
     - ``by_value``: set by ``Job(model=...)`` for a callable defined in a notebook cell or
       ``__main__``, shipped by value (cloudpickle) with the job — not written by hand;
     - neither: the GPT-2 ``preset`` (``tiny``, ``cpu-demo``, ``gpt2`` … ``gpt2-xl``, default
@@ -69,7 +69,13 @@ class DataConfig:
     apart), else the shipped ``corpus`` (``shakespeare``, the default; ignored when one of the
     others is set). ``tokenizer``: ``gpt2`` (real BPE),
     ``byte``, or the path of a ``tokenizer.json``. ``seq_len`` tokens per example, the held-out
-    fraction (the end of the data) and the data seed (the order of examples)."""
+    fraction (the end of the data) and the data seed (the order of examples). ``mlm_probability``
+    (token data only; e.g. 0.15): masked-LM examples for a model such as BERT — each token chosen
+    with that probability is masked (80 %), replaced by a random token (10 %) or kept (10 %), and
+    ``labels``/``targets`` hold the chosen tokens' ids (-100 elsewhere: not predicted); drawn per
+    example from ``seed``, so they are the same at any P, D and through morphs (``data.mlm``).
+    ``mask_token``: the mask token's text (default: ``[MASK]`` or ``<mask>``, whichever the
+    tokenizer has; ``gpt2`` and ``byte`` have none: give a tokenizer.json)."""
 
     corpus: str | None = "shakespeare"
     path: str | None = None
@@ -83,6 +89,8 @@ class DataConfig:
     seq_len: int = 128
     val_fraction: float = 0.05
     seed: int = 0
+    mlm_probability: float | None = None
+    mask_token: str | None = None
 
 
 @dataclass
@@ -211,7 +219,9 @@ RULES: dict[type, dict[str, Any]] = {
                  "text_column": Text(), "token_dtype": Text(("uint16", "uint32"), optional=True), "dataset": _OPT,
                  "dataset_kwargs": Plain("map", optional=False), "by_value": _OPT, "tokenizer": Text(),
                  "seq_len": Int(1, 1 << 20), "val_fraction": Num(0.0, 1.0, True, True),
-                 "seed": Int(0, 2 ** 63 - 1)},
+                 "seed": Int(0, 2 ** 63 - 1),
+                 "mlm_probability": Num(0.0, 1.0, True, True, optional=True, unit="a probability"),
+                 "mask_token": _OPT},
     ParallelConfig: {"P": Int(1, 4096, True), "D": Int(1, 1 << 20, True), "global_batch": Int(1, 1 << 30),
                      "micro_batch_size": Int(1, 1 << 20), "policy": Text(POLICIES),
                      "recompute": Plain("stage_flags"), "max_in_flight": Plain("stage_counts"),

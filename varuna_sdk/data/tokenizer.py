@@ -71,6 +71,12 @@ class Tokenizer(ABC):
     vocab_size: int
     eot_token: int | None
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the vocabulary entry ``text`` (a special token such as ``[MASK]``), or ``None``
+        when the vocabulary has no such entry (the built-in tokenizers have no special tokens
+        besides ``eot_token``)."""
+        return None
+
     @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
@@ -198,6 +204,11 @@ class FileTokenizer(Tokenizer):
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.eot_token = next((int(vocab[t]) for t in _EOT_CANDIDATES if t in vocab), None)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the vocabulary entry ``text`` (added tokens included), or ``None``."""
+        tid = self._tok.token_to_id(text)
+        return None if tid is None else int(tid)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added (no BOS/EOS: documents are joined with ``eot_token`` by
         the caller)."""
@@ -215,7 +226,8 @@ class FileTokenizer(Tokenizer):
 def _file_digest(path) -> str:
     import hashlib
 
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:12]
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
 @functools.lru_cache(maxsize=1)

@@ -137,9 +137,9 @@ def _warn_if_not_causal(model: nn.Module) -> None:
     if "CausalLM" in name or "LMHead" in name:
         return
     warnings.warn(f"{name} is not a causal language model: trained on text, its labels are its unmasked inputs, "
-                  "which it sees, so its loss falls towards 0 without learning. Give it masked inputs and labels "
-                  "from a dataset (data.dataset; e.g. transformers' DataCollatorForLanguageModeling), or train a "
-                  "causal LM (…ForCausalLM)", UserWarning, stacklevel=3)
+                  "which it sees, so its loss falls towards 0 without learning. Set data.mlm_probability: 0.15 "
+                  "(BERT's masking, with a tokenizer.json that has a mask token), give it masked inputs and labels "
+                  "from a dataset (data.dataset), or train a causal LM (…ForCausalLM)", UserWarning, stacklevel=3)
 
 
 def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
@@ -150,8 +150,8 @@ def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
 
 
 def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | None,
-               inputs: Sequence[str] | Mapping[str, str] | None = None, targets: str | None = None
-               ) -> tuple[CallSpec, LossFn]:
+               inputs: Sequence[str] | Mapping[str, str] | None = None, targets: str | None = None,
+               masked: bool = False) -> tuple[CallSpec, LossFn]:
     """Choose how to call ``model`` and which loss to use from the forward's signature and the
     fields the data gives (``fields``), unless ``inputs``/``targets``/``loss`` say it.
 
@@ -162,6 +162,9 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     ``(input_ids, targets)`` and its own loss (single-file GPTs); otherwise ``(input_ids)`` and the
     cross-entropy against ``targets``. For a dataset's fields: tuple examples ``(x, y)`` give
     ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword.
+
+    ``masked``: the language-model fields are masked-LM ones (``data.mlm_probability``), so a
+    model that is not causal is not warned about.
 
     Returns ``(CallSpec, loss function)``. Raises ``ModelSpecError`` for a call that cannot be
     made (a loss that needs targets the data lacks, an unknown loss name).
@@ -179,7 +182,8 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     elif "input_ids" in fields:  # language-model data
         if "labels" in names and (loss is None or own):
             call, own = CallSpec(kwargs=(("input_ids", "input_ids"), ("labels", "labels"))), True
-            _warn_if_not_causal(model)
+            if not masked:
+                _warn_if_not_causal(model)
         elif "targets" in names[1:] and (loss is None or own):
             call, own = CallSpec(args=("input_ids", "targets")), True
         elif own:
