@@ -134,6 +134,8 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
         first.kill()
     assert first.returncode == 130 and "SIGINT: stopping at the next mini-batch boundary" in out, out
     assert "Traceback" not in out and "STOPPED" in out, out
+    # the command that continues it repeats every flag given (--local, --heartbeat), not only the folder
+    assert f"`varuna launch {cfg} --local 2 --heartbeat 0.5 --run-dir {run}` continues the job" in out, out
     stopped_at = read_run(run).steps_done
     assert read_run(run).state == "STOPPED" and stopped_at >= 8
     assert list((run / "checkpoints").glob(f"step-{stopped_at:08d}-*")), "no checkpoint at the stop"
@@ -202,7 +204,8 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
 @pytest.mark.timeout(240)
 def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_path):
     """``varuna train`` stopped by Ctrl-C names the ``varuna train ... --run-dir`` command that
-    continues it; that command trains the remaining steps (no step redone); run once more on the
+    continues it, with the flags given (``--steps`` over the file's); that command trains the
+    remaining steps (no step redone); run once more on the
     finished folder it trains nothing and says the job had already ended; ``varuna launch`` says
     the same."""
     import os
@@ -212,10 +215,10 @@ def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_
     from varuna_sdk.manager.runs import read_run
 
     cfg, run = tmp_path / "tiny.yaml", tmp_path / "runs" / "tiny"
-    cfg.write_text(TINY.replace("P: 2, D: 1", "P: 1, D: 1").replace("steps: 4000", "steps: 800")
+    cfg.write_text(TINY.replace("P: 2, D: 1", "P: 1, D: 1").replace("steps: 4000", "steps: 200")
                    .replace("gpus: 2", "gpus: 1"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    train = [sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--run-dir", str(run)]
+    train = [sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--steps", "800", "--run-dir", str(run)]
     first = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         _wait_steps(run, 3, first)
@@ -224,7 +227,7 @@ def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_
     finally:
         first.kill()
     assert first.returncode == 130, out
-    assert f"`varuna train {cfg} --run-dir {run}` continues the job" in out, out
+    assert f"`varuna train {cfg} --steps 800 --run-dir {run}` continues the job" in out, out   # the flags too
     stopped_at = read_run(run).steps_done
     assert 3 <= stopped_at < 800, stopped_at
     second = subprocess.run(train, capture_output=True, text=True, env=env, timeout=120)

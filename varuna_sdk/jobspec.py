@@ -62,7 +62,8 @@ from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
-from .model.spec import ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model
+from .model.spec import (ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model,
+                         warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
 from .shipping import ByValue, ShippingError, find_objects
@@ -188,6 +189,7 @@ def hf_model(factory: str, model_type: str, **config: Any) -> nn.Module:
     know (with the likely one) or a model type that has no such head."""
     import transformers
 
+    _check_hf_model_type(factory, model_type)
     try:
         cls = transformers.AutoConfig.for_model(model_type).__class__
     except ValueError as e:
@@ -208,6 +210,28 @@ def hf_model(factory: str, model_type: str, **config: Any) -> nn.Module:
         return getattr(transformers, HF_HEADS[factory]).from_config(cfg)
     except ValueError as e:   # e.g. a masked-LM head for a causal-only model type
         raise ConfigError(f"{factory}: {_short(str(e), 300)}") from None
+
+
+def _check_hf_model_type(factory: str, model_type: str) -> None:
+    """Raise ``ConfigError`` unless transformers has a ``factory`` head (causal or masked LM) for
+    ``model_type``: an unknown type with the likely one, or the other factory that has it and
+    some model types that have this head."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    heads = {"hf-causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             "hf-masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
+    if model_type in heads[factory]:
+        return
+    if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
+        near = difflib.get_close_matches(model_type, sorted(configuration_auto.CONFIG_MAPPING_NAMES), n=1)
+        raise ConfigError(f"{factory}: transformers has no model_type {model_type!r}"
+                          + (f"; did you mean {near[0]!r}?" if near else ""))
+    other = [f for f, names in heads.items() if f != factory and model_type in names]
+    some = ", ".join(list(heads[factory])[:12])
+    head = {"hf-causal-lm": "causal-LM", "hf-masked-lm": "masked-LM"}
+    raise ConfigError(f"{factory}: model_type {model_type!r} has no {head[factory]} head in transformers"
+                      + (f" (it has a {head[other[0]]} head: use model.factory {other[0]})" if other else "")
+                      + f"; model types that have one: {some}, …")
 
 
 def _hf_builder(factory: str, job: JobConfig, tok: Tokenizer) -> Registered:
@@ -310,6 +334,8 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
         raise ModelSpecError(f"building the model ({name}{'(**' + repr(kwargs) + ')' if kwargs else '()'}) failed: "
                              f"{type(e).__name__}: {_short(str(e))}") from e
     call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets, masked=job.data.mlm_probability is not None)
+    if job.data.mlm_probability is not None:
+        warn_if_causal_with_masking(meta)
     vocab, ctx = model_limits(meta)
     del meta
     return ModelSpec(factory=prepared, loss_fn=loss_fn, call=call, name=name, identity=identity,
@@ -526,6 +552,13 @@ def _check_lookups(structure: ModelStructure, data: JobData, name: str, T: int) 
     the vocabulary — over the whole token data, or the sampled example of a dataset — and
     positions below the context. Raises ``DataError`` naming the table and the fix."""
     for e in structure.embeddings:
+        if e["from_input"] and data.mlm is not None and data.tokens.max_id < e["rows"] \
+                and max(data.mlm.mask_id, data.mlm.vocab_size - 1) >= e["rows"]:
+            raise DataError(f"data.mlm_probability: the tokenizer has {data.mlm.vocab_size} ids (its mask token is id "
+                            f"{data.mlm.mask_id}), beyond the model's vocabulary of {e['rows']} ids ({e['param']}); "
+                            "masking puts the mask token and random tokens of the whole tokenizer into the inputs: "
+                            "use the tokenizer the model was made for, or a model with at least "
+                            f"{max(data.mlm.mask_id, data.mlm.vocab_size - 1) + 1} token embeddings")
         if e["from_input"] and data.tokens is not None and data.tokens.max_id >= e["rows"]:
             raise DataError(f"{data.source} holds token id {data.tokens.max_id}, beyond the model's vocabulary of "
                             f"{e['rows']} ids ({e['param']}); use the tokenizer the model was made for, or a model "

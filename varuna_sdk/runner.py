@@ -165,8 +165,10 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
 
 
 #: what a continued run must keep: its checkpoints hold this model, trained on these examples
-CONTINUED_FIELDS = ("model", "data.tokenizer", "data.seq_len", "data.corpus", "data.path", "data.dataset",
-                    "data.dataset_kwargs", "parallel.global_batch", "train.seed", "train.precision")
+CONTINUED_FIELDS = ("model", "data.tokenizer", "data.seq_len", "data.corpus", "data.path", "data.format",
+                    "data.text_column", "data.token_dtype", "data.dataset", "data.dataset_kwargs", "data.seed",
+                    "data.val_fraction", "data.mlm_probability", "data.mask_token", "parallel.global_batch",
+                    "train.seed", "train.precision")
 
 
 def check_continuation(job: JobConfig, run_dir: Path) -> None:

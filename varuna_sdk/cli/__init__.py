@@ -23,7 +23,7 @@ from ..config import ConfigError, JobConfig
 from ..demo import demo_config  # re-exported: `from varuna_sdk.cli import demo_config`
 from ..shipping import ShippingError
 from .launch import launch_command
-from .parser import add_commands
+from .parser import add_commands, again_command
 from .plan import calibrate_or_plan
 from .runs import run_folder_command
 from .serve import dashboard_command
@@ -79,10 +79,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plain_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as the command prints it: its words, not the source line of the SDK that raised it."""
+    return f"varuna: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``varuna ARGS``; returns the exit code: 0 done, 1 the job failed, 2 bad input, 130 interrupted."""
+    import warnings
+
+    saved, warnings.formatwarning = warnings.formatwarning, _plain_warning
+    try:
+        return _main(argv)
+    finally:
+        warnings.formatwarning = saved
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv   # as typed: the command that continues a stopped job repeats every flag
     try:
         if args.cmd == "launch":
             return launch_command(args)
@@ -119,10 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             result = train_local(job, run_dir=args.run_dir, signals=True)
         except JobStopped as e:
             done = 0 if e.last_step is None else e.last_step + 1
-            again = f"varuna demo --no-spot --run-dir {e.run_dir}" if args.cmd == "demo" else \
-                f"varuna train {args.config} --run-dir {e.run_dir}"
-            print(f"[varuna] stopped after {done} step(s) with a checkpoint in {e.run_dir}; `{again}` continues "
-                  "the job", file=sys.stderr)
+            print(f"[varuna] stopped after {done} step(s) with a checkpoint in {e.run_dir}; "
+                  f"`{again_command(args.argv, e.run_dir)}` continues the job", file=sys.stderr)
             return 130
         except WorkerFailure as e:
             print(f"varuna: training failed: {e}", file=sys.stderr)

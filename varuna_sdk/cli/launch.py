@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config import ClusterConfig, ConfigError, JobConfig
 from .aws import aws_provider
+from .parser import again_command
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -81,7 +82,7 @@ def launch_command(args: argparse.Namespace) -> int:
     if summary["error"]:
         print(f"varuna: {summary['error']}", file=sys.stderr)
     if summary["state"] == "STOPPED":
-        print(f"[varuna] stopped with a checkpoint; `varuna launch {args.config} --run-dir {summary['run_dir']}` "
-              "continues the job", flush=True)
+        again = again_command(getattr(args, "argv", ["launch", args.config]), summary["run_dir"])
+        print(f"[varuna] stopped with a checkpoint; `{again}` continues the job", flush=True)
         return 130
     return 0 if summary["state"] == "SUCCEEDED" else 1

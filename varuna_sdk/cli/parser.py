@@ -9,6 +9,8 @@ the dashboard, so that ``varuna --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import shlex
+from pathlib import Path
 
 from ..config import POLICIES
 from .aws import aws_flags
@@ -168,6 +170,21 @@ def _add_run_folder_commands(sub) -> None:
     sp.add_argument("run", help="the job's run folder")
     sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
     sp.add_argument("--events", action="store_true", help="the event log in sentences instead of worker output")
+
+
+def again_command(argv: list[str], run_dir: str | Path) -> str:
+    """The command line that continues a stopped job: ``varuna`` and ``argv`` as given (every flag
+    kept: ``--steps``, ``--local``, ``--hosts``…) with ``--run-dir run_dir`` in place of any
+    ``--run-dir`` it had, quoted for a POSIX shell."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--run-dir":
+            skip = True
+        elif not a.startswith("--run-dir="):
+            out.append(a)
+    return "varuna " + shlex.join([*out, "--run-dir", str(run_dir)])
 
 
 def add_commands(sub) -> None:

@@ -3,9 +3,12 @@
 ``DataCollatorForLanguageModeling`` does it, but drawn per example from a seed, so the masks of a
 step are the same whatever the pipeline depth, the number of replicas or a morph in between.
 
-Each token is chosen with probability ``probability`` (at least one per example, so no
-micro-batch has nothing to predict); a chosen token is replaced by the mask token (80 %), by a
-random token (10 %) or kept (10 %). ``labels`` hold the original id where a token was chosen and
+Each example of ``T`` tokens has exactly ``max(1, round(probability * T))`` tokens chosen, as
+BERT's own pre-training data does (``num_to_predict`` in its ``create_pretraining_data.py``): so
+every micro-batch predicts the same number of tokens, and the mean of the micro-batches' mean
+losses equals the mini-batch's mean over its predicted tokens — the loss and its gradients do not
+depend on the micro-batch size, D or a morph (with a per-token coin, they would). A chosen token is
+replaced by the mask token (80 %), by a random token (10 %) or kept (10 %). ``labels`` hold the original id where a token was chosen and
 ``IGNORE_INDEX`` (-100, which Hugging Face losses and ``F.cross_entropy`` skip) elsewhere.
 
 No torch.distributed, no model: a pure function of (ids, keys, settings).
@@ -13,6 +16,7 @@ No torch.distributed, no model: a pure function of (ids, keys, settings).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,14 +60,18 @@ class MLMMasking:
         return torch.from_numpy(masked), torch.from_numpy(labels)
 
 
+def predicted_per_example(p: float, T: int) -> int:
+    """Tokens chosen in an example of ``T`` tokens: ``max(1, round(p * T))`` (at most ``T``)."""
+    return min(T, max(1, int(round(p * T))))
+
+
 def _draws(seed: int, key: Sequence[int], T: int, p: float, vocab_size: int):
-    """One example's draws: which positions are chosen (bool ``[T]``, at least one), a uniform
-    number per position deciding mask / random / keep, and the random ids."""
+    """One example's draws: which positions are chosen (bool ``[T]``, ``predicted_per_example``
+    of them, uniformly), a uniform number per position deciding mask / random / keep, and the
+    random ids."""
     rng = np.random.default_rng([int(seed), *(int(k) for k in key)])
-    u = rng.random(T)
-    chosen = u < p
-    if not chosen.any():
-        chosen[int(np.argmin(u))] = True
+    chosen = np.zeros(T, dtype=bool)
+    chosen[rng.permutation(T)[:predicted_per_example(p, T)]] = True
     return chosen, rng.random(T), rng.integers(0, vocab_size, size=T)
 
 
@@ -77,11 +85,21 @@ def masking_for(probability: float | None, tokenizer, mask_token: str | None, se
     for name in names:
         mask_id = tokenizer.token_id(name)
         if mask_id is not None:
+            specials = tokenizer.special_tokens()
+            if specials and name not in specials:
+                warnings.warn(f"data.mask_token {name!r} is an ordinary token of the tokenizer, not one of its special "
+                              f"tokens {specials}: every masked position will read as that word", UserWarning,
+                              stacklevel=2)
             return MLMMasking(float(probability), int(mask_id), int(tokenizer.vocab_size), int(seed))
-    raise ValueError(f"data.mlm_probability needs a mask token, and the tokenizer {tokenizer.name!r} has no "
+    where = getattr(tokenizer, "path", None) or tokenizer.name
+    specials = tokenizer.special_tokens()
+    fix = (f"name one of its special tokens {specials} in data.mask_token" if specials and mask_token
+           else f"its special tokens are {specials}: name the mask token in data.mask_token" if specials
+           else "or name its mask token in data.mask_token")
+    raise ValueError(f"data.mlm_probability needs a mask token, and the tokenizer {where!r} has no "
                      f"{' or '.join(repr(n) for n in names)}; give data.tokenizer the tokenizer.json of your masked "
-                     "language model (e.g. the one saved with it by save_pretrained), or name its mask token in "
-                     "data.mask_token")
+                     f"language model (e.g. the one saved with it by save_pretrained), {fix}")
 
 
-__all__ = ["HELD_OUT", "IGNORE_INDEX", "MASK_TOKEN_CANDIDATES", "MLMMasking", "SAMPLE", "TRAIN", "masking_for"]
+__all__ = ["HELD_OUT", "IGNORE_INDEX", "MASK_TOKEN_CANDIDATES", "MLMMasking", "SAMPLE", "TRAIN", "masking_for",
+           "predicted_per_example"]

@@ -77,6 +77,11 @@ class Tokenizer(ABC):
         besides ``eot_token``)."""
         return None
 
+    def special_tokens(self) -> list[str]:
+        """The texts of the tokenizer's special tokens (``[CLS]``, ``[MASK]``…; empty for the
+        built-in tokenizers)."""
+        return []
+
     @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
@@ -208,6 +213,11 @@ class FileTokenizer(Tokenizer):
         """The id of the vocabulary entry ``text`` (added tokens included), or ``None``."""
         tid = self._tok.token_to_id(text)
         return None if tid is None else int(tid)
+
+    def special_tokens(self) -> list[str]:
+        """The texts of the tokenizer.json's special added tokens, in id order."""
+        added = self._tok.get_added_tokens_decoder()
+        return [added[i].content for i in sorted(added) if added[i].special]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added (no BOS/EOS: documents are joined with ``eot_token`` by

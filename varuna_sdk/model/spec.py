@@ -142,6 +142,23 @@ def _warn_if_not_causal(model: nn.Module) -> None:
                   "from a dataset (data.dataset), or train a causal LM (…ForCausalLM)", UserWarning, stacklevel=3)
 
 
+def warn_if_causal_with_masking(model: nn.Module) -> None:
+    """Warn when masked-LM examples (``data.mlm_probability``) go to a causal language model (a
+    Hugging Face ``…ForCausalLM``/``…LMHeadModel`` or decoder, or our GPT-2): it predicts each next
+    token from the left only, so masked inputs and labels at the masked positions train an
+    objective it was not made for."""
+    cfg = getattr(model, "config", None)
+    name = type(model).__name__
+    causal = ("CausalLM" in name or "LMHead" in name or type(model).__module__.endswith("varuna_sdk.model.gpt2")
+              or (cfg is not None and getattr(cfg, "is_decoder", False)
+                  and not getattr(cfg, "is_encoder_decoder", False)))
+    if causal:
+        warnings.warn(f"data.mlm_probability masks text for a masked language model (BERT-like), but {name} is a "
+                      "causal LM: it sees only the tokens to its left, so it trains on [MASK] tokens and labels "
+                      "at masked positions only. Remove data.mlm_probability to train it on next tokens",
+                      UserWarning, stacklevel=3)
+
+
 def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(model.forward).parameters.values())
