@@ -111,6 +111,8 @@ def test_varuna_train_yaml_trains_a_hugging_face_masked_lm_on_masked_text(tmp_pa
     held-out masked-token perplexity falls (the same model given unmasked labels is warned about);
     a model type with no masked-LM head is refused before anything starts."""
     import json
+    import subprocess
+    import sys
 
     import yaml
 
@@ -133,6 +135,15 @@ def test_varuna_train_yaml_trains_a_hugging_face_masked_lm_on_masked_text(tmp_pa
     # masked tokens of held-out text: ~vocabulary-sized at the start (22 words), falling (plain PyTorch with
     # transformers' DataCollatorForLanguageModeling falls alike: ~14 after 300 steps of this model)
     assert summary["ppl_end"] < 0.75 * summary["ppl_start"], summary
+    # without masking: warned about once (by the launcher; the workers that resolve the job again are quiet)
+    unmasked = {**cfg, "data": {k: v for k, v in cfg["data"].items() if k != "mlm_probability"},
+                "train": {**cfg["train"], "steps": 2}}
+    (tmp_path / "unmasked.yaml").write_text(yaml.safe_dump(unmasked))
+    said = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "train", str(tmp_path / "unmasked.yaml"),
+                           "--run-dir", str(tmp_path / "run1")], capture_output=True, text=True, timeout=180)
+    assert said.returncode == 0, said.stdout + said.stderr
+    assert (said.stdout + said.stderr).count("BertForMaskedLM is not a causal language model") == 1, said.stderr
+    assert "varuna: warning: BertForMaskedLM is not a causal" in said.stderr and "infer_call(" not in said.stderr
     cfg["model"]["kwargs"]["model_type"] = "gpt2"                        # no masked-LM head in transformers
     (tmp_path / "gpt2.yaml").write_text(yaml.safe_dump(cfg))
     capsys.readouterr()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 import os
 import sys
 import time
@@ -148,7 +149,9 @@ def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path 
     """Build this rank's engine, optimizer and data for ``job`` (torch.distributed initialised
     when P × D > 1; collective: the engine creates its process groups)."""
     d, p, t = job.data, job.parallel, job.train
-    r = resolve(job, run_dir, check=False)  # the launcher checked this job before any worker started
+    with warnings.catch_warnings():  # the launcher checked this job and showed the SDK's warnings about it
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"varuna_sdk\.")
+        r = resolve(job, run_dir, check=False)
     loader, val = r.data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, t.eval_batches)
     engine = build_engine(job, rank, r)
     decay = [q for n, q in engine.named_parameters() if q.dim() >= 2]
