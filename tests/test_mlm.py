@@ -210,3 +210,22 @@ def test_masking_a_causal_lm_is_warned_about_and_a_continued_run_keeps_its_maski
         check_continuation(_job(tmp_path, mlm_probability=0.3).validate(), run)
     with pytest.raises(ConfigError, match=r"data.seed: 0 in the run, 5 here"):
         check_continuation(_job(tmp_path, seed=5).validate(), run)
+
+
+def test_a_model_from_a_config_pads_with_the_tokenizers_own_padding_id(tmp_path):
+    """RoBERTa's config says pad_token_id=1, which in the user's tokenizer is [UNK] (a real token
+    that would then get no position and no embedding gradient): a model built from a config takes
+    the tokenizer's [PAD]/<pad> id, unless model.kwargs set one."""
+    from varuna_sdk.jobspec import MODELS
+
+    job = _job(tmp_path)
+    job.model = ModelConfig(factory="hf-masked-lm", kwargs={"model_type": "roberta", "num_hidden_layers": 1,
+                                                            "hidden_size": 32, "num_attention_heads": 2,
+                                                            "intermediate_size": 64, "max_position_embeddings": 40})
+    job.validate()
+    data = resolve_data(job)
+    pad = data.tokenizer.token_id("[PAD]")
+    model = MODELS["hf-masked-lm"](job, data.tokenizer).factory()
+    assert pad == 0 and model.config.pad_token_id == pad and model.roberta.embeddings.word_embeddings.padding_idx == pad
+    job.model.kwargs["pad_token_id"] = 2
+    assert MODELS["hf-masked-lm"](job, data.tokenizer).factory().config.pad_token_id == 2

@@ -171,6 +171,9 @@ def _gpt2_builder(job: JobConfig, tok: Tokenizer) -> Registered:
                       loss=lm_loss, init_fn=functools.partial(init_gpt2, n_layer=cfg.n_layer))
 
 
+#: Padding tokens looked up in a tokenizer.json: a Hugging Face model built from a config takes its id
+#: as ``pad_token_id`` (unless model.kwargs set it), not the config class's default
+PAD_TOKENS = ("[PAD]", "<pad>")
 #: ``model.factory`` name of a Hugging Face model from a config → the transformers Auto class that builds it
 HF_HEADS = {"hf-causal-lm": "AutoModelForCausalLM", "hf-masked-lm": "AutoModelForMaskedLM"}
 
@@ -243,6 +246,9 @@ def _hf_builder(factory: str, job: JobConfig, tok: Tokenizer) -> Registered:
         raise ConfigError(f"model.factory {factory} needs model.kwargs.model_type (e.g. {examples}) and "
                           "the config fields to set (e.g. num_hidden_layers, hidden_size)")
     kw.setdefault("vocab_size", tok.vocab_size)
+    pad = next((i for i in (tok.token_id(t) for t in PAD_TOKENS) if i is not None), None)
+    if pad is not None:   # the tokenizer's own padding id, not the config's default (RoBERTa's 1 may be a word)
+        kw.setdefault("pad_token_id", pad)
     identity = {"kind": "hf", "kwargs": kw, "transformers": transformers.__version__}
     if factory != "hf-causal-lm":   # (the causal LM's identity as before: its cached calibrations stay valid)
         identity["head"] = factory
