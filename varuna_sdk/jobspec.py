@@ -174,8 +174,10 @@ def _gpt2_builder(job: JobConfig, tok: Tokenizer) -> Registered:
 #: Padding tokens looked up in a tokenizer.json: a Hugging Face model built from a config takes its id
 #: as ``pad_token_id`` (unless model.kwargs set it), not the config class's default
 PAD_TOKENS = ("[PAD]", "<pad>")
-#: ``model.factory`` name of a Hugging Face model from a config → the transformers Auto class that builds it
-HF_HEADS = {"hf-causal-lm": "AutoModelForCausalLM", "hf-masked-lm": "AutoModelForMaskedLM"}
+#: ``model.factory`` name of a Hugging Face model from a config → (the transformers Auto class that
+#: builds it, its model-type table in ``transformers.models.auto.modeling_auto``, the head in words)
+HF_HEADS = {"hf-causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-LM"),
+            "hf-masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-LM")}
 
 
 def hf_causal_lm(model_type: str, **config: Any) -> nn.Module:
@@ -210,7 +212,7 @@ def hf_model(factory: str, model_type: str, **config: Any) -> nn.Module:
         if isinstance(getattr(cfg, k, None), int) and vocab is not None and getattr(cfg, k) >= vocab and k not in config:
             setattr(cfg, k, None)
     try:
-        return getattr(transformers, HF_HEADS[factory]).from_config(cfg)
+        return getattr(transformers, HF_HEADS[factory][0]).from_config(cfg)
     except ValueError as e:   # e.g. a masked-LM head for a causal-only model type
         raise ConfigError(f"{factory}: {_short(str(e), 300)}") from None
 
@@ -221,8 +223,7 @@ def _check_hf_model_type(factory: str, model_type: str) -> None:
     some model types that have this head."""
     from transformers.models.auto import configuration_auto, modeling_auto
 
-    heads = {"hf-causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-             "hf-masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
+    heads = {f: getattr(modeling_auto, table) for f, (_, table, _) in HF_HEADS.items()}
     if model_type in heads[factory]:
         return
     if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
@@ -231,7 +232,7 @@ def _check_hf_model_type(factory: str, model_type: str) -> None:
                           + (f"; did you mean {near[0]!r}?" if near else ""))
     other = [f for f, names in heads.items() if f != factory and model_type in names]
     some = ", ".join(list(heads[factory])[:12])
-    head = {"hf-causal-lm": "causal-LM", "hf-masked-lm": "masked-LM"}
+    head = {f: words for f, (_, _, words) in HF_HEADS.items()}
     raise ConfigError(f"{factory}: model_type {model_type!r} has no {head[factory]} head in transformers"
                       + (f" (it has a {head[other[0]]} head: use model.factory {other[0]})" if other else "")
                       + f"; model types that have one: {some}, …")

@@ -7,9 +7,10 @@ Each example of ``T`` tokens has exactly ``max(1, round(probability * T))`` toke
 BERT's own pre-training data does (``num_to_predict`` in its ``create_pretraining_data.py``): so
 every micro-batch predicts the same number of tokens, and the mean of the micro-batches' mean
 losses equals the mini-batch's mean over its predicted tokens — the loss and its gradients do not
-depend on the micro-batch size, D or a morph (with a per-token coin, they would). A chosen token is
-replaced by the mask token (80 %), by a random token (10 %) or kept (10 %). ``labels`` hold the original id where a token was chosen and
-``IGNORE_INDEX`` (-100, which Hugging Face losses and ``F.cross_entropy`` skip) elsewhere.
+depend on the micro-batch size, D or a morph (with a per-token coin, they would). A chosen token
+is replaced by the mask token (80 %), by a random token (10 %) or kept (10 %). ``labels`` hold the
+original id where a token was chosen and ``IGNORE_INDEX`` (-100, which Hugging Face losses and
+``F.cross_entropy`` skip) elsewhere.
 
 No torch.distributed, no model: a pure function of (ids, keys, settings).
 """
