@@ -131,7 +131,10 @@ def wait_morphs(mgr: Manager, n: int, timeout_s: float) -> list[dict]:
         if mgr.state.terminal:
             break
         time.sleep(0.2)
-    raise AssertionError(f"{n} morph(s) not recorded in {timeout_s} s: {mgr.summary()}")
+    summary = mgr.summary()
+    log_path = Path(summary["run_dir"]) / f"gen{summary['generation']}" / "workers.log"
+    tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else "(no workers.log)"
+    raise AssertionError(f"{n} morph(s) not recorded in {timeout_s} s: {summary}\nworkers.log ends:\n{tail}")
 
 
 def assert_same_trajectory(got: dict[int, float], ref: dict[int, float]) -> None:

@@ -115,6 +115,26 @@ def test_no_metadata_service_keeps_the_watcher_off_without_harm():
         NoticeWatcher(seen, cloud="ibm")
 
 
+@pytest.mark.parametrize("mode", ["slow", "error"])
+def test_a_service_that_fails_the_first_probe_is_probed_again_within_polls_not_a_minute(md, mode):
+    # the VM was too busy (or its service still starting) when the watcher looked for a cloud:
+    # the notice must still be seen within a few poll intervals, not after redetect_s (60 s)
+    server = md(clouds=("aws",), slow_s=1.0)
+    server.misbehave(mode)
+    seen = Seen()
+    w = NoticeWatcher(seen, base=server.url, poll_s=0.2, timeout_s=0.3).start()
+    try:
+        time.sleep(1.2)
+        assert w.cloud_name is None and w._thread.is_alive()
+        server.misbehave(None)
+        t0 = time.time()
+        server.announce(lead_s=120.0)
+        assert seen.wait(1, 5.0), "the notice was not seen after the service answered"
+        assert w.cloud_name == "aws" and time.time() - t0 < 5.0
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("mode", ["slow", "error", "garbage"])
 def test_a_slow_failing_or_garbage_service_costs_polls_not_the_watcher(md, mode):
     server = md(clouds=("aws",), slow_s=1.5)

@@ -20,7 +20,8 @@ What is polled, every ``poll_s`` (default 5 s), on each cloud:
 
 Which cloud: ``cloud="auto"`` (default) probes AWS's token, then GCP's flavour header, then Azure's
 instance name (each with a short timeout) and stays off — one log line — when none answers (a VM
-of the user's own, a laptop), probing again every ``redetect_s``. Every request has a timeout,
+of the user's own, a laptop), probing again after one poll interval, then backing off to every
+``redetect_s`` (a probe a busy VM answered too late must not hide a notice for a minute). Every request has a timeout,
 reads at most ``MAX_BODY`` bytes, bypasses HTTP proxies (the metadata address is link-local) and
 never raises into the caller: a slow, failing or garbage-speaking service costs a poll, not the
 worker (answers that do not parse are no notice, counted in ``errors``).
@@ -296,7 +297,9 @@ class NoticeWatcher:
     ``NoticeWatcher(on_notice, base=..., cloud="auto", poll_s=5.0).start()``; ``close()`` ends it
     within one request timeout. ``cloud``: ``auto`` (detect, see the module docstring), ``aws``,
     ``gcp``, ``azure`` or ``off``. Counters: ``polls``, ``errors`` (failed or nonsensical answers),
-    ``notices``; ``cloud_name``: the cloud found (None until found). ``ValueError`` for an unknown
+    ``notices``; ``cloud_name``: the cloud found (None until found). Detection that finds no
+    service is tried again after ``poll_s``, then twice as long each time up to ``redetect_s``
+    seconds (a probe can fail on a VM too busy to answer in ``timeout_s``). ``ValueError`` for an unknown
     cloud or a poll interval not in (0, 3600] s.
     """
 
@@ -353,6 +356,7 @@ class NoticeWatcher:
         source = None
         said_off = False
         next_detect = 0.0
+        backoff = self.poll_s
         while not self._stop.is_set():
             now_m = time.monotonic()
             if source is None and now_m >= next_detect:
@@ -360,11 +364,15 @@ class NoticeWatcher:
                     source = _for(self.cloud, self.base, self.timeout_s)
                 except Exception:  # noqa: BLE001 - never let the watcher die
                     source = None
-                next_detect = now_m + self.redetect_s
+                # a probe that failed (a busy VM answering late, a service still starting) is tried
+                # again soon, then less and less often: a notice must not wait a whole redetect_s
+                next_detect = time.monotonic() + backoff
+                backoff = min(2 * backoff, self.redetect_s)
                 if source is None:
                     if not said_off:
                         log.info("no cloud metadata service answers at %s: pre-emption notices are not "
-                                 "watched on this VM (probing again every %g s)", self.base, self.redetect_s)
+                                 "watched on this VM (probing again, at most every %g s)", self.base,
+                                 self.redetect_s)
                         said_off = True
                 else:
                     self.cloud_name = source.name
