@@ -268,9 +268,10 @@ class Generation(WorkerStartup):
             self.pool.close()
         with self._cond:
             self._cond.notify_all()
-        if self._log_file is not None:
+        f = self._log_file
+        if f is not None:
             try:
-                self._log_file.flush()
+                f.flush()
             except (OSError, ValueError):
                 pass
         return clean
@@ -303,8 +304,14 @@ class Generation(WorkerStartup):
         self.stop()
         if self._started:
             self.wait(timeout_s=10.0, stop_on_failure=False)
-        if self._log_file is not None:
-            self._log_file.close()
+        self.close_log()
+
+    def close_log(self) -> None:
+        """Close ``workers.log`` once the generation is over (idempotent; a worker line that
+        arrives later is dropped, as after ``close``)."""
+        f, self._log_file = self._log_file, None
+        if f is not None:
+            f.close()
 
     def __enter__(self) -> "Generation":
         return self

@@ -376,7 +376,10 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
                 continue
             self._set(JobState.RUNNING, f"generation {self.generation}: P={job_g.parallel.P} x D={job_g.parallel.D} "
                                         f"on {len(used)} VM(s), resuming at step {resume}")
-            outcome = self._supervise(run)
+            try:
+                outcome = self._supervise(run)
+            finally:
+                run.gen.close_log()
             if outcome is not None:
                 return outcome
             self.generation += 1
@@ -466,6 +469,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
             gen.start()   # (returns once the workers are spawned; they are started when each says hello)
         except Exception as e:  # noqa: BLE001 - a VM lost during bootstrap, an unreachable VM...
             gen.stop(grace_s=2.0)
+            gen.close_log()
             self.log.append(Kind.GENERATION_FAILED, job_id=self.job_id,
                             payload={"generation": self.generation, "error": f"{type(e).__name__}: {e}"})
             gone = [h.name for h in used if h.name not in {x.name for x in self.provider.hosts()}]

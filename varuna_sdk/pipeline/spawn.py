@@ -47,7 +47,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     import socket
 
     try:
-        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         lo = 32768
     for _ in range(200):
