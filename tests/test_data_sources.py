@@ -246,6 +246,26 @@ def test_a_dataset_factory_trains_through_the_pipeline_as_plain_pytorch_does(tmp
 
 
 @pytest.mark.timeout(180)
+def test_a_regression_whose_loss_is_far_above_709_trains_and_reports_its_held_out_loss(tmp_path):
+    """A user's MSE on targets in the hundreds: the held-out loss is reported as a loss, not as a
+    perplexity (``exp(loss)`` overflowed and failed every job before its first step)."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="regress", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier",
+                                                      kwargs={"classes": 1}, loss="tests.thirdparty.user_data:mse"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:house_prices"),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=8),
+                    train=TrainConfig(steps=4, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    res = train_local(job, run_dir=tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["loss_start"] > 10_000 and summary["ppl_start"] is None and summary["ppl_end"] is None, summary
+    assert summary["loss_end"] < summary["loss_start"] and len(res.metrics()) == 4
+    text = "".join(p.read_text() for p in (tmp_path / "run").rglob("workers.log"))
+    assert "held-out loss: start" in text and "held-out perplexity" not in text, text[-2000:]
+
+
+@pytest.mark.timeout(180)
 def test_a_replica_whose_data_fails_mid_mini_batch_is_named_at_once_and_not_retried(tmp_path):
     """One example of the dataset cannot be read (``IndexError`` from ``__getitem__``): at P=1 x D=2
     the replica whose share of a step holds it fails; its peer's all-reduce then fails with a

@@ -4,7 +4,7 @@ Owns: building a rank's training from a config (the job's model spec and data re
 ``jobspec`` — any model, data and loss; this module never knows which — the engine, AdamW,
 warm-up + cosine learning rate), the per-step line and the JSON-lines metrics file
 (``metrics.jsonl`` in the run folder, one object per step, written by rank 0; the dashboard reads
-it) and the held-out perplexity at start and end (``summary.json``). Also the worker's side of
+it) and the held-out loss and perplexity at start and end (``summary.json``). Also the worker's side of
 morphing (paper §4.2): resume from the newest complete per-layer checkpoint under the current
 stage map, periodic background checkpoints, and stopping all ranks after the same mini-batch
 when any one is asked (``should_stop(progress)``, agreed by one all-reduce; the ``Progress`` it
@@ -327,11 +327,42 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     return _finish(run, r, t_start)
 
 
+def perplexity(loss: float | None) -> float | None:
+    """``exp(loss)``: the perplexity of a mean cross-entropy in nats; None when the loss is not
+    finite or too large for a float's exponent (a regression loss above ~709)."""
+    if loss is None or not math.isfinite(loss) or loss > 700.0:
+        return None
+    return math.exp(loss)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _held_out(job: JobConfig, *losses: float | None) -> tuple[str, list[str]]:
+    """How held-out losses read in the log: ``("perplexity", values)`` for a language model on
+    text (the loss is its token cross-entropy), else ``("loss", values)`` (a dataset with the
+    user's loss: a regression's perplexity means nothing, and overflows above ~709)."""
+    ppls = [perplexity(x) for x in losses]
+    if job.data.by_value is None and job.data.dataset is None and None not in ppls:
+        return "perplexity", [f"{x:.2f}" for x in ppls]
+    return "loss", [f"{x:.6g}" if x is not None else "n/a" for x in losses]
+
+
+def _start_loss(common: dict) -> float | None:
+    """The held-out loss at the run's start, from a checkpoint's common state (older checkpoints
+    kept its perplexity instead)."""
+    if common.get("loss_start") is not None:
+        return float(common["loss_start"])
+    ppl = common.get("ppl_start")
+    return math.log(ppl) if isinstance(ppl, (int, float)) and ppl > 0 else None
+
+
 @dataclass
 class _WorkerRun:
     """One ``run_worker`` call: the validated job, this rank's ``Training``, its checkpointer and
     store ``url``, the run folder ``out``, the ``WorkerOutcome`` so far, the ``Progress`` its stop
-    callback sees, the held-out perplexity at start and the non-finite steps in a row."""
+    callback sees, the held-out loss at start and the non-finite steps in a row."""
 
     job: JobConfig
     tr: Training
@@ -341,7 +372,7 @@ class _WorkerRun:
     generation: int
     outcome: WorkerOutcome
     progress: Progress
-    ppl0: float | None = None
+    loss0: float | None = None
     skipped_in_a_row: int = 0
 
     @property
@@ -374,7 +405,7 @@ def _start_run(rank: int, job: JobConfig, run_dir: str, generation: int, secret:
 
 def _resume(run: _WorkerRun) -> None:
     """Resume from the store's newest complete checkpoint (``train.resume``; else refuse a store
-    holding an earlier run's), and measure the held-out perplexity at start unless resumed."""
+    holding an earlier run's), and measure the held-out loss at start unless resumed."""
     engine, loader, lead = run.tr.engine, run.tr.loader, run.lead
     if not run.job.train.resume:
         _refuse_stale_store(run.url, lead, engine.device)
@@ -387,14 +418,15 @@ def _resume(run: _WorkerRun) -> None:
                 raise CheckpointError(f"checkpoint {info.name!r} in {run.url!r} does not fit this job's data: "
                                       f"{e}") from None
             run.outcome.step = run.outcome.resumed_from = loader.position
-            run.ppl0 = common.get("ppl_start")
+            run.loss0 = _start_loss(common)
             if lead:
                 _log(f"[varuna] resumed from {info.name} (saved at P={info.P} x D={info.D}): step {run.outcome.step}")
     run.progress.steps_done = run.outcome.step
-    if run.ppl0 is None:
-        run.ppl0 = math.exp(evaluate(engine, run.tr.val))
+    if run.loss0 is None:
+        run.loss0 = evaluate(engine, run.tr.val)
         if lead:
-            _log(f"[varuna] held-out perplexity at start: {run.ppl0:.2f}")
+            what, (v0,) = _held_out(run.job, run.loss0)
+            _log(f"[varuna] held-out {what} at start: {v0}")
 
 
 def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -> StepResult:
@@ -444,7 +476,7 @@ def _stop_or_checkpoint(run: _WorkerRun, should_stop: Callable[[Progress], bool]
     every = run.job.train.checkpoint_every
     if stop or (every and done % every == 0):
         loader_state = {**run.tr.loader.state_dict(), "step": done}
-        outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "ppl_start": run.ppl0,
+        outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "loss_start": run.loss0,
                                                        "job": run.job.name} if run.lead else None)
     if stop:
         t0 = time.perf_counter()
@@ -465,13 +497,16 @@ def _finish(run: _WorkerRun, r: StepResult | None, t_start: float) -> WorkerOutc
     t0 = time.perf_counter()
     run.ckpt.wait()  # a periodic checkpoint still in flight is published before the job ends
     outcome.checkpoint_block_s += time.perf_counter() - t0
-    ppl1 = math.exp(evaluate(run.tr.engine, run.tr.val))
+    loss1 = evaluate(run.tr.engine, run.tr.val)
     if run.lead:
-        _log(f"[varuna] held-out perplexity: start {run.ppl0:.2f} -> end {ppl1:.2f} "
+        what, (v0, v1) = _held_out(run.job, run.loss0, loss1)
+        _log(f"[varuna] held-out {what}: start {v0} -> end {v1} "
              f"({outcome.steps_run} steps in {time.time() - t_start:.1f} s)")
         (run.out / "summary.json").write_text(_strict_json({
             "name": run.job.name, "steps": t.steps, "P": run.job.parallel.P, "D": run.job.parallel.D,
-            "ppl_start": run.ppl0, "ppl_end": ppl1, "final_loss": r.loss if r is not None else None,
+            "loss_start": _finite(run.loss0), "loss_end": _finite(loss1),
+            "ppl_start": perplexity(run.loss0), "ppl_end": perplexity(loss1),
+            "final_loss": r.loss if r is not None else None,
             "train_time_s": time.time() - t_start, "generation": run.generation,
             "resumed_from": outcome.resumed_from}))
         _write_outcome(run.out, outcome)

@@ -12,6 +12,19 @@ def make_dataset(n: int = 400, features: int = 16, classes: int = 4, seed: int =
     return torch.utils.data.TensorDataset(x, x[:, :classes].argmax(dim=1))
 
 
+def house_prices(n: int = 400, features: int = 16, seed: int = 0):
+    """(x, y) pairs for a regression whose targets are in the hundreds (prices in k$): a mean
+    squared error far above 709 at the start, where ``exp(loss)`` overflows a float."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    return torch.utils.data.TensorDataset(x, (x @ torch.linspace(1.0, 8.0, features)).unsqueeze(1) * 10 + 300)
+
+
+def mse(output, target):
+    """The regression's loss: mean squared error."""
+    return torch.nn.functional.mse_loss(output, target)
+
+
 class Residual(nn.Module):
     def __init__(self, d):
         super().__init__()
