@@ -302,3 +302,39 @@ def test_initial_weights_are_the_engines_and_load_into_the_users_own_model(tmp_p
     other = Job(cfg.__class__.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "seed": 6}}),
                 model=_TiedLM, data=str(f)).initial_weights()
     assert not torch.equal(other["emb.weight"], sd["emb.weight"])  # the seed decides them
+
+
+class _MaskedClassifier(nn.Module):
+    """A dataset model in Hugging Face's calling style: ``attention_mask`` optional, as users write it."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return input_ids
+
+
+class _NeedsMask(nn.Module):
+    def forward(self, input_ids, attention_mask):
+        return input_ids
+
+
+def test_a_datasets_attention_mask_reaches_a_forward_that_takes_it_and_an_unknown_field_is_warned_about():
+    """Dict examples with ``input_ids`` are not language-model text: every other field the forward
+    takes by name goes with them (an ``attention_mask`` was dropped silently — padding ignored — or a
+    forward that requires it failed with a TypeError); a field the forward cannot take is warned
+    about, not dropped silently."""
+    import warnings
+
+    from varuna_sdk.model.spec import infer_call
+
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+             "labels": torch.tensor([0, 1]), "note": torch.zeros(2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        own, _ = infer_call(_MaskedClassifier(), ["input_ids", "attention_mask", "labels"], None)
+        given, fn = infer_call(_NeedsMask(), ["input_ids", "attention_mask", "labels"], None)
+    assert own.describe() == "model(input_ids=input_ids, attention_mask=attention_mask, labels=labels), its own loss"
+    inputs, targets = given.split(batch)
+    assert set(inputs) == {"input_ids", "attention_mask"} and torch.equal(inputs["attention_mask"], batch["attention_mask"])
+    assert torch.equal(targets, batch["labels"])
+    with pytest.warns(UserWarning, match=r"field\(s\) \['note'\] are not parameters of _NeedsMask.forward"):
+        call, _ = infer_call(_NeedsMask(), ["input_ids", "attention_mask", "note", "labels"], None)
+    assert call.describe() == "model(input_ids=input_ids, attention_mask=attention_mask), loss(output, labels)"

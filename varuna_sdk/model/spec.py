@@ -166,6 +166,22 @@ def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
         return []
 
 
+def _extra_fields(model: nn.Module, fields: Sequence[str], params: Sequence[inspect.Parameter],
+                  names: Sequence[str], exclude: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``(argument, field)`` pairs for the data's fields besides ``exclude`` that the forward takes
+    by name (an ``attention_mask``, ``token_type_ids``...; every one when it takes ``**kwargs``).
+    A field it cannot take is warned about, never dropped silently."""
+    rest = [f for f in fields if f not in exclude and not f.isdigit()]
+    any_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    taken = [f for f in rest if f in names or any_kw]
+    left = [f for f in rest if f not in taken]
+    if left:
+        warnings.warn(f"the data's field(s) {left} are not parameters of {type(model).__name__}.forward"
+                      f"{tuple(names)}: they are not passed to the model (name the fields to pass in model.inputs "
+                      "to silence this)", UserWarning, stacklevel=3)
+    return tuple((f, f) for f in taken)
+
+
 def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | None,
                inputs: Sequence[str] | Mapping[str, str] | None = None, targets: str | None = None,
                masked: bool = False) -> tuple[CallSpec, LossFn]:
@@ -177,7 +193,9 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     (``input_ids``, ``targets``, ``labels``): a forward with a ``labels`` parameter gets
     ``input_ids=, labels=`` and its own loss (Hugging Face); one with a ``targets`` parameter gets
     ``(input_ids, targets)`` and its own loss (single-file GPTs); otherwise ``(input_ids)`` and the
-    cross-entropy against ``targets``. For a dataset's fields: tuple examples ``(x, y)`` give
+    cross-entropy against ``targets``; any other field the forward takes by name (a dataset's
+    ``attention_mask``, ``token_type_ids``) is passed by keyword too, and one it cannot take is
+    warned about. For a dataset's fields: tuple examples ``(x, y)`` give
     ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword.
 
     ``masked``: the language-model fields are masked-LM ones (``data.mlm_probability``), so a
@@ -196,18 +214,22 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     if inputs is not None:
         call = (CallSpec(kwargs=tuple(dict(inputs).items())) if isinstance(inputs, Mapping)
                 else CallSpec(args=tuple(inputs)))
-    elif "input_ids" in fields:  # language-model data
+    elif "input_ids" in fields:  # language-model data (and a dataset's dicts with input_ids)
+        extra = _extra_fields(model, fields, params, names, exclude=("input_ids", "labels", "targets"))
+        first = names[0] if names else "input_ids"
         if "labels" in names and (loss is None or own):
-            call, own = CallSpec(kwargs=(("input_ids", "input_ids"), ("labels", "labels"))), True
+            call, own = CallSpec(kwargs=(("input_ids", "input_ids"), *extra, ("labels", "labels"))), True
             if not masked:
                 _warn_if_not_causal(model)
         elif "targets" in names[1:] and (loss is None or own):
-            call, own = CallSpec(args=("input_ids", "targets")), True
+            call = (CallSpec(kwargs=((first, "input_ids"), *extra, ("targets", "targets"))) if extra
+                    else CallSpec(args=("input_ids", "targets")))
+            own = True
         elif own:
             raise ModelSpecError(f"loss='model' but {type(model).__name__}.forward{tuple(names)} takes neither labels "
                                  "nor targets; say which fields to pass with model.inputs")
         else:
-            call = CallSpec(args=("input_ids",))
+            call = CallSpec(kwargs=((first, "input_ids"), *extra)) if extra else CallSpec(args=("input_ids",))
     elif all(f.isdigit() for f in fields):  # tuple examples (x, y, ...)
         n = len(fields)
         call = CallSpec(args=tuple(fields if own or n == 1 else fields[:-1]))
