@@ -207,6 +207,39 @@ def test_cut_points_inside_sub_modules_are_counted():
     assert s.state_segments["groups.1.blocks.1.1.weight"] == [4]
 
 
+class _TLinear(nn.Linear):
+    """Reads its weight through a property, as transformers' FalconLinear does (``x @ self.weight.T``)."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class _PropertyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList([_TLinear(8, 8) for _ in range(3)])
+        self.head = nn.Parameter(torch.randn(10, 8))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return x @ self.head.mT
+
+
+def test_a_weight_read_through_a_tensor_property_belongs_to_the_segment_that_reads_it():
+    """``w.T``/``w.mT`` are property getters: the dry run counted no use, put such weights in
+    segment 0, and a later stage ran its block with meta weights (Falcon at P=2: "invalid gradient
+    ... expected device meta")."""
+    from varuna_sdk.model.spec import prepare_model
+
+    s = trace_model(build_on_meta(lambda: prepare_model(_PropertyModel())), (torch.zeros(2, 4, dtype=torch.long),))
+    assert s.num_segments == 5   # embedding | block 0 | block 1 | block 2 | head
+    assert [s.state_segments[f"blocks.{i}.weight"] for i in range(3)] == [[1], [2], [3]]
+    assert s.state_segments["head"] == [4] and s.state_segments["emb.weight"] == [0]
+
+
 def test_gpt2_auto_cut_points_and_tied_weight_segments():
     _, s = traced_gpt2(3)
     assert s.num_segments == 5

@@ -181,8 +181,12 @@ class _TraceMode(TorchFunctionMode):
         if tr.in_cut:
             return func(*args, **kwargs)
         seg = tr.segment
-        if getattr(func, "__name__", "") == "__get__":  # x.shape, x.dtype...: no values are read
-            return func(*args, **kwargs)
+        is_get = getattr(func, "__name__", "") == "__get__"
+        if is_get:
+            out = func(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):  # x.shape, x.dtype...: no values are read
+                return out
+            # a property that gives a tensor (w.T, w.mT, w.H, w.data) reads its owner: a use of it
         for t in _tensors((args, kwargs)):
             name = tr.state_ids.get(id(t))
             if name is not None:
@@ -191,7 +195,8 @@ class _TraceMode(TorchFunctionMode):
             prod = tr.producer.get(id(t))
             if prod is not None and prod != seg:
                 tr.cross_uses.add((prod, seg, getattr(func, "__name__", str(func))))
-        out = func(*args, **kwargs)
+        if not is_get:
+            out = func(*args, **kwargs)
         outs = _tensors(out)
         tr.mark([t for t in outs if id(t) not in tr.state_ids], seg)
         tr.flops[seg] += _flops(func, args, kwargs, out)
