@@ -246,6 +246,55 @@ def test_a_dataset_factory_trains_through_the_pipeline_as_plain_pytorch_does(tmp
 
 
 @pytest.mark.timeout(180)
+def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recompute(tmp_path):
+    """A stage that recomputes runs each micro-batch's forward twice (F without a graph, R with
+    one); its BatchNorm statistics must still be those of plain PyTorch, where each micro-batch's
+    forward runs once (they were updated twice, and the dry run that traces the model added one
+    more to ``num_batches_tracked``)."""
+    import glob
+
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.model.materialize import build_on_meta, materialize
+    from varuna_sdk.runner import train_local
+    from varuna_sdk.trainer import lr_at, resolve
+
+    steps, m = 3, 4
+    job = JobConfig(name="bn", model=ModelConfig(factory="tests.thirdparty.user_data:BatchNormClassifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 400}),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4, recompute=True),
+                    train=TrainConfig(steps=steps, lr=1e-2, warmup_steps=1, eval_batches=1, grad_clip=None,
+                                      checkpoint_every=steps, run_dir=str(tmp_path / "runs")))
+    train_local(job, run_dir=tmp_path / "run")
+    got = {}
+    for f in glob.glob(str(tmp_path / "run" / "checkpoints" / f"step-{steps:08d}-*" / "seg-*.pt")):
+        got.update(torch.load(f, weights_only=True)["buffers"])
+    r = resolve(job)
+    model = build_on_meta(r.spec.factory)
+    materialize(model, [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()],
+                seed=job.train.seed, device="cpu")
+    opt = torch.optim.AdamW([{"params": [q for q in model.parameters() if q.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}],
+                            lr=job.train.lr, betas=(0.9, 0.95))
+    loader, _ = r.data.loaders(job.data.seq_len, 16, job.data.seed, job.data.val_fraction, 1)
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, job)
+        batch = loader.batch(step)
+        for i in range(m):
+            x, y = batch["0"][4 * i:4 * i + 4], batch["1"][4 * i:4 * i + 4]
+            (torch.nn.functional.cross_entropy(model(x), y) / m).backward()
+        opt.step()
+        opt.zero_grad()
+    want = dict(model.named_buffers())
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for name, ref in want.items():
+        if name.endswith("num_batches_tracked"):
+            assert int(got[name]) == steps * m, (name, got[name])
+        else:
+            assert torch.allclose(got[name], ref, rtol=1e-4, atol=1e-6), (name, got[name], ref)
+
+
+@pytest.mark.timeout(180)
 def test_a_regression_whose_loss_is_far_above_709_trains_and_reports_its_held_out_loss(tmp_path):
     """A user's MSE on targets in the hundreds: the held-out loss is reported as a loss, not as a
     perplexity (``exp(loss)`` overflowed and failed every job before its first step)."""

@@ -99,7 +99,7 @@ def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
         resolve_job(job)
     for bad, pattern in ((lambda out, y: torch.nn.functional.cross_entropy(out.reshape(-1, 256), y.reshape(-1),
                                                                            reduction="none"),
-                          r"loss returned a \(32,\) torch.float32 tensor; it must return a scalar"),
+                          r"loss returned a \(64,\) torch.float32 tensor; it must return a scalar"),  # micro-batch 2 x 32
                          (lambda out, y: 3, "the loss returned a int; it must return a scalar tensor"),
                          (lambda out, y: torch.zeros(()), "does not depend on the model's parameters")):
         job = _job(tmp_path, ModelConfig())

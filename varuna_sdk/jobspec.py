@@ -508,8 +508,11 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
         if spec.context is not None and T > spec.context:
             raise DataError(f"data.seq_len={T} is longer than {spec.name}'s context of {spec.context} "
                             f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
+    # a micro-batch of the job's size (a BatchNorm cannot train on one example; the planner's
+    # choice when none is set is at least 2 on any real job)
+    b = job.parallel.micro_batch_size or 2
     try:
-        inputs, targets = spec.call.split(data.sample(1, T))
+        inputs, targets = spec.call.split(data.sample(b, T))
     except ModelSpecError as e:
         raise DataError(f"{data.source}: {e}") from None
     meta = build_on_meta(spec.factory)
@@ -536,7 +539,7 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     except (ModelSpecError, DataError, ConfigError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's forward failed on real data: say which data
-        shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(1, T).items()
+        shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(b, T).items()
                            if isinstance(v, torch.Tensor))
         raise ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
                              f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}") from e

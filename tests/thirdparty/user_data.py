@@ -48,6 +48,25 @@ class Classifier(nn.Module):
         return self.out(h)
 
 
+class NormResidual(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        # no bias before the BatchNorm: the loss does not depend on it, so Adam would move it by
+        # rounding noise alone, and the running mean with it
+        self.lin, self.bn = nn.Linear(d, d, bias=False), nn.BatchNorm1d(d)
+
+    def forward(self, h):
+        return h + torch.relu(self.bn(self.lin(h)))
+
+
+class BatchNormClassifier(Classifier):
+    """``Classifier`` whose blocks hold a BatchNorm: running statistics a forward updates in place."""
+
+    def __init__(self, features=16, hidden=32, depth=3, classes=4):
+        super().__init__(features, hidden, depth, classes)
+        self.body = nn.ModuleList([NormResidual(hidden) for _ in range(depth)])
+
+
 class OneBadExample(torch.utils.data.Dataset):
     """``make_dataset(n)`` whose example ``bad`` cannot be read (a record missing from the file its
     ``__len__`` was counted from): ``__getitem__`` raises ``IndexError`` for it."""

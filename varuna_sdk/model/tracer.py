@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .cutpoint import crossing_signature, observe_cutpoints
+from .state_kept import restored
 from .hybrid import MetaAsDevice, WeightValueError
 from .inputs import ModelInputs, as_inputs, call_model, to_device
 
@@ -237,9 +238,13 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
     was_training = meta_model.training
     meta_model.train()
     try:
+        # the dry run is no training forward: real state it updates in place (a BatchNorm's
+        # num_batches_tracked, made on the CPU even under the meta recorder) is put back after it.
         # MetaAsDevice on top: it answers device queries and moves mixed operations to meta; the
         # trace mode below it sees each operation as it runs (no mode active inside its handler)
-        with observe_cutpoints(trace), _TraceMode(trace), MetaAsDevice(device, on_mixed=trace.on_mixed):
+        with restored(list(meta_model.buffers()) + list(meta_model.parameters()), always=True), \
+                observe_cutpoints(trace), \
+                _TraceMode(trace), MetaAsDevice(device, on_mixed=trace.on_mixed):
             out = call_model(meta_model, inputs)
             if after is not None:
                 after(out)

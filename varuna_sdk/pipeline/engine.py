@@ -37,6 +37,7 @@ from ..model.inputs import ModelInputs, as_inputs, call_model, leading_dim, rows
 from ..model.materialize import build_on_meta, materialize
 from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names
 from ..model.rng import forked_rng, seed_segment
+from ..model.state_kept import InPlaceUpdates
 from ..model.tracer import ModelStructure, segment_costs, trace_model
 from .comm import Channel, Receiver
 from .grad_sync import GradSync
@@ -245,6 +246,8 @@ class Varuna:
         canonical = dict(self.model.named_parameters())
         self.params: list[tuple[str, nn.Parameter]] = [(nm, canonical[nm]) for nm in sorted(names) if nm in canonical]
         self.prefix = StagePrefix(self.model, self.structure, a, self.device)
+        # buffers this stage's forward updates in place (BatchNorm statistics): kept through a recompute
+        self.in_place = InPlaceUpdates(self.model)
 
     def _open_channels(self, rank: int) -> None:
         """Process groups, the four p2p channels to the neighbouring stages of this replica (``None``
@@ -417,7 +420,8 @@ class Varuna:
         received, waited = self._receive(self.rx_acts, i)
         with_grad = self.is_last or not self.recompute
         leaves = self._leaves(received, st.recv_flags, with_grad)
-        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad, model_s=st.model_s)
+        with self.in_place.watch() if not with_grad else contextlib.nullcontext():
+            out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad, model_s=st.model_s)
         if self.is_last:
             t0 = time.perf_counter()
             loss = self.loss_fn(out, st.mb_tg[i])
@@ -433,10 +437,13 @@ class Varuna:
         return waited
 
     def _run_recompute(self, st: _StepState, i: int) -> float:
-        """R of micro-batch ``i``: the forward again from its stashed input, with a graph."""
+        """R of micro-batch ``i``: the forward again from its stashed input, with a graph; buffers the
+        forward updates in place (a BatchNorm's running statistics) keep F's update only, as in
+        plain PyTorch, where each micro-batch's forward runs once."""
         received = st.stash.pop(i)
         leaves = self._leaves(received, st.recv_flags, True)
-        out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True, model_s=st.model_s, kind="R")
+        with self.in_place.kept():  # the forward's in-place updates (running statistics) happened in F
+            out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True, model_s=st.model_s, kind="R")
         st.live[i] = (leaves, _as_tuple(out))
         return 0.0
 
