@@ -54,6 +54,8 @@ MODELS = {
     "hf_deberta": ("tests.thirdparty.hf_models:deberta_v2", {"n_layer": 3}, "hf"),
     # masked by the product: data.mlm_probability with a word-level tokenizer.json holding [MASK]
     "hf_bert_mlm": ("tests.thirdparty.hf_models:bert_mlm", {"n_layer": 3}, "hf_mlm"),
+    # one layer group called at every depth (a ModuleList of length 1): cut-points found unaided
+    "hf_albert_mlm": ("tests.thirdparty.hf_models:albert_mlm", {"n_layer": 4}, "hf_mlm"),
     # frozen weights on both stages (the position embedding, one block's attention projection)
     "hf_gpt2_frozen": ("tests.thirdparty.hf_models:gpt2",
                        {"n_layer": 3, "frozen": ["transformer.wpe.weight", "transformer.h.2.attn.c_attn.weight"]}, "hf"),
@@ -71,7 +73,7 @@ SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llam
               ("sf_gpt", 2, 1, "zb"), ("hf_t5", 2, 1), ("hf_t5", 2, 1, "zb"),
               ("hf_gpt2_frozen", 2, 1), ("hf_gpt2_frozen", 2, 1, "zb"), ("hf_bert", 2, 1),
               ("hf_gpt2_unused", 2, 1, "zb"), ("shared_depth", 2, 1), ("wide_mlp", 2, 1),
-              ("hf_deberta", 2, 1), ("hf_bert_mlm", 2, 1)],
+              ("hf_deberta", 2, 1), ("hf_bert_mlm", 2, 1), ("hf_albert_mlm", 2, 1)],
           3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
               ("hf_gpt2", 3, 1, "zb")],
           4: [("hf_gpt2_unused", 2, 2), ("hf_llama", 2, 2), ("hf_bert_mlm", 2, 2)]}

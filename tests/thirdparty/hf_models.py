@@ -54,6 +54,16 @@ def bert_mlm(n_layer: int = 3, hidden: int = 32, vocab_size: int = 256, max_posi
     return transformers.BertForMaskedLM(cfg)
 
 
+def albert_mlm(n_layer: int = 4, hidden: int = 32, vocab_size: int = 256, max_positions: int = 64):
+    """``AlbertForMaskedLM``: one layer group (a ``ModuleList`` of length 1) called at every depth,
+    its weights shared by every stage; factorised embeddings (``embedding_size`` < hidden)."""
+    cfg = transformers.AlbertConfig(vocab_size=vocab_size, embedding_size=16, hidden_size=hidden,
+                                    num_hidden_layers=n_layer, num_attention_heads=4, intermediate_size=2 * hidden,
+                                    max_position_embeddings=max_positions, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)
+    return transformers.AlbertForMaskedLM(cfg)
+
+
 def deberta_v2(n_layer: int = 3, hidden: int = 32, vocab_size: int = 256, max_positions: int = 64):
     """``DebertaV2ForMaskedLM`` (disentangled attention: the relative position embeddings are
     weights of the encoder, used by every layer — across cut-points — beside the hidden state)."""

@@ -129,12 +129,17 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.Module]:
     """Return ``(name, container)`` of the model's body: its largest ``nn.ModuleList`` or
     ``nn.Sequential`` of at least two children that no other such container holds (a block's
     own ``nn.Sequential`` MLP is never the body, however many modules it has; ties: the first
-    found).
+    found) — or, when there is none, its outermost ``nn.ModuleList`` of one block (ALBERT calls
+    its one layer group at every depth).
 
     Raises ``ValueError`` when the model has no such container.
     """
     found = [(name, mod) for name, mod in model.named_modules()
              if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2]
+    if not found:
+        # a ModuleList of one block called at every depth (Hugging Face ALBERT's layer groups):
+        # the outermost such list, a cut-point before each call of its block
+        found = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod) == 1]
     inner = {id(sub) for _, mod in found for sub in mod.modules() if sub is not mod}
     best: tuple[str, nn.Module] | None = None
     for name, mod in found:
@@ -157,7 +162,8 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     the plain model still load). With ``n`` blocks the model gets ``n + 1`` cut-points and
     ``n + 2`` segments: [embeddings], [block 0], …, [block n-1], [head] (one block object listed
     ``n`` times, its weights shared across depth as in ALBERT: a cut-point before each of its
-    calls, ``n + 1`` segments, the head with the last call). Every tensor argument of
+    calls, ``n + 1`` segments, the head with the last call; a list of one block, which may be
+    called at every depth as Hugging Face ALBERT's layer group is: a cut-point before each call). Every tensor argument of
     a block crosses the cut-point — positional or keyword, alone or inside tuples, lists and dicts —
     so attention masks, position ids and rotary ``(cos, sin)`` travel between stages
     automatically, and every block of a stage receives them.
@@ -187,10 +193,10 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     distinct = list({id(c): c for c in children}.values())
     for child in distinct:  # one block object listed n times (weights shared across depth): one hook
         child.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    if len(distinct) == len(children):
+    if len(distinct) == len(children) > 1:
         children[-1].register_forward_hook(post_hook)
-    # else: the last block is also an earlier one, whose every call would end a segment; the head
-    # stays in the last block's segment
+    # else: the last block is also an earlier one (or the list's only block, which may be called at
+    # every depth), whose every call would end a segment; the head stays in the last call's segment
     model._varuna_auto_cutpoints = True
     return model
 
