@@ -56,8 +56,10 @@ def test_unknown_keys_are_rejected_with_the_valid_ones_listed():
     for key in ("P", "D", "global_batch", "micro_batch_size", "policy", "boundaries"):
         assert f"'{key}'" in msg
     with pytest.raises(ConfigError, match=r"unknown config section 'trainer'; valid sections: \['data', 'launch', "
-                                          r"'model', 'name', 'parallel', 'train'\]"):
+                                          r"'model', 'name', 'parallel', 'train'\] \(did you mean 'train'\?\)"):
         JobConfig.from_yaml_text("trainer:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config section 'dataa'.*\(did you mean 'data'\?\)"):
+        JobConfig.from_yaml_text("dataa:\n  seq_len: 3\n")
     with pytest.raises(ConfigError, match="section 'train' must be a mapping"):
         JobConfig.from_yaml_text("train: 5\n")
     with pytest.raises(ConfigError, match=r"\(did you mean 'steps' for 'stpes'\?\)"):   # a typo gets the near key

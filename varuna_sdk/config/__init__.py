@@ -161,7 +161,11 @@ class JobConfig:
         sections = {f.name: f for f in dataclasses.fields(cls)}
         for key, value in data.items():
             if key not in sections:
-                raise ConfigError(f"unknown config section {key!r}; valid sections: {sorted(sections)}")
+                import difflib
+
+                near = difflib.get_close_matches(str(key), sections, n=1)
+                raise ConfigError(f"unknown config section {key!r}; valid sections: {sorted(sections)}"
+                                  + (f" (did you mean {near[0]!r}?)" if near else ""))
             sub_type = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
                         "train": TrainConfig, "launch": LaunchConfig}.get(key)
             kwargs[key] = value if sub_type is None else _build(sub_type, value, key)
