@@ -380,7 +380,8 @@ class JobData:
             rows_ = [toks[(i * (seq_len + 1)) % span:(i * (seq_len + 1)) % span + seq_len + 1] for i in range(n)]
             x = torch.from_numpy(np.stack(rows_).astype("int64"))
             return _lm(x[:, :-1].contiguous(), x[:, 1:].contiguous(), self.mlm, [(SAMPLE, i) for i in range(n)])
-        return collate([self.examples.dataset[i % len(self.examples)] for i in range(n)])
+        ids = [i % len(self.examples) for i in range(n)]
+        return collate([self.examples.dataset[i] for i in ids], ids)
 
     def loaders(self, seq_len: int, global_batch: int, seed: int, val_fraction: float, eval_batches_max: int):
         """``(train loader, held-out batches)``: the loader's ``replica_batch(step, replica, D)``

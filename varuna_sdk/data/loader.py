@@ -24,7 +24,7 @@ import os
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -350,19 +350,21 @@ def lm_fields(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Te
     return {"input_ids": inputs, "targets": targets, "labels": inputs}
 
 
-def collate(examples: list) -> dict[str, Any]:
+def collate(examples: list, ids: Sequence[int] | None = None) -> dict[str, Any]:
     """Examples of a user dataset as one batch of named fields: a dict example keeps its keys, a
     tuple/list example ``(x, y, …)`` gives fields ``"0"``, ``"1"``, …, a lone tensor ``"0"``.
-    Stacked with ``torch.utils.data.default_collate`` (numbers become tensors)."""
+    Stacked with ``torch.utils.data.default_collate`` (numbers become tensors). ``ids``: the
+    examples' dataset indices, to name the odd one out. Raises ``DataError`` naming the example
+    whose fields differ from the others'."""
     from torch.utils.data import default_collate
 
     first = examples[0]
     try:
         batch = default_collate(examples)
     except (RuntimeError, TypeError) as e:
-        raise DataError(f"the dataset's examples cannot be stacked into one batch: {_unstackable(examples)}; "
-                        "every example must hold tensors of the same shapes (pad or crop each to data.seq_len "
-                        f"in __getitem__) [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
+        raise DataError(f"the dataset's examples cannot be stacked into one batch: {_unstackable(examples, ids)}; "
+                        "every example must hold tensors of the same shapes (pad or crop them to one shape in "
+                        f"__getitem__) [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
     if isinstance(first, Mapping):
         return dict(batch)
     if isinstance(first, (tuple, list)):
@@ -370,8 +372,9 @@ def collate(examples: list) -> dict[str, Any]:
     return {"0": batch}
 
 
-def _unstackable(examples: list) -> str:
-    """Which field of which example differs in shape or type from the first example's."""
+def _unstackable(examples: list, ids: Sequence[int] | None = None) -> str:
+    """Which field of which example differs in shape or type from the rest of the batch (the kind
+    most examples have), naming the example by its dataset index when ``ids`` are given."""
     def fields(ex: Any) -> dict[str, Any]:
         if isinstance(ex, Mapping):
             return {str(k): v for k, v in ex.items()}
@@ -382,14 +385,21 @@ def _unstackable(examples: list) -> str:
     def kind(v: Any) -> str:
         return f"shape {tuple(v.shape)}" if hasattr(v, "shape") else f"a {type(v).__name__}"
 
-    ref = fields(examples[0])
-    for i, ex in enumerate(examples[1:], 1):
-        got = fields(ex)
-        if set(got) != set(ref):
-            return f"example {i} has fields {sorted(got)}, the first {sorted(ref)}"
-        for k, v in got.items():
-            if kind(v) != kind(ref[k]):
-                return f"field {k!r} has {kind(ref[k])} in the first example of the batch and {kind(v)} in example {i}"
+    def name(pos: int) -> str:
+        return f"example {int(ids[pos])}" if ids is not None else f"example {pos} of the batch"
+
+    all_fields = [fields(ex) for ex in examples]
+    keys = [tuple(sorted(f)) for f in all_fields]
+    common = max(keys, key=keys.count)   # ties: the first example's
+    for pos, k in enumerate(keys):
+        if k != common:
+            return f"{name(pos)} has fields {list(k)}, the others {list(common)}"
+    for field_name in common:
+        kinds = [kind(f[field_name]) for f in all_fields]
+        usual = max(kinds, key=kinds.count)
+        for pos, k in enumerate(kinds):
+            if k != usual:
+                return f"{name(pos)} has field {field_name!r} of {k} where the others have {usual}"
     return "their fields differ in type"
 
 
@@ -447,7 +457,9 @@ class ExampleLoader:
                     "below that must be readable: fix __getitem__ (or the file it reads), or make __len__ "
                     "count only the examples there are") from e
         try:
-            return collate(examples)
+            return collate(examples, [int(i) for i in idx])
+        except DataError as e:
+            raise DataError(f"{e} ({where})") from None
         except Exception as e:  # noqa: BLE001 - examples of different shapes or types
             raise DataError(
                 f"examples {[int(i) for i in idx[:8]]}{'...' if len(idx) > 8 else ''} ({where}) cannot be "
@@ -502,4 +514,5 @@ def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batche
     if n == 0:
         raise ValueError(f"{len(idx)} held-out examples are fewer than one batch of {batch_size}; use a larger "
                          "val_fraction or a smaller global batch")
-    return [collate([dataset[int(i)] for i in idx[k * batch_size:(k + 1) * batch_size]]) for k in range(n)]
+    return [collate([dataset[int(i)] for i in idx[k * batch_size:(k + 1) * batch_size]],
+                    [int(i) for i in idx[k * batch_size:(k + 1) * batch_size]]) for k in range(n)]
