@@ -16,6 +16,7 @@ share one cached calibration) on 2 local worker processes. Everything is time-bo
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +128,26 @@ def test_status_metrics_and_events_while_it_trains(kernel):
     assert e["hosts"] == ["local0", "local1"]
     mo = kernel.value("(lambda df: [type(df).__name__, len(df), list(df.columns)])(job.morphs)")
     assert mo[0] == "DataFrame" and mo[1] == 0 and "cause" in mo[2] and "downtime_s" in mo[2]
+
+
+@pytest.mark.timeout(120)
+def test_interrupting_a_cell_that_waits_leaves_the_job_training(kernel):
+    """Jupyter's interrupt (SIGINT to the kernel) during ``job.wait()``: the cell ends with
+    KeyboardInterrupt, the job goes on and ``stop()`` still reaches it. (Thread.join interrupted
+    by Ctrl-C marked the live manager thread as ended in Python 3.11: ``job.running`` became False,
+    ``stop()`` did nothing and ``launch()`` refused on the folder's own lock.)"""
+    assert kernel.value("job.running") is True
+    step0 = kernel.value("job.status.step")
+    timer = threading.Timer(2.0, kernel.km.interrupt_kernel)
+    timer.start()
+    try:
+        res = kernel.run("job.wait()", timeout_s=60)
+    finally:
+        timer.cancel()
+    assert res.ename == "KeyboardInterrupt", res.text()
+    assert "goes on training in the background; job.stop() stops it" in res.stderr, res.stderr
+    assert kernel.value("job.running") is True
+    kernel.ok(f"wait_until(lambda: job.status.step > {step0} + 1)", timeout_s=60)   # still training
 
 
 @pytest.mark.timeout(300)

@@ -154,6 +154,9 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._micro_batch_size: int | None = None  # the first plan's; morphs keep it (see _replan)
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
+        # set when the background run ends: waited on instead of Thread.join, which a Ctrl-C (a
+        # notebook's interrupt) can leave marking a live thread as ended (Python 3.11, bpo-45274)
+        self._done = threading.Event()
         self._last_morph_time = time.time()
         self._metric_cursor = 0
         self._hb_cursor = 0
@@ -211,12 +214,18 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
     def start(self) -> "Manager":
         """Run the job in a background thread (for notebooks); returns at once. Raises
         ``ManagerError`` when another manager runs this run folder now (``runs.acquire_run_lock``)."""
-        if self._thread is not None and self._thread.is_alive():
+        if self.alive:
             raise ManagerError(f"job {self.job_id} is already running in this manager")
         self._take_lock()
+        self._done.clear()
         self._thread = threading.Thread(target=self._run_safe, name=f"varuna-manager-{self.job_id}", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def alive(self) -> bool:
+        """True while the background run started by ``start()`` goes on."""
+        return self._thread is not None and not self._done.is_set()
 
     @property
     def settled(self) -> bool:
@@ -224,9 +233,10 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         return self.state == JobState.RUNNING and self._pending is None
 
     def wait(self, timeout_s: float | None = None) -> JobState:
-        """Block until the background run ends (or ``timeout_s``); returns the state."""
+        """Block until the background run ends (or ``timeout_s``); returns the state. A
+        ``KeyboardInterrupt`` while waiting leaves the run going (``cancel()`` stops it)."""
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._done.wait(timeout_s)
         return self.state
 
     def cancel(self) -> None:
@@ -254,6 +264,8 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
             if not self.state.terminal:   # never left RECOVERING (or RUNNING) with no one driving the job
                 _log.exception("job %s: the manager stopped on an error", self.job_id)
                 self._set(JobState.FAILED, f"the manager stopped on an error: {self.error}")
+        finally:
+            self._done.set()
 
     # ------------------------------------------------------------------------------- helpers
     def _set(self, state: JobState, reason: str = "") -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import copy
 import json
+import sys
 import threading
 import time
 import weakref
@@ -300,12 +301,20 @@ class Job:
     def running(self) -> bool:
         """True while the manager runs the job (not yet SUCCEEDED, FAILED or STOPPED)."""
         m = self.manager
-        return m is not None and not m.state.terminal and m._thread is not None and m._thread.is_alive()
+        return m is not None and not m.state.terminal and m.alive
 
     def wait(self, timeout_s: float | None = None) -> JobStatus:
-        """Block until the job ends (or ``timeout_s`` seconds pass); returns its status."""
+        """Block until the job ends (or ``timeout_s`` seconds pass); returns its status.
+        Interrupting the wait (Jupyter's interrupt, Ctrl-C) leaves the job training in the
+        background: ``stop()`` stops it at a checkpoint."""
         if self.manager is not None:
-            self.manager.wait(timeout_s)
+            try:
+                self.manager.wait(timeout_s)
+            except KeyboardInterrupt:
+                if self.running:
+                    print(f"[varuna] {self.config.name} goes on training in the background; job.stop() stops it "
+                          "at the next mini-batch with a checkpoint", file=sys.stderr)
+                raise
         if self._monitor is not None:
             self._monitor.join(5.0)
         return self.status
