@@ -338,3 +338,50 @@ def test_a_datasets_attention_mask_reaches_a_forward_that_takes_it_and_an_unknow
     with pytest.warns(UserWarning, match=r"field\(s\) \['note'\] are not parameters of _NeedsMask.forward"):
         call, _ = infer_call(_NeedsMask(), ["input_ids", "attention_mask", "note", "labels"], None)
     assert call.describe() == "model(input_ids=input_ids, attention_mask=attention_mask), loss(output, labels)"
+
+
+CELL = '''
+import torch
+from torch import nn
+
+class CellModel(nn.Module):
+    def __init__(self, width=WIDTH):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+def cell_loss(out, y):
+    return (out - y).pow(2).mean()
+'''
+
+
+def _run_cell(width: int) -> dict:
+    ns = {"__name__": "__main__"}
+    exec(compile(CELL.replace("WIDTH", str(width)), "<cell>", "exec"), ns)   # as a notebook cell runs
+    return ns
+
+
+def test_the_same_notebook_cell_run_again_ships_the_same_model_and_a_changed_one_does_not(tmp_path):
+    """A class defined in a notebook pickles (cloudpickle) with a random tracker id per class
+    object: re-running its unchanged cell (or the whole notebook after a restart) gave another
+    objects digest, so a stopped job could not be continued in its folder ("holds a job that
+    trains another model") and the calibration cache missed. Same code: same digest and model
+    identity; changed code: different."""
+    from varuna_sdk.shipping import code_sha256
+
+    first, again, changed = _run_cell(8), _run_cell(8), _run_cell(16)
+    assert first["CellModel"] is not again["CellModel"]
+    d1, blob1 = pack_objects({"factory": first["CellModel"], "loss": first["cell_loss"]})
+    d2, blob2 = pack_objects({"factory": again["CellModel"], "loss": again["cell_loss"]})
+    d3, _ = pack_objects({"factory": changed["CellModel"], "loss": changed["cell_loss"]})
+    assert blob1 != blob2, "the pickles differ (tracker ids): the digest must not"
+    assert d1 == d2 and d3 != d1
+    (tmp_path / "a.bin").write_bytes(blob1)
+    (tmp_path / "b.bin").write_bytes(blob2)
+    a, b = read_objects(tmp_path / "a.bin"), read_objects(tmp_path / "b.bin")   # checked, never unpickled here
+    assert a.digest == b.digest == d1
+    assert code_sha256(a.payloads["factory"]) == code_sha256(b.payloads["factory"])

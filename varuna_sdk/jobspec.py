@@ -66,7 +66,7 @@ from .model.spec import (ModelSpec, ModelSpecError, infer_call, model_limits, pr
                          warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
-from .shipping import ByValue, ShippingError, find_objects
+from .shipping import ByValue, ShippingError, code_sha256, find_objects
 
 # ---- picklable callables ---------------------------------------------------------------------
 def import_object(ref: str) -> Any:
@@ -307,7 +307,7 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
         if "init" in payloads:
             init_fn = ByValue(shipped, "init")
         name = shipped.names.get("factory", "model defined in the notebook")
-        identity = {"kind": "by_value", "sha256": hashlib.sha256(payloads["factory"]).hexdigest()[:24],
+        identity = {"kind": "by_value", "sha256": code_sha256(payloads["factory"])[:24],
                     "kwargs": kwargs}
     elif m.factory is not None and ":" in m.factory:
         obj = import_object(m.factory)

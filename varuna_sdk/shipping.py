@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import platform
 from collections.abc import Mapping
@@ -131,10 +132,26 @@ def _header(versions: Mapping[str, str], names: Mapping[str, str], payloads: Map
             "objects": {k: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()} for k, p in payloads.items()}}
 
 
+#: what cloudpickle writes for a class defined in a notebook or script: a random ``uuid4().hex``
+#: tracker id per class *object*, so the same cell run twice pickles to different bytes
+_TRACKER_ID = re.compile(rb"[0-9a-f]{32}")
+
+
+def code_sha256(payload: bytes) -> str:
+    """SHA-256 of a cloudpickle payload with its class tracker ids numbered in order of appearance:
+    equal for the same code and captured values however many times the defining cell ran (a
+    class re-defined by re-running its cell, or after a kernel restart, is the same model)."""
+    ids: dict[bytes, int] = {}
+    return hashlib.sha256(_TRACKER_ID.sub(lambda m: b"<%d>" % ids.setdefault(m.group(0), len(ids)),
+                                          payload)).hexdigest()
+
+
 def objects_digest(versions: Mapping[str, str], names: Mapping[str, str], payloads: Mapping[str, bytes]) -> str:
-    """The digest of shipped objects: SHA-256 over the versions, names and each payload's size and
-    SHA-256 (the objects file's header), 24 hex digits."""
-    return hashlib.sha256(json.dumps(_header(versions, names, payloads), sort_keys=True).encode()).hexdigest()[:24]
+    """The digest of shipped objects: SHA-256 over the versions, names and each payload's
+    ``code_sha256``, 24 hex digits — the same for the same code re-defined (the objects file's
+    header keeps each payload's plain SHA-256, to check it is intact)."""
+    doc = {"versions": dict(versions), "names": dict(names), "objects": {k: code_sha256(p) for k, p in payloads.items()}}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
 
 
 _PACKED: dict[str, Shipped] = {}  # digest -> objects packed or read in this process
