@@ -392,3 +392,31 @@ def test_a_dataset_or_loss_the_model_cannot_take_is_refused_before_anything_star
         out.reshape(-1, out.shape[-1]), y.reshape(-1)))).pack(j)
     with pytest.raises(ModelSpecError, match="the loss returned a float; it must return a scalar tensor"):
         resolve_job(j)
+
+
+@pytest.mark.timeout(240)
+def test_a_batchnorm_model_is_planned_and_calibrated_on_two_examples_or_more(tmp_path):
+    """BatchNorm cannot train on a micro-batch of one example. A job fixing micro-batch 1 is refused
+    up front with the fix; a job left to the planner (micro_batch_size defaults to 1) was refused
+    by the same dry run, then failed in calibration, which always measured micro-batch 1: now it is
+    calibrated on 2, 4, 8 examples and planned with micro-batches of 2 or more."""
+    from varuna_sdk.model.spec import ModelSpecError
+    from varuna_sdk.planner.plan import plan_for_job
+    from varuna_sdk.profiling.job import calibrate_job
+
+    def job(**par) -> JobConfig:
+        return JobConfig(name="bn-plan", model=ModelConfig(factory="tests.thirdparty.user_data:BatchNormClassifier"),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 400}),
+                         parallel=ParallelConfig(global_batch=16, **par))
+
+    with pytest.raises(ModelSpecError, match=r"fails on a micro-batch of one example \(.*Expected more than 1 value "
+                                             r"per channel.*set parallel.micro_batch_size to 2 or more"):
+        resolve_job(job(P=1, D=1))
+    planned = job(P=None, D=None)
+    r = resolve_job(planned)
+    assert r.spec.min_micro_batch == 2
+    profile = calibrate_job(planned, cache_dir=tmp_path, resolved=r)
+    assert list(profile.micro_batch_sizes) == [2, 4, 8]
+    done, pl = plan_for_job(planned, profile, gpus=2)
+    assert done.parallel.micro_batch_size >= 2 and done.parallel.P * done.parallel.D <= 2
+    assert all(row.micro_batch_size >= 2 for row in pl.rows), [row.micro_batch_size for row in pl.rows]

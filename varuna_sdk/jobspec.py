@@ -499,28 +499,23 @@ class ResolvedJob:
         return self.split(self.data.sample(n, seq_len))
 
 
-def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
-    """Refuse data the model cannot take, before workers start: token ids beyond its vocabulary,
-    ``seq_len`` beyond its context, batches without the fields its call reads. Raises
-    ``DataError`` naming the source and the fix."""
-    T = job.data.seq_len
-    if data.tokens is not None:
-        check_tokens(data.tokens, spec.vocab_size)
-        if spec.context is not None and T > spec.context:
-            raise DataError(f"data.seq_len={T} is longer than {spec.name}'s context of {spec.context} "
-                            f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
-    # a micro-batch of the job's size (a BatchNorm cannot train on one example; the planner's
-    # choice when none is set is at least 2 on any real job)
-    b = job.parallel.micro_batch_size or 2
+class _ForwardFailed(Exception):
+    """The user's forward failed in the dry run (``error``: the ``ModelSpecError`` to raise)."""
+
+    def __init__(self, error: ModelSpecError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int) -> ModelStructure:
+    """One dry run (weights on meta, ``b`` real examples): the forward, the loss on its output, and
+    every embedding lookup (token tables bound the ids, position tables the length). Raises
+    ``_ForwardFailed`` when the forward itself fails, the checks' errors otherwise."""
     try:
         inputs, targets = spec.call.split(data.sample(b, T))
     except ModelSpecError as e:
         raise DataError(f"{data.source}: {e}") from None
-    meta = build_on_meta(spec.factory)
-    if spec.init_fn is not None:
-        _check_init(meta, spec.init_fn)
-    # one dry run (weights on meta, a real example): the forward, the loss on its output, and every
-    # embedding lookup (token tables bound the ids, position tables the length)
+
     def loss_on(out: Any) -> None:
         try:
             loss = spec.loss_fn(out, targets)
@@ -542,8 +537,10 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     except Exception as e:  # noqa: BLE001 - the user's forward failed on real data: say which data
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(b, T).items()
                            if isinstance(v, torch.Tensor))
-        raise ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
-                             f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}") from e
+        err = ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
+                             f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}")
+        err.__cause__ = e
+        raise _ForwardFailed(err) from None
     if reads_values:  # what such a loss returns, on a real stand-in of the output (outside the dry run)
         try:
             with warnings.catch_warnings():
@@ -553,6 +550,45 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             loss = None
         if loss is not None:
             _check_loss(loss, spec)
+    return structure
+
+
+def _runs_on(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int) -> bool:
+    """Whether the forward runs on ``b`` examples (the other checks are not asked)."""
+    try:
+        _dry_run(spec, data, meta, b, T)
+    except _ForwardFailed:
+        return False
+    except (ModelSpecError, DataError, ConfigError):
+        return True
+    return True
+
+
+def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
+    """Refuse data the model cannot take, before workers start: token ids beyond its vocabulary,
+    ``seq_len`` beyond its context, batches without the fields its call reads. Raises
+    ``DataError`` naming the source and the fix."""
+    T = job.data.seq_len
+    if data.tokens is not None:
+        check_tokens(data.tokens, spec.vocab_size)
+        if spec.context is not None and T > spec.context:
+            raise DataError(f"data.seq_len={T} is longer than {spec.name}'s context of {spec.context} "
+                            f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
+    meta = build_on_meta(spec.factory)
+    if spec.init_fn is not None:
+        _check_init(meta, spec.init_fn)
+    b = job.parallel.micro_batch_size
+    try:
+        structure = _dry_run(spec, data, meta, b, T)
+    except _ForwardFailed as e:
+        if b > 1 or not _runs_on(spec, data, meta, 2, T):
+            raise e.error from e.error.__cause__
+        if not job.parallel.planned:
+            raise ModelSpecError(f"{spec.name}'s forward fails on a micro-batch of one example ({e.error.__cause__}) "
+                                 "but runs on two (a layer such as BatchNorm needs more than one example per "
+                                 "micro-batch in training): set parallel.micro_batch_size to 2 or more") from None
+        spec.min_micro_batch = 2   # the planner and the calibration then try 2 and up
+        structure = _dry_run(spec, data, meta, 2, T)
     _check_lookups(structure, data, spec.name, T)
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out

@@ -317,7 +317,9 @@ class ModelSpec:
     names that may be used on several stages (``None``: tie automatically); ``name``: for
     messages; ``identity``: plain data naming exactly this model (factory, arguments, code hash),
     part of calibration cache keys; ``vocab_size``/``context``: what the model accepts (``None``:
-    it does not say), checked against the data before workers start."""
+    it does not say), checked against the data before workers start; ``min_micro_batch``: the
+    fewest examples per micro-batch its forward runs on in training (2 for a BatchNorm model:
+    the planner and the calibration try no smaller micro-batch)."""
 
     factory: Callable[[], nn.Module]
     loss_fn: LossFn
@@ -328,6 +330,7 @@ class ModelSpec:
     shared_params: list[str] | None = None
     vocab_size: int | None = None
     context: int | None = None
+    min_micro_batch: int = 1
 
     def describe(self) -> str:
         """One line: the model and how it is called."""

@@ -115,11 +115,13 @@ def check_boundaries(boundaries: list[list[int]], n: int, gpus: int) -> None:
 
 
 def candidate_micro_batch_sizes(profile: Profile, global_batch: int | None = None) -> list[int]:
-    """Every micro-batch size from 1 to twice the largest profiled size (sizes between and above
-    the profiled ones are interpolated / extrapolated); with ``global_batch``, only the sizes that
-    divide it (no other can keep global batch = micro-batch × m × D exact)."""
+    """Every micro-batch size from the smallest profiled one (1, or 2 for a model that cannot train
+    on one example) to twice the largest (sizes between and above the profiled ones are
+    interpolated / extrapolated); with ``global_batch``, only the sizes that divide it (no other
+    can keep global batch = micro-batch × m × D exact)."""
     top = max(profile.micro_batch_sizes) * 2
-    return [b for b in range(1, top + 1) if global_batch is None or global_batch % b == 0]
+    low = min(profile.micro_batch_sizes)
+    return [b for b in range(low, top + 1) if global_batch is None or global_batch % b == 0]
 
 
 

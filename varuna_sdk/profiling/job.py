@@ -40,13 +40,17 @@ def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
 
 
 def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: bool = False,
-                  micro_batch_sizes: tuple[int, ...] = (1, 2, 4), resolved: ResolvedJob | None = None,
+                  micro_batch_sizes: tuple[int, ...] | None = None, resolved: ResolvedJob | None = None,
                   run_dir: str | Path | None = None) -> Profile:
     """Calibrate the job's model once (paper §4.3) on real micro-batches of its data and cache the
     ``Profile`` JSON under ``cache_dir`` (default ``~/.cache/varuna_sdk/profiles``), keyed by
     ``profile_key``; a cached profile is reused unless ``refresh``. ``run_dir``: where objects the
-    job shipped by value are looked up too. Raises what resolving the job or ``calibrate`` raises."""
+    job shipped by value are looked up too. ``micro_batch_sizes``: default 1, 2, 4 examples — or
+    2, 4, 8 for a model that cannot train on one (``ModelSpec.min_micro_batch``). Raises what
+    resolving the job or ``calibrate`` raises."""
     r = resolved or resolve_job(job, search=[run_dir] if run_dir is not None else [])
+    if micro_batch_sizes is None:
+        micro_batch_sizes = tuple(r.spec.min_micro_batch * k for k in (1, 2, 4))
     cache = Path(cache_dir) if cache_dir else default_cache_dir() / "profiles"
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{profile_key(job, r)}.json"
