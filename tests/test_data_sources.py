@@ -295,6 +295,25 @@ def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recomput
 
 
 @pytest.mark.timeout(180)
+def test_step_time_and_throughput_include_reading_the_batch(tmp_path):
+    """A dataset whose ``__getitem__`` takes 10 ms: each step's 16 examples take >= 0.16 s to read,
+    and the step time, examples/s and the time left count it (they were the engine's step alone,
+    25x too fast for a slow dataset)."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="slow", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:SlowExamples"),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=8),
+                    train=TrainConfig(steps=3, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    rows = train_local(job, run_dir=tmp_path / "run").metrics()
+    assert len(rows) == 3
+    for r in rows:
+        assert r["data_s"] >= 16 * 0.01 and r["step_time_s"] >= r["data_s"], r
+        assert r["examples_per_s"] == pytest.approx(16 / r["step_time_s"], rel=1e-6) and r["examples_per_s"] < 100
+
+
+@pytest.mark.timeout(180)
 def test_a_regression_whose_loss_is_far_above_709_trains_and_reports_its_held_out_loss(tmp_path):
     """A user's MSE on targets in the hundreds: the held-out loss is reported as a loss, not as a
     perplexity (``exp(loss)`` overflowed and failed every job before its first step)."""

@@ -58,6 +58,9 @@ def lr_at(step: int, job: JobConfig) -> float:
 @dataclass
 class StepMetrics:
     """One line of ``metrics.jsonl``: units are seconds, tokens/s and examples/s.
+    ``step_time_s``: the whole step on rank 0, reading its batch included (``data_s`` of it), so
+    that throughput and the time left are what the job really runs at — a dataset whose
+    ``__getitem__`` is slow shows there, not only in the wall clock.
     ``peak_live_graphs``: the most micro-batches whose activations rank 0 (the first stage, which
     holds the most) kept at once in the step (``StepResult.peak_live_graphs``)."""
 
@@ -75,6 +78,7 @@ class StepMetrics:
     D: int
     generation: int = 0
     peak_live_graphs: int = 0
+    data_s: float = 0.0
 
 
 def build_engine(job: JobConfig, rank: int | None = None, resolved: ResolvedJob | None = None) -> Varuna:
@@ -436,7 +440,11 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
     job, p, t = run.job, run.job.parallel, run.job.train
     for g in run.tr.optimizer.param_groups:
         g["lr"] = lr_at(step, job)
-    r = run.tr.engine.step(run.tr.batch(step), run.tr.optimizer)
+    t0 = time.perf_counter()
+    batch = run.tr.batch(step)
+    data_s = time.perf_counter() - t0
+    r = run.tr.engine.step(batch, run.tr.optimizer)
+    wall_s = data_s + r.time_s
     run.skipped_in_a_row = run.skipped_in_a_row + 1 if r.skipped else 0
     if run.skipped_in_a_row >= MAX_NONFINITE_STEPS and t.precision != "fp16":
         raise FloatingPointError(
@@ -448,10 +456,10 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
     run.progress.steps_done = done
     run.outcome.step, run.outcome.steps_run = done, run.outcome.steps_run + 1
     m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
-                    loss_scale=r.loss_scale, step_time_s=r.time_s,
-                    tokens_per_s=tokens_per_step / r.time_s, examples_per_s=p.global_batch / r.time_s,
+                    loss_scale=r.loss_scale, step_time_s=wall_s,
+                    tokens_per_s=tokens_per_step / wall_s, examples_per_s=p.global_batch / wall_s,
                     wall_time=time.time(), P=p.P, D=p.D, generation=run.generation,
-                    peak_live_graphs=r.peak_live_graphs)
+                    peak_live_graphs=r.peak_live_graphs, data_s=data_s)
     md = asdict(m)
     if on_step is not None:
         on_step(step, r, md)
@@ -459,7 +467,7 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
         mf.write(json.dumps(md) + "\n")
         mf.flush()
         _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {m.tokens_per_s:8.0f} tok/s | "
-             f"{m.examples_per_s:6.2f} ex/s | {r.time_s:6.3f} s" + (" | skipped (overflow)" if r.skipped else ""))
+             f"{m.examples_per_s:6.2f} ex/s | {wall_s:6.3f} s" + (" | skipped (overflow)" if r.skipped else ""))
     return r
 
 

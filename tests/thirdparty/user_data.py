@@ -67,6 +67,23 @@ class BatchNormClassifier(Classifier):
         self.body = nn.ModuleList([NormResidual(hidden) for _ in range(depth)])
 
 
+class SlowExamples(torch.utils.data.Dataset):
+    """``make_dataset(n)`` read slowly: ``delay_s`` seconds per example (a decoder, a network file
+    system)."""
+
+    def __init__(self, n: int = 400, delay_s: float = 0.01):
+        self.ds, self.delay_s = make_dataset(n), delay_s
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(self.delay_s)
+        return self.ds[i]
+
+
 class OneBadExample(torch.utils.data.Dataset):
     """``make_dataset(n)`` whose example ``bad`` cannot be read (a record missing from the file its
     ``__len__`` was counted from): ``__getitem__`` raises ``IndexError`` for it."""
