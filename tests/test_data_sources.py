@@ -246,11 +246,14 @@ def test_a_dataset_factory_trains_through_the_pipeline_as_plain_pytorch_does(tmp
 
 
 @pytest.mark.timeout(180)
-def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recompute(tmp_path):
+@pytest.mark.parametrize("P,D,momentum", [(2, 1, 0.1), (1, 2, 0.1), (1, 2, None)])
+def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recompute(tmp_path, P, D, momentum):
     """A stage that recomputes runs each micro-batch's forward twice (F without a graph, R with
     one); its BatchNorm statistics must still be those of plain PyTorch, where each micro-batch's
     forward runs once (they were updated twice, and the dry run that traces the model added one
-    more to ``num_batches_tracked``)."""
+    more to ``num_batches_tracked``). With D replicas each sees only its own micro-batches: the
+    statistics are merged after every step into those of all micro-batches in order (each
+    replica kept its own, and a checkpoint one replica's)."""
     import glob
 
     from varuna_sdk.config import TrainConfig
@@ -259,15 +262,19 @@ def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recomput
     from varuna_sdk.trainer import lr_at, resolve
 
     steps, m = 3, 4
-    job = JobConfig(name="bn", model=ModelConfig(factory="tests.thirdparty.user_data:BatchNormClassifier"),
+    job = JobConfig(name="bn", model=ModelConfig(factory="tests.thirdparty.user_data:BatchNormClassifier",
+                                                 kwargs={"momentum": momentum}),
                     data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 400}),
-                    parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4, recompute=True),
+                    parallel=ParallelConfig(P=P, D=D, global_batch=16, micro_batch_size=4, recompute=True),
                     train=TrainConfig(steps=steps, lr=1e-2, warmup_steps=1, eval_batches=1, grad_clip=None,
                                       checkpoint_every=steps, run_dir=str(tmp_path / "runs")))
     train_local(job, run_dir=tmp_path / "run")
     got = {}
-    for f in glob.glob(str(tmp_path / "run" / "checkpoints" / f"step-{steps:08d}-*" / "seg-*.pt")):
-        got.update(torch.load(f, weights_only=True)["buffers"])
+    per_replica = {}
+    for f in sorted(glob.glob(str(tmp_path / "run" / "checkpoints" / f"step-{steps:08d}-*" / "seg-*.pt"))):
+        bufs = torch.load(f, weights_only=True)["buffers"]
+        got.update(bufs)
+        per_replica.setdefault(f[-9:-3], {}).update(bufs)    # rNNNNN: every replica's copy, if each is kept
     r = resolve(job)
     model = build_on_meta(r.spec.factory)
     materialize(model, [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()],
@@ -292,6 +299,9 @@ def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recomput
             assert int(got[name]) == steps * m, (name, got[name])
         else:
             assert torch.allclose(got[name], ref, rtol=1e-4, atol=1e-6), (name, got[name], ref)
+        for rep, bufs in per_replica.items():
+            if name in bufs:
+                assert torch.allclose(bufs[name].float(), ref.float(), rtol=1e-4, atol=1e-6), (rep, name)
 
 
 @pytest.mark.timeout(180)

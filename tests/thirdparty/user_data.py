@@ -49,22 +49,23 @@ class Classifier(nn.Module):
 
 
 class NormResidual(nn.Module):
-    def __init__(self, d):
+    def __init__(self, d, momentum=0.1):
         super().__init__()
         # no bias before the BatchNorm: the loss does not depend on it, so Adam would move it by
         # rounding noise alone, and the running mean with it
-        self.lin, self.bn = nn.Linear(d, d, bias=False), nn.BatchNorm1d(d)
+        self.lin, self.bn = nn.Linear(d, d, bias=False), nn.BatchNorm1d(d, momentum=momentum)
 
     def forward(self, h):
         return h + torch.relu(self.bn(self.lin(h)))
 
 
 class BatchNormClassifier(Classifier):
-    """``Classifier`` whose blocks hold a BatchNorm: running statistics a forward updates in place."""
+    """``Classifier`` whose blocks hold a BatchNorm: running statistics a forward updates in place
+    (``momentum=None``: a cumulative average)."""
 
-    def __init__(self, features=16, hidden=32, depth=3, classes=4):
+    def __init__(self, features=16, hidden=32, depth=3, classes=4, momentum=0.1):
         super().__init__(features, hidden, depth, classes)
-        self.body = nn.ModuleList([NormResidual(hidden) for _ in range(depth)])
+        self.body = nn.ModuleList([NormResidual(hidden, momentum) for _ in range(depth)])
 
 
 class SlowExamples(torch.utils.data.Dataset):

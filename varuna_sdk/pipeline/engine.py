@@ -5,7 +5,8 @@ running the schedule policy (from csrc, the same code the simulator uses) over i
 micro-batches — one method per action kind, forward (F), recompute (R), backward (B) and, with
 the split backward, weight gradients (W), dispatched from a table keyed by the kind as
 torch.distributed.pipelining's executor does — and the end-of-step synchronisation: tied-weight
-gradient sum, data-parallel all-reduce, one world-wide consensus of (overflow, grad-norm², loss),
+gradient sum, data-parallel all-reduce, running statistics (BatchNorm) merged over the replicas
+(``pipeline.running_stats``), one world-wide consensus of (overflow, grad-norm², loss),
 global-norm clipping, loss-scale update and the optimizer step.
 Paper §3.2, §5.2, §6; varuna-original.md §3, §8 — with its bugs fixed: fp32 gradients are
 reduced, RNG is forked (never rewound), the loss is the mini-batch mean over all replicas,
@@ -43,6 +44,7 @@ from .comm import Channel, Receiver
 from .grad_sync import GradSync
 from .groups import Topology, build_groups
 from .scaler import LossScaler
+from .running_stats import RunningStats
 from .schedule import StageScheduler, default_recompute
 from .split_backward import WeightWork, backward_input
 from .stage_prefix import StageExit, StagePrefix, StageRun
@@ -220,6 +222,8 @@ class Varuna:
         self.device = torch.device(device)
         self._build_stage(model_fn, sample_inputs, structure, init_fn)
         self._open_channels(rank)
+        # BatchNorm-like running statistics, merged over the stage's replicas after each step
+        self.running_stats = RunningStats(self.model, self.replica, self.D, self.groups.dp)
         self.scaler = LossScaler(scale=loss_scale, enabled=precision == "fp16")
         self.step_count = 0
         self.grad_sync = self._build_grad_sync()
@@ -340,8 +344,10 @@ class Varuna:
         """
         t0 = time.perf_counter()
         st = self._begin_train_step(batch)
+        self.running_stats.begin()
         self._run_schedule(st)
         self._end_transfers()
+        self.running_stats.merge()
         loss_local = st.loss_sum / self.m if self.is_last else st.loss_sum
         result = self._sync_and_step(optimizer, loss_local)
         result.time_s = time.perf_counter() - t0
