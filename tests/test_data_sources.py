@@ -323,6 +323,25 @@ def test_step_time_and_throughput_include_reading_the_batch(tmp_path):
         assert r["examples_per_s"] == pytest.approx(16 / r["step_time_s"], rel=1e-6) and r["examples_per_s"] < 100
 
 
+def test_float64_data_for_a_float32_model_is_refused_up_front_with_the_cast_to_make():
+    """The dry run's meta kernels accept a float64 input to a float32 Linear; the workers then
+    failed with "mat1 and mat2 must have the same dtype" (twice, retried). Refused before anything
+    starts, saying what to cast; the same data under bf16 autocast is accepted (autocast casts)."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.model.spec import ModelSpecError
+
+    def job(precision: str) -> JobConfig:
+        return JobConfig(name="f64", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:float64_dataset"),
+                         parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
+                         train=TrainConfig(precision=precision))
+
+    with pytest.raises(ModelSpecError, match=r"linear got floating operands of different dtypes \(float32, float64\)"
+                                             r".*cast the data's floating fields"):
+        resolve_job(job("fp32"))
+    assert resolve_job(job("bf16")).spec is not None
+
+
 @pytest.mark.timeout(180)
 def test_a_regression_whose_loss_is_far_above_709_trains_and_reports_its_held_out_loss(tmp_path):
     """A user's MSE on targets in the hundreds: the held-out loss is reported as a loss, not as a

@@ -507,7 +507,7 @@ class _ForwardFailed(Exception):
         self.error = error
 
 
-def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int) -> ModelStructure:
+def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, precision: str) -> ModelStructure:
     """One dry run (weights on meta, ``b`` real examples): the forward, the loss on its output, and
     every embedding lookup (token tables bound the ids, position tables the length). Raises
     ``_ForwardFailed`` when the forward itself fails, the checks' errors otherwise."""
@@ -531,7 +531,8 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int) ->
 
     reads_values: list = []
     try:
-        structure = trace_model(meta, inputs, after=loss_on)
+        # fp32 runs the data's dtypes as they are (bf16/fp16 autocast casts the operands)
+        structure = trace_model(meta, inputs, after=loss_on, strict_dtypes=precision == "fp32")
     except (ModelSpecError, DataError, ConfigError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's forward failed on real data: say which data
@@ -553,10 +554,10 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int) ->
     return structure
 
 
-def _runs_on(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int) -> bool:
+def _runs_on(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, precision: str) -> bool:
     """Whether the forward runs on ``b`` examples (the other checks are not asked)."""
     try:
-        _dry_run(spec, data, meta, b, T)
+        _dry_run(spec, data, meta, b, T, precision)
     except _ForwardFailed:
         return False
     except (ModelSpecError, DataError, ConfigError):
@@ -577,18 +578,18 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     meta = build_on_meta(spec.factory)
     if spec.init_fn is not None:
         _check_init(meta, spec.init_fn)
-    b = job.parallel.micro_batch_size
+    b, precision = job.parallel.micro_batch_size, job.train.precision
     try:
-        structure = _dry_run(spec, data, meta, b, T)
+        structure = _dry_run(spec, data, meta, b, T, precision)
     except _ForwardFailed as e:
-        if b > 1 or not _runs_on(spec, data, meta, 2, T):
+        if b > 1 or not _runs_on(spec, data, meta, 2, T, precision):
             raise e.error from e.error.__cause__
         if not job.parallel.planned:
             raise ModelSpecError(f"{spec.name}'s forward fails on a micro-batch of one example ({e.error.__cause__}) "
                                  "but runs on two (a layer such as BatchNorm needs more than one example per "
                                  "micro-batch in training): set parallel.micro_batch_size to 2 or more") from None
         spec.min_micro_batch = 2   # the planner and the calibration then try 2 and up
-        structure = _dry_run(spec, data, meta, 2, T)
+        structure = _dry_run(spec, data, meta, 2, T, precision)
     _check_lookups(structure, data, spec.name, T)
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out

@@ -12,6 +12,12 @@ def make_dataset(n: int = 400, features: int = 16, classes: int = 4, seed: int =
     return torch.utils.data.TensorDataset(x, x[:, :classes].argmax(dim=1))
 
 
+def float64_dataset(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
+    """``make_dataset`` as numpy hands it over: float64 features (pandas ``.values``, ``np.random``)."""
+    x, y = make_dataset(n, features, classes, seed).tensors
+    return torch.utils.data.TensorDataset(x.double(), y)
+
+
 def house_prices(n: int = 400, features: int = 16, seed: int = 0):
     """(x, y) pairs for a regression whose targets are in the hundreds (prices in k$): a mean
     squared error far above 709 at the start, where ``exp(loss)`` overflows a float."""

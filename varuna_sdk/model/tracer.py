@@ -123,6 +123,7 @@ class _Trace:
         self.in_cut = False
         self.input_storages: set[int] = set()
         self.embeddings: dict[str, dict] = {}
+        self.strict_dtypes = False
 
     def on_mixed(self, func, args: tuple, kwargs: dict) -> None:
         """An operation about to run on meta with its real arguments: note embedding lookups
@@ -171,6 +172,24 @@ class _Trace:
         return out
 
 
+#: operations that refuse floating operands of different dtypes on a real device (the meta
+#: kernels do not check): float64 data into a float32 model fails there, so the dry run says so
+_SAME_DTYPE = frozenset({F.linear, F.bilinear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                         torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm,
+                         torch.addmm, torch.baddbmm, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+                         F.conv_transpose2d, F.conv_transpose3d})
+
+
+def _check_same_dtype(func, args: tuple, kwargs: dict) -> None:
+    """Raise the ``RuntimeError`` the real device would, when floating operands differ in dtype."""
+    floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in floats})
+    if len(dtypes) > 1:
+        raise RuntimeError(f"{getattr(func, '__name__', func)} got floating operands of different dtypes "
+                           f"({', '.join(dtypes)}): the data and the weights must have one dtype — cast the data's "
+                           "floating fields in the dataset (e.g. torch.from_numpy(x).float(), x.astype('float32'))")
+
+
 class _TraceMode(TorchFunctionMode):
     def __init__(self, trace: _Trace):
         super().__init__()
@@ -182,6 +201,8 @@ class _TraceMode(TorchFunctionMode):
         if tr.in_cut:
             return func(*args, **kwargs)
         seg = tr.segment
+        if tr.strict_dtypes and func in _SAME_DTYPE:
+            _check_same_dtype(func, args, kwargs)
         is_get = getattr(func, "__name__", "") == "__get__"
         if is_get:
             out = func(*args, **kwargs)
@@ -216,7 +237,8 @@ def to_meta(obj: Any) -> Any:
 
 
 def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
-                device: torch.device | str = "cpu", after: Callable[[Any], None] | None = None) -> ModelStructure:
+                device: torch.device | str = "cpu", after: Callable[[Any], None] | None = None,
+                strict_dtypes: bool = False) -> ModelStructure:
     """Dry-run ``meta_model`` (its weights on the meta device) on ``sample_inputs``.
 
     Args:
@@ -227,12 +249,15 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         device: where the input-derived part runs (the workers' device; meta tensors report it).
         after: called with the model's output while the dry run's modes are still on (e.g. to run
             the loss on it: meta where it depends on weights, real where it depends on inputs).
+        strict_dtypes: refuse, as a real device would, a matrix product or convolution of floating
+            operands of different dtypes (float64 data, float32 weights); off under autocast.
 
     Returns a ``ModelStructure``. Raises ``RuntimeError`` naming the segment when the forward reads
     a value that depends on the weights (``.item()`` or ``if`` on an activation) or uses an
     operation the meta device lacks.
     """
     trace = _Trace(meta_model)
+    trace.strict_dtypes = strict_dtypes
     inputs = to_device(as_inputs(sample_inputs), device)
     trace.input_storages = {t.untyped_storage().data_ptr() for t in _tensors(inputs)}
     was_training = meta_model.training
