@@ -468,3 +468,17 @@ def test_a_batchnorm_model_is_planned_and_calibrated_on_two_examples_or_more(tmp
     done, pl = plan_for_job(planned, profile, gpus=2)
     assert done.parallel.micro_batch_size >= 2 and done.parallel.P * done.parallel.D <= 2
     assert all(row.micro_batch_size >= 2 for row in pl.rows), [row.micro_batch_size for row in pl.rows]
+
+
+def test_a_jobs_metrics_before_any_step_have_the_documented_columns(tmp_path):
+    """``job.metrics[["step", "loss"]]`` on a job that failed before its first step (or was never
+    launched) was a KeyError: an empty frame had no columns."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+
+    job = Job(JobConfig(name="cols", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                        data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                        parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4),
+                        train=TrainConfig(run_dir=str(tmp_path / "runs"))))
+    df = job.metrics
+    assert len(df) == 0 and df[["step", "loss", "step_time_s", "examples_per_s", "generation"]].empty

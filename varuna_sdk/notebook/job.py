@@ -379,19 +379,24 @@ class Job:
     @property
     def metrics(self):
         """Every training step's metrics as a pandas DataFrame, in the order they were recorded:
-        step (0-based), loss, lr, grad_norm, skipped, loss_scale, step_time_s (s),
-        tokens_per_s, examples_per_s, wall_time (Unix s), P, D, generation, job_id. A step
-        redone after a sudden loss appears once per generation that trained it. Empty before
-        the first step."""
+        step (0-based), loss, lr, grad_norm, skipped, loss_scale, step_time_s (s, reading the
+        batch included: data_s of it), tokens_per_s, examples_per_s, wall_time (Unix s), P, D,
+        generation, job_id. A step redone after a sudden loss appears once per generation that
+        trained it. Before the first step (or when the job failed before it): no rows, the same
+        columns."""
         import pandas as pd
 
+        cols = ["step", "loss", "lr", "grad_norm", "skipped", "loss_scale", "step_time_s", "tokens_per_s",
+                "examples_per_s", "wall_time", "P", "D", "generation", "job_id"]
         log = self._log()
         if log is None:
-            return pd.DataFrame()
+            return pd.DataFrame(columns=cols)
         try:
             df = pd.DataFrame(log.metrics())
         finally:
             log.close()
+        if df.empty:
+            return pd.DataFrame(columns=cols)
         return df.drop(columns=[c for c in ("id", "time") if c in df.columns])
 
     @property
