@@ -205,7 +205,8 @@ def check_continuation(job: JobConfig, run_dir: Path) -> None:
         raise ConfigError(f"{run_dir} holds a job that trains another model or other examples than this config "
                           f"({'; '.join(diffs[:6])}{'; ...' if len(diffs) > 6 else ''}); its checkpoints cannot "
                           f"continue this one. Continue it as it was: `varuna launch {old_path} --run-dir {run_dir}`; "
-                          "or run this config in another --run-dir")
+                          "or run this config in another --run-dir (in a notebook: Job(..., run_dir=...) naming "
+                          "another folder, or the model and data the run was made with)")
 
 
 def plan_job(job: JobConfig, profile=None):
