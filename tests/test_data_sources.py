@@ -482,3 +482,35 @@ def test_a_jobs_metrics_before_any_step_have_the_documented_columns(tmp_path):
                         train=TrainConfig(run_dir=str(tmp_path / "runs"))))
     df = job.metrics
     assert len(df) == 0 and df[["step", "loss", "step_time_s", "examples_per_s", "generation"]].empty
+
+
+@pytest.mark.timeout(240)
+def test_a_slow_dataset_is_one_drift_event_not_one_per_check(tmp_path):
+    """Reading a slow dataset makes every step far slower than the simulator's prediction (which
+    models compute and communication). The manager records that once; it re-recorded it at every
+    check (every 2 heartbeats), the re-simulated estimate never explaining time spent outside the
+    model."""
+    from varuna_sdk.cluster.provider import LocalProvider
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.manager.events import EventLog, Kind
+    from varuna_sdk.manager.manager import Manager
+    from varuna_sdk.manager.state import JobState
+
+    job = JobConfig(name="slow-drift", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:SlowExamples"),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=8),
+                    train=TrainConfig(steps=60, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    provider = LocalProvider(1)
+    mgr = Manager(job, provider, run_dir=tmp_path / "run", heartbeat_interval_s=0.5, grow=None, straggler=None,
+                  generation_options={"sink": None})
+    try:
+        mgr.start()
+        assert mgr.wait(200) == JobState.SUCCEEDED, mgr.error
+    finally:
+        mgr.cancel()
+        mgr.wait(30)
+        provider.close()
+    with EventLog.reader(tmp_path / "run" / "events.db") as log:
+        drifts = [e.payload for e in log.events(kind=Kind.ESTIMATE_DRIFT)]
+    assert len(drifts) == 1, [(d["measured_step_s"], d["drift"]) for d in drifts]
+    assert drifts[0]["measured_step_s"] >= 16 * 0.01 and drifts[0]["drift"] > 1.0, drifts[0]

@@ -165,7 +165,7 @@ class RunningGeneration:
     stopping: tuple[MorphCause, str | None, float] | None = None  # (cause, host, when asked)
     stop_deadline: float = math.inf
     profile: Any = None                      # the calibration this generation was planned from
-    estimate_s: float | None = None          # the latest re-calibrated step time (None: the plan's)
+    estimate_s: float | None = None          # the step time measured at the last drift event (None: the plan's)
     recalibrated_examples_per_s: float | None = None   # the running plan re-simulated from heartbeats
     next_grow_check: float = 0.0             # when the supervision loop next looks for a grow
     next_health_check: float = 0.0           # ... next judges stragglers and the estimate's drift

@@ -83,13 +83,14 @@ class ManagerTelemetry:
     def _check_drift(self, run: RunningGeneration) -> None:
         """Honest estimates: when the step time has drifted from the prediction (``self.options.drift``),
         re-simulate the running plan with each rank's measured/calibrated compute ratio, say so
-        in an ``estimate_drift`` event (again only when the step time leaves that new estimate by
-        the rule's threshold too), and plan later morphs from the calibration scaled by the
+        in an ``estimate_drift`` event (again only when the step time then leaves the one measured
+        at that event by the rule's threshold too), and plan later morphs from the calibration scaled by the
         measured stages. ``drift`` in the event is measured against the plan's prediction."""
         if run.row is None or run.plan is None or not run.predicted_stage_s:
             return
-        # judged against the latest estimate (the plan's, then each re-calibrated one): one event
-        # per change of conditions, not one per wobble of an estimate already corrected
+        # judged against the plan's prediction, then against the step time measured at the last
+        # event: one event per change of conditions — not one per check when the re-simulated
+        # estimate cannot explain the step (time outside the model: a slow dataset, overheads)
         if step_time_drift(self._step_times, run.estimate_s or run.row.time_s, self.options.drift) is None:
             return
         measured = statistics.median(self._step_times[-self.options.drift.steps:])
@@ -112,7 +113,7 @@ class ManagerTelemetry:
             if base is not None:
                 factors = segment_factors(ratios, run.row.stages, P, len(base.segments))
                 self._profile = base.scaled(factors)   # later morphs plan from what this job measured
-        run.estimate_s = recal_s or measured
+        run.estimate_s = measured
         run.recalibrated_examples_per_s = recal_eps
         local = all(on_this_machine(h) for h in run.hosts)
         prof = run.profile
