@@ -25,7 +25,7 @@ import pytest
 from _jupyter import Kernel, kernel_manager, kernel_session
 from ssh_hosts import procs_left, procs_mentioning, skip_reason
 
-STEPS = 80
+STEPS = 600  # long enough that the job still trains when the stop test reaches it on a fast machine (80 steps ran out in CI)
 
 SETUP = f"""
 import threading, time
@@ -37,7 +37,7 @@ cfg = JobConfig(
     model=ModelConfig(preset="tiny", n_layer=4, n_head=4, n_embd=128),
     data=DataConfig(corpus="shakespeare", tokenizer="byte", seq_len=64),
     parallel=ParallelConfig(P=1, D=2, global_batch=8, micro_batch_size=2),
-    train=TrainConfig(steps={STEPS}, lr=1e-3, min_lr=1e-4, warmup_steps=5, eval_batches=2, checkpoint_every=10),
+    train=TrainConfig(steps={STEPS}, lr=1e-3, min_lr=1e-4, warmup_steps=5, eval_batches=2, checkpoint_every=100),
     launch=LaunchConfig(gpus=2),
 )
 job = Job(cfg, manager_options={{"heartbeat_interval_s": 1.0, "straggler": None}})
