@@ -169,17 +169,39 @@ class Job:
         Each is made by the model's own constructor (or ``model.init``) seeded from
         ``train.seed`` and its module's name, so every (P, D) starts from the same values. Load
         it into your own copy — ``mine = MyModel(); mine.load_state_dict(job.initial_weights())``
-        — and a plain PyTorch loop over the same micro-batches (loss / m summed into the
-        gradients, the same optimizer) follows the pipeline's losses to fp32 rounding. Builds the
+        — and a plain PyTorch loop over the same micro-batches (``batch(step)``; loss / m summed into
+        the gradients, the same optimizer) follows the pipeline's losses to fp32 rounding
+        (``plain_pytorch_losses`` runs that loop). Builds the
         whole model in host memory (its size in bytes); raises what the model's constructor raises.
         """
-        from ..model.materialize import build_on_meta, materialize
+        from ..reference import initial_model
 
-        spec = self.resolved.spec
-        model = build_on_meta(spec.factory)
-        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-        materialize(model, names, seed=self.config.train.seed, device="cpu", init_fn=spec.init_fn)
+        model = initial_model(self.config, self.resolved)
         return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+    def batch(self, step: int, micro_batch_size: int | None = None) -> list:
+        """The micro-batches mini-batch ``step`` trains on, in order: a list of ``(inputs,
+        targets)`` as the model and the loss take them (``model(*inputs)`` for a tuple,
+        ``model(**inputs)`` for a dict; ``targets`` ``None`` when the model computes its own
+        loss), ``global_batch`` examples in all, ``micro_batch_size`` each (default the job's,
+        after ``plan()`` the planned one, else the whole mini-batch as one). The same examples at
+        every P × D and after every morph. Raises ``ValueError`` for a step outside
+        ``0 .. train.steps - 1`` or a size that does not divide the global batch."""
+        from ..reference import micro_batches
+
+        return micro_batches(self.config, self.resolved, step, micro_batch_size)
+
+    def plain_pytorch_losses(self, steps: int = 3, micro_batch_size: int | None = None, model=None) -> list[float]:
+        """The first ``steps`` losses of the unpartitioned model trained by plain PyTorch on this
+        job's micro-batches (``batch``), from ``initial_weights()`` (or your ``model``, which is
+        trained in place), with the job's AdamW, learning rate and clipping — what
+        ``job.metrics.loss`` must equal, to fp32 rounding, at any P × D: your check that the
+        pipeline trains your model as PyTorch does. Runs here, on CPU (fp32 or bf16), before or
+        after ``launch()``. Warns for a model with dropout (its masks differ). Raises
+        ``ValueError`` for ``steps`` outside ``1 .. train.steps`` or fp16. (``varuna_sdk.reference``)"""
+        from ..reference import plain_losses
+
+        return plain_losses(self.config, self.resolved, steps, micro_batch_size, model)
 
     def _default_gpus(self) -> int:
         if self.provider is not None:

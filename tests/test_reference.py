@@ -1,0 +1,99 @@
+"""``Job.batch`` and ``Job.plain_pytorch_losses`` (``varuna_sdk.reference``): a user's own check
+that the pipeline trains their model as plain PyTorch does. The pipeline's losses come from real
+worker processes (``varuna train``'s path, the manager, gloo); the reference is the unpartitioned
+model in this process — two computations that share only the data and the initial weights."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from varuna_sdk.notebook import Job
+from varuna_sdk.runner import train_local
+
+TEXT = "".join(f"Line {i}: the quick brown fox jumps over {i % 7} lazy dogs.\n" for i in range(400))
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARUNA_SDK_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _pipeline_losses(job: JobConfig, tmp_path) -> list[float]:
+    return [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+
+
+@pytest.mark.timeout(240)
+def test_a_dataset_classifier_at_P2_has_the_losses_plain_pytorch_gives(tmp_path):
+    """(x, y) examples, a classifier, P=2 stages, 4 micro-batches, clipping on: every step's loss
+    equals ``plain_pytorch_losses`` (and a reference built from ``batch`` by hand agrees too)."""
+    job = JobConfig(name="ref-classify", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 400}),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=5, lr=1e-2, warmup_steps=1, eval_batches=1, grad_clip=0.5,
+                                      run_dir=str(tmp_path / "runs")))
+    got = _pipeline_losses(job, tmp_path)
+    handle = Job(job)
+    ref = handle.plain_pytorch_losses(5)
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)
+    mbs = handle.batch(0)
+    assert len(mbs) == 4 and all(x[0].shape == (4, 16) and y.shape == (4,) for x, y in mbs)
+    whole = handle.batch(0, micro_batch_size=16)
+    assert len(whole) == 1 and torch.equal(whole[0][0][0], torch.cat([x[0] for x, _ in mbs]))
+    from tests.thirdparty.user_data import Classifier
+
+    mine = Classifier()
+    mine.load_state_dict(handle.initial_weights())  # by hand: the user's own copy, the first step's loss
+    first = sum(torch.nn.functional.cross_entropy(mine(x[0]), y).item() for x, y in mbs) / len(mbs)
+    assert first == pytest.approx(got[0], rel=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_a_language_model_at_D2_matches_and_dropout_is_warned_about(tmp_path):
+    """Text through a byte tokenizer, a model of one's own at P=1 × D=2 (each replica half the
+    mini-batch): the losses equal plain PyTorch's over the whole mini-batch's micro-batches; a model
+    with dropout is warned about (its masks are the pipeline's own)."""
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    job = JobConfig(name="ref-lm", model=ModelConfig(factory="tests.thirdparty.plain_models:wide_mlp"),
+                    data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
+                    parallel=ParallelConfig(P=1, D=2, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=4, lr=3e-3, warmup_steps=1, eval_batches=1,
+                                      run_dir=str(tmp_path / "runs")))
+    got = _pipeline_losses(job, tmp_path)
+    handle = Job(job)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no dropout here: no warning
+        ref = handle.plain_pytorch_losses(4)
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)
+    inputs, targets = handle.batch(3)[0]
+    assert inputs[0].shape == (2, 16) and targets.shape == (2, 16)
+    assert torch.equal(inputs[0][:, 1:], targets[:, :-1])  # next-token targets of the same text
+    with pytest.warns(UserWarning, match="Dropout with p > 0"):
+        handle.plain_pytorch_losses(1, model=torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Dropout(0.1),
+                                                                   torch.nn.Linear(8, 256)))
+
+
+def test_bad_steps_and_micro_batch_sizes_are_refused_with_the_valid_ones(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    job = Job(JobConfig(name="ref-bad", model=ModelConfig(factory="tests.thirdparty.plain_models:wide_mlp"),
+                        data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
+                        parallel=ParallelConfig(P=1, D=1, global_batch=12, micro_batch_size=4),
+                        train=TrainConfig(steps=3, run_dir=str(tmp_path / "runs"))))
+    with pytest.raises(ValueError, match=r"step 3 is outside the job's steps 0 \.\. 2"):
+        job.batch(3)
+    with pytest.raises(TypeError, match="step must be an int"):
+        job.batch(1.0)
+    with pytest.raises(ValueError, match=r"micro_batch_size 5 does not divide the global batch 12.*\[1, 2, 3, 4, 6, 12\]"):
+        job.batch(0, micro_batch_size=5)
+    with pytest.raises(ValueError, match=r"steps must be an int in 1 \.\. 3"):
+        job.plain_pytorch_losses(0)
+    job.config.train.precision = "fp16"
+    with pytest.raises(ValueError, match="fp16's loss scaler"):
+        job.plain_pytorch_losses(1)
+    assert [len(job.batch(s)) for s in range(3)] == [3, 3, 3]
+    assert not torch.equal(job.batch(0)[0][0][0], job.batch(1)[0][0][0])  # each step its own examples
