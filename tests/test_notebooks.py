@@ -175,3 +175,5 @@ def test_04_your_own_model(tmp_path):
     assert "model(input_ids=input_ids, labels=labels), its own loss" in hf and "SUCCEEDED" in hf, hf
     start, end = (float(x) for x in hf.split("perplexity ")[1].split(" -> "))
     assert end < start, hf
+    same = text(cell(nb, "ref = hf_job.plain_pytorch_losses("))
+    assert "same losses as plain PyTorch: True" in same, same   # the pipeline at P=2 vs this kernel's loop
