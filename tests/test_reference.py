@@ -97,3 +97,33 @@ def test_bad_steps_and_micro_batch_sizes_are_refused_with_the_valid_ones(tmp_pat
         job.plain_pytorch_losses(1)
     assert [len(job.batch(s)) for s in range(3)] == [3, 3, 3]
     assert not torch.equal(job.batch(0)[0][0][0], job.batch(1)[0][0][0])  # each step its own examples
+
+
+@pytest.mark.timeout(240)
+def test_a_hugging_face_regressor_on_dict_examples_uses_its_own_loss_at_P2(tmp_path):
+    """Dict examples with a float ``labels`` score and ``BertForSequenceClassification(num_labels=1)``:
+    the forward takes ``labels``, so it gets them and its own loss (MSE for one label — a
+    cross-entropy of the logits against a float score would be another objective); the dataset's own
+    labels are not taken for text (no "not a causal language model" warning); the losses at P=2 are
+    plain PyTorch's."""
+    job = JobConfig(name="ref-regress", model=ModelConfig(factory="tests.thirdparty.hf_models:bert_classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:scored_sentences"),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=3, lr=3e-3, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = Job(job)
+    assert handle.resolved.spec.describe().endswith("model(input_ids=input_ids, attention_mask=attention_mask, "
+                                               "labels=labels), its own loss")
+    got = _pipeline_losses(job, tmp_path)
+    ref = handle.plain_pytorch_losses(3)
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)
+    from tests.thirdparty.hf_models import bert_classifier
+
+    mine = bert_classifier()
+    mine.load_state_dict(handle.initial_weights())
+    inputs, labels = handle.batch(0, micro_batch_size=8)[0]
+    assert labels is None and inputs["labels"].dtype == torch.float32
+    with torch.no_grad():
+        mse = torch.nn.functional.mse_loss(mine(input_ids=inputs["input_ids"]).logits.squeeze(-1), inputs["labels"])
+    assert mse.item() == pytest.approx(got[0], rel=1e-5)  # the objective is the regression's, computed by hand

@@ -284,8 +284,9 @@ def _source_digest(obj: Any) -> str:
 
 
 def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
-                  search: Sequence[str | Path | None] = ()) -> ModelSpec:
-    """The ``ModelSpec`` of ``job`` for data with ``fields`` (see the module docstring).
+                  search: Sequence[str | Path | None] = (), from_text: bool = True) -> ModelSpec:
+    """The ``ModelSpec`` of ``job`` for data with ``fields`` (see the module docstring);
+    ``from_text``: the fields are language-model fields made from text, not a dataset's own.
 
     Builds the model once on the meta device (no memory) to read its forward's signature and
     limits. Raises ``ConfigError`` (unknown registered name, import failure), ``ModelSpecError``
@@ -340,7 +341,8 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
     except Exception as e:  # noqa: BLE001 - the user's constructor failed: say where, keep its words
         raise ModelSpecError(f"building the model ({name}{'(**' + repr(kwargs) + ')' if kwargs else '()'}) failed: "
                              f"{type(e).__name__}: {_short(str(e))}") from e
-    call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets, masked=job.data.mlm_probability is not None)
+    call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets, masked=job.data.mlm_probability is not None,
+                               from_text=from_text)
     if job.data.mlm_probability is not None:
         warn_if_causal_with_masking(meta)
     vocab, ctx = model_limits(meta)
@@ -670,7 +672,7 @@ def resolve_job(job: JobConfig, search: Sequence[str | Path | None] = (), check:
     the same job already). Raises ``ConfigError``/``DataError``/``ModelSpecError`` (all
     ``ValueError``) or ``ShippingError`` before anything starts."""
     data = resolve_data(job, search)
-    spec = resolve_model(job, data.tokenizer, data.fields, search)
+    spec = resolve_model(job, data.tokenizer, data.fields, search, from_text=data.tokens is not None)
     if check:
         check_together(spec, data, job)
     return ResolvedJob(spec, data)

@@ -73,3 +73,14 @@ def deberta_v2(n_layer: int = 3, hidden: int = 32, vocab_size: int = 256, max_po
                                        attention_probs_dropout_prob=0.0, relative_attention=True,
                                        position_buckets=16, max_relative_positions=32, pos_att_type=["p2c", "c2p"])
     return transformers.DebertaV2ForMaskedLM(cfg)
+
+
+def bert_classifier(n_layer: int = 2, hidden: int = 32, num_labels: int = 1, vocab_size: int = 256,
+                    max_positions: int = 64):
+    """``BertForSequenceClassification``: its forward takes ``labels=`` and computes its own loss —
+    cross-entropy, or with ``num_labels=1`` a regression's mean squared error."""
+    cfg = transformers.BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=n_layer,
+                                  num_attention_heads=4, intermediate_size=2 * hidden,
+                                  max_position_embeddings=max_positions, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=num_labels)
+    return transformers.BertForSequenceClassification(cfg)

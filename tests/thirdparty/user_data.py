@@ -142,3 +142,13 @@ def wordlevel_tokenizer(text: str, path) -> str:
     tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[MASK]"]))
     tok.save(str(path))
     return str(path)
+
+
+def scored_sentences(n: int = 200, length: int = 16, seed: int = 0):
+    """Dict examples as a tokenized dataset gives them — ``input_ids``, ``attention_mask`` and a
+    float ``labels`` score (a regression: the share of ids above 128)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (n, length), generator=g)
+    score = (ids > 128).float().mean(dim=1)
+    return [{"input_ids": ids[i], "attention_mask": torch.ones(length, dtype=torch.long), "labels": score[i]}
+            for i in range(n)]

@@ -184,7 +184,7 @@ def _extra_fields(model: nn.Module, fields: Sequence[str], params: Sequence[insp
 
 def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | None,
                inputs: Sequence[str] | Mapping[str, str] | None = None, targets: str | None = None,
-               masked: bool = False) -> tuple[CallSpec, LossFn]:
+               masked: bool = False, from_text: bool = True) -> tuple[CallSpec, LossFn]:
     """Choose how to call ``model`` and which loss to use from the forward's signature and the
     fields the data gives (``fields``), unless ``inputs``/``targets``/``loss`` say it.
 
@@ -196,10 +196,14 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     cross-entropy against ``targets``; any other field the forward takes by name (a dataset's
     ``attention_mask``, ``token_type_ids``) is passed by keyword too, and one it cannot take is
     warned about. For a dataset's fields: tuple examples ``(x, y)`` give
-    ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword.
+    ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword, and when the
+    forward takes their targets field (``labels``) by name it gets it and its own loss is used
+    (a Hugging Face classifier's: cross-entropy, or MSE for one label).
 
     ``masked``: the language-model fields are masked-LM ones (``data.mlm_probability``), so a
-    model that is not causal is not warned about.
+    model that is not causal is not warned about. ``from_text``: the fields were made from text
+    (``labels`` are the inputs themselves); a dataset's own ``labels`` (a class, masked tokens)
+    are not warned about either.
 
     Returns ``(CallSpec, loss function)``. Raises ``ModelSpecError`` for a call that cannot be
     made (a loss that needs targets the data lacks, an unknown loss name).
@@ -219,7 +223,7 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
         first = names[0] if names else "input_ids"
         if "labels" in names and (loss is None or own):
             call, own = CallSpec(kwargs=(("input_ids", "input_ids"), *extra, ("labels", "labels"))), True
-            if not masked:
+            if from_text and not masked:
                 _warn_if_not_causal(model)
         elif "targets" in names[1:] and (loss is None or own):
             call = (CallSpec(kwargs=((first, "input_ids"), *extra, ("targets", "targets"))) if extra
@@ -235,6 +239,8 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
         call = CallSpec(args=tuple(fields if own or n == 1 else fields[:-1]))
     else:  # dict examples: by keyword
         tgt = targets or next((f for f in ("targets", "labels", "label") if f in fields), None)
+        if loss is None and tgt is not None and tgt in names:
+            own = True  # the forward takes the targets by name (Hugging Face's labels=): its own loss
         keep = [f for f in fields if own or f != tgt]
         call = CallSpec(kwargs=tuple((f, f) for f in keep))
     if own:
