@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"cluster"},  # hosts, SSH, providers
     {"manager"},  # morphing, heartbeats, event log
     {"trainer"},  # the training loop a worker runs: never imported by the manager
+    {"reference"},  # the unpartitioned model trained by plain PyTorch (Job.plain_pytorch_losses)
     {"runner", "worker"},  # runner: the one run façade (was launch.py)
     {"demo"},
     {"dashboard"},

@@ -127,3 +127,41 @@ def test_a_hugging_face_regressor_on_dict_examples_uses_its_own_loss_at_P2(tmp_p
     with torch.no_grad():
         mse = torch.nn.functional.mse_loss(mine(input_ids=inputs["input_ids"]).logits.squeeze(-1), inputs["labels"])
     assert mse.item() == pytest.approx(got[0], rel=1e-5)  # the objective is the regression's, computed by hand
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("recompute,split", [(True, False), (False, True)])
+def test_a_residual_added_outside_the_blocks_trains_across_a_stage_boundary(tmp_path, recompute, split):
+    """``x = x + layer(x)``: the stage that receives ``x`` at its first cut-point also adds it after
+    the block's call, by the object the forward held before the cut (on that stage a meta stand-in):
+    the received tensor is substituted there too, and its gradient holds both uses. At P=2 (with
+    recompute, or with the backward split) the losses are plain PyTorch's."""
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    job = JobConfig(name="ref-outer", model=ModelConfig(factory="tests.thirdparty.plain_models:outer_residual"),
+                    data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2, recompute=recompute,
+                                            split_backward=split),
+                    train=TrainConfig(steps=3, lr=3e-3, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    handle = Job(job)
+    assert handle.resolved.spec.describe().endswith("model(input_ids), loss(output, targets)")
+    got = _pipeline_losses(job, tmp_path)
+    assert got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5)
+
+
+def test_a_boundary_the_outer_residual_cannot_cross_is_still_refused_clearly():
+    """After the last block the automatic cut-point carries the block's output only, so the final
+    ``x + layer(x)`` needs an ``x`` that a stage starting there would not have: a split there is
+    refused, naming the segments; a split before any block is accepted."""
+    from varuna_sdk.model import auto_cutpoints
+    from varuna_sdk.model.materialize import build_on_meta
+    from varuna_sdk.model.partition import PartitionError, StageMap, check_tensor_flow
+    from varuna_sdk.model.tracer import trace_model
+    from tests.thirdparty.plain_models import outer_residual
+
+    s = trace_model(build_on_meta(lambda: auto_cutpoints(outer_residual())), (torch.zeros(2, 16, dtype=torch.long),))
+    assert s.num_segments == 6 and not s.cross_uses and s.carried_uses
+    check_tensor_flow(s, StageMap(((0, 3), (3, 6))))                         # x received at cut-point 2
+    check_tensor_flow(s, StageMap(((0, 2), (2, 4), (4, 6))))
+    with pytest.raises(PartitionError, match=r"is used by 'add' in segment 5 \(norm, head\) on stage 1"):
+        check_tensor_flow(s, StageMap(((0, 5), (5, 6))))

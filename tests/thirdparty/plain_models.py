@@ -46,3 +46,45 @@ def shared_depth(n_layer: int = 4, d: int = 32, vocab_size: int = 256) -> nn.Mod
 
 def wide_mlp(n_layer: int = 3, d: int = 32, vocab_size: int = 256) -> nn.Module:
     return TinyLM([Block(d, mlp_modules=5) for _ in range(n_layer)], vocab_size, d)
+
+
+class Mixer(nn.Module):
+    """A block without its residual: the model adds it around the call."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class OuterResidualLM(nn.Module):
+    """Residuals added *outside* the blocks, as many models write them: ``x = x + layer(x)``
+    (``paired=False``), or per layer a ``ModuleList`` of two sub-blocks, ``for attn, ff in
+    self.layers: x = attn(x) + x; x = ff(x) + x`` (``paired=True``). Either way the tensor a block
+    receives at a cut-point is used again, by its object from before the cut, after the call."""
+
+    def __init__(self, n_layer: int = 4, d: int = 32, vocab_size: int = 256, paired: bool = False):
+        super().__init__()
+        self.paired = paired
+        self.emb = nn.Embedding(vocab_size, d)
+        self.layers = nn.ModuleList(nn.ModuleList([Mixer(d), Mixer(d)]) if paired else Mixer(d)
+                                    for _ in range(n_layer))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        if self.paired:
+            for attn, ff in self.layers:
+                x = attn(x) + x
+                x = ff(x) + x
+        else:
+            for layer in self.layers:
+                x = x + layer(x)
+        return self.head(self.norm(x))
+
+
+def outer_residual(n_layer: int = 4, d: int = 32, vocab_size: int = 256, paired: bool = False) -> nn.Module:
+    return OuterResidualLM(n_layer, d, vocab_size, paired)

@@ -191,7 +191,11 @@ def shared_state(
 def check_tensor_flow(structure: ModelStructure, stage_map: StageMap) -> None:
     """Raise ``PartitionError`` if a tensor produced in one stage is used in another without
     passing through a cut-point (it would not be sent)."""
-    for prod, cons, op in structure.cross_uses:
+    uses = [(prod, cons, op) for prod, cons, op in structure.cross_uses]
+    for prod, cons, op, cuts in structure.carried_uses:  # fine where the consumer's stage receives it
+        if stage_map.ranges[stage_map.stage_of_segment(cons)][0] - 1 not in cuts:
+            uses.append((prod, cons, op))
+    for prod, cons, op in uses:
         sp, sc = stage_map.stage_of_segment(prod), stage_map.stage_of_segment(cons)
         if sp != sc:
             raise PartitionError(

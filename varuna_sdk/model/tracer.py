@@ -48,6 +48,10 @@ class ModelStructure:
         segment_flops: forward FLOP estimate per segment at the traced micro-batch size.
         segment_param_bytes: bytes of parameters first used in each segment.
         cross_uses: ``(producer_segment, consumer_segment, op)`` for tensors that skip a cut-point.
+        carried_uses: ``(producer_segment, consumer_segment, op, cuts)`` for a tensor used by its
+            object from before the cut-points ``cuts`` it crossed (a residual added outside the
+            block, ``h = h + layer(h)``): a stage whose first cut-point is one of ``cuts`` has it,
+            substituting the received tensor for it (``pipeline.stage_prefix.StageRun``).
         segment_modules: per segment, names of modules whose parameters it uses (for messages).
         embeddings: every embedding lookup whose indices were real (computed from the inputs):
             ``{"param", "rows", "max_index", "from_input"}`` — ``from_input``: the indices are a
@@ -63,6 +67,7 @@ class ModelStructure:
     segment_flops: list[float]
     segment_param_bytes: list[int]
     cross_uses: list[tuple[int, int, str]] = field(default_factory=list)
+    carried_uses: list[tuple[int, int, str, tuple[int, ...]]] = field(default_factory=list)
     segment_modules: list[list[str]] = field(default_factory=list)
     embeddings: list[dict] = field(default_factory=list)
 
@@ -119,6 +124,8 @@ class _Trace:
         self.crossings: list[list[dict]] = []
         self.flops: list[float] = [0.0]
         self.cross_uses: set[tuple[int, int, str]] = set()
+        self.carried_uses: set[tuple[int, int, str, tuple[int, ...]]] = set()
+        self.crossed: dict[int, set[int]] = {}  # id of a tensor -> the cut-points it crossed (that object)
         self.carried: set[int] = set()  # ids of the tensors that crossed the previous cut-point
         self.in_cut = False
         self.input_storages: set[int] = set()
@@ -163,6 +170,8 @@ class _Trace:
                 # made before segment k and not carried across cut-point k - 1: a stage starting
                 # between them would not have it (e.g. one mask given only to later blocks)
                 self.cross_uses.add((prod, k + 1, f"cut-point {k}"))
+        for t in tensors:
+            self.crossed.setdefault(id(t), set()).add(k)
         self.crossings.append(crossing_signature(tensors))
         self.segment += 1
         self.flops.append(0.0)
@@ -216,7 +225,12 @@ class _TraceMode(TorchFunctionMode):
                 continue
             prod = tr.producer.get(id(t))
             if prod is not None and prod != seg:
-                tr.cross_uses.add((prod, seg, getattr(func, "__name__", str(func))))
+                op = getattr(func, "__name__", str(func))
+                cuts = tr.crossed.get(id(t))
+                if cuts:  # it crossed cut-points: a stage starting at one of them has it (received)
+                    tr.carried_uses.add((prod, seg, op, tuple(sorted(cuts))))
+                else:
+                    tr.cross_uses.add((prod, seg, op))
         if not is_get:
             out = func(*args, **kwargs)
         outs = _tensors(out)
@@ -311,6 +325,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         segment_flops=[float(f) for f in trace.flops],
         segment_param_bytes=pbytes,
         cross_uses=sorted(trace.cross_uses),
+        carried_uses=sorted(trace.carried_uses),
         segment_modules=seg_modules,
         embeddings=list(trace.embeddings.values()),
     )

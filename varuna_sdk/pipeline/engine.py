@@ -246,6 +246,9 @@ class Varuna:
         self.model.train()
         a, b = self.stage_map.ranges[self.stage]
         self.start_cut, self.end_cut = a - 1, (b - 1 if b < n else -1)
+        # the stage's operations use a received tensor by its object from before the cut (h + layer(h))
+        self._carried_uses = a > 0 and any(a <= cons < b and a - 1 in cuts
+                                           for _, cons, _, cuts in self.structure.carried_uses)
         self.send_flags = [c["requires_grad"] for c in self.structure.crossings[self.end_cut]] if not self.is_last else []
         canonical = dict(self.model.named_parameters())
         self.params: list[tuple[str, nn.Parameter]] = [(nm, canonical[nm]) for nm in sorted(names) if nm in canonical]
@@ -306,7 +309,8 @@ class Varuna:
         Raises ``RuntimeError`` if the forward skips the stage's cut-points."""
         with forked_rng(), self.prefix.running(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
             mode = None if self.is_first else MetaAsDevice(self.device, cache=self.prefix.meta_cache)
-            run = StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode)
+            run = StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode,
+                           everywhere=self._carried_uses)
             seed_segment(self.seed, self.step_count, mb, 0)
             with observe_cutpoints(run), (mode if mode is not None else contextlib.nullcontext()):
                 t0 = time.perf_counter()
@@ -315,6 +319,7 @@ class Varuna:
                 except StageExit as e:
                     return e.tensors
                 finally:
+                    run.close()
                     if model_s is not None:
                         model_s[kind] += time.perf_counter() - t0
             if not run.entered:

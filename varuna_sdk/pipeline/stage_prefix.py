@@ -31,6 +31,8 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from ..model.cutpoint import observe_cutpoints
 from ..model.hybrid import MetaAsDevice, MetaShapeCache
@@ -65,21 +67,33 @@ class StageRun:
         on_enter: called once on reaching ``start_cut`` (``StagePrefix.running``'s restore).
         mode: the ``MetaAsDevice`` mode the prefix runs under, popped on reaching ``start_cut``
             (the stage's own segments run on the real device), or ``None`` on the first stage.
+        everywhere: the stage's operations use crossing tensors of ``start_cut`` by their objects
+            from before it (``ModelStructure.carried_uses``: a residual added outside the block,
+            ``h = h + layer(h)``): from ``start_cut`` on, every torch operation gets the received
+            tensor in their place, not only the blocks. Call ``close()`` after the forward.
 
     ``entered`` tells, after the forward, whether ``start_cut`` was reached.
     """
 
     def __init__(self, start_cut: int, end_cut: int, received: tuple[torch.Tensor, ...] | None,
                  seed: int, step: int, mb: int, on_enter: Callable[[], None] | None,
-                 mode: MetaAsDevice | None = None):
+                 mode: MetaAsDevice | None = None, everywhere: bool = False):
         self.k = 0
         self.start_cut, self.end_cut = start_cut, end_cut
         self.received = received
         self.seed, self.step, self.mb = seed, step, mb
         self.on_enter = on_enter
         self.mode = mode
+        self.everywhere = everywhere
         self.entered = start_cut < 0
         self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._received_mode: _Received | None = None
+
+    def close(self) -> None:
+        """Leave the substitution of the received tensors (``everywhere``), if it was entered."""
+        if self._received_mode is not None:
+            self._received_mode.__exit__(None, None, None)
+            self._received_mode = None
 
     def _substitute(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The received tensor for every crossing tensor that is one received at the stage's first
@@ -108,10 +122,32 @@ class StageRun:
             if self.mode is not None:
                 self.mode.pop()  # this stage's own segments run on the real device, unobserved
             self.carried = {id(t): (t, r) for t, r in zip(tensors, self.received)}
+            if self.everywhere:
+                self._received_mode = _Received(self.carried)
+                self._received_mode.__enter__()
             return self.received
         if k > self.start_cut:
             return self._substitute(tensors)
         return tensors
+
+
+class _Received(TorchFunctionMode):
+    """Torch-function mode: every tensor argument that is one of the crossing tensors of the
+    stage's first cut-point (the same object, made on meta by the prefix) is replaced by the
+    tensor received for it, so that an operation outside the blocks (``h + layer(h)``) computes
+    with, and sends its gradient to, what the stage before sent."""
+
+    def __init__(self, carried: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__()
+        self.carried = carried
+
+    def _swap(self, x):
+        hit = self.carried.get(id(x)) if isinstance(x, torch.Tensor) else None
+        return hit[1] if hit is not None and hit[0] is x else x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(self._swap, (args, kwargs or {}))
+        return func(*args, **kwargs)
 
 
 class _StopAt:
