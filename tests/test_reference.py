@@ -130,17 +130,19 @@ def test_a_hugging_face_regressor_on_dict_examples_uses_its_own_loss_at_P2(tmp_p
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("recompute,split", [(True, False), (False, True)])
-def test_a_residual_added_outside_the_blocks_trains_across_a_stage_boundary(tmp_path, recompute, split):
+@pytest.mark.parametrize("P,recompute,split", [(2, True, False), (2, False, True), (3, False, False)])
+def test_a_residual_added_outside_the_blocks_trains_across_a_stage_boundary(tmp_path, P, recompute, split):
     """``x = x + layer(x)``: the stage that receives ``x`` at its first cut-point also adds it after
     the block's call, by the object the forward held before the cut (on that stage a meta stand-in):
     the received tensor is substituted there too, and its gradient holds both uses. At P=2 (with
-    recompute, or with the backward split) the losses are plain PyTorch's."""
+    recompute, or with the backward split) and P=3 (whose balanced split would start the last
+    stage after the last block, where ``x`` does not cross: it starts a stage elsewhere) the losses
+    are plain PyTorch's."""
     f = tmp_path / "t.txt"
     f.write_text(TEXT)
     job = JobConfig(name="ref-outer", model=ModelConfig(factory="tests.thirdparty.plain_models:outer_residual"),
                     data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
-                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2, recompute=recompute,
+                    parallel=ParallelConfig(P=P, D=1, global_batch=8, micro_batch_size=2, recompute=recompute,
                                             split_backward=split),
                     train=TrainConfig(steps=3, lr=3e-3, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
     handle = Job(job)
@@ -155,7 +157,8 @@ def test_a_boundary_the_outer_residual_cannot_cross_is_still_refused_clearly():
     refused, naming the segments; a split before any block is accepted."""
     from varuna_sdk.model import auto_cutpoints
     from varuna_sdk.model.materialize import build_on_meta
-    from varuna_sdk.model.partition import PartitionError, StageMap, check_tensor_flow
+    from varuna_sdk.model.partition import (PartitionError, StageMap, balanced_stage_map, check_tensor_flow,
+                                            unsplittable_cuts)
     from varuna_sdk.model.tracer import trace_model
     from tests.thirdparty.plain_models import outer_residual
 
@@ -165,3 +168,8 @@ def test_a_boundary_the_outer_residual_cannot_cross_is_still_refused_clearly():
     check_tensor_flow(s, StageMap(((0, 2), (2, 4), (4, 6))))
     with pytest.raises(PartitionError, match=r"is used by 'add' in segment 5 \(norm, head\) on stage 1"):
         check_tensor_flow(s, StageMap(((0, 5), (5, 6))))
+    assert unsplittable_cuts(s) == {4}
+    assert balanced_stage_map([1.0] * 6, 6 - 1, {4}).ranges[-1] != (5, 6)  # no stage starts after cut-point 4
+    for P in (2, 3, 4, 5):
+        check_tensor_flow(s, balanced_stage_map([1.0, 1.0, 1.0, 1.0, 1.0, 3.0], P, unsplittable_cuts(s)))
+    assert balanced_stage_map([1.0] * 6, 6, {4}).P == 6  # no other split: the check above names the tensor

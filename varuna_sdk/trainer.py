@@ -95,7 +95,7 @@ def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
     """Trace the job's model (weights on the meta device) and split it exactly as the workers will,
     so a bad P, boundary list or cross-stage use fails in the caller before any process starts.
     Returns a one-line description of the stage map. Raises ``PartitionError``."""
-    from .model.partition import StageMap, balanced_stage_map, shared_state
+    from .model.partition import StageMap, balanced_stage_map, shared_state, unsplittable_cuts
     from .model.tracer import segment_costs
 
     p = job.parallel
@@ -103,7 +103,7 @@ def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
     if p.boundaries is not None:
         smap = StageMap.from_lists(p.boundaries, structure.num_segments)
     else:
-        smap = balanced_stage_map(segment_costs(structure), p.P)
+        smap = balanced_stage_map(segment_costs(structure), p.P, unsplittable_cuts(structure))
     shared = shared_state(structure, smap, p.shared_params)
     return f"stages (segments) {smap.to_lists()}, tied across stages: {shared or 'none'}"
 

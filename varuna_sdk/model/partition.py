@@ -107,15 +107,33 @@ def check_depth(num_segments: int, P: int) -> None:
         )
 
 
-def balanced_stage_map(costs: Sequence[float], P: int) -> StageMap:
+def unsplittable_cuts(structure: ModelStructure) -> set[int]:
+    """Cut-points where no stage may start: those a tensor skips on its way from the segment that
+    makes it to one that uses it (``cross_uses``), and for a tensor used by its object from before
+    the cut-points it crossed (``carried_uses``), the ones in between that it did not cross (after
+    the last block, ``x + layer(x)`` needs an ``x`` that the output cut-point does not carry).
+    Cut-point ``k`` lies between segments ``k`` and ``k + 1``."""
+    out: set[int] = set()
+    for prod, cons, _ in structure.cross_uses:
+        out.update(range(prod, cons))
+    for prod, cons, _, cuts in structure.carried_uses:
+        out.update(k for k in range(prod, cons) if k not in cuts)
+    return out
+
+
+def balanced_stage_map(costs: Sequence[float], P: int, unsplittable: Iterable[int] = ()) -> StageMap:
     """Contiguous split of segments with per-segment ``costs`` into ``P`` non-empty stages that
-    minimises the largest stage cost (ties: the earliest boundaries). Exact dynamic programme,
-    O(P·n²) for n segments.
+    minimises the largest stage cost (ties: the earliest boundaries), starting no stage right
+    after a cut-point in ``unsplittable`` (``unsplittable_cuts``) where another split exists.
+    Exact dynamic programme, O(P·n²) for n segments.
 
     Raises ``PartitionError`` if ``P`` is not in ``1..len(costs)``.
     """
     n = len(costs)
     check_depth(n, P)
+    avoid = {k + 1 for k in unsplittable}  # a stage starting at segment k + 1 starts after cut-point k
+    if sum(1 for j in range(1, n) if j not in avoid) < P - 1:
+        avoid = set()  # too few places to split: the caller's check names the tensor in the way
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -127,6 +145,8 @@ def balanced_stage_map(costs: Sequence[float], P: int) -> StageMap:
     for p in range(1, P + 1):
         for i in range(p, n - (P - p) + 1):
             for j in range(p - 1, i):
+                if j in avoid or best[p - 1][j] == inf:
+                    continue
                 v = max(best[p - 1][j], prefix[i] - prefix[j])
                 if v < best[p][i] - 1e-12 * max(1.0, abs(v)):
                     best[p][i] = v

@@ -36,7 +36,7 @@ from ..model.cutpoint import observe_cutpoints
 from ..model.hybrid import MetaAsDevice
 from ..model.inputs import ModelInputs, as_inputs, call_model, leading_dim, rows, to_device
 from ..model.materialize import build_on_meta, materialize
-from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names
+from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names, unsplittable_cuts
 from ..model.rng import forked_rng, seed_segment
 from ..model.state_kept import InPlaceUpdates
 from ..model.tracer import ModelStructure, segment_costs, trace_model
@@ -239,7 +239,8 @@ class Varuna:
         if parallel.boundaries is not None:
             self.stage_map = StageMap.from_lists(parallel.boundaries, n)
         else:
-            self.stage_map = balanced_stage_map(segment_costs(self.structure), self.P)
+            self.stage_map = balanced_stage_map(segment_costs(self.structure), self.P,
+                                                unsplittable_cuts(self.structure))
         self.shared = shared_state(self.structure, self.stage_map, parallel.shared_params)
         names = stage_state_names(self.structure, self.stage_map, self.stage)
         materialize(self.model, names, seed=self.seed, device=self.device, init_fn=init_fn)
