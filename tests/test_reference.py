@@ -5,6 +5,7 @@ model in this process — two computations that share only the data and the init
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -36,6 +37,8 @@ def test_a_dataset_classifier_at_P2_has_the_losses_plain_pytorch_gives(tmp_path)
                     train=TrainConfig(steps=5, lr=1e-2, warmup_steps=1, eval_batches=1, grad_clip=0.5,
                                       run_dir=str(tmp_path / "runs")))
     got = _pipeline_losses(job, tmp_path)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["loss_end"] > 0 and summary["ppl_start"] is None and summary["ppl_end"] is None  # no perplexity
     handle = Job(job)
     ref = handle.plain_pytorch_losses(5)
     assert got == pytest.approx(ref, rel=1e-5), (got, ref)
@@ -173,3 +176,21 @@ def test_a_boundary_the_outer_residual_cannot_cross_is_still_refused_clearly():
     for P in (2, 3, 4, 5):
         check_tensor_flow(s, balanced_stage_map([1.0, 1.0, 1.0, 1.0, 1.0, 3.0], P, unsplittable_cuts(s)))
     assert balanced_stage_map([1.0] * 6, 6, {4}).P == 6  # no other split: the check above names the tensor
+
+
+def test_tokens_per_example_counts_token_ids_not_a_bool_mask(tmp_path):
+    """``tokens_per_s`` of a dataset job: an ``input_ids`` field's length (16), and for examples
+    without token ids (floats and a bool mask) one per example — a mask of 12 flags is not 12
+    tokens (tokens/s was 12 x examples/s)."""
+    from varuna_sdk.trainer import tokens_per_example
+
+    def job_of(dataset, **model):
+        return Job(JobConfig(name="tpe", model=ModelConfig(**model), data=DataConfig(dataset=dataset),
+                             parallel=ParallelConfig(P=1, D=1, global_batch=8, micro_batch_size=2),
+                             train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs"))))
+
+    j = job_of("tests.thirdparty.user_data:scored_sentences", factory="tests.thirdparty.hf_models:bert_classifier")
+    assert tokens_per_example(j.config, j.resolved) == 16
+    j = job_of("tests.thirdparty.user_data:masked_regression", factory="tests.thirdparty.user_data:MaskedMLP",
+               targets="target", loss="tests.thirdparty.user_data:mse")
+    assert tokens_per_example(j.config, j.resolved) == 1

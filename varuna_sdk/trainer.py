@@ -167,11 +167,13 @@ def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path 
 
 def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int:
     """Tokens in one example: ``seq_len`` for token data; for a dataset, the elements of its
-    first integer field (token ids), else 1."""
+    ``input_ids`` field, else its first integer field (token ids; not a bool mask), else 1."""
     if resolved.data.tokens is not None:
         return job.data.seq_len
-    for v in resolved.data.sample(1, job.data.seq_len).values():
-        if isinstance(v, torch.Tensor) and not v.is_floating_point():
+    fields = resolved.data.sample(1, job.data.seq_len)
+    ids = [fields["input_ids"]] if "input_ids" in fields else list(fields.values())
+    for v in ids:
+        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype is not torch.bool:
             return max(1, v[0].numel())
     return 1
 
@@ -343,12 +345,18 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+def _text_job(job: JobConfig) -> bool:
+    """A language model on text (its loss a token cross-entropy, so a perplexity means something),
+    not a dataset with the user's own loss."""
+    return job.data.by_value is None and job.data.dataset is None
+
+
 def _held_out(job: JobConfig, *losses: float | None) -> tuple[str, list[str]]:
     """How held-out losses read in the log: ``("perplexity", values)`` for a language model on
     text (the loss is its token cross-entropy), else ``("loss", values)`` (a dataset with the
     user's loss: a regression's perplexity means nothing, and overflows above ~709)."""
     ppls = [perplexity(x) for x in losses]
-    if job.data.by_value is None and job.data.dataset is None and None not in ppls:
+    if _text_job(job) and None not in ppls:
         return "perplexity", [f"{x:.2f}" for x in ppls]
     return "loss", [f"{x:.6g}" if x is not None else "n/a" for x in losses]
 
@@ -513,7 +521,8 @@ def _finish(run: _WorkerRun, r: StepResult | None, t_start: float) -> WorkerOutc
         (run.out / "summary.json").write_text(_strict_json({
             "name": run.job.name, "steps": t.steps, "P": run.job.parallel.P, "D": run.job.parallel.D,
             "loss_start": _finite(run.loss0), "loss_end": _finite(loss1),
-            "ppl_start": perplexity(run.loss0), "ppl_end": perplexity(loss1),
+            "ppl_start": perplexity(run.loss0) if _text_job(run.job) else None,
+            "ppl_end": perplexity(loss1) if _text_job(run.job) else None,
             "final_loss": r.loss if r is not None else None,
             "train_time_s": time.time() - t_start, "generation": run.generation,
             "resumed_from": outcome.resumed_from}))

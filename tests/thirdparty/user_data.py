@@ -152,3 +152,28 @@ def scored_sentences(n: int = 200, length: int = 16, seed: int = 0):
     score = (ids > 128).float().mean(dim=1)
     return [{"input_ids": ids[i], "attention_mask": torch.ones(length, dtype=torch.long), "labels": score[i]}
             for i in range(n)]
+
+
+def masked_regression(n: int = 200, features: int = 12, seed: int = 0):
+    """Dict examples ``x`` (float), ``mask`` (bool: which features count) and ``target``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    mask = torch.rand(n, features, generator=g) > 0.2
+    y = (x * mask).sum(dim=1, keepdim=True)
+    return [{"x": x[i], "mask": mask[i], "target": y[i]} for i in range(n)]
+
+
+class MaskedMLP(nn.Module):
+    """``forward(x, mask)``: the features the mask keeps, through a residual MLP, to one output."""
+
+    def __init__(self, features: int = 12, hidden: int = 32, depth: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.body = nn.ModuleList([Residual(hidden) for _ in range(depth)])
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(self, x, mask):
+        h = self.inp(x * mask)
+        for block in self.body:
+            h = block(h)
+        return self.out(h)

@@ -484,8 +484,9 @@ class Job:
     @property
     def summary(self) -> dict | None:
         """The finished run's ``summary.json`` (held-out mean loss at start ``loss_start`` and end
-        ``loss_end``, their perplexities ``ppl_start``/``ppl_end`` — None when the loss is above
-        ~709, e.g. a regression's — final loss, training seconds), written by rank 0 into the run folder when
+        ``loss_end``, their perplexities ``ppl_start``/``ppl_end`` — for a language model on text
+        only: None for a dataset with its own loss, and when the loss is above ~709 — final loss,
+        training seconds), written by rank 0 into the run folder when
         the last step is done; None before that or when rank 0 ran on a remote VM."""
         path = self.run_dir / "summary.json" if self.run_dir else None
         if path is None or not path.is_file():
