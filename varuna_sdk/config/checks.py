@@ -59,7 +59,7 @@ def validate_data(d: DataConfig) -> None:
 def validate_checkpointing(t: TrainConfig) -> None:
     """Check the checkpoint fields of ``train``; raise ``ConfigError`` saying what would work.
 
-    ``checkpoint_every`` an integer >= 0 (0 = off), ``keep_checkpoints`` >= 1, ``resume`` a bool,
+    ``checkpoint_every`` an integer >= 0 (0 = automatic, see ``TrainConfig``), ``keep_checkpoints`` >= 1, ``resume`` a bool,
     ``checkpoint_url`` ``None``, a path, or a URL whose scheme fsspec knows (and whose driver is
     installed, e.g. ``s3fs`` for ``s3://``).
     """
