@@ -353,7 +353,8 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
 def test_straggler_excluded_only_when_the_simulator_says_the_job_is_faster_without_it():
     """Four replicas (P=1, D=4) of a synthetic model: a replica 3x slow holds every step back
     (the all-reduce waits for it), and 3 workers (D=2, one idle) are faster -> excluded; at 1.2x
-    it costs less than losing half the replicas -> kept. Both sides come from the simulator."""
+    it costs less than losing half the replicas -> kept. Both sides come from the simulator, plus
+    the measured time a step reads its data: a data-bound job keeps the worker."""
     from test_planner import synthetic_profile
 
     from varuna_sdk.manager.decisions import judge_straggler
@@ -370,6 +371,19 @@ def test_straggler_excluded_only_when_the_simulator_says_the_job_is_faster_witho
     keep, t_with, t_without = judge_straggler(full, row, 2, 1.2, alt)
     assert not keep and t_with < t_without
     assert judge_straggler(full, row, 0, 10.0, None)[0] is False   # nobody left without it
+    # a job bound by reading its data: 3x slow compute is a small part of the step (with the data
+    # each replica reads, measured) and half the replicas read twice as much -> kept
+    exclude, t_with, _ = judge_straggler(full, row, 2, 3.0, alt)
+    data = 5.0 * t_with
+    keep, d_with, d_without = judge_straggler(full, row, 2, 3.0, alt, data_s=data, min_gain=0.1)
+    assert not keep and d_with == pytest.approx(t_with + data) and d_without > d_with
+    # within the minimum gain: kept too (the same comparison, asked for 90 % faster)
+    assert judge_straggler(full, row, 2, 3.0, alt, min_gain=0.9)[0] is False
+    # the step measured with it, when known, is what keeping it costs: a stage that only looks 3x
+    # slow (the calibration split the model wrongly) while the job runs as fast as predicted -> kept
+    keep, m_with, _ = judge_straggler(full, row, 2, 3.0, alt, measured_s=row.time_s)
+    assert not keep and m_with == row.time_s
+    assert judge_straggler(full, row, 2, 3.0, alt, measured_s=t_with)[0]     # measured as slow as simulated
 
 
 @pytest.mark.timeout(300)

@@ -121,14 +121,19 @@ class StragglerRule:
     """A worker is a straggler (fail-stutter, paper §4.6) when its compute per micro-batch,
     relative to what the plan predicted for its stage, is ``factor`` x the median of all
     other workers' ratios in each of its last ``beats`` heartbeats. Comparing against the prediction
-    (not only same-stage peers) makes the rule work with D = 1 too."""
+    (not only same-stage peers) makes the rule work with D = 1 too. It is excluded when the job is
+    then predicted ``min_gain`` faster without it (``judge_straggler``)."""
 
     factor: float = 1.5
     beats: int = 3
+    #: exclude only when the job is predicted this much faster without the worker (reading data included)
+    min_gain: float = 0.1
 
     def __post_init__(self):
         if not self.factor > 1.0:
             raise ValueError(f"StragglerRule.factor={self.factor} must be > 1 (1.5 = 50% slower than peers)")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"StragglerRule.min_gain={self.min_gain} must be in [0, 1) (0.1 = 10% faster without it)")
         if self.beats < 1:
             raise ValueError(f"StragglerRule.beats={self.beats} must be >= 1")
 
@@ -227,17 +232,28 @@ def segment_factors(ratios: Mapping[int, float], stages: Sequence[Sequence[int]]
     return f
 
 
-def judge_straggler(plan, row, rank: int, slowdown: float, without) -> tuple[bool, float, float]:
+def judge_straggler(plan, row, rank: int, slowdown: float, without, data_s: float = 0.0,
+                    min_gain: float = 0.0, measured_s: float | None = None) -> tuple[bool, float, float]:
     """Is the job faster without a slow worker? (paper §4.6, fail-stutter.) ``plan``/``row``:
     the running configuration; ``rank`` runs ``slowdown`` x slower than predicted; ``without``:
     the best ``PlanRow`` for the pool minus its VM (None: no VM would be left). Simulates the
     running configuration with that rank slowed (``Plan.simulate(rank_scale=...)``) and
-    compares mini-batch times. Returns ``(exclude, seconds_with, seconds_without)``."""
+    compares mini-batch times, each with the time a step spends reading its batch (``data_s``,
+    seconds measured for a replica's share now; the simulator does not model it: a replica of
+    ``without`` reads ``row.D / without.D`` times as much). Excludes only when the step is
+    ``min_gain`` (0.1 = 10 %) faster without: a job bound by reading its data gains nothing by
+    losing a worker. ``measured_s``: the step time measured with the worker (data included),
+    when known, replaces the simulated one — a calibration that splits the model between stages
+    wrongly makes one stage look ``slowdown`` x slow next to the others, and the simulation of
+    that slowdown then overstates what the worker costs. Returns ``(exclude, seconds_with,
+    seconds_without)``."""
     scale = [1.0] * (row.P * row.D)
     scale[rank] = float(slowdown)
-    with_it = plan.simulate(row, rank_scale=scale, record_timeline=False).minibatch_time
-    t_without = math.inf if without is None else float(without.time_s)
-    return t_without < with_it, with_it, t_without
+    data_s = max(0.0, float(data_s))
+    with_it = (float(measured_s) if measured_s is not None and measured_s > 0.0 else
+               plan.simulate(row, rank_scale=scale, record_timeline=False).minibatch_time + data_s)
+    t_without = math.inf if without is None else float(without.time_s) + data_s * row.D / max(1, without.D)
+    return t_without < with_it * (1.0 - min_gain), with_it, t_without
 
 
 

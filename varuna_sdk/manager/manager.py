@@ -162,6 +162,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._hb_cursor = 0
         self._history: dict[int, list[float]] = {}   # rank -> recent compute s per micro-batch
         self._step_times: list[float] = []           # the running generation's measured step times (s)
+        self._data_times: list[float] = []           # ... and the part of each reading its batch (s)
         self._last_failure: str | None = None         # the last line of the last worker failure
         self._last_plan: tuple | None = None          # (pool's VM names, what _replan returned) of the last launch
         self._joined: set[int] = set()                # ranks of this generation that said hello
@@ -475,6 +476,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._history.clear()
         self._hb_last_step.clear()
         self._step_times.clear()
+        self._data_times.clear()
         run = RunningGeneration(gen=gen, job=job_g, plan=pl, row=row, hosts=used, started=time.time(),
                                 predicted_stage_s=per_stage, profile=self._profile if pl is not None else None)
         try:

@@ -9,7 +9,7 @@ orphaned workers finished into the event log.
 
 ``ManagerTelemetry`` is that part of ``Manager`` (a mixin: it uses the manager's ``log``,
 ``job_id``, ``generation``, ``options``, ``run_dir`` and the fields ``_metric_cursor``,
-``_hb_cursor``, ``_history``, ``_hb_last_step``, ``_step_times``, ``_last_step``, ``_lineage``, ``_pending``,
+``_hb_cursor``, ``_history``, ``_hb_last_step``, ``_step_times``, ``_data_times``, ``_last_step``, ``_lineage``, ``_pending``,
 ``_excluded``, ``_profile``, ``morphs``, set by ``Manager.__init__``).
 
 Owns ``ManagerTelemetry``, ``HISTORY``. Imports ``config``, ``manager.decisions|events|planning|state``;
@@ -48,6 +48,9 @@ class ManagerTelemetry:
                     isinstance(m.get("step_time_s"), (int, float)):
                 self._step_times.append(float(m["step_time_s"]))
                 del self._step_times[:-50]
+                if isinstance(m.get("data_s"), (int, float)):
+                    self._data_times.append(float(m["data_s"]))
+                    del self._data_times[:-50]
             if run is not None and run.first_step_time is None and int(m.get("generation", -1)) == self.generation:
                 run.first_step_time = float(m.get("wall_time") or m["time"])
                 if self._pending is not None and self._pending.new is not None:
@@ -151,12 +154,17 @@ class ManagerTelemetry:
             try:
                 alt = (self._replan(others, first=False, best_only=True, profile=run.profile)[2]
                        if others else None)   # (the running plan's calibration: the same yardstick)
-                exclude, with_it, without = judge_straggler(run.plan, run.row, rank, slowdown, alt)
+                beats = self.options.straggler.beats
+                data_s = statistics.median(self._data_times[-beats:]) if self._data_times else 0.0
+                measured = statistics.median(self._step_times[-beats:]) if len(self._step_times) >= beats else None
+                exclude, with_it, without = judge_straggler(run.plan, run.row, rank, slowdown, alt, data_s,
+                                                            self.options.straggler.min_gain, measured)
             except (ConfigError, ValueError):
                 continue
             self.log.append(Kind.STRAGGLER, job_id=self.job_id, host=host, rank=rank, payload={
                 "rank": rank, "slowdown": slowdown, "action": "excluded" if exclude else "kept",
-                "predicted_step_s_with": with_it, "predicted_step_s_without": without})
+                "predicted_step_s_with": with_it, "predicted_step_s_without": without, "data_s": data_s,
+                "measured_step_s": measured})
             if exclude:
                 self._excluded.add(host)
                 self._request_stop(run, "straggler", host)
