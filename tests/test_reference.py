@@ -133,23 +133,29 @@ def test_a_hugging_face_regressor_on_dict_examples_uses_its_own_loss_at_P2(tmp_p
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("P,recompute,split", [(2, True, False), (2, False, True), (3, False, False)])
-def test_a_residual_added_outside_the_blocks_trains_across_a_stage_boundary(tmp_path, P, recompute, split):
+@pytest.mark.parametrize("P,recompute,split,paired", [(2, True, False, False), (2, False, True, True),
+                                                      (3, False, False, True)])
+def test_a_residual_added_outside_the_blocks_trains_across_a_stage_boundary(tmp_path, P, recompute, split, paired):
     """``x = x + layer(x)``: the stage that receives ``x`` at its first cut-point also adds it after
     the block's call, by the object the forward held before the cut (on that stage a meta stand-in):
     the received tensor is substituted there too, and its gradient holds both uses. At P=2 (with
     recompute, or with the backward split) and P=3 (whose balanced split would start the last
     stage after the last block, where ``x`` does not cross: it starts a stage elsewhere) the losses
-    are plain PyTorch's."""
+    are plain PyTorch's. ``paired``: each block a ``ModuleList`` the forward iterates (``for attn, ff
+    in self.layers``), never called: its cut-point sits before its first sub-block."""
     f = tmp_path / "t.txt"
     f.write_text(TEXT)
-    job = JobConfig(name="ref-outer", model=ModelConfig(factory="tests.thirdparty.plain_models:outer_residual"),
+    job = JobConfig(name="ref-outer", model=ModelConfig(factory="tests.thirdparty.plain_models:outer_residual",
+                                                        kwargs={"paired": paired}),
                     data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
                     parallel=ParallelConfig(P=P, D=1, global_batch=8, micro_batch_size=2, recompute=recompute,
                                             split_backward=split),
                     train=TrainConfig(steps=3, lr=3e-3, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
     handle = Job(job)
     assert handle.resolved.spec.describe().endswith("model(input_ids), loss(output, targets)")
+    from varuna_sdk.trainer import model_structure
+
+    assert model_structure(job, handle.resolved).num_segments == 6   # 4 blocks (pairs too): 5 cut-points
     got = _pipeline_losses(job, tmp_path)
     assert got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5)
 

@@ -163,7 +163,9 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     ``n + 2`` segments: [embeddings], [block 0], …, [block n-1], [head] (one block object listed
     ``n`` times, its weights shared across depth as in ALBERT: a cut-point before each of its
     calls, ``n + 1`` segments, the head with the last call; a list of one block, which may be
-    called at every depth as Hugging Face ALBERT's layer group is: a cut-point before each call). Every tensor argument of
+    called at every depth as Hugging Face ALBERT's layer group is: a cut-point before each call; a
+    block that is a ``ModuleList`` of sub-blocks, ``for attn, ff in self.layers``: before its first
+    sub-block's call, and after the last block's last). Every tensor argument of
     a block crosses the cut-point — positional or keyword, alone or inside tuples, lists and dicts —
     so attention masks, position ids and rotary ``(cos, sin)`` travel between stages
     automatically, and every block of a stage receives them.
@@ -189,16 +191,26 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     def post_hook(_mod: nn.Module, _args: tuple, output: Any):
         return _cut_output(output)
 
-    children = list(body)
+    # a block that is itself a ModuleList (``for attn, ff in self.layers``) is never called: the
+    # cut-point goes before its first module's call, and after the last block's last module
+    children = [_called(c, last=False) for c in body]
     distinct = list({id(c): c for c in children}.values())
     for child in distinct:  # one block object listed n times (weights shared across depth): one hook
         child.register_forward_pre_hook(pre_hook, with_kwargs=True)
     if len(distinct) == len(children) > 1:
-        children[-1].register_forward_hook(post_hook)
+        _called(body[-1], last=True).register_forward_hook(post_hook)
     # else: the last block is also an earlier one (or the list's only block, which may be called at
     # every depth), whose every call would end a segment; the head stays in the last call's segment
     model._varuna_auto_cutpoints = True
     return model
+
+
+def _called(block: nn.Module, last: bool) -> nn.Module:
+    """The module a block's call enters (``last``: the one it leaves by): the block itself, or for a
+    ``ModuleList`` of sub-blocks, which the forward iterates instead of calling, its first (last)."""
+    while isinstance(block, nn.ModuleList) and len(block):
+        block = block[-1] if last else block[0]
+    return block
 
 
 def crossing_signature(tensors: Sequence[torch.Tensor]) -> list[dict]:
