@@ -340,6 +340,27 @@ def test_a_datasets_attention_mask_reaches_a_forward_that_takes_it_and_an_unknow
     assert call.describe() == "model(input_ids=input_ids, attention_mask=attention_mask), loss(output, labels)"
 
 
+def test_dict_examples_pass_only_the_fields_the_forward_takes_and_warn_about_the_rest():
+    """Dict examples without token ids (``x``, ``mask``, an ``idx`` bookkeeping field, ``target``):
+    ``model(x=..., mask=...)``, ``idx`` warned about and not passed (it was passed, and the forward
+    raised TypeError on it)."""
+    import warnings
+
+    from varuna_sdk.model.spec import infer_call
+
+    class TwoInputs(nn.Module):
+        def forward(self, x, mask):
+            return x * mask
+
+    with pytest.warns(UserWarning, match=r"field\(s\) \['idx'\] are not parameters of TwoInputs.forward"):
+        call, _ = infer_call(TwoInputs(), ["x", "mask", "idx", "target"], "cross_entropy", targets="target")
+    assert call.describe() == "model(x=x, mask=mask), loss(output, target)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call, _ = infer_call(TwoInputs(), ["x", "mask", "target"], "cross_entropy", targets="target")
+    assert call.describe() == "model(x=x, mask=mask), loss(output, target)"
+
+
 CELL = '''
 import torch
 from torch import nn

@@ -196,7 +196,8 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     cross-entropy against ``targets``; any other field the forward takes by name (a dataset's
     ``attention_mask``, ``token_type_ids``) is passed by keyword too, and one it cannot take is
     warned about. For a dataset's fields: tuple examples ``(x, y)`` give
-    ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword, and when the
+    ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword (the fields the forward
+    takes by name; the others are warned about, not passed), and when the
     forward takes their targets field (``labels``) by name it gets it and its own loss is used
     (a Hugging Face classifier's: cross-entropy, or MSE for one label).
 
@@ -241,8 +242,12 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
         tgt = targets or next((f for f in ("targets", "labels", "label") if f in fields), None)
         if loss is None and tgt is not None and tgt in names:
             own = True  # the forward takes the targets by name (Hugging Face's labels=): its own loss
-        keep = [f for f in fields if own or f != tgt]
-        call = CallSpec(kwargs=tuple((f, f) for f in keep))
+        # the fields the forward takes by name (every one with **kwargs); the others are warned about
+        passed = [f for f in fields if own or f != tgt]
+        keep = (_extra_fields(model, fields, params, names, exclude=() if own else (tgt,))
+                if any(f in names for f in passed) else  # a forward naming none: passed as they are
+                tuple((f, f) for f in passed))
+        call = CallSpec(kwargs=keep)
     if own:
         return CallSpec(call.args, call.kwargs, None), model_loss
     fn = LOSSES["cross_entropy"] if loss is None else (LOSSES[loss] if isinstance(loss, str) else loss)
