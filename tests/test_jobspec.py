@@ -220,6 +220,59 @@ def test_a_job_whose_loss_is_never_finite_fails_instead_of_succeeding(tmp_path):
         train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_nan_loss))
 
 
+@pytest.mark.timeout(300)
+def test_a_never_finite_loss_fails_under_the_manager_without_retries(tmp_path):
+    """Under the manager, with a checkpoint after every step, the retry used to resume after the
+    skipped steps with its count at 0 and its message naming other steps: the job ended SUCCEEDED
+    with no update applied. Now the count travels in the checkpoint and the failure is not retried."""
+    from varuna_sdk.cluster.provider import LocalProvider
+    from varuna_sdk.runner import launch_job
+
+    job = _job(tmp_path, ModelConfig(), P=1)
+    job.train.steps, job.train.checkpoint_every = 6, 1
+    provider = LocalProvider(1)
+    try:
+        summary = launch_job(job, run_dir=tmp_path / "run", provider=provider, calibrate_first=False,
+                             objects=JobObjects(model=_Plain, loss=_nan_loss), max_failures=3, grow=None,
+                             straggler=None)
+    finally:
+        provider.close()
+    assert summary["state"] == "FAILED", summary
+    assert "training diverged (not retried" in summary["error"], summary["error"]
+    assert "steps 1..3: the loss or the gradients were not finite" in summary["error"], summary["error"]
+    assert "check the loss function and the data for NaN or inf" in summary["error"]
+    assert "enable train.grad_clip" not in summary["error"]  # it is on (1.0): the hint says so
+    assert summary["failures"] == 1 and summary["generation"] == 0, summary
+
+
+def _sometimes_nan_loss(out, targets):
+    ce = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+    return ce * float("nan") if int(targets.sum()) % 5 == 0 else ce
+
+
+@pytest.mark.timeout(240)
+def test_steps_with_a_non_finite_loss_are_skipped_loudly_and_counted(tmp_path, capfd):
+    """A step whose loss is not finite (here: a loss NaN on some batches) applies no update; its log
+    line says so (not "overflow", which is fp16's), metrics.jsonl marks it, and the summary counts
+    the skipped steps."""
+    import json
+
+    from varuna_sdk.runner import train_local
+
+    job = _job(tmp_path, ModelConfig(), P=1, global_batch=2, micro_batch_size=2)
+    job.train.steps = 12
+    train_local(job, run_dir=tmp_path / "run", objects=JobObjects(model=_Plain, loss=_sometimes_nan_loss))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in rows if r["skipped"]]
+    assert 0 < len(skipped) < len(rows), rows
+    assert all(r["loss"] is None or r["loss"] != r["loss"] for r in rows if r["skipped"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["skipped_steps"] == len(skipped), summary
+    log = capfd.readouterr().out
+    assert log.count("SKIPPED: loss or gradients not finite") == len(skipped), log
+    assert "overflow" not in log
+
+
 def _call_shipped(fn) -> str:
     return fn()
 

@@ -200,3 +200,36 @@ def test_tokens_per_example_counts_token_ids_not_a_bool_mask(tmp_path):
     j = job_of("tests.thirdparty.user_data:masked_regression", factory="tests.thirdparty.user_data:MaskedMLP",
                targets="target", loss="tests.thirdparty.user_data:mse")
     assert tokens_per_example(j.config, j.resolved) == 1
+
+
+def _aux_job(tmp_path, aux_from: int, P: int) -> JobConfig:
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    return JobConfig(name="ref-aux", model=ModelConfig(factory="tests.thirdparty.plain_models:aux_output",
+                                                       kwargs={"aux_from": aux_from},
+                                                       loss="tests.thirdparty.plain_models:aux_loss"),
+                     data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
+                     parallel=ParallelConfig(P=P, D=1, global_batch=8, micro_batch_size=2),
+                     train=TrainConfig(steps=3, lr=3e-3, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+
+
+@pytest.mark.timeout(240)
+def test_a_loss_using_an_output_made_mid_pipeline_shapes_the_split_or_is_refused(tmp_path):
+    """A model returning ``(logits, aux)`` whose loss adds ``aux``. Made in block 2 of 4: the
+    automatic split keeps block 2 onwards on the last stage (launcher and workers trace the loss
+    alike), and P=2 trains as plain PyTorch does. Made in block 0, P=4 cannot keep it: refused
+    before any process starts, naming the loss (it used to crash in the last stage's backward)."""
+    from varuna_sdk.model.partition import PartitionError
+
+    from varuna_sdk.trainer import check_partition
+
+    job = _aux_job(tmp_path, aux_from=2, P=2)
+    handle = Job(job)
+    split = check_partition(job, handle.resolved)
+    assert split.startswith("stages (segments) [[0, 1"), split  # segment 3 (block 2) on the last stage
+    assert "3, 4, 5]]" in split, split
+    got = _pipeline_losses(job, tmp_path)
+    ref = handle.plain_pytorch_losses(3)
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)
+    with pytest.raises(PartitionError, match=r"used by .*\(in the loss\)"):
+        Job(_aux_job(tmp_path, aux_from=0, P=4))

@@ -85,10 +85,10 @@ def build_engine(job: JobConfig, rank: int | None = None, resolved: ResolvedJob 
     """The ``Varuna`` engine of this rank for ``job`` (torch.distributed already initialised)."""
     r = resolved or resolve(job)
     p = job.parallel
-    sample, _ = r.sample_inputs(p.micro_batch_size, job.data.seq_len)
+    sample, targets = r.sample_inputs(p.micro_batch_size, job.data.seq_len)
     return Varuna(r.spec.factory, r.spec.loss_fn, p, sample, seed=job.train.seed, init_fn=r.spec.init_fn,
                   precision=job.train.precision, loss_scale=job.train.loss_scale, grad_clip=job.train.grad_clip,
-                  rank=rank, timeout_s=job.launch.timeout_s)
+                  rank=rank, timeout_s=job.launch.timeout_s, sample_targets=targets)
 
 
 def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
@@ -110,14 +110,14 @@ def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
 
 def model_structure(job: JobConfig, resolved: ResolvedJob | None = None):
     """The job's model traced with its weights on the meta device (no memory, no weight compute),
-    on a real micro-batch of its data: its cut-point segments as the workers will see them
-    (``model.tracer.ModelStructure``)."""
+    on a real micro-batch of its data, with the loss run on its output: its cut-point segments and
+    cross-stage uses as the workers will see them (``model.tracer.ModelStructure``)."""
     from .model.materialize import build_on_meta
-    from .model.tracer import trace_model
+    from .model.tracer import loss_after, trace_model
 
     r = resolved or resolve(job)
-    sample, _ = r.sample_inputs(job.parallel.micro_batch_size or 1, job.data.seq_len)
-    return trace_model(build_on_meta(r.spec.factory), sample)
+    sample, targets = r.sample_inputs(job.parallel.micro_batch_size or 1, job.data.seq_len)
+    return trace_model(build_on_meta(r.spec.factory), sample, after=loss_after(r.spec.loss_fn, targets))
 
 
 def _log(msg: str) -> None:
@@ -178,10 +178,17 @@ def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int:
     return 1
 
 
-#: Steps in a row whose loss or gradients are not finite after which a job without loss scaling
-#: (fp32, bf16) fails, instead of going on without applying any step. (fp16's loss scaler skips
-#: such steps while it lowers the scale; the engine skips one in fp32 too, everywhere at once.)
+#: Steps in a row whose loss or gradients are not finite after which a job fails, instead of going
+#: on without applying any step: in fp32 and bf16 at once; in fp16 once the loss scaler is at its
+#: minimum (it skips overflowing steps while it lowers the scale). The engine skips such a step
+#: everywhere at once. The count survives a retry or a morph (it travels in the checkpoint).
 MAX_NONFINITE_STEPS = 3
+
+
+class NonFiniteLossError(FloatingPointError):
+    """``MAX_NONFINITE_STEPS`` steps in a row had a loss or gradients that were not finite, so no
+    update was applied. Deterministic (resuming replays the same steps from the same weights): the
+    manager does not retry it (``worker.failure_cause`` says ``"diverged"``)."""
 
 # ---- stopping at a mini-batch boundary ----------------------------------------------------------
 @dataclass
@@ -374,7 +381,8 @@ def _start_loss(common: dict) -> float | None:
 class _WorkerRun:
     """One ``run_worker`` call: the validated job, this rank's ``Training``, its checkpointer and
     store ``url``, the run folder ``out``, the ``WorkerOutcome`` so far, the ``Progress`` its stop
-    callback sees, the held-out loss at start and the non-finite steps in a row."""
+    callback sees, the held-out loss at start, the non-finite steps in a row and the skipped steps
+    of the whole run (both kept in checkpoints)."""
 
     job: JobConfig
     tr: Training
@@ -386,6 +394,7 @@ class _WorkerRun:
     progress: Progress
     loss0: float | None = None
     skipped_in_a_row: int = 0
+    skipped_total: int = 0
 
     @property
     def lead(self) -> bool:
@@ -431,6 +440,8 @@ def _resume(run: _WorkerRun) -> None:
                                       f"{e}") from None
             run.outcome.step = run.outcome.resumed_from = loader.position
             run.loss0 = _start_loss(common)
+            run.skipped_in_a_row = int(common.get("skipped_in_a_row") or 0)
+            run.skipped_total = int(common.get("skipped_steps") or 0)
             if lead:
                 _log(f"[varuna] resumed from {info.name} (saved at P={info.P} x D={info.D}): step {run.outcome.step}")
     run.progress.steps_done = run.outcome.step
@@ -443,8 +454,8 @@ def _resume(run: _WorkerRun) -> None:
 
 def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -> StepResult:
     """One optimizer step (0-based ``step``) at its learning rate; then the progress, the metrics
-    line (``on_step``, and written to ``mf`` and logged on rank 0). Raises ``FloatingPointError``
-    after ``MAX_NONFINITE_STEPS`` non-finite steps in a row without loss scaling."""
+    line (``on_step``, and written to ``mf`` and logged on rank 0). Raises ``NonFiniteLossError``
+    after ``MAX_NONFINITE_STEPS`` skipped steps in a row (``_count_skipped``)."""
     job, p, t = run.job, run.job.parallel, run.job.train
     for g in run.tr.optimizer.param_groups:
         g["lr"] = lr_at(step, job)
@@ -453,13 +464,7 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
     data_s = time.perf_counter() - t0
     r = run.tr.engine.step(batch, run.tr.optimizer)
     wall_s = data_s + r.time_s
-    run.skipped_in_a_row = run.skipped_in_a_row + 1 if r.skipped else 0
-    if run.skipped_in_a_row >= MAX_NONFINITE_STEPS and t.precision != "fp16":
-        raise FloatingPointError(
-            f"steps {step - run.skipped_in_a_row + 2}..{step + 1}: the loss or the gradients were not finite "
-            f"(loss {r.loss}, grad norm {r.grad_norm}) {run.skipped_in_a_row} steps in a row in {t.precision}, so "
-            "no step was applied; check the loss function and the data, lower train.lr, or enable "
-            "train.grad_clip")
+    _count_skipped(run, r, step)
     done = step + 1
     run.progress.steps_done = done
     run.outcome.step, run.outcome.steps_run = done, run.outcome.steps_run + 1
@@ -475,8 +480,42 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
         mf.write(json.dumps(md) + "\n")
         mf.flush()
         _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {m.tokens_per_s:8.0f} tok/s | "
-             f"{m.examples_per_s:6.2f} ex/s | {wall_s:6.3f} s" + (" | skipped (overflow)" if r.skipped else ""))
+             f"{m.examples_per_s:6.2f} ex/s | {wall_s:6.3f} s" + (_skip_note(t.precision, r) if r.skipped else ""))
     return r
+
+
+def _skip_note(precision: str, r: StepResult) -> str:
+    """What a skipped step's log line says: in fp16 an overflow the loss scaler answers by lowering
+    the scale; else a loss or gradients that were not finite (no update applied)."""
+    if precision == "fp16":
+        return f" | skipped (overflow; loss scale now {r.loss_scale:g})"
+    return f" | SKIPPED: loss or gradients not finite (grad norm {r.grad_norm}); no update applied"
+
+
+def _count_skipped(run: _WorkerRun, r: StepResult, step: int) -> None:
+    """Count a skipped step (in a row and in all); raise ``NonFiniteLossError`` at the
+    ``MAX_NONFINITE_STEPS``-th in a row, in fp16 only once the loss scaler is at its minimum (below
+    it, skipping is how the scaler finds a scale that does not overflow)."""
+    t = run.job.train
+    if not r.skipped:
+        run.skipped_in_a_row = 0
+        return
+    run.skipped_total += 1
+    scaler = run.tr.engine.scaler
+    if t.precision == "fp16" and scaler.scale > scaler.min_scale:
+        return
+    run.skipped_in_a_row += 1
+    if run.skipped_in_a_row < MAX_NONFINITE_STEPS:
+        return
+    hint = ("enable train.grad_clip" if not t.grad_clip else
+            f"lower train.grad_clip (now {t.grad_clip:g}) only if the gradients grow large first")
+    n = run.skipped_in_a_row
+    raise NonFiniteLossError(
+        f"steps {step - n + 2}..{step + 1}: the loss or the gradients were not finite (loss {r.loss}, grad "
+        f"norm {r.grad_norm}) {n} steps in a row in {t.precision}"
+        + (" at the loss scaler's minimum scale" if t.precision == "fp16" else "")
+        + f", so no step was applied; check the loss function and the data for NaN or inf, lower train.lr "
+        f"(now {t.lr:g}), or {hint}. Not retried: resuming replays the same steps from the same weights")
 
 
 def _stop_or_checkpoint(run: _WorkerRun, should_stop: Callable[[Progress], bool] | None) -> bool:
@@ -493,7 +532,8 @@ def _stop_or_checkpoint(run: _WorkerRun, should_stop: Callable[[Progress], bool]
     if stop or (every and done % every == 0):
         loader_state = {**run.tr.loader.state_dict(), "step": done}
         outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "loss_start": run.loss0,
-                                                       "job": run.job.name} if run.lead else None)
+                                                       "job": run.job.name, "skipped_in_a_row": run.skipped_in_a_row,
+                                                       "skipped_steps": run.skipped_total} if run.lead else None)
     if stop:
         t0 = time.perf_counter()
         _wait_published(ckpt, engine.device)
@@ -523,7 +563,7 @@ def _finish(run: _WorkerRun, r: StepResult | None, t_start: float) -> WorkerOutc
             "loss_start": _finite(run.loss0), "loss_end": _finite(loss1),
             "ppl_start": perplexity(run.loss0) if _text_job(run.job) else None,
             "ppl_end": perplexity(loss1) if _text_job(run.job) else None,
-            "final_loss": r.loss if r is not None else None,
+            "final_loss": r.loss if r is not None else None, "skipped_steps": run.skipped_total,
             "train_time_s": time.time() - t_start, "generation": run.generation,
             "resumed_from": outcome.resumed_from}))
         _write_outcome(run.out, outcome)

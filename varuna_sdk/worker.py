@@ -125,7 +125,8 @@ def failure_cause(e: BaseException) -> str:
     """Why a worker failed, for the manager (``manager.wire.FAILURE_CAUSES``): ``"data"`` for a
     ``DataError`` (deterministic: retrying reads the same examples), ``"code"`` for a programming
     error in the code the job runs (``CODE_ERRORS``: a retry runs the same code into the same
-    error), ``"peer"`` for a collective that failed because another rank died first (a
+    error), ``"diverged"`` for a ``FloatingPointError`` (``trainer.NonFiniteLossError``: the loss
+    or the gradients stayed non-finite; resuming replays the same steps), ``"peer"`` for a collective that failed because another rank died first (a
     consequence, not the cause), else ``"error"`` (may be transient: retried)."""
     from .data.loader import DataError
 
@@ -137,6 +138,8 @@ def failure_cause(e: BaseException) -> str:
     names = {c.__name__ for c in type(e).__mro__}
     if names & CODE_ERRORS:
         return "code"
+    if "FloatingPointError" in names:
+        return "diverged"
     text = str(e).lower()
     if names & {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"} or (
             isinstance(e, RuntimeError) and any(k in text for k in _PEER_GONE)):

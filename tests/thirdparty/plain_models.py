@@ -88,3 +88,32 @@ class OuterResidualLM(nn.Module):
 
 def outer_residual(n_layer: int = 4, d: int = 32, vocab_size: int = 256, paired: bool = False) -> nn.Module:
     return OuterResidualLM(n_layer, d, vocab_size, paired)
+
+
+class AuxOutputLM(TinyLM):
+    """Returns ``(logits, aux)``: ``aux`` is a penalty made inside the pipeline, from the output of
+    block ``aux_from`` (-1: from the logits, in the last segment), and the loss (``aux_loss``)
+    adds it, as mixture-of-experts load-balancing losses do."""
+
+    def __init__(self, n_layer: int = 4, d: int = 32, vocab_size: int = 256, aux_from: int = 0):
+        super().__init__([Block(d) for _ in range(n_layer)], vocab_size, d)
+        self.aux_from = aux_from
+
+    def forward(self, idx: torch.Tensor):
+        x = self.emb(idx)
+        aux = None
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == self.aux_from:
+                aux = x.pow(2).mean()
+        logits = self.head(self.norm(x))
+        return logits, (logits.pow(2).mean() if aux is None else aux)
+
+
+def aux_output(n_layer: int = 4, d: int = 32, vocab_size: int = 256, aux_from: int = 0) -> nn.Module:
+    return AuxOutputLM(n_layer, d, vocab_size, aux_from)
+
+
+def aux_loss(out, targets: torch.Tensor) -> torch.Tensor:
+    logits, aux = out
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) + 0.1 * aux

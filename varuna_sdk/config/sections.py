@@ -232,7 +232,7 @@ RULES: dict[type, dict[str, Any]] = {
     TrainConfig: {"steps": Int(1, BIG), "lr": Num(0.0, 10.0, lo_open=True), "min_lr": Num(0.0, 10.0),
                   "weight_decay": Num(0.0, 10.0), "warmup_steps": Int(0, BIG),
                   "grad_clip": Num(0.0, 1e9, lo_open=True, optional=True), "precision": Text(PRECISIONS),
-                  "loss_scale": Num(1.0, 2.0 ** 64), "seed": Int(0, 2 ** 63 - 1), "eval_batches": Int(0, 1 << 20),
+                  "loss_scale": Num(1.0, 2.0 ** 64), "seed": Int(0, 2 ** 63 - 1), "eval_batches": Int(1, 1 << 20),
                   "run_dir": Text(), "checkpoint_every": Int(0, BIG), "checkpoint_url": Text(optional=True, hint=(
                       "a path or an fsspec URL (e.g. '/shared/ckpt', 'file:///shared/ckpt', 's3://bucket/job'); "
                       "null: <run folder>/checkpoints")),

@@ -176,7 +176,7 @@ class ManagerSupervision:
 
     def _after_failure(self, run: RunningGeneration, res: GenerationResult) -> JobState | None:
         """A worker failed: FAILED when the failure is deterministic (the data, a programming
-        error, the same error twice in a row) or the failure budget is spent; else retry from the
+        error, a loss that stayed non-finite, the same error twice in a row) or the failure budget is spent; else retry from the
         last checkpoint (None)."""
         self.failures += 1
         failure = res.failure or f"generation ended with status {res.status}"
@@ -190,6 +190,10 @@ class ManagerSupervision:
             self._pending = None
             return self._fail(f"the job's code raised a programming error (not retried: the same code fails the "
                               f"same way; fix it and launch again):\n{failure}")
+        if res.cause == "diverged":
+            self._pending = None
+            return self._fail(f"training diverged (not retried: resuming replays the same steps from the same "
+                              f"weights):\n{failure}")
         if same:
             self._pending = None
             return self._fail(f"the same worker error twice in a row (not retried again: it looks deterministic):"

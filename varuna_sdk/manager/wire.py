@@ -56,8 +56,10 @@ SERVER_TYPES = ("ack", "stop")
 METRICS_BUDGET = 32 * 1024    # bytes of metrics rows per line (well under MAX_LINE)
 STOPPED = "stopped"           # bye status of a worker that stopped on request (not a failure)
 #: why a worker failed (its goodbye's ``cause``): its data ("data": deterministic, never retried), a
-#: peer that died first ("peer": a consequence, not the cause), anything else ("error")
-FAILURE_CAUSES = ("data", "code", "peer", "error")
+#: programming error ("code": never retried), a loss that stayed non-finite ("diverged": resuming
+#: replays the same steps, never retried), a peer that died first ("peer": a consequence, not the
+#: cause), anything else ("error")
+FAILURE_CAUSES = ("data", "code", "diverged", "peer", "error")
 MAX_HOST_NAME = 253           # a DNS name's limit; longer host fields are malformed
 MAX_RANK = 1 << 20
 _HEX = frozenset("0123456789abcdef")

@@ -131,6 +131,7 @@ class _Trace:
         self.input_storages: set[int] = set()
         self.embeddings: dict[str, dict] = {}
         self.strict_dtypes = False
+        self.in_after = False  # running ``after`` (the loss): its uses are named as the loss's
 
     def on_mixed(self, func, args: tuple, kwargs: dict) -> None:
         """An operation about to run on meta with its real arguments: note embedding lookups
@@ -226,6 +227,7 @@ class _TraceMode(TorchFunctionMode):
             prod = tr.producer.get(id(t))
             if prod is not None and prod != seg:
                 op = getattr(func, "__name__", str(func))
+                op = f"{op} (in the loss)" if tr.in_after else op
                 cuts = tr.crossed.get(id(t))
                 if cuts:  # it crossed cut-points: a stage starting at one of them has it (received)
                     tr.carried_uses.add((prod, seg, op, tuple(sorted(cuts))))
@@ -248,6 +250,25 @@ def to_meta(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_meta(v) for k, v in obj.items()}
     return obj
+
+
+def loss_after(loss_fn: Callable[[Any, Any], Any] | None, targets: Any) -> Callable[[Any], None] | None:
+    """``trace_model``'s ``after`` that runs ``loss_fn(output, targets)`` (``targets``: one
+    micro-batch's, as the engine gets them), so that the loss's uses of tensors made in earlier
+    segments (an auxiliary output of the first block) are ``cross_uses`` of the last segment: the
+    launcher's split check and every worker's stage map then see the same structure. None when the
+    model computes its own loss (``loss_fn`` None). A loss that reads values (``float(x)`` to log
+    it) is followed up to that read."""
+    if loss_fn is None:
+        return None
+
+    def run(out: Any) -> None:
+        try:
+            loss_fn(out, targets)
+        except WeightValueError:
+            pass
+
+    return run
 
 
 def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
@@ -286,6 +307,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
                 _TraceMode(trace), MetaAsDevice(device, on_mixed=trace.on_mixed):
             out = call_model(meta_model, inputs)
             if after is not None:
+                trace.in_after = True
                 after(out)
     except WeightValueError as e:
         raise RuntimeError(f"the dry run failed in segment {trace.segment}: {e}") from None

@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..config import PRECISIONS, ParallelConfig, validate_parallel
 from ..model.cutpoint import observe_cutpoints
@@ -39,7 +40,7 @@ from ..model.materialize import build_on_meta, materialize
 from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names, unsplittable_cuts
 from ..model.rng import forked_rng, seed_segment
 from ..model.state_kept import InPlaceUpdates
-from ..model.tracer import ModelStructure, segment_costs, trace_model
+from ..model.tracer import ModelStructure, loss_after, segment_costs, trace_model
 from .comm import Channel, Receiver
 from .grad_sync import GradSync
 from .groups import Topology, build_groups
@@ -151,6 +152,9 @@ class Varuna:
         parallel: P, D, global batch, micro-batch size, policy, recompute, boundaries.
         sample_inputs: model inputs of one micro-batch (a tuple or a mapping of tensors with
             real values), e.g. ``(torch.zeros(b, T, dtype=torch.long),)``.
+        sample_targets: that micro-batch's targets (the loss's second argument): the trace runs
+            the loss too, so that its use of a tensor from an earlier segment is seen (refused, or
+            kept on one stage), as ``trainer.check_partition`` sees it. None: the forward only.
         seed: model seed; weights depend only on (seed, what the constructor did), never on P or D.
         init_fn: ``(module, name) -> None`` initialising a module's own parameters, for a model too
             large to record once; default: the model's own constructor, replayed.
@@ -180,6 +184,7 @@ class Varuna:
         device: torch.device | str | None = None,
         timeout_s: float = 300.0,
         structure: ModelStructure | None = None,
+        sample_targets: Any = None,
     ):
         validate_parallel(parallel)
         if precision not in PRECISIONS:
@@ -220,7 +225,7 @@ class Varuna:
             backend = dist.get_backend() if distributed else "gloo"
             device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
-        self._build_stage(model_fn, sample_inputs, structure, init_fn)
+        self._build_stage(model_fn, sample_inputs, structure, init_fn, sample_targets)
         self._open_channels(rank)
         # BatchNorm-like running statistics, merged over the stage's replicas after each step
         self.running_stats = RunningStats(self.model, self.replica, self.D, self.groups.dp)
@@ -230,11 +235,18 @@ class Varuna:
 
     # ------------------------------------------------------------------------------------------
     def _build_stage(self, model_fn: Callable[[], nn.Module], sample_inputs: Sequence[torch.Tensor],
-                     structure: ModelStructure | None, init_fn: Callable[[nn.Module, str], None] | None) -> None:
-        """The model: trace on meta, split into stages, materialise this stage only."""
+                     structure: ModelStructure | None, init_fn: Callable[[nn.Module, str], None] | None,
+                     sample_targets: Any = None) -> None:
+        """The model: trace on meta (with the loss on ``sample_targets`` when given, so that the
+        loss's uses of earlier segments' tensors shape the split, as the launcher's check saw them),
+        split into stages, materialise this stage only."""
         parallel = self.parallel
         self.model = build_on_meta(model_fn)
-        self.structure = structure or trace_model(self.model, as_inputs(sample_inputs), self.device)
+        if structure is None:
+            targets = tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, sample_targets)
+            after = loss_after(self.loss_fn, targets) if sample_targets is not None else None
+            structure = trace_model(self.model, as_inputs(sample_inputs), self.device, after=after)
+        self.structure = structure
         n = self.structure.num_segments
         if parallel.boundaries is not None:
             self.stage_map = StageMap.from_lists(parallel.boundaries, n)
