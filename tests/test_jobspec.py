@@ -459,3 +459,14 @@ def test_the_same_notebook_cell_run_again_ships_the_same_model_and_a_changed_one
     a, b = read_objects(tmp_path / "a.bin"), read_objects(tmp_path / "b.bin")   # checked, never unpickled here
     assert a.digest == b.digest == d1
     assert code_sha256(a.payloads["factory"]) == code_sha256(b.payloads["factory"])
+
+
+def test_layerdrop_is_refused_before_anything_runs(tmp_path):
+    """LayerDrop skips blocks at random in training, so stages would see different blocks from one
+    micro-batch to the next (calibration failed with an IndexError, workers on meta tensors): refused
+    at resolve with the attribute to set; the same model without it resolves."""
+    opt = {"model_type": "opt", "num_hidden_layers": 2, "hidden_size": 32, "ffn_dim": 64, "num_attention_heads": 4,
+           "word_embed_proj_dim": 32}
+    with pytest.raises(ModelSpecError, match=r"uses LayerDrop \(<root>\.config\.layerdrop=0\.4\).*layerdrop=0"):
+        resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs={**opt, "layerdrop": 0.4})))
+    assert resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs=opt))).spec.name == "Hugging Face opt"

@@ -578,6 +578,7 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             raise DataError(f"data.seq_len={T} is longer than {spec.name}'s context of {spec.context} "
                             f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
     meta = build_on_meta(spec.factory)
+    _check_no_layerdrop(meta, spec.name)
     if spec.init_fn is not None:
         _check_init(meta, spec.init_fn)
     b, precision = job.parallel.micro_batch_size, job.train.precision
@@ -652,6 +653,27 @@ def _check_loss(loss: Any, spec: ModelSpec) -> None:
     if not loss.requires_grad:
         raise ModelSpecError("the loss does not depend on the model's parameters (no gradient would reach them); "
                              "compute it from the model's output")
+
+
+#: attributes through which models (Hugging Face's OPT, BART, Wav2Vec2, M2M100...) ask for LayerDrop
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _check_no_layerdrop(meta: nn.Module, name: str) -> None:
+    """Refuse LayerDrop (a block skipped at random in training, Fan et al. 2019): a pipeline's
+    stages, its calibration and its cut-point traffic assume every block runs in every micro-batch.
+    Looks at each module's own ``layerdrop`` attributes and its ``config``'s. Raises
+    ``ModelSpecError`` naming the module, the attribute and the fix."""
+    for mod_name, mod in meta.named_modules():
+        for owner, where in ((mod, mod_name or "<root>"), (getattr(mod, "config", None), f"{mod_name or '<root>'}.config")):
+            for attr in _LAYERDROP:
+                p = getattr(owner, attr, None) if owner is not None else None
+                if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+                    raise ModelSpecError(
+                        f"{name} uses LayerDrop ({where}.{attr}={p}): it skips blocks at random in training, so "
+                        "the pipeline's stages would not run the same blocks from one micro-batch to the next. "
+                        f"Build the model with {attr}=0 (e.g. model.kwargs: {{{attr}: 0.0}}); a pipeline runs every "
+                        "block on every step")
 
 
 def _check_init(meta: nn.Module, init_fn) -> None:
