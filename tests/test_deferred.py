@@ -39,6 +39,7 @@ FACTORIES = {
     "hf_t5": lambda: hf_models.t5(n_layer=2),
     "singlefile_gpt": lambda: make_gpt(n_layer=2, block_size=32),
     "data_swap": _DataSwap,
+    "hf_convnext": lambda: hf_models.convnext_classifier(drop_path_rate=0.2),
 }
 
 
@@ -131,3 +132,35 @@ def test_tied_weights_stay_one_tensor():
     m = build_on_meta(FACTORIES["singlefile_gpt"])
     materialize(m, list(_state(m)), seed=0, device="cpu")
     assert m.lm_head.weight is m.transformer.wte.weight
+
+
+class _ReadsValues(nn.Module):
+    """A constructor that reads values it computed from tensors: a drop-path schedule
+    (``linspace(...).tolist()``), a depth from a sum, a scale from ``float``, a list via numpy."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = torch.linspace(0, 0.3, 4).tolist()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(int(torch.tensor([2, 3]).sum())))
+        self.scale = float(torch.ones(1) * 2.5)
+        self.order = torch.arange(3).flip(0).numpy().tolist()
+        self.first = torch.linspace(1, 2, 3)[0].item()
+
+
+class _ReadsEmpty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n = int(torch.empty(()))
+
+
+def test_a_constructor_that_reads_values_builds_on_meta_as_for_real():
+    """Values read during construction (tolist, item, float, int, numpy) are the real ones (the
+    operations they depend on replayed on the CPU), so the meta model has the real model's
+    structure; reading a tensor nothing filled is an error saying so."""
+    meta, real = build_on_meta(_ReadsValues), _ReadsValues()
+    for attr in ("rates", "scale", "order", "first"):
+        assert getattr(meta, attr) == getattr(real, attr), attr
+    assert len(meta.layers) == len(real.layers) == 5
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    with pytest.raises(UninitializedError, match=r"reads the values of a \(\) torch.float32 tensor .* never filled"):
+        build_on_meta(_ReadsEmpty)

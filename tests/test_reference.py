@@ -233,3 +233,17 @@ def test_a_loss_using_an_output_made_mid_pipeline_shapes_the_split_or_is_refused
     assert got == pytest.approx(ref, rel=1e-5), (got, ref)
     with pytest.raises(PartitionError, match=r"used by .*\(in the loss\)"):
         Job(_aux_job(tmp_path, aux_from=0, P=4))
+
+
+@pytest.mark.timeout(240)
+def test_a_hugging_face_convnext_on_image_dicts_at_P2_matches_plain_pytorch(tmp_path):
+    """ConvNextForImageClassification (its constructor reads ``linspace(...).tolist()``, which failed
+    while it was built on meta) on dict examples of ``pixel_values`` and ``labels`` (its own loss),
+    split into 2 stages: the same losses as plain PyTorch."""
+    job = JobConfig(name="ref-convnext", model=ModelConfig(factory="tests.thirdparty.hf_models:convnext_classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:small_images"),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=3, lr=3e-3, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    got = _pipeline_losses(job, tmp_path)
+    ref = Job(job).plain_pytorch_losses(3)
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)

@@ -84,3 +84,13 @@ def bert_classifier(n_layer: int = 2, hidden: int = 32, num_labels: int = 1, voc
                                   max_position_embeddings=max_positions, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0, num_labels=num_labels)
     return transformers.BertForSequenceClassification(cfg)
+
+
+def convnext_classifier(depths: tuple = (1, 1, 2), hidden: tuple = (8, 16, 32), num_labels: int = 4,
+                        drop_path_rate: float = 0.0):
+    """``ConvNextForImageClassification``: its constructor reads the values of a tensor it made
+    (``torch.linspace(0, drop_path_rate, sum(depths)).tolist()``), as Swin, PVT, Hiera... do."""
+    cfg = transformers.ConvNextConfig(num_channels=3, depths=list(depths), hidden_sizes=list(hidden),
+                                      num_stages=len(depths), patch_size=2, num_labels=num_labels,
+                                      drop_path_rate=drop_path_rate, image_size=16)
+    return transformers.ConvNextForImageClassification(cfg)

@@ -177,3 +177,13 @@ class MaskedMLP(nn.Module):
         for block in self.body:
             h = block(h)
         return self.out(h)
+
+
+def small_images(n: int = 200, size: int = 16, classes: int = 4, seed: int = 0):
+    """Dict examples as an image dataset gives them: ``pixel_values`` ``[3, size, size]`` float and
+    an int ``labels`` class (which colour channel is brightest)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 3, size, size, generator=g)
+    x[torch.arange(n), torch.arange(n) % 3] += 0.5
+    y = torch.arange(n) % 3 % classes
+    return [{"pixel_values": x[i], "labels": y[i]} for i in range(n)]

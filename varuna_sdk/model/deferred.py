@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .rng import derive_seed, forked_rng
@@ -184,7 +185,39 @@ class ConstructionLog:
         return result
 
 
+    def value_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The real value, on the CPU, of meta tensor ``t`` made while recording: the recorded
+        operations it depends on replayed (random ones seeded from ``(0, index)``, the same in
+        every process). For a constructor that reads a value it computed. Raises
+        ``UninitializedError`` when nothing gave ``t`` a value."""
+        try:
+            return self.replay({"value": t}, "cpu")["value"]
+        except UninitializedError:
+            raise UninitializedError(
+                f"the model's constructor reads the values of a {tuple(t.shape)} {t.dtype} tensor (tolist, item, "
+                "float, int, bool or numpy) that it made with torch.empty and never filled") from None
+
+
 _META = torch.device("meta")
+#: Tensor methods that read values (a constructor's ``torch.linspace(0, rate, n).tolist()``)
+_READS = frozenset({"tolist", "numpy", "item", "__float__", "__int__", "__bool__", "__index__", "__complex__"})
+
+
+class _ReadsValues(TorchFunctionMode):
+    """While recording, a read of a meta tensor's values (``_READS``) gets its real value
+    (``ConstructionLog.value_of``), so a constructor that computes a schedule from tensors
+    (Hugging Face's ConvNext, Swin, PVT... drop-path rates) builds as it does on a real device."""
+
+    def __init__(self, log: ConstructionLog):
+        super().__init__()
+        self.log = log
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _READS and args and _is_meta(args[0]):
+            with _disable_current_modes():
+                return func(self.log.value_of(args[0]), *args[1:], **kwargs)
+        return func(*args, **kwargs)
 
 
 class _Recorder(TorchDispatchMode):
@@ -215,12 +248,15 @@ class recording:
     def __init__(self, log: ConstructionLog):
         self.log = log
         self._mode = _Recorder(log)
+        self._reads = _ReadsValues(log)
 
     def __enter__(self) -> ConstructionLog:
         self._mode.__enter__()
+        self._reads.__enter__()
         return self.log
 
     def __exit__(self, *exc: Any) -> None:
+        self._reads.__exit__(*exc)
         self._mode.__exit__(*exc)
 
 
