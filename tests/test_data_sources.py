@@ -468,6 +468,10 @@ def test_a_batchnorm_model_is_planned_and_calibrated_on_two_examples_or_more(tmp
     done, pl = plan_for_job(planned, profile, gpus=2)
     assert done.parallel.micro_batch_size >= 2 and done.parallel.P * done.parallel.D <= 2
     assert all(row.micro_batch_size >= 2 for row in pl.rows), [row.micro_batch_size for row in pl.rows]
+    fixed = job(P=1, D=1, micro_batch_size=2)  # fixed at 2: still never calibrated on one example
+    r2 = resolve_job(fixed)
+    assert r2.spec.min_micro_batch == 2
+    assert list(calibrate_job(fixed, cache_dir=tmp_path / "fixed", resolved=r2).micro_batch_sizes) == [2, 4, 8]
 
 
 def test_a_jobs_metrics_before_any_step_have_the_documented_columns(tmp_path):

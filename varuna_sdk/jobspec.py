@@ -593,6 +593,9 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                                  "micro-batch in training): set parallel.micro_batch_size to 2 or more") from None
         spec.min_micro_batch = 2   # the planner and the calibration then try 2 and up
         structure = _dry_run(spec, data, meta, 2, T, precision)
+    else:
+        if b > 1 and not _runs_on(spec, data, meta, 1, T, precision):
+            spec.min_micro_batch = 2   # BatchNorm: the calibration must not measure micro-batches of one
     _check_lookups(structure, data, spec.name, T)
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
