@@ -147,7 +147,15 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     said = refused.communicate(timeout=120)[0]
     assert refused.returncode == 2 and "model.n_layer: 2 in the run, 3 here" in said, said
     assert read_run(run).state == "STOPPED"
-    second = _launch(cfg, run)
+    short = tmp_path / "tiny-short.yaml"        # fewer steps than it has done: would train nothing
+    short.write_text(TINY.replace("steps: 4000", "steps: 3"))
+    fewer = _launch(short, run)
+    said = fewer.communicate(timeout=120)[0]
+    assert fewer.returncode == 2 and f"has done {stopped_at} step(s) already; train.steps=3 is fewer" in said, said
+    # continued with another learning rate: said, and config.yaml says what runs now
+    cfg2 = tmp_path / "tiny-lr.yaml"
+    cfg2.write_text(TINY.replace("lr: 0.001", "lr: 0.002"))
+    second = _launch(cfg2, run)
     try:
         _wait_steps(run, stopped_at + 8, second)
         assert main(["stop", str(run), "--wait", "60"]) == 0
@@ -155,6 +163,8 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     finally:
         second.kill()
     assert second.returncode == 130, out
+    assert "with changes: train.lr 0.001 -> 0.002" in out, out
+    assert "lr: 0.002" in (run / "config.yaml").read_text()
     stopped_again = read_run(run).steps_done
     assert stopped_again >= stopped_at + 8
     third = _launch(cfg, run)             # ... and SIGTERM (a scheduler's kill) does the same as Ctrl-C

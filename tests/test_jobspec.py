@@ -470,3 +470,20 @@ def test_layerdrop_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ModelSpecError, match=r"uses LayerDrop \(<root>\.config\.layerdrop=0\.4\).*layerdrop=0"):
         resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs={**opt, "layerdrop": 0.4})))
     assert resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs=opt))).spec.name == "Hugging Face opt"
+
+
+@pytest.mark.timeout(240)
+def test_a_finished_run_is_not_rerun_with_a_changed_config(tmp_path):
+    """Launching a run folder whose job SUCCEEDED with more steps trained nothing and reported
+    SUCCEEDED: refused now, naming the change; the same config again still runs nothing, quietly."""
+    from varuna_sdk.runner import train_local
+
+    job = _job(tmp_path, ModelConfig(preset="tiny"), P=1)
+    assert train_local(job, run_dir=tmp_path / "run").trained
+    assert not train_local(job, run_dir=tmp_path / "run").trained
+    more = _job(tmp_path, ModelConfig(preset="tiny"), P=1)
+    more.train.steps = 4
+    with pytest.raises(ConfigError, match=r"already ended SUCCEEDED after 2 step\(s\); a finished job is not run "
+                                          r"again, so this config's changes \(train.steps 2 -> 4\)"):
+        train_local(more, run_dir=tmp_path / "run")
+    assert "steps: 2" in (tmp_path / "run" / "config.yaml").read_text()

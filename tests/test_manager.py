@@ -350,6 +350,41 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
     assert _worker_pids(run) == []
 
 
+@pytest.mark.timeout(300)
+def test_varuna_train_killed_and_run_again_keeps_the_configured_plan(tmp_path):
+    """``varuna train`` with P=2 x D=1 fixed, SIGKILLed with its workers mid-job and run again:
+    the restarted manager starts as configured (P=2 x D=1, no calibration), as a first launch
+    does; it had planned for the pool, calibrating first (helper trial)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    job = tiny_job(40, every=4, P=2, D=1)
+    job.launch.gpus = 2
+    cfg, run = tmp_path / "job.yaml", tmp_path / "run"
+    job.to_yaml(cfg)
+    env = {**os.environ, "VARUNA_SDK_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--run-dir", str(run)]
+    first = subprocess.Popen(cmd, stdout=open(tmp_path / "first.log", "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True, env=env)
+    try:
+        wait_step(run, 9, 150)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        for pid in _worker_pids(run):   # its workers die too (a VM's reboot): nothing to wait for
+            os.kill(pid, signal.SIGKILL)
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    with EventLog.reader(run / "events.db") as log:
+        plans = [e.payload for e in log.events(kind=Kind.PLAN)]
+    assert len(plans) == 2 and all((p["P"], p["D"]) == (2, 1) for p in plans), plans
+    assert plans[1]["note"] == "as configured (no calibration yet)", plans[1]
+    assert not list((tmp_path / "cache").rglob("*.json")), "a calibration ran"
+    assert _worker_pids(run) == []
+
+
 def test_straggler_excluded_only_when_the_simulator_says_the_job_is_faster_without_it():
     """Four replicas (P=1, D=4) of a synthetic model: a replica 3x slow holds every step back
     (the all-reduce waits for it), and 3 workers (D=2, one idle) are faster -> excluded; at 1.2x

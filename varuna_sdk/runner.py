@@ -175,8 +175,10 @@ def check_continuation(job: JobConfig, run_dir: Path) -> None:
     """A run folder that holds a started job (``events.db`` and ``config.yaml``) is continued: the
     config given must train the same model on the same examples (``CONTINUED_FIELDS``), or its
     checkpoint cannot be loaded — found now, not after a calibration and a failed generation that
-    would mark the run FAILED. Other fields (steps, lr, checkpointing, launch) may change. Raises
-    ``ConfigError`` naming each differing field with both values."""
+    would mark the run FAILED. Other fields (steps, lr, checkpointing, launch) may change: the
+    changes are printed and ``config.yaml`` updated. A job that already ended (SUCCEEDED, FAILED)
+    is not run again, so a changed config for it is refused, as is ``train.steps`` below the steps
+    it has done. Raises ``ConfigError`` naming each differing field with both values."""
     old_path = Path(run_dir) / "config.yaml"
     if not (Path(run_dir) / "events.db").is_file() or not old_path.is_file():
         return
@@ -207,6 +209,51 @@ def check_continuation(job: JobConfig, run_dir: Path) -> None:
                           f"continue this one. Continue it as it was: `varuna launch {old_path} --run-dir {run_dir}`; "
                           "or run this config in another --run-dir (in a notebook: Job(..., run_dir=...) naming "
                           "another folder, or the model and data the run was made with)")
+    changed = _changed_fields(old, new)
+    state, done = _run_progress(run_dir)
+    what = "; ".join(f"{f} {a!r} -> {b!r}" for f, a, b in changed[:6]) + ("; ..." if len(changed) > 6 else "")
+    if state in ("SUCCEEDED", "FAILED"):
+        # (fewer steps than it did: nothing to train either way; the manager says it had ended)
+        if any(not (f == "train.steps" and isinstance(b, int) and b <= done) for f, _, b in changed):
+            raise ConfigError(f"{run_dir} holds a job that already ended {state} after {done} step(s); a finished "
+                              f"job is not run again, so this config's changes ({what}) would not take effect. Run it "
+                              "in another --run-dir (in a notebook: Job(..., run_dir=...) naming another folder); it "
+                              "trains from the start there")
+        return
+    steps = new.get("train", {}).get("steps")
+    if isinstance(steps, int) and done > steps:
+        raise ConfigError(f"{run_dir} holds a job that has done {done} step(s) already; train.steps={steps} is fewer, "
+                          f"so continuing it would train nothing. Give train.steps > {done} (or --steps) to train on, "
+                          "or another --run-dir to start again")
+    if changed:
+        print(f"[varuna] continuing {run_dir} with changes: {what} (they apply from the checkpoint it resumes "
+              "from; config.yaml updated)", flush=True)
+        tmp = old_path.with_suffix(".yaml.tmp")
+        job.to_yaml(tmp)
+        tmp.replace(old_path)
+
+
+def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted field, old value, new value)`` for every leaf that differs between two config dicts."""
+    out: list[tuple[str, Any, Any]] = []
+    for k in sorted(set(old) | set(new)):
+        a, b, name = old.get(k), new.get(k), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict) and name != "model.kwargs":
+            out += _changed_fields(a, b, name + ".")
+        elif a != b:
+            out.append((name, a, b))
+    return out
+
+
+def _run_progress(run_dir: Path) -> tuple[str | None, int]:
+    """The run folder's last manager state (None: not known) and the steps its metrics show done."""
+    from .manager.runs import read_run
+
+    try:
+        info = read_run(run_dir)
+    except Exception:  # noqa: BLE001 - an unreadable or empty event log: the manager's own checks decide
+        return None, 0
+    return info.state, info.steps_done
 
 
 def plan_job(job: JobConfig, profile=None):

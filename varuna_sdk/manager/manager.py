@@ -352,9 +352,10 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
 
     def _run_generations(self) -> JobState:
         """Plan and launch generation after generation until the job reaches a terminal state."""
-        # a job's first launch, and a stopped job launched again, start with the configured P x D
-        # (when the pool holds it); a morph or a restarted manager plans for the pool
-        first = self.generation == 0 or self.state == JobState.STOPPED
+        # this manager's first plan keeps the configured P x D when the pool holds it: a job's first
+        # launch, a stopped job launched again, and a restarted manager (varuna train with P=2 fixed,
+        # killed and run again, had re-planned to the pool's best and calibrated); morphs plan for the pool
+        first = True
         if self.state == JobState.PENDING:
             self._set(JobState.PROVISIONING, "starting")
         elif self.state == JobState.STOPPED:
