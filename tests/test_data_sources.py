@@ -518,3 +518,29 @@ def test_a_slow_dataset_is_one_drift_event_not_one_per_check(tmp_path):
         drifts = [e.payload for e in log.events(kind=Kind.ESTIMATE_DRIFT)]
     assert len(drifts) == 1, [(d["measured_step_s"], d["drift"]) for d in drifts]
     assert drifts[0]["measured_step_s"] >= 16 * 0.01 and drifts[0]["drift"] > 1.0, drifts[0]
+
+
+@pytest.mark.timeout(240)
+def test_examples_that_change_shape_or_dtype_midway_fail_naming_the_step_and_field(tmp_path):
+    """A dataset whose examples change under a running job (a file rewritten): at P=2 a wider
+    feature vector, at P=1 float64 instead of float32. Each fails as the data's fault (not
+    retried) naming the step, the field, both kinds and the examples — not a raw torch error from
+    inside a stage."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.pipeline.spawn import WorkerFailure
+    from varuna_sdk.runner import train_local
+
+    def job(P: int, **kw) -> JobConfig:
+        return JobConfig(name="midway", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:ChangesMidway",
+                                         dataset_kwargs={"after": 120, **kw}),
+                         parallel=ParallelConfig(P=P, D=1, global_batch=16, micro_batch_size=4),
+                         train=TrainConfig(steps=20, eval_batches=1, run_dir=str(tmp_path / "runs")))
+
+    with pytest.raises(WorkerFailure, match=r"(?s)the data failed \(not retried.*step \d+: field '0' has shape \[20\] "
+                                            r"float32 per example \(examples \[.*where the job was set up with \[16\] "
+                                            r"float32"):
+        train_local(job(2), run_dir=tmp_path / "p2")
+    with pytest.raises(WorkerFailure, match=r"(?s)field '0' has shape \[16\] float64 per example .* set up with \[16\] "
+                                            r"float32"):
+        train_local(job(1, dtype_only=True), run_dir=tmp_path / "p1")

@@ -36,6 +36,7 @@ from .checkpoint import CheckpointError, StageCheckpointer, default_staging_dir,
 from .checkpoint.store import manifest_key
 from .checkpoint.store import checkpoint_name
 from .config import JobConfig
+from .data.loader import DataError
 from .jobspec import ResolvedJob, resolve_job
 from .pipeline.engine import StepResult, Varuna
 
@@ -142,11 +143,44 @@ class Training:
     loader: Any
     val: list
     job: ResolvedJob
+    kinds: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
 
     def batch(self, step: int) -> tuple:
-        """This rank's ``(inputs, targets)`` of ``step``."""
+        """This rank's ``(inputs, targets)`` of ``step``. Raises ``DataError`` (not retried: the
+        same step reads the same examples) when a field's dtype, or with P > 1 its shape per
+        example, differs from the examples the job was set up with (``kinds``)."""
         e = self.engine
-        return self.job.split(self.loader.replica_batch(step, e.replica, e.D))
+        fields = self.loader.replica_batch(step, e.replica, e.D)
+        if self.kinds is not None:
+            check_batch_kinds(fields, self.kinds, step, shapes=e.P > 1,
+                              ids=getattr(self.loader, "example_indices", None))
+        return self.job.split(fields)
+
+
+def field_kinds(fields: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each tensor field's shape per example (without the batch dimension) and dtype."""
+    return {k: (tuple(v.shape[1:]), v.dtype) for k, v in fields.items() if isinstance(v, torch.Tensor)}
+
+
+def check_batch_kinds(fields: dict, kinds: dict, step: int, *, shapes: bool, ids=None) -> None:
+    """Refuse a batch whose tensor fields differ in dtype (or, with ``shapes``, in shape per
+    example) from ``kinds`` (``field_kinds`` of the examples the job was traced and calibrated
+    on): a pipeline's stages exchange tensors of the traced shapes, and a raw torch error deep in
+    a stage (then a retry that reads the same examples) said neither which step nor why. Raises
+    ``DataError`` naming the step, the field, both kinds and the examples (``ids(step)``)."""
+    for k, (shape, dtype) in field_kinds(fields).items():
+        want = kinds.get(k)
+        if want is None or (want[1] == dtype and (not shapes or want[0] == shape)):
+            continue
+        which = ""
+        if ids is not None:
+            idx = [int(i) for i in ids(step)]
+            which = f" (examples {idx[:8]}{'...' if len(idx) > 8 else ''})"
+        raise DataError(
+            f"step {step + 1}: field {k!r} has shape {list(shape)} {str(dtype).replace('torch.', '')} per example"
+            f"{which} where the job was set up with {list(want[0])} {str(want[1]).replace('torch.', '')} (its "
+            "trace, its calibration and the tensors its stages exchange): every example must give the same "
+            "shapes and dtypes; pad or crop them to one shape, and cast them to one dtype, in the dataset")
 
 
 def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path | None = None) -> Training:
@@ -162,7 +196,7 @@ def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path 
     no_decay = [q for n, q in engine.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(0.9, 0.95))
-    return Training(engine, opt, loader, [r.split(v) for v in val], r)
+    return Training(engine, opt, loader, [r.split(v) for v in val], r, field_kinds(r.data.sample(1, d.seq_len)))
 
 
 def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int:

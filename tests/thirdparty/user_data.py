@@ -187,3 +187,22 @@ def small_images(n: int = 200, size: int = 16, classes: int = 4, seed: int = 0):
     x[torch.arange(n), torch.arange(n) % 3] += 0.5
     y = torch.arange(n) % 3 % classes
     return [{"pixel_values": x[i], "labels": y[i]} for i in range(n)]
+
+
+class ChangesMidway(torch.utils.data.Dataset):
+    """``make_dataset(n)`` whose examples change after ``after`` reads in a process (a file
+    rewritten under a running job): ``features`` features instead of 16, or float64 with
+    ``dtype_only``."""
+
+    def __init__(self, n: int = 400, after: int = 200, features: int = 20, dtype_only: bool = False):
+        self.inner, self.after, self.features, self.dtype_only, self.reads = make_dataset(n), after, features, dtype_only, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        x, y = self.inner[i]
+        if self.reads > self.after:
+            x = x.double() if self.dtype_only else torch.nn.functional.pad(x, (0, self.features - x.shape[0]))
+        return x, y
