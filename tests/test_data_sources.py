@@ -544,3 +544,16 @@ def test_examples_that_change_shape_or_dtype_midway_fail_naming_the_step_and_fie
     with pytest.raises(WorkerFailure, match=r"(?s)field '0' has shape \[16\] float64 per example .* set up with \[16\] "
                                             r"float32"):
         train_local(job(1, dtype_only=True), run_dir=tmp_path / "p1")
+
+
+def test_a_dataset_len_longer_than_its_examples_is_refused_naming_the_example():
+    """``__len__`` counting examples that are not there: the held-out part (the dataset's tail) is
+    read when the job is checked, and the error names the example, the held-out batch and the fix
+    (it was a bare IndexError at Job())."""
+    job = JobConfig(name="longlen", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:OneBadExample",
+                                    dataset_kwargs={"n": 400, "bad": 381}, val_fraction=0.05),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4))
+    with pytest.raises(DataError, match=r"could not give example 381 \(held-out batch 1 of 1, example 2 of 16\): "
+                                        r"IndexError: record 381 .* make __len__ count only the examples there are"):
+        resolve_job(job)

@@ -403,6 +403,23 @@ def _unstackable(examples: list, ids: Sequence[int] | None = None) -> str:
     return "their fields differ in type"
 
 
+def read_examples(dataset: Any, idx: Sequence[int], where: str) -> list:
+    """``dataset[i]`` for each of ``idx``. Raises ``DataError`` naming the example, ``where`` it
+    was read for (e.g. "step 12, replica 1 of 2") and the fix when ``__getitem__`` fails (an
+    ``IndexError`` below ``__len__``: a length that counts examples that are not there)."""
+    examples = []
+    for pos, i in enumerate(idx):
+        try:
+            examples.append(dataset[int(i)])
+        except Exception as e:  # noqa: BLE001 - any failure of the user's __getitem__ is a data error
+            raise DataError(
+                f"the dataset could not give example {int(i)} ({where}, example {pos + 1} of {len(idx)}): "
+                f"{type(e).__name__}: {e}. Its __len__ says {len(dataset)} examples, so every index "
+                "below that must be readable: fix __getitem__ (or the file it reads), or make __len__ "
+                "count only the examples there are") from e
+    return examples
+
+
 class ExampleLoader:
     """Deterministic batches of a map-style dataset, the twin of ``BatchLoader`` for examples.
 
@@ -446,16 +463,7 @@ class ExampleLoader:
     def _gather(self, idx: np.ndarray, where: str) -> dict[str, Any]:
         """The examples ``idx`` batched; ``where`` (e.g. "step 12, replica 1 of 2") names them in the
         ``DataError`` raised when the dataset cannot give one of them or they cannot be batched."""
-        examples = []
-        for pos, i in enumerate(idx):
-            try:
-                examples.append(self.dataset[int(i)])
-            except Exception as e:  # noqa: BLE001 - any failure of the user's __getitem__ is a data error
-                raise DataError(
-                    f"the dataset could not give example {int(i)} ({where}, example {pos + 1} of {len(idx)}): "
-                    f"{type(e).__name__}: {e}. Its __len__ says {len(self.dataset)} examples, so every index "
-                    "below that must be readable: fix __getitem__ (or the file it reads), or make __len__ "
-                    "count only the examples there are") from e
+        examples = read_examples(self.dataset, idx, where)
         try:
             return collate(examples, [int(i) for i in idx])
         except DataError as e:
@@ -506,7 +514,7 @@ class ExampleLoader:
 def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batches: int | None = None) -> list:
     """Fixed held-out batches of a user dataset: ``indices`` in order, in full batches of
     ``batch_size`` (a trailing partial batch is dropped), at most ``max_batches``. Raises
-    ``ValueError`` when there is not one full batch."""
+    ``ValueError`` when there is not one full batch, ``DataError`` when an example cannot be read."""
     idx = np.asarray(indices, dtype=np.int64)
     n = len(idx) // batch_size
     if max_batches is not None:
@@ -514,5 +522,8 @@ def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batche
     if n == 0:
         raise ValueError(f"{len(idx)} held-out examples are fewer than one batch of {batch_size}; use a larger "
                          "val_fraction or a smaller global batch")
-    return [collate([dataset[int(i)] for i in idx[k * batch_size:(k + 1) * batch_size]],
-                    [int(i) for i in idx[k * batch_size:(k + 1) * batch_size]]) for k in range(n)]
+    out = []
+    for k in range(n):
+        ids = [int(i) for i in idx[k * batch_size:(k + 1) * batch_size]]
+        out.append(collate(read_examples(dataset, ids, f"held-out batch {k + 1} of {n}"), ids))
+    return out
