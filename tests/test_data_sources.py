@@ -557,3 +557,17 @@ def test_a_dataset_len_longer_than_its_examples_is_refused_naming_the_example():
     with pytest.raises(DataError, match=r"could not give example 381 \(held-out batch 1 of 1, example 2 of 16\): "
                                         r"IndexError: record 381 .* make __len__ count only the examples there are"):
         resolve_job(job)
+
+
+def test_float_targets_with_the_automatic_cross_entropy_ask_for_a_loss():
+    """A regression's float targets with no loss given: the automatic cross-entropy says it needs
+    class ids and how to give a loss (it was torch's gather dtype error)."""
+    from varuna_sdk.model.spec import ModelSpecError
+
+    job = JobConfig(name="floaty", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier",
+                                                     kwargs={"classes": 1}),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:house_prices"),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4))
+    with pytest.raises(ModelSpecError, match=r"cross-entropy \(the automatic loss\) compares the logits with class "
+                                             r"ids, but the targets are float32 \[4, 1\].*give the loss"):
+        resolve_job(job)

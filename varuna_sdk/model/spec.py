@@ -77,7 +77,14 @@ def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
 
 def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of the output's logits ``[B, T, V]`` (or ``[B, V]``) against
-    ``targets`` ``[B, T]`` (or ``[B]``) int64; fp32 whatever the autocast dtype."""
+    ``targets`` ``[B, T]`` (or ``[B]``) int64; fp32 whatever the autocast dtype. Raises
+    ``ModelSpecError`` for floating-point targets (a regression's: cross-entropy needs class ids)."""
+    if isinstance(targets, torch.Tensor) and targets.is_floating_point():
+        raise ModelSpecError(
+            f"cross-entropy (the automatic loss) compares the logits with class ids, but the targets are "
+            f"{str(targets.dtype).replace('torch.', '')} {list(targets.shape)} (a regression's?): give the loss, e.g. "
+            "model.loss: 'mypkg.losses:mse' with def mse(output, targets): return F.mse_loss(output.squeeze(-1), "
+            "targets), or Job(..., loss=my_loss) in a notebook")
     logits = output_logits(output)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
