@@ -202,6 +202,7 @@ void bind_search(py::module_& m) {
         .def_readwrite("max_depth", &SearchInput::max_depth)
         .def_readwrite("fixed_replicas", &SearchInput::fixed_replicas)
         .def_readwrite("fixed_starts", &SearchInput::fixed_starts)
+        .def_readwrite("forbidden_starts", &SearchInput::forbidden_starts)
         .def_readwrite("sim", &SearchInput::sim)
         .def_readwrite("opt_s_per_param_byte", &SearchInput::opt_s_per_param_byte)
         .def_readwrite("ar_cpu_share", &SearchInput::ar_cpu_share)

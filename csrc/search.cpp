@@ -267,6 +267,11 @@ std::vector<int> balance_split(const SearchInput& in, const SegmentTable& t, int
         if (memory_bound) *memory_bound = true;
         return false;
     };
+    // segments where no stage may start; a stage that would start there starts at the next allowed
+    // one instead (shorter: still within T; the earlier stages take the rest)
+    std::vector<char> forbidden(static_cast<std::size_t>(n) + 1, 0);
+    for (int k : in.forbidden_starts)
+        if (k > 0 && k < n) forbidden[k] = 1;
     // Greedy from the back (the last stage, which never recomputes, is known exactly).
     auto pack = [&](double T, std::vector<int>& starts) -> bool {
         starts.assign(P, 0);
@@ -304,6 +309,8 @@ std::vector<int> balance_split(const SearchInput& in, const SegmentTable& t, int
                 if (!fits(a, end, stashed, live)) return false;
                 while (a - 1 >= a_cost && fits(a - 1, end, stashed, live)) --a;
             }
+            while (a < end && forbidden[a]) ++a;
+            if (a >= end || (limited && !fits(a, end, stashed, live))) return false;
             starts[s] = a;
             end = a;
         }
@@ -440,6 +447,13 @@ Candidate new_candidate(const SearchInput& in, int P, int D, int ti) {
 }
 
 std::string no_split_reason(const SearchInput& in, int P, const SegmentTable& t) {
+    const int n = static_cast<int>(t.fwd.size());
+    int allowed = 0;  // segments a stage after the first may start at
+    for (int k = 1; k < n; ++k)
+        allowed += std::find(in.forbidden_starts.begin(), in.forbidden_starts.end(), k) == in.forbidden_starts.end();
+    if (allowed < P - 1)
+        return "no split into " + std::to_string(P) + " stages: a tensor skips cut-points (the model's forward uses it "
+               "in a later segment), leaving " + std::to_string(allowed + 1) + " places to start a stage";
     return "no split into " + std::to_string(P) + " stages fits memory (" + gib(in.memory_limit) +
            " per GPU) at micro-batch " + std::to_string(t.micro_batch_size);
 }

@@ -80,6 +80,9 @@ struct SearchInput {
     int fixed_replicas = 0;
     // Explicit stage boundaries (start segment of each stage, size P); empty = balance.
     std::vector<int> fixed_starts;
+    // Segments where no stage may start (a tensor skips the cut-point before them: the model's
+    // partition.unsplittable_cuts + 1); the balanced split starts each stage at the next allowed one.
+    std::vector<int> forbidden_starts;
     SimConfig sim;                           // network, placement, overheads (P/D/m/costs filled in)
     double opt_s_per_param_byte = 0.0;
     // Sharing of a host's cores in the synchronisation phase (used only with

@@ -1188,3 +1188,23 @@ def test_split_row_simulates_with_w_actions_and_the_choice_is_validated():
         plan(prof, 4, 32, split_backward="yes")
     # a profile without the split's times: never split, whatever the mode None says
     assert not any(r.split_backward for r in plan(synthetic_profile(HEAVY), 4, 32).rows)
+
+
+def test_the_planner_starts_no_stage_after_a_cut_point_a_tensor_skips():
+    """A profile whose model has an unsplittable cut-point (recorded by the calibration's trace,
+    ``model.unsplittable_cuts``; e.g. ``x + layer(x)`` after the last block): a head 3x the cost of
+    a block would have a stage of its own, which the workers then refuse. Every depth's split
+    avoids it; a depth with no split left says why. The same profile without the record splits
+    there (so the test can fail)."""
+    from varuna_sdk.planner.plan import plan
+
+    costs = [1.0, 1.0, 1.0, 1.0, 1.0, 3.0]
+    free = plan(synthetic_profile(costs), gpus=6, global_batch=12)
+    assert any(r.feasible and r.stages[-1] == [5] for r in free.rows), [r.stages for r in free.rows]
+    prof = synthetic_profile(costs)
+    prof.model["unsplittable_cuts"] = [4]
+    pl = plan(prof, gpus=6, global_batch=12)
+    starts = [s[0] for r in pl.rows if r.feasible for s in r.stages]
+    assert starts and 5 not in starts, [r.stages for r in pl.rows]
+    six = next(r for r in pl.rows if r.P == 6)
+    assert not six.feasible and "a tensor skips cut-points" in six.reason and "leaving 5 places" in six.reason

@@ -87,6 +87,8 @@ def search_input(req: PlanRequest, recompute: bool = False):
     inp.exhaustive = bool(req.exhaustive)
     if req.boundaries is not None:
         inp.fixed_starts = [b[0] for b in req.boundaries]
+    # no stage starts after a cut-point a tensor skips (recorded by the calibration's trace)
+    inp.forbidden_starts = [int(k) + 1 for k in profile.model.get("unsplittable_cuts", [])]
     sim = _core.SimConfig()
     net = profile.network
     if net is not None:

@@ -32,8 +32,9 @@ from torch import nn
 from ..config import ParallelConfig
 from ..model.cutpoint import observe_cutpoints
 from ..model.materialize import build_on_meta, materialize
+from ..model.partition import unsplittable_cuts
 from ..model.inputs import as_inputs, call_model, to_device
-from ..model.tracer import trace_model
+from ..model.tracer import loss_after, trace_model
 from ..pipeline.spawn import retained_memory
 from .network import compute_probe, measure_host
 from .profile import NetworkProfile, Profile, SegmentProfile
@@ -268,7 +269,8 @@ def calibrate(
     return Profile(
         model={"num_segments": structure.num_segments, "param_bytes": sum(structure.segment_param_bytes),
                "crossings": [[c["dtype"] for c in cr] for cr in structure.crossings],
-               "shared": _shared(structure, params_bytes), **(model_info or {})},
+               "shared": _shared(structure, params_bytes),
+               "unsplittable_cuts": sorted(unsplittable_cuts(structure)), **(model_info or {})},
         hardware=_hardware(device, threads),
         software={"torch": torch.__version__, "python": platform.python_version(), "varuna_sdk": _version()},
         micro_batch_sizes=sizes, segments=segments, network=net, per_action_s=costs["per_action_s"],
@@ -283,8 +285,10 @@ def _bench(model_fn, loss_fn, make_batch: BatchFn, sizes: list[int], seed: int, 
     """The model traced on meta (its ``ModelStructure``) and a ``_Bench``: the model materialised
     on ``device`` with ``seed``/``init_fn``, in training mode, and a real batch per size."""
     meta_model = build_on_meta(model_fn)
-    inputs0, _ = make_batch(sizes[0])
-    structure = trace_model(meta_model, as_inputs(inputs0), device)
+    inputs0, targets0 = make_batch(sizes[0])
+    # with the loss, as the workers trace it: its uses of earlier segments' tensors count too
+    structure = trace_model(meta_model, as_inputs(inputs0), device,
+                            after=loss_after(loss_fn, to_device(targets0, device)))
     model = build_on_meta(model_fn)
     materialize(model, [nm for nm, _ in model.named_parameters()] + [nm for nm, _ in model.named_buffers()],
                 seed=seed, device=device, init_fn=init_fn)
