@@ -75,7 +75,13 @@ def test_a_language_model_at_D2_matches_and_dropout_is_warned_about(tmp_path):
     inputs, targets = handle.batch(3)[0]
     assert inputs[0].shape == (2, 16) and targets.shape == (2, 16)
     assert torch.equal(inputs[0][:, 1:], targets[:, :-1])  # next-token targets of the same text
-    with pytest.warns(UserWarning, match="Dropout with p > 0"):
+    import transformers
+
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=256, hidden_size=16, n_layer=1, n_head=2,
+                                                                   hidden_dropout=0.1))
+    with pytest.warns(UserWarning, match=r"config.hidden_dropout=0.1.* \(dropout with p > 0\)"):
+        handle.plain_pytorch_losses(1, model=bloom)   # functional dropout (F.dropout), no Dropout module
+    with pytest.warns(UserWarning, match=r"Dropout \(dropout with p > 0\)"):
         handle.plain_pytorch_losses(1, model=torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Dropout(0.1),
                                                                    torch.nn.Linear(8, 256)))
 

@@ -95,11 +95,24 @@ def _autocast(precision: str):
                      "steps the reference would not; compare with train.precision: fp32 (or bf16)")
 
 
+#: attributes (of a module or its ``config``) through which models ask for functional dropout
+#: (``F.dropout(x, self.hidden_dropout)``, as Hugging Face's Bloom does) or drop paths
+_RANDOM_ATTRS = ("dropout", "hidden_dropout", "attention_dropout", "attn_dropout", "resid_dropout",
+                 "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate", "drop_path_prob")
+
+
 def _warn_if_random(model: nn.Module) -> None:
-    drops = sorted({type(m).__name__ for m in model.modules()
-                    if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})
+    drops = {type(m).__name__ for m in model.modules()
+             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0}
+    for m in model.modules():
+        for owner, prefix in ((m, ""), (getattr(m, "config", None), "config.")):
+            for a in _RANDOM_ATTRS:
+                v = getattr(owner, a, None) if owner is not None else None
+                if isinstance(v, float) and v > 0:
+                    drops.add(f"{prefix}{a}={v:g}")
+    drops = sorted(drops)
     if drops:
-        warnings.warn(f"the model has {', '.join(drops)} with p > 0: the pipeline draws its own dropout masks "
+        warnings.warn(f"the model has {', '.join(drops[:6])} (dropout with p > 0): the pipeline draws its own dropout masks "
                       "(the same at every P x D), plain PyTorch others, so losses differ by the noise of dropout; "
                       "build the model with dropout 0 to compare exactly", UserWarning, stacklevel=3)
 
