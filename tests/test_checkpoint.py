@@ -182,6 +182,10 @@ def test_single_process_stop_and_resume(single_run):
     rows = _losses(tmp)
     assert [(r["step"], r["generation"]) for r in rows] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert json.loads((tmp / "outcome.json").read_text())["status"] == "completed"
+    # the summary's training time covers both generations (it was the last one's only)
+    summary = json.loads((tmp / "summary.json").read_text())
+    assert summary["train_time_s"] >= 0.95 * sum(r["step_time_s"] for r in rows), (summary, rows)
+    assert summary["skipped_steps"] == 0
     assert [i.step for i in complete_checkpoints(tmp / "checkpoints")] == [4, 2]
     assert not [f for f in (tmp / ".checkpoint-staging").rglob("*") if f.is_file()]  # all staged files published
     fresh = dict(job, train={**job["train"], "resume": False})

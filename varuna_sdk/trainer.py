@@ -364,7 +364,7 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     _resume(run)
     p = run.job.parallel
     tokens_per_step = p.global_batch * tokens_per_example(run.job, run.tr.job)
-    t_start = time.time()
+    t_start = run.t_start = time.time()
     r = None
     with open(run.out / "metrics.jsonl", "a") if run.lead else open(os.devnull, "w") as mf:
         for step in range(run.outcome.step, run.job.train.steps):
@@ -429,6 +429,8 @@ class _WorkerRun:
     loss0: float | None = None
     skipped_in_a_row: int = 0
     skipped_total: int = 0
+    time_before: float = 0.0   # training seconds of the generations before this one (from the checkpoint)
+    t_start: float = 0.0       # when this generation's first step began (Unix s)
 
     @property
     def lead(self) -> bool:
@@ -479,6 +481,7 @@ def _resume(run: _WorkerRun) -> None:
             run.loss0 = _start_loss(common)
             run.skipped_in_a_row = int(common.get("skipped_in_a_row") or 0)
             run.skipped_total = int(common.get("skipped_steps") or 0)
+            run.time_before = float(common.get("train_time_s") or 0.0)
             if lead:
                 _log(f"[varuna] resumed from {info.name} (saved at P={info.P} x D={info.D}): step {run.outcome.step}")
     run.progress.steps_done = run.outcome.step
@@ -570,7 +573,9 @@ def _stop_or_checkpoint(run: _WorkerRun, should_stop: Callable[[Progress], bool]
         loader_state = {**run.tr.loader.state_dict(), "step": done}
         outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "loss_start": run.loss0,
                                                        "job": run.job.name, "skipped_in_a_row": run.skipped_in_a_row,
-                                                       "skipped_steps": run.skipped_total} if run.lead else None)
+                                                       "skipped_steps": run.skipped_total,
+                                                       "train_time_s": run.time_before + time.time() - run.t_start}
+                                                if run.lead else None)
     if stop:
         t0 = time.perf_counter()
         _wait_published(ckpt, engine.device)
@@ -601,7 +606,7 @@ def _finish(run: _WorkerRun, r: StepResult | None, t_start: float) -> WorkerOutc
             "ppl_start": perplexity(run.loss0) if _text_job(run.job) else None,
             "ppl_end": perplexity(loss1) if _text_job(run.job) else None,
             "final_loss": r.loss if r is not None else None, "skipped_steps": run.skipped_total,
-            "train_time_s": time.time() - t_start, "generation": run.generation,
+            "train_time_s": run.time_before + time.time() - t_start, "generation": run.generation,
             "resumed_from": outcome.resumed_from}))
         _write_outcome(run.out, outcome)
     sys.stdout.flush()
