@@ -522,8 +522,8 @@ def test_a_slow_dataset_is_one_drift_event_not_one_per_check(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_examples_that_change_shape_or_dtype_midway_fail_naming_the_step_and_field(tmp_path):
-    """A dataset whose examples change under a running job (a file rewritten): at P=2 a wider
-    feature vector, at P=1 float64 instead of float32. Each fails as the data's fault (not
+    """A dataset whose examples change under a running job (a file rewritten): a wider feature
+    vector (at P=2 and P=1), float64 instead of float32 (P=1). Each fails as the data's fault (not
     retried) naming the step, the field, both kinds and the examples — not a raw torch error from
     inside a stage."""
     from varuna_sdk.config import TrainConfig
@@ -544,6 +544,8 @@ def test_examples_that_change_shape_or_dtype_midway_fail_naming_the_step_and_fie
     with pytest.raises(WorkerFailure, match=r"(?s)field '0' has shape \[16\] float64 per example .* set up with \[16\] "
                                             r"float32"):
         train_local(job(1, dtype_only=True), run_dir=tmp_path / "p1")
+    with pytest.raises(WorkerFailure, match=r"(?s)the data failed \(not retried.*field '0' has shape \[20\] float32"):
+        train_local(job(1), run_dir=tmp_path / "p1-shape")   # at P=1 too: it was torch's mat1/mat2 error, retried
 
 
 def test_a_dataset_len_longer_than_its_examples_is_refused_naming_the_example():

@@ -470,6 +470,16 @@ def test_layerdrop_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ModelSpecError, match=r"uses LayerDrop \(<root>\.config\.layerdrop=0\.4\).*layerdrop=0"):
         resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs={**opt, "layerdrop": 0.4})))
     assert resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs=opt))).spec.name == "Hugging Face opt"
+    bart = {"model_type": "bart", "encoder_layers": 2, "decoder_layers": 2, "d_model": 32, "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+            "encoder_layerdrop": 0.1, "decoder_layerdrop": 0.2}
+    with pytest.raises(ModelSpecError, match=r"encoder_layerdrop=0 and decoder_layerdrop=0"):  # every one at once
+        resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs=bart)))
+    # a hand-written one: blocks skipped at random in training, seen as blocks the dry run never called
+    with pytest.raises(ModelSpecError, match=r"forward skipped some of its 6 blocks in the dry run .*\(LayerDrop"):
+        resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.plain_models:RandomSkipLM")))
+    assert resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.plain_models:RandomSkipLM",
+                                                  kwargs={"p": 0.0})))
 
 
 @pytest.mark.timeout(240)

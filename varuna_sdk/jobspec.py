@@ -597,6 +597,7 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
         if b > 1 and not _runs_on(spec, data, meta, 1, T, precision):
             spec.min_micro_batch = 2   # BatchNorm: the calibration must not measure micro-batches of one
     _check_lookups(structure, data, spec.name, T)
+    _check_every_block_ran(meta, structure, spec.name)
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
 
@@ -658,6 +659,23 @@ def _check_loss(loss: Any, spec: ModelSpec) -> None:
                              "compute it from the model's output")
 
 
+def _check_every_block_ran(meta: nn.Module, structure: ModelStructure, name: str) -> None:
+    """Refuse a model whose dry run (in training mode) skipped some of its blocks: fewer segments
+    than its automatic cut-points make (``model._varuna_auto_segments``). A forward that skips
+    blocks at random (a hand-written LayerDrop, stochastic depth by block) would run other blocks
+    on another micro-batch, and the stages' cut-points would not line up. Raises ``ModelSpecError``."""
+    want = getattr(meta, "_varuna_auto_segments", None)
+    if want is None or structure.num_segments >= want:
+        return
+    raise ModelSpecError(
+        f"{name}'s forward skipped some of its {want - 2} blocks in the dry run (training mode: "
+        f"{structure.num_segments} segments where every block called makes {want}): a pipeline runs every block on "
+        "every micro-batch. If it skips blocks at random in training "
+        "(LayerDrop, stochastic depth by whole blocks), turn that off (skip nothing, or scale the block's output "
+        "instead); if it uses fewer blocks than it lists, set model.blocks to the list it calls, or put CutPoint() "
+        "modules in its forward")
+
+
 #: attributes through which models (Hugging Face's OPT, BART, Wav2Vec2, M2M100...) ask for LayerDrop
 _LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 
@@ -667,16 +685,21 @@ def _check_no_layerdrop(meta: nn.Module, name: str) -> None:
     stages, its calibration and its cut-point traffic assume every block runs in every micro-batch.
     Looks at each module's own ``layerdrop`` attributes and its ``config``'s. Raises
     ``ModelSpecError`` naming the module, the attribute and the fix."""
+    found: dict[str, tuple[str, float]] = {}
     for mod_name, mod in meta.named_modules():
         for owner, where in ((mod, mod_name or "<root>"), (getattr(mod, "config", None), f"{mod_name or '<root>'}.config")):
             for attr in _LAYERDROP:
                 p = getattr(owner, attr, None) if owner is not None else None
                 if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-                    raise ModelSpecError(
-                        f"{name} uses LayerDrop ({where}.{attr}={p}): it skips blocks at random in training, so "
-                        "the pipeline's stages would not run the same blocks from one micro-batch to the next. "
-                        f"Build the model with {attr}=0 (e.g. model.kwargs: {{{attr}: 0.0}}); a pipeline runs every "
-                        "block on every step")
+                    found.setdefault(attr, (where, p))   # each attribute where it is first set
+    if found:
+        attrs = list(found)
+        said = ", ".join(f"{w}.{a}={v}" for a, (w, v) in found.items())
+        raise ModelSpecError(
+            f"{name} uses LayerDrop ({said}): it skips blocks at random in training, so the pipeline's stages "
+            f"would not run the same blocks from one micro-batch to the next. Build the model with "
+            f"{' and '.join(f'{a}=0' for a in attrs)} (for a Hugging Face config: model.kwargs: "
+            f"{{{', '.join(f'{a}: 0.0' for a in attrs)}}}); a pipeline runs every block on every step")
 
 
 def _check_init(meta: nn.Module, init_fn) -> None:

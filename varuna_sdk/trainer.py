@@ -147,13 +147,12 @@ class Training:
 
     def batch(self, step: int) -> tuple:
         """This rank's ``(inputs, targets)`` of ``step``. Raises ``DataError`` (not retried: the
-        same step reads the same examples) when a field's dtype, or with P > 1 its shape per
-        example, differs from the examples the job was set up with (``kinds``)."""
+        same step reads the same examples) when a field's dtype or shape per example differs from
+        the examples the job was set up with (``kinds``)."""
         e = self.engine
         fields = self.loader.replica_batch(step, e.replica, e.D)
         if self.kinds is not None:
-            check_batch_kinds(fields, self.kinds, step, shapes=e.P > 1,
-                              ids=getattr(self.loader, "example_indices", None))
+            check_batch_kinds(fields, self.kinds, step, ids=getattr(self.loader, "example_indices", None))
         return self.job.split(fields)
 
 
@@ -162,15 +161,15 @@ def field_kinds(fields: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(v.shape[1:]), v.dtype) for k, v in fields.items() if isinstance(v, torch.Tensor)}
 
 
-def check_batch_kinds(fields: dict, kinds: dict, step: int, *, shapes: bool, ids=None) -> None:
-    """Refuse a batch whose tensor fields differ in dtype (or, with ``shapes``, in shape per
-    example) from ``kinds`` (``field_kinds`` of the examples the job was traced and calibrated
-    on): a pipeline's stages exchange tensors of the traced shapes, and a raw torch error deep in
-    a stage (then a retry that reads the same examples) said neither which step nor why. Raises
+def check_batch_kinds(fields: dict, kinds: dict, step: int, *, ids=None) -> None:
+    """Refuse a batch whose tensor fields differ in dtype or shape per example from ``kinds``
+    (``field_kinds`` of the examples the job was traced and calibrated on): stages exchange
+    tensors of the traced shapes, the plan was made for them, and a raw torch error deep in a
+    stage (then a retry that reads the same examples) said neither which step nor why. Raises
     ``DataError`` naming the step, the field, both kinds and the examples (``ids(step)``)."""
     for k, (shape, dtype) in field_kinds(fields).items():
         want = kinds.get(k)
-        if want is None or (want[1] == dtype and (not shapes or want[0] == shape)):
+        if want is None or want == (shape, dtype):
             continue
         which = ""
         if ids is not None:
@@ -490,6 +489,10 @@ def _resume(run: _WorkerRun) -> None:
         if lead:
             what, (v0,) = _held_out(run.job, run.loss0)
             _log(f"[varuna] held-out {what} at start: {v0}")
+            if not math.isfinite(run.loss0):
+                _log(f"[varuna] warning: the held-out loss is {run.loss0} before any step: the held-out examples "
+                     "(the data's last data.val_fraction) or the loss give values that are not finite, so the "
+                     "held-out figures of this run mean nothing; check those examples for NaN or inf")
 
 
 def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -> StepResult:

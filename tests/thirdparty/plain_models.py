@@ -117,3 +117,18 @@ def aux_output(n_layer: int = 4, d: int = 32, vocab_size: int = 256, aux_from: i
 def aux_loss(out, targets: torch.Tensor) -> torch.Tensor:
     logits, aux = out
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) + 0.1 * aux
+
+
+class RandomSkipLM(TinyLM):
+    """A hand-written LayerDrop: in training each block is skipped with probability ``p``."""
+
+    def __init__(self, n_layer: int = 6, d: int = 32, vocab_size: int = 256, p: float = 0.9):
+        super().__init__([Block(d) for _ in range(n_layer)], vocab_size, d)
+        self.p = p
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            if not (self.training and torch.rand(()) < self.p):
+                x = layer(x)
+        return self.head(self.norm(x))

@@ -199,6 +199,9 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
         child.register_forward_pre_hook(pre_hook, with_kwargs=True)
     if len(distinct) == len(children) > 1:
         _called(body[-1], last=True).register_forward_hook(post_hook)
+        # distinct blocks, each called once per forward: this many segments at least (checked on the
+        # dry run: a forward that skips blocks, as LayerDrop does, has fewer)
+        model._varuna_auto_segments = len(children) + 2
     # else: the last block is also an earlier one (or the list's only block, which may be called at
     # every depth), whose every call would end a segment; the head stays in the last call's segment
     model._varuna_auto_cutpoints = True

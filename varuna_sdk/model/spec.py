@@ -268,7 +268,9 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
             tgt = fields[len(call.args)]
     if tgt is None:
         raise ModelSpecError(f"the loss needs targets but the data's fields {fields} hold none the model does not "
-                             "already take; name the targets field, or use loss='model'")
+                             f"already take; name the targets field (model.targets: {fields[0]!r} to compare the "
+                             "output with an input, as an autoencoder does; Job(..., targets=...) in a notebook), "
+                             "or use loss='model'")
     return CallSpec(call.args, call.kwargs, tgt), fn
 
 
