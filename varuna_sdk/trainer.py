@@ -507,7 +507,6 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
     data_s = time.perf_counter() - t0
     r = run.tr.engine.step(batch, run.tr.optimizer)
     wall_s = data_s + r.time_s
-    _count_skipped(run, r, step)
     done = step + 1
     run.progress.steps_done = done
     run.outcome.step, run.outcome.steps_run = done, run.outcome.steps_run + 1
@@ -524,6 +523,7 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
         mf.flush()
         _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {m.tokens_per_s:8.0f} tok/s | "
              f"{m.examples_per_s:6.2f} ex/s | {wall_s:6.3f} s" + (_skip_note(t.precision, r) if r.skipped else ""))
+    _count_skipped(run, r, step)   # after its line: the error names steps the log shows
     return r
 
 
@@ -532,7 +532,7 @@ def _skip_note(precision: str, r: StepResult) -> str:
     the scale; else a loss or gradients that were not finite (no update applied)."""
     if precision == "fp16":
         return f" | skipped (overflow; loss scale now {r.loss_scale:g})"
-    return f" | SKIPPED: loss or gradients not finite (grad norm {r.grad_norm}); no update applied"
+    return " | SKIPPED: loss or gradients not finite; no update applied"
 
 
 def _count_skipped(run: _WorkerRun, r: StepResult, step: int) -> None:
@@ -554,8 +554,8 @@ def _count_skipped(run: _WorkerRun, r: StepResult, step: int) -> None:
             f"lower train.grad_clip (now {t.grad_clip:g}) only if the gradients grow large first")
     n = run.skipped_in_a_row
     raise NonFiniteLossError(
-        f"steps {step - n + 2}..{step + 1}: the loss or the gradients were not finite (loss {r.loss}, grad "
-        f"norm {r.grad_norm}) {n} steps in a row in {t.precision}"
+        f"steps {step - n + 2}..{step + 1}: the loss or the gradients were not finite (last loss {r.loss}) {n} "
+        f"steps in a row in {t.precision}"
         + (" at the loss scaler's minimum scale" if t.precision == "fp16" else "")
         + f", so no step was applied; check the loss function and the data for NaN or inf, lower train.lr "
         f"(now {t.lr:g}), or {hint}. Not retried: resuming replays the same steps from the same weights")
