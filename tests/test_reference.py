@@ -79,9 +79,15 @@ def test_a_language_model_at_D2_matches_and_dropout_is_warned_about(tmp_path):
 
     bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=256, hidden_size=16, n_layer=1, n_head=2,
                                                                    hidden_dropout=0.1))
-    with pytest.warns(UserWarning, match=r"config.hidden_dropout=0.1.* \(dropout with p > 0\)"):
+    with pytest.warns(UserWarning, match=r"config.hidden_dropout=0.1.* \(dropout with p > 0, or random numbers\)"):
         handle.plain_pytorch_losses(1, model=bloom)   # functional dropout (F.dropout), no Dropout module
-    with pytest.warns(UserWarning, match=r"Dropout \(dropout with p > 0\)"):
+    noisy = JobConfig(name="ref-noise", model=ModelConfig(factory="tests.thirdparty.plain_models:NoisyLM"),
+                      data=DataConfig(path=str(f), tokenizer="byte", seq_len=16),
+                      parallel=ParallelConfig(P=1, D=1, global_batch=4, micro_batch_size=2),
+                      train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs")))
+    with pytest.warns(UserWarning, match=r"randn_like\(\) in its forward"):   # noise drawn in the forward
+        Job(noisy).plain_pytorch_losses(1)
+    with pytest.warns(UserWarning, match=r"Dropout \(dropout with p > 0, or random numbers\)"):
         handle.plain_pytorch_losses(1, model=torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Dropout(0.1),
                                                                    torch.nn.Linear(8, 256)))
 

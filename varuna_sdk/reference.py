@@ -101,7 +101,7 @@ _RANDOM_ATTRS = ("dropout", "hidden_dropout", "attention_dropout", "attn_dropout
                  "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate", "drop_path_prob")
 
 
-def _warn_if_random(model: nn.Module) -> None:
+def _warn_if_random(model: nn.Module, random_ops: list[str] = ()) -> None:
     drops = {type(m).__name__ for m in model.modules()
              if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0}
     for m in model.modules():
@@ -110,11 +110,13 @@ def _warn_if_random(model: nn.Module) -> None:
                 v = getattr(owner, a, None) if owner is not None else None
                 if isinstance(v, float) and v > 0:
                     drops.add(f"{prefix}{a}={v:g}")
-    drops = sorted(drops)
+    drops = sorted(drops) + [f"{op}() in its forward" for op in random_ops]
     if drops:
-        warnings.warn(f"the model has {', '.join(drops[:6])} (dropout with p > 0): the pipeline draws its own dropout masks "
-                      "(the same at every P x D), plain PyTorch others, so losses differ by the noise of dropout; "
-                      "build the model with dropout 0 to compare exactly", UserWarning, stacklevel=3)
+        warnings.warn(f"the model has {', '.join(drops[:6])} (dropout with p > 0, or random numbers): the pipeline "
+                      "draws its own dropout masks and random numbers "
+                      "(the same at every P x D), plain PyTorch others, so losses differ by that noise; build the "
+                      "model without it (dropout 0, no random numbers in training) to compare exactly", UserWarning,
+                      stacklevel=3)
 
 
 def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_batch_size: int | None = None,
@@ -136,8 +138,13 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
 
     amp = _autocast(t.precision)
     b = micro_batch_size_of(job, micro_batch_size)
-    model = initial_model(job, resolved) if model is None else model
-    _warn_if_random(model)
+    if model is None:
+        from .trainer import model_structure
+
+        model = initial_model(job, resolved)
+        _warn_if_random(model, model_structure(job, resolved).random_ops)
+    else:
+        _warn_if_random(model)
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     decay, no_decay = [q for q in params if q.dim() >= 2], [q for q in params if q.dim() < 2]

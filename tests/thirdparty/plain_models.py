@@ -132,3 +132,18 @@ class RandomSkipLM(TinyLM):
             if not (self.training and torch.rand(()) < self.p):
                 x = layer(x)
         return self.head(self.norm(x))
+
+
+class NoisyLM(TinyLM):
+    """Gaussian noise added to the embeddings in training (``torch.randn_like``), no dropout module."""
+
+    def __init__(self, n_layer: int = 2, d: int = 32, vocab_size: int = 256):
+        super().__init__([Block(d) for _ in range(n_layer)], vocab_size, d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        if self.training:
+            x = x + 0.01 * torch.randn_like(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))

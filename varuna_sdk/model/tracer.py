@@ -57,6 +57,9 @@ class ModelStructure:
             ``{"param", "rows", "max_index", "from_input"}`` — ``from_input``: the indices are a
             model input itself (token ids, so ``rows`` bounds the vocabulary), else derived from
             them (positions: ``max_index`` grows with the sequence length).
+        random_ops: names of the functions that draw random numbers the forward (or the loss)
+            called, dropout aside (``randn_like`` for noise): the pipeline draws them per (step,
+            micro-batch, segment), so a plain PyTorch run of the model draws others.
     """
 
     num_segments: int
@@ -70,6 +73,7 @@ class ModelStructure:
     carried_uses: list[tuple[int, int, str, tuple[int, ...]]] = field(default_factory=list)
     segment_modules: list[list[str]] = field(default_factory=list)
     embeddings: list[dict] = field(default_factory=list)
+    random_ops: list[str] = field(default_factory=list)
 
     def segments_of(self, name: str) -> list[int]:
         """Segments that use parameter or buffer ``name`` (``[0]`` if none was recorded)."""
@@ -102,6 +106,12 @@ def _flops(func: Callable, args: tuple, kwargs: dict, out: Any) -> float:
     return float(sum(t.numel() for t in _tensors(out)))
 
 
+#: functions that draw random numbers (dropout, warned about on its own, aside)
+_RANDOM_FUNCS = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+                           "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial", "poisson",
+                           "exponential_", "geometric_", "cauchy_", "log_normal_", "random_"})
+
+
 class _Trace:
     def __init__(self, model: nn.Module):
         self.segment = 0
@@ -132,6 +142,7 @@ class _Trace:
         self.embeddings: dict[str, dict] = {}
         self.strict_dtypes = False
         self.in_after = False  # running ``after`` (the loss): its uses are named as the loss's
+        self.random_ops: set[str] = set()
 
     def on_mixed(self, func, args: tuple, kwargs: dict) -> None:
         """An operation about to run on meta with its real arguments: note embedding lookups
@@ -213,6 +224,8 @@ class _TraceMode(TorchFunctionMode):
         seg = tr.segment
         if tr.strict_dtypes and func in _SAME_DTYPE:
             _check_same_dtype(func, args, kwargs)
+        if getattr(func, "__name__", "") in _RANDOM_FUNCS:
+            tr.random_ops.add(func.__name__)
         is_get = getattr(func, "__name__", "") == "__get__"
         if is_get:
             out = func(*args, **kwargs)
@@ -350,6 +363,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         carried_uses=sorted(trace.carried_uses),
         segment_modules=seg_modules,
         embeddings=list(trace.embeddings.values()),
+        random_ops=sorted(trace.random_ops),
     )
 
 
