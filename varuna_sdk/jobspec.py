@@ -62,7 +62,7 @@ from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
-from .model.spec import (ModelSpec, ModelSpecError, infer_call, model_limits, prepare_model,
+from .model.spec import (ModelSpec, ModelSpecError, infer_call, model_limits, positive_settings, prepare_model,
                          warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
@@ -686,12 +686,8 @@ def _check_no_layerdrop(meta: nn.Module, name: str) -> None:
     Looks at each module's own ``layerdrop`` attributes and its ``config``'s. Raises
     ``ModelSpecError`` naming the module, the attribute and the fix."""
     found: dict[str, tuple[str, float]] = {}
-    for mod_name, mod in meta.named_modules():
-        for owner, where in ((mod, mod_name or "<root>"), (getattr(mod, "config", None), f"{mod_name or '<root>'}.config")):
-            for attr in _LAYERDROP:
-                p = getattr(owner, attr, None) if owner is not None else None
-                if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-                    found.setdefault(attr, (where, p))   # each attribute where it is first set
+    for where, attr, p in positive_settings(meta, _LAYERDROP):
+        found.setdefault(attr, (where, p))   # each attribute where it is first set
     if found:
         attrs = list(found)
         said = ", ".join(f"{w}.{a}={v}" for a, (w, v) in found.items())

@@ -26,6 +26,7 @@ from torch import nn
 from .config import JobConfig
 from .jobspec import ResolvedJob
 from .model.inputs import call_model, rows
+from .model.spec import positive_settings
 
 __all__ = ["micro_batches", "plain_losses", "initial_model"]
 
@@ -104,12 +105,8 @@ _RANDOM_ATTRS = ("dropout", "hidden_dropout", "attention_dropout", "attn_dropout
 def _warn_if_random(model: nn.Module, random_ops: list[str] = ()) -> None:
     drops = {type(m).__name__ for m in model.modules()
              if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0}
-    for m in model.modules():
-        for owner, prefix in ((m, ""), (getattr(m, "config", None), "config.")):
-            for a in _RANDOM_ATTRS:
-                v = getattr(owner, a, None) if owner is not None else None
-                if isinstance(v, float) and v > 0:
-                    drops.add(f"{prefix}{a}={v:g}")
+    drops |= {f"{'config.' if where.endswith('config') else ''}{a}={v:g}"
+              for where, a, v in positive_settings(model, _RANDOM_ATTRS)}
     drops = sorted(drops) + [f"{op}() in its forward" for op in random_ops]
     if drops:
         warnings.warn(f"the model has {', '.join(drops[:6])} (dropout with p > 0, or random numbers): the pipeline "

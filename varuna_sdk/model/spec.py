@@ -274,6 +274,22 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     return CallSpec(call.args, call.kwargs, tgt), fn
 
 
+def positive_settings(model: nn.Module, names: Sequence[str]) -> list[tuple[str, str, float]]:
+    """``(where, name, value)`` for every numeric attribute in ``names`` above 0 that a module of
+    ``model`` or its ``config`` holds (``where``: the module's dotted name, ``<root>`` for the
+    model, with ``.config`` for its config), in module order: how models ask for LayerDrop,
+    functional dropout or drop paths without a module that shows it."""
+    out = []
+    for mod_name, mod in model.named_modules():
+        base = mod_name or "<root>"
+        for owner, where in ((mod, base), (getattr(mod, "config", None), f"{base}.config")):
+            for a in names:
+                v = getattr(owner, a, None) if owner is not None else None
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                    out.append((where, a, float(v)))
+    return out
+
+
 # ---- preparing a model built from the user's factory ----------------------------------------
 def is_hf_model(model: nn.Module) -> bool:
     """True for a Hugging Face ``transformers`` ``PreTrainedModel`` (checked without importing it)."""
