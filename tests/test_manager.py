@@ -146,10 +146,11 @@ def assert_same_trajectory(got: dict[int, float], ref: dict[int, float]) -> None
 @pytest.mark.timeout(420)
 def test_notice_shrink_sudden_loss_and_grow_keep_the_loss_trajectory(tmp_path, reference):
     """4 local slots, the job fixed at P=2 x D=2. (1) local3 is pre-empted with a notice: the
-    workers stop at a boundary, nothing is lost, the planner re-plans for 3 slots (on this
-    2-core machine it uses 2 of them). (2) A VM in use and the idle one vanish without notice:
-    resume from the last complete checkpoint on the 1 slot left. (3) A VM comes back: the
-    planner predicts > 10 % more examples/s, so the job grows at a boundary."""
+    workers stop at a boundary, nothing is lost, the planner re-plans for 3 slots (on a 2-core
+    machine it uses 2 or 3 of them, as this session's calibration predicts fastest). (2) A VM in
+    use and every other VM but one vanish without notice: resume from the last complete checkpoint
+    on the 1 slot left. (3) A VM comes back: the planner predicts > 10 % more examples/s, so the
+    job grows at a boundary."""
     run = tmp_path / "run"
     emu = SpotEmulator(capacity=4, backend="local", notice_s=None).start()
     mgr = Manager(tiny_job(), emu, run_dir=run, heartbeat_interval_s=1.0, stop_timeout_s=60,
@@ -159,11 +160,10 @@ def test_notice_shrink_sudden_loss_and_grow_keep_the_loss_trajectory(tmp_path, r
         wait_step(run, 3, 120, generation=0)
         emu.remove_now("local3", notice_s=5.0)          # 1) pre-emption with notice
         used = wait_morphs(mgr, 1, 120)[0]["new"]["hosts"]
-        idle = sorted({"local0", "local1", "local2"} - set(used))
-        assert len(used) == 2, used
+        assert 2 <= len(used) <= 3 and "local3" not in used, used
         emu.remove_now(used[-1])                         # 2) sudden loss of a VM in use ...
-        for h in idle:
-            emu.remove_now(h)                            #    ... and of the idle one
+        for h in sorted({"local0", "local1", "local2"} - {used[0], used[-1]}):
+            emu.remove_now(h)                            #    ... and of every other one but one
         wait_morphs(mgr, 2, 120)
         emu.add_now(used[-1])                            # 3) a VM comes back: grow
         assert mgr.wait(300) == JobState.SUCCEEDED, mgr.error
