@@ -24,6 +24,8 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     best plan that keeps the config's P, D or stages when it fixes them). Returns the exit code:
     0, or 1 when no configuration fits. Raises ``ConfigError`` for a bad flag or a profile that is
     missing or was measured on another model."""
+    if args.cmd == "plan":
+        _check_plan_flags(args)   # before torch is imported: a bad flag is answered at once
     from ..profiling.job import calibrate_job
 
     # every field checked, as `varuna train` does, before a calibration or a plan
@@ -38,7 +40,6 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     from ..planner.plan import plan
     from ..profiling.profile import Profile
 
-    _check_plan_flags(args)
     prof = Profile.load(args.profile) if args.profile else calibrate_job(job)
     _check_profile_matches(prof, job, args.profile, args.config)
     G, B = args.gpus, args.global_batch or job.parallel.global_batch
