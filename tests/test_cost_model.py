@@ -276,3 +276,62 @@ def test_alpha_beta_fit_recovers_exact_data(relative):
     pts = [(x, 2e-4 + x / 3e9) for x in (4096, 1 << 20, 8 << 20, 32 << 20)]
     alpha, beta = fit_alpha_beta(pts, relative=relative)
     assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(3e9, rel=1e-6)
+
+
+# ---- the per-host network cache ----------------------------------------------------------------
+def _fake_network(alpha: float = 123.0) -> NetworkProfile:
+    """Figures no machine measures (α = 123 s), so a profile that carries them was read from the cache."""
+    return NetworkProfile(p2p_alpha_s=alpha, p2p_beta_Bps=1e6, ar_alpha_s=2 * alpha, ar_beta_Bps=2e6, consensus_s=0.5,
+                          samples={"p2p": [[4096, 1.0, 1.0, 0.0]], "cpu_count": 2, "opt": [[1, 9.9]],
+                                   "compute": [[1, 9.9]]}, ar_cpu_share=0.5)
+
+
+def test_host_network_is_reused_only_fresh_whole_and_for_the_same_threads(tmp_path):
+    """``store_host_network`` keeps the model-free part (the model's probe samples are dropped);
+    ``cached_host_network`` returns it until ``HOST_NETWORK_MAX_AGE_S``, never for other threads per
+    worker, and never from a torn or foreign file."""
+    from varuna_sdk.profiling.job import HOST_NETWORK_MAX_AGE_S, cached_host_network, host_key, store_host_network
+
+    net = _fake_network()
+    path = store_host_network(tmp_path, 1, net, now=1000.0)
+    got = cached_host_network(tmp_path, 1, now=1000.0 + HOST_NETWORK_MAX_AGE_S - 1)
+    assert got is not None and got.p2p_alpha_s == 123.0 and got.ar_cpu_share == 0.5
+    assert got.samples == {"p2p": [[4096, 1.0, 1.0, 0.0]], "cpu_count": 2}   # no model's samples
+    assert cached_host_network(tmp_path, 1, now=1000.0 + HOST_NETWORK_MAX_AGE_S + 1) is None   # stale
+    assert cached_host_network(tmp_path, 1, now=999.0 - 60) is None                              # from the future
+    assert cached_host_network(tmp_path, 2, now=1000.0) is None and host_key(2) != host_key(1)   # other threads
+    for torn in (path.read_text()[:40], "[]", json.dumps({"measured_at": 1000.0, "network": {"p2p_alpha_s": 1}})):
+        path.write_text(torn)
+        assert cached_host_network(tmp_path, 1, now=1000.0) is None
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_calibration_on_a_known_host_runs_only_the_models_probes(tmp_path, monkeypatch):
+    """``calibrate_job`` with this host's network in the cache: the profile carries those figures,
+    and the host probes spawn only the k = min(4, cores) processes that the optimizer and compute
+    probes use (not 4 for the p2p and all-reduce probes), which measure this model afresh."""
+    import os
+
+    from varuna_sdk.config import DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig
+    from varuna_sdk.profiling import network as cal
+    from varuna_sdk.profiling.job import calibrate_job, store_host_network
+
+    store_host_network(tmp_path / "hosts", 1, _fake_network())
+    worlds, real_spawn = [], cal.spawn_workers
+
+    def spy(fn, world, *args, **kwargs):
+        worlds.append(world)
+        return real_spawn(fn, world, *args, **kwargs)
+
+    monkeypatch.setattr(cal, "spawn_workers", spy)
+    job = JobConfig(name="known-host", model=ModelConfig(preset="tiny", n_layer=2, n_embd=32, n_head=2),
+                    data=DataConfig(tokenizer="byte", seq_len=16), parallel=ParallelConfig(global_batch=8),
+                    launch=LaunchConfig(gpus=2))
+    prof = calibrate_job(job, cache_dir=tmp_path, micro_batch_sizes=(1, 2))
+    k = min(4, os.cpu_count() or 1)
+    assert prof.network.p2p_alpha_s == 123.0 and prof.network.ar_cpu_share == 0.5
+    assert worlds == ([k] if k > 1 else [])
+    if k > 1:   # this model's own samples, not the planted ones
+        assert prof.network.samples["opt"] != [[1, 9.9]] and prof.network.samples["compute_ks"] == [1, k]
+        assert prof.opt_parallelism >= 1.0 and prof.compute_interference >= 0.0
+    assert prof.network.samples["p2p"] == [[4096, 1.0, 1.0, 0.0]]

@@ -465,6 +465,11 @@ def test_a_batchnorm_model_is_planned_and_calibrated_on_two_examples_or_more(tmp
     assert r.spec.min_micro_batch == 2
     profile = calibrate_job(planned, cache_dir=tmp_path, resolved=r)
     assert list(profile.micro_batch_sizes) == [2, 4, 8]
+    # the host's network, measured by this first calibration, is kept for the next model's
+    from varuna_sdk.profiling.job import cached_host_network
+
+    kept = cached_host_network(tmp_path / "hosts", planned.launch.threads_per_worker)
+    assert kept is not None and kept.p2p_beta_Bps == profile.network.p2p_beta_Bps
     done, pl = plan_for_job(planned, profile, gpus=2)
     assert done.parallel.micro_batch_size >= 2 and done.parallel.P * done.parallel.D <= 2
     assert all(row.micro_batch_size >= 2 for row in pl.rows), [row.micro_batch_size for row in pl.rows]

@@ -78,7 +78,7 @@ def _add_calibrate_plan(sub) -> None:
                      "micro-batch sizes, and this machine's network, once (paper section 4.3); cached.")
     sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
     sp.add_argument("-o", "--output", help="where to write the profile (default: the profile cache)")
-    sp.add_argument("--refresh", action="store_true", help="re-measure even if a cached profile exists")
+    sp.add_argument("--refresh", action="store_true", help="re-measure even if a cached profile exists (the host's network figures too)")
     sp = _subcommand(sub, "plan", "rank every (P, D, micro-batch) for G GPUs with the simulator",
                      "Simulate every pipeline depth, replica count and micro-batch size for G GPUs from one "
                      "calibration and rank them by time per mini-batch (paper section 4); cost from the prices.")

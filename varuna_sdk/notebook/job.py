@@ -155,8 +155,9 @@ class Job:
     def calibrate(self, refresh: bool = False):
         """Measure the model once (paper §4.3): each cut-point segment's forward, recompute and
         backward seconds and activation bytes at a few micro-batch sizes, and this machine's
-        p2p and all-reduce α–β. Cached on disk per model shape (``refresh=True`` measures
-        again); returns the ``profiling.profile.Profile``."""
+        p2p and all-reduce α–β (kept per host for an hour and reused by the next model's
+        calibration). Cached on disk per model shape (``refresh=True`` measures both again);
+        returns the ``profiling.profile.Profile``."""
         from ..profiling.job import calibrate_job
 
         self._profile = calibrate_job(self.config, refresh=refresh, resolved=self.resolved)

@@ -215,7 +215,7 @@ def calibrate(
     precision: str = "fp32",
     repeats: int = 9,
     warmup: int = 3,
-    network: bool = True,
+    network: bool | NetworkProfile = True,
     threads: int = 1,
     device: str | torch.device = "cpu",
     model_info: dict | None = None,
@@ -230,13 +230,17 @@ def calibrate(
             (inputs a tuple or a mapping of tensors, targets a tensor, any nesting, or None).
         micro_batch_sizes: sizes to measure (≥ 2 sizes lets the planner interpolate).
         repeats, warmup: timed and untimed passes per size (medians are kept).
-        network: also measure p2p and all-reduce in spawned processes (needed for P or D > 1).
+        network: also measure p2p and all-reduce in spawned processes (needed for P or D > 1);
+            a ``NetworkProfile``: this machine's network as measured before (the per-host cache
+            of ``profiling.job``), so only the model's own host probes run (optimizer and compute
+            contention between processes).
         threads: torch intra-op threads, as each worker will use.
         grad_clip: the clipping the job will use (``TrainConfig.grad_clip``; its pass over the
             gradients is part of the end-of-step cost).
 
     Raises ``ValueError`` for an empty or non-positive size list. Units: seconds and bytes.
     """
+    known = network if isinstance(network, NetworkProfile) else None
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"micro_batch_sizes={list(micro_batch_sizes)} must be positive integers")
@@ -252,7 +256,7 @@ def calibrate(
 
             def probe_host():
                 return _probe_host(model_fn, loss_fn, init_fn, seed, mid, precision, device, threads,
-                                   sum(structure.segment_param_bytes))
+                                   sum(structure.segment_param_bytes), known)
 
             segments, host = _measure_segments(bench, sizes, structure, warmup, repeats,
                                                probe_host if network else None)
@@ -337,10 +341,11 @@ def _measure_segments(bench: _Bench, sizes: list[int], structure, warmup: int, r
 
 
 def _probe_host(model_fn, loss_fn, init_fn, seed: int, batch: tuple, precision: str, device: torch.device,
-                threads: int, opt_bytes: int) -> tuple[NetworkProfile, float, float]:
-    """``measure_host`` for this model: the compute probe only for fp32 on CPU."""
+                threads: int, opt_bytes: int, known: NetworkProfile | None) -> tuple[NetworkProfile, float, float]:
+    """``measure_host`` for this model: the compute probe only for fp32 on CPU; the network
+    probes only without ``known`` figures."""
     probe = compute_probe(model_fn, loss_fn, init_fn, seed, batch, precision) if device.type == "cpu" else None
-    return measure_host(threads=threads, opt_bytes=opt_bytes, compute=probe)
+    return measure_host(threads=threads, opt_bytes=opt_bytes, compute=probe, known=known)
 
 
 def _engine_costs(model_fn, loss_fn, make_batch, b: int, structure, seed, init_fn, precision, device,

@@ -1,9 +1,13 @@
 """A job's calibration, cached: ``calibrate`` run on the job's own model and data, once per model.
 
-Owns ``profile_key`` (the cache key: what the measurements depend on) and ``calibrate_job`` (the
+Owns ``profile_key`` (the cache key: what the measurements depend on), ``calibrate_job`` (the
 ``Profile`` of a ``JobConfig``, measured on real micro-batches of its data and cached as JSON under
-``~/.cache/varuna_sdk/profiles``). The manager plans every morph from it, so it lives here, below
-the manager, and not in ``trainer`` (the training loop the workers run).
+``~/.cache/varuna_sdk/profiles``) and the per-host network cache (``host_key``,
+``cached_host_network``, ``store_host_network``): the machine's p2p and all-reduce figures do not
+depend on the model, so a calibration within ``HOST_NETWORK_MAX_AGE_S`` of the last one on this
+host skips those probes (~8 s of a ~20 s calibration on a 2-core machine). The manager plans every
+morph from the profile, so it lives here, below the manager, and not in ``trainer`` (the training
+loop the workers run).
 
 Imports ``config``, ``data``, ``jobspec`` and ``profiling``; must never import ``trainer``,
 ``planner``, ``cluster`` or ``manager``.
@@ -14,6 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -22,7 +29,13 @@ from ..config import JobConfig
 from ..data.loader import default_cache_dir
 from ..jobspec import ResolvedJob, resolve_job
 from .calibrate import calibrate
-from .profile import Profile
+from .network import MODEL_SAMPLES
+from .profile import NetworkProfile, Profile
+
+# How long a host's measured network figures are reused by later calibrations on the host (s): long
+# enough for a session's models to share one measurement, short enough that a measurement taken on
+# a loaded machine does not plan every later job (``refresh=True`` measures afresh at once).
+HOST_NETWORK_MAX_AGE_S = 3600.0
 
 
 def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
@@ -60,11 +73,62 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
             prof.calibrated_at = path.stat().st_mtime
         return prof
     T = job.data.seq_len
+    threads = job.launch.threads_per_worker
+    hosts = cache / "hosts"
+    known = None if refresh else cached_host_network(hosts, threads)
     prof = calibrate(r.spec.factory, r.spec.loss_fn, lambda b: r.sample_inputs(b, T), micro_batch_sizes,
                      seed=job.train.seed, init_fn=r.spec.init_fn, precision=job.train.precision,
-                     threads=job.launch.threads_per_worker,
+                     threads=threads, network=known or True,
                      model_info={"name": job.name, "model": r.spec.name, "identity": r.spec.identity})
-    tmp = path.with_suffix(".tmp")
-    prof.to_json(tmp)
-    os.replace(tmp, path)
+    if known is None and prof.network is not None:
+        store_host_network(hosts, threads, prof.network)
+    _write_atomic(path, prof.to_json())
     return prof
+
+
+def host_key(threads: int) -> str:
+    """Cache key of this host's network figures (16 hex digits): host name, CPUs this process may
+    use, threads per worker, torch and varuna_sdk versions — what ``measure_host``'s p2p and
+    all-reduce probes depend on besides load."""
+    from .. import __version__
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    text = json.dumps([platform.node(), os.cpu_count(), cpus, threads, torch.__version__, __version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cached_host_network(folder: str | Path, threads: int, max_age_s: float = HOST_NETWORK_MAX_AGE_S,
+                        now: float | None = None) -> NetworkProfile | None:
+    """This host's network figures stored by ``store_host_network`` under ``folder`` less than
+    ``max_age_s`` seconds ago (``now``: Unix seconds, default the clock), or None: none stored,
+    too old, or unreadable (a torn or foreign file is never used: it is measured afresh)."""
+    path = Path(folder) / f"{host_key(threads)}.json"
+    try:
+        d = json.loads(path.read_text())
+        age = (time.time() if now is None else now) - float(d["measured_at"])
+        net = NetworkProfile(**d["network"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return net if 0.0 <= age < max_age_s else None
+
+
+def store_host_network(folder: str | Path, threads: int, network: NetworkProfile, now: float | None = None) -> Path:
+    """Keep ``network`` (its model-free part: p2p, all-reduce, consensus) as this host's figures
+    under ``folder`` for ``cached_host_network``, measured at ``now`` (Unix s, default the clock);
+    written whole or not at all. Returns the file."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    samples = {k: v for k, v in network.samples.items() if k not in MODEL_SAMPLES}
+    d = {"measured_at": time.time() if now is None else now, "network": {**asdict(network), "samples": samples}}
+    path = folder / f"{host_key(threads)}.json"
+    _write_atomic(path, json.dumps(d))
+    return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

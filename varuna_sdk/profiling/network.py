@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -54,10 +55,11 @@ _WARMUP = 2  # untimed repetitions of each probe (connections, buffers, the allo
 
 
 def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, opt_bytes: int,
-                compute: dict | None = None) -> None:
+                compute: dict | None = None, network: bool = True) -> None:
     """One probe process (``spawn_workers`` target): every probe in turn, all ranks in step;
     rank 0 writes the samples to ``out`` as JSON (the compute probe's crowded ranks write their
-    own times to ``<out>.compute<rank>``)."""
+    own times to ``<out>.compute<rank>``). Without ``network`` only the model's probes run
+    (optimizer, compute): the network figures are known already."""
     import torch.distributed as dist
 
     cores = os.cpu_count() or 1
@@ -65,10 +67,11 @@ def _net_worker(rank: int, world: int, out: str, sizes: list[int], reps: int, op
     # processes that run at once on their own cores, each with this process's torch threads
     # (measure_host divides cpu_count by the threads the same way)
     k_max = min(world, max(1, cores // max(1, torch.get_num_threads())))
-    pair = dist.new_group([0, 1])
-    res["p2p"] = _probe_p2p(rank, sizes, reps)
-    _probe_allreduce(rank, world, pair, sizes, reps, res)
-    res["consensus"] = [world, _probe_consensus(reps)]
+    if network:
+        pair = dist.new_group([0, 1])
+        res["p2p"] = _probe_p2p(rank, sizes, reps)
+        _probe_allreduce(rank, world, pair, sizes, reps, res)
+        res["consensus"] = [world, _probe_consensus(reps)]
     if opt_bytes > 0:
         res["opt"], res["opt_samples"] = _probe_optimizer(rank, k_max, opt_bytes, reps)
     if compute is not None:
@@ -309,7 +312,7 @@ def oversubscription(demand: float, cores: int) -> float:
 
 def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20, 32 << 20), reps: int = 9,
                  threads: int = 1, timeout_s: float = 120.0, opt_bytes: int = 0,
-                 compute: dict | None = None) -> tuple[NetworkProfile, float, float]:
+                 compute: dict | None = None, known: NetworkProfile | None = None) -> tuple[NetworkProfile, float, float]:
     """Measure p2p (the pipeline's ``Channel``), bucket all-reduce (flatten, ring all-reduce,
     scale, copy back, as the engine does) and, with ``opt_bytes``, the end-of-step memory
     contention between ``world`` local processes (gloo/NCCL); fit α–β models.
@@ -320,6 +323,11 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     those crowded probes when there are any, else its CPU time / wall time — and the planner
     applies the same sharing to its own placement.
 
+    ``known``: this machine's network figures from an earlier measurement (``profiling.job``
+    keeps them per host): the p2p, all-reduce and consensus probes are skipped and only the
+    model's probes run, in ``k`` processes instead of ``world`` (none at all when ``k`` = 1);
+    the returned profile is ``known`` with this model's samples.
+
     Returns ``(network, opt_parallelism, compute_interference)`` with ``k = min(world, cores)``
     processes at once (``cores`` = CPUs // ``threads``): ``k × t(1 process) / t(k processes)`` of
     AdamW steps over ``opt_bytes`` of parameters (``paired_ratio``; 0.0 without ``opt_bytes``), and
@@ -329,9 +337,13 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
     (0.0 without ``compute`` or with k = 1; ``compute`` is a dict of
     picklable ``model_fn``, ``loss_fn``, ``init_fn``, ``seed``, ``inputs``, ``targets``).
     Raises ``WorkerFailure`` if a probe process fails or times out."""
+    k_max = min(world, max(1, (os.cpu_count() or 1) // max(1, threads)))
+    if known is not None and (k_max == 1 or (opt_bytes <= 0 and compute is None)):
+        return known, (1.0 if opt_bytes > 0 else 0.0), 0.0   # nothing to contend with: as measured with k = 1
+    procs = world if known is None else k_max
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "net.json"
-        spawn_workers(_net_worker, world, (str(out), list(sizes), reps, int(opt_bytes), compute),
+        spawn_workers(_net_worker, procs, (str(out), list(sizes), reps, int(opt_bytes), compute, known is None),
                       timeout_s=timeout_s, threads_per_worker=threads, work_dir=d)
         res = json.loads(out.read_text())
         if res.get("compute_ks"):
@@ -339,6 +351,22 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
             per_rank = [json.loads(Path(f"{out}.compute{r}").read_text()) for r in range(ks[-1])]
             res["compute_samples"] = [[k, crowded_mean([pr[str(k)] for pr in per_rank[:k]])] for k in ks]
             res["compute"] = [[k, statistics.median(v)] for k, v in res["compute_samples"]]
+    if known is None:
+        net = _fit_network(res, threads)
+    else:
+        model_part = {key: res[key] for key in MODEL_SAMPLES if key in res}
+        net = replace(known, samples={**{key: v for key, v in known.samples.items() if key not in MODEL_SAMPLES},
+                                      **model_part})
+    return net, _opt_parallelism(res), _interference(res)
+
+
+# the samples of ``_net_worker`` that belong to the model probed, not to the machine's network
+MODEL_SAMPLES = ("opt", "opt_samples", "compute_ks", "compute_samples", "compute")
+
+
+def _fit_network(res: dict, threads: int) -> NetworkProfile:
+    """The ``NetworkProfile`` of ``_net_worker``'s samples (``res``): p2p and ring all-reduce α–β,
+    the all-reduce's share of a core, consensus latency."""
     cores = max(1, int(res.get("cpu_count") or 1) // max(1, threads))
     p_alpha, p_beta = fit_alpha_beta([(row[0], row[1]) for row in res["p2p"]])
     # ring α–β from the all-reduces with a core per participant (absolute residuals: the large
@@ -355,17 +383,24 @@ def measure_host(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20,
         n_min = min(n for n, _, _ in res["ar_cpu"])
         share = max((row for row in res["ar_cpu"] if row[0] == n_min), key=lambda row: row[1])[2]
     share = min(1.0, max(0.05, share))
-    opt_par = 0.0
-    if res.get("opt"):
-        (k1, s1), (k, sk) = res["opt_samples"][0], res["opt_samples"][-1]
-        opt_par = min(float(k), max(1.0, k / paired_ratio(s1, sk))) if k > k1 else float(k)
-    interference = 0.0
-    if res.get("compute") and len(res["compute"]) > 1:
-        (_, s1), (k, sk) = res["compute_samples"][0], res["compute_samples"][-1]
-        interference = compute_interference(s1, sk, k)
-    net = NetworkProfile(p2p_alpha_s=p_alpha, p2p_beta_Bps=p_beta, ar_alpha_s=ar_alpha, ar_beta_Bps=ar_beta,
-                         consensus_s=res["consensus"][1], samples=res, ar_cpu_share=share)
-    return net, opt_par, interference
+    return NetworkProfile(p2p_alpha_s=p_alpha, p2p_beta_Bps=p_beta, ar_alpha_s=ar_alpha, ar_beta_Bps=ar_beta,
+                          consensus_s=res["consensus"][1], samples=res, ar_cpu_share=share)
+
+
+def _opt_parallelism(res: dict) -> float:
+    """``k × t(1) / t(k)`` of the optimizer probe's samples (0.0 when it did not run)."""
+    if not res.get("opt"):
+        return 0.0
+    (k1, s1), (k, sk) = res["opt_samples"][0], res["opt_samples"][-1]
+    return min(float(k), max(1.0, k / paired_ratio(s1, sk))) if k > k1 else float(k)
+
+
+def _interference(res: dict) -> float:
+    """``compute_interference`` of the compute probe's samples (0.0 when it did not run or k = 1)."""
+    if not (res.get("compute") and len(res["compute"]) > 1):
+        return 0.0
+    (_, s1), (k, sk) = res["compute_samples"][0], res["compute_samples"][-1]
+    return compute_interference(s1, sk, k)
 
 
 def measure_network(world: int = 4, sizes: Sequence[int] = (4096, 1 << 20, 8 << 20, 32 << 20), reps: int = 9,
