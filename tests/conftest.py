@@ -31,6 +31,23 @@ def _own_cache_dir(tmp_path_factory):
         yield
 
 
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A cache folder of this test's own (``VARUNA_SDK_CACHE_DIR``): its models are calibrated
+    afresh and its corpora tokenized afresh. The machine's network figures are the session's
+    (``profiles/hosts`` links to the session cache's), as they are one machine's for every model:
+    a calibration after the session's first runs only the model's own probes."""
+    import os
+
+    shared = Path(os.environ["VARUNA_SDK_CACHE_DIR"]) / "profiles" / "hosts"
+    shared.mkdir(parents=True, exist_ok=True)
+    mine = tmp_path / "cache"
+    (mine / "profiles").mkdir(parents=True)
+    (mine / "profiles" / "hosts").symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("VARUNA_SDK_CACHE_DIR", str(mine))
+    return mine
+
+
 @pytest.fixture(scope="session")
 def run_suite(tmp_path_factory) -> Callable[..., dict]:
     """``run_suite(world, jobs, timeout_s=150) -> {job name: [result of rank 0, rank 1, ...]}``.

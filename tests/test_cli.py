@@ -75,12 +75,17 @@ launch: {gpus: 2}
 """
 
 
-def _launch(cfg, run):
+def _launch(cfg, run, *python_flags: str):
     import os
 
-    return subprocess.Popen([sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run),
-                             "--local", "2", "--heartbeat", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen([sys.executable, *python_flags, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir",
+                             str(run), "--local", "2", "--heartbeat", "0.5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _imported_torch(said: str) -> bool:
+    """Whether ``python -X importtime``'s report (in ``said``) shows torch imported."""
+    return any(line.startswith("import time:") and line.rstrip().endswith("| torch") for line in said.splitlines())
 
 
 def _wait_steps(run, n, proc, timeout_s=120):
@@ -143,15 +148,17 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     # launched again with another model: refused before anything starts, the run left as it was
     bad = tmp_path / "other-model.yaml"
     bad.write_text(TINY.replace("n_layer: 2}", "n_layer: 3}"))
-    refused = _launch(bad, run)
+    refused = _launch(bad, run, "-X", "importtime")
     said = refused.communicate(timeout=120)[0]
     assert refused.returncode == 2 and "model.n_layer: 2 in the run, 3 here" in said, said
+    assert not _imported_torch(said), "refused only after building the model (torch imported)"
     assert read_run(run).state == "STOPPED"
     short = tmp_path / "tiny-short.yaml"        # fewer steps than it has done: would train nothing
     short.write_text(TINY.replace("steps: 4000", "steps: 3"))
-    fewer = _launch(short, run)
+    fewer = _launch(short, run, "-X", "importtime")
     said = fewer.communicate(timeout=120)[0]
     assert fewer.returncode == 2 and f"has done {stopped_at} step(s) already; train.steps=3 is fewer" in said, said
+    assert not _imported_torch(said), "refused only after building the model (torch imported)"
     # continued with another learning rate: said, and config.yaml says what runs now
     cfg2 = tmp_path / "tiny-lr.yaml"
     cfg2.write_text(TINY.replace("lr: 0.001", "lr: 0.002"))

@@ -20,8 +20,8 @@ DOCS = [f"Document {i}: the river ran {'quickly' if i % 2 else 'slowly'} past mi
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("VARUNA_SDK_CACHE_DIR", str(tmp_path / "cache"))
+def _cache(own_cache):
+    """Each test calibrates its models afresh (the host's network figures are the session's)."""
 
 
 def _doc_stream(tok) -> list[int]:

@@ -19,8 +19,8 @@ TEXT = "".join(f"Line {i}: the quick brown fox jumps over {i % 7} lazy dogs.\n" 
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("VARUNA_SDK_CACHE_DIR", str(tmp_path / "cache"))
+def _cache(own_cache):
+    """Each test calibrates its models afresh (the host's network figures are the session's)."""
 
 
 def _pipeline_losses(job: JobConfig, tmp_path) -> list[float]:

@@ -143,6 +143,8 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     from .trainer import check_partition, resolve
 
     job = copy.deepcopy(job).validate()
+    # a run folder this config cannot continue is refused first: no model is built, no data read
+    changed = check_continuation(job, Path(run_dir)) if run_dir is not None else []
     files = dict(files or {})
     if objects is not None:
         files.update(objects.pack(job))
@@ -151,7 +153,8 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
         check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
     check_store_url(job)
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)
-    check_continuation(job, out)
+    if changed:
+        continue_with_changes(job, out, changed)
     make_run_folder(out, "the run folder (--run-dir)")
     for name, blob in files.items():  # the user's code, readable by the user only
         if not (out / name).exists():
@@ -171,21 +174,23 @@ CONTINUED_FIELDS = ("model", "data.tokenizer", "data.seq_len", "data.corpus", "d
                     "train.seed", "train.precision")
 
 
-def check_continuation(job: JobConfig, run_dir: Path) -> None:
+def check_continuation(job: JobConfig, run_dir: Path) -> list[tuple[str, Any, Any]]:
     """A run folder that holds a started job (``events.db`` and ``config.yaml``) is continued: the
     config given must train the same model on the same examples (``CONTINUED_FIELDS``), or its
     checkpoint cannot be loaded — found now, not after a calibration and a failed generation that
-    would mark the run FAILED. Other fields (steps, lr, checkpointing, launch) may change: the
-    changes are printed and ``config.yaml`` updated. A job that already ended (SUCCEEDED, FAILED)
-    is not run again, so a changed config for it is refused, as is ``train.steps`` below the steps
-    it has done. Raises ``ConfigError`` naming each differing field with both values."""
+    would mark the run FAILED. Other fields (steps, lr, checkpointing, launch) may change: they are
+    returned as ``(dotted field, old, new)`` for ``continue_with_changes`` ([] when nothing changes
+    or the folder holds no started job). A job that already ended (SUCCEEDED, FAILED) is not run
+    again, so a changed config for it is refused, as is ``train.steps`` below the steps it has
+    done. Reads the folder only (no torch). Raises ``ConfigError`` naming each differing field
+    with both values."""
     old_path = Path(run_dir) / "config.yaml"
     if not (Path(run_dir) / "events.db").is_file() or not old_path.is_file():
-        return
+        return []
     try:
         old = JobConfig.from_yaml(old_path).to_dict()
     except (ConfigError, OSError, ValueError):
-        return   # a folder's unreadable config: the job's own checks decide
+        return []   # a folder's unreadable config: the job's own checks decide
     new = job.to_dict()
 
     def get(d, dotted):
@@ -211,7 +216,7 @@ def check_continuation(job: JobConfig, run_dir: Path) -> None:
                           "another folder, or the model and data the run was made with)")
     changed = _changed_fields(old, new)
     state, done = _run_progress(run_dir)
-    what = "; ".join(f"{f} {a!r} -> {b!r}" for f, a, b in changed[:6]) + ("; ..." if len(changed) > 6 else "")
+    what = _changes_text(changed)
     if state in ("SUCCEEDED", "FAILED"):
         # (fewer steps than it did: nothing to train either way; the manager says it had ended)
         if any(not (f == "train.steps" and isinstance(b, int) and b <= done) for f, _, b in changed):
@@ -219,18 +224,28 @@ def check_continuation(job: JobConfig, run_dir: Path) -> None:
                               f"job is not run again, so this config's changes ({what}) would not take effect. Run it "
                               "in another --run-dir (in a notebook: Job(..., run_dir=...) naming another folder); it "
                               "trains from the start there")
-        return
+        return []
     steps = new.get("train", {}).get("steps")
     if isinstance(steps, int) and done > steps:
         raise ConfigError(f"{run_dir} holds a job that has done {done} step(s) already; train.steps={steps} is fewer, "
                           f"so continuing it would train nothing. Give train.steps > {done} (or --steps) to train on, "
                           "or another --run-dir to start again")
-    if changed:
-        print(f"[varuna] continuing {run_dir} with changes: {what} (they apply from the checkpoint it resumes "
-              "from; config.yaml updated)", flush=True)
-        tmp = old_path.with_suffix(".yaml.tmp")
-        job.to_yaml(tmp)
-        tmp.replace(old_path)
+    return changed
+
+
+def continue_with_changes(job: JobConfig, run_dir: Path, changed: list[tuple[str, Any, Any]]) -> None:
+    """Say which fields a continued run changes (``check_continuation``'s list) and write ``job``
+    as the folder's ``config.yaml`` (atomically): what runs from the checkpoint it resumes from."""
+    print(f"[varuna] continuing {run_dir} with changes: {_changes_text(changed)} (they apply from the checkpoint "
+          "it resumes from; config.yaml updated)", flush=True)
+    path = Path(run_dir) / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    job.to_yaml(tmp)
+    tmp.replace(path)
+
+
+def _changes_text(changed: list[tuple[str, Any, Any]]) -> str:
+    return "; ".join(f"{f} {a!r} -> {b!r}" for f, a, b in changed[:6]) + ("; ..." if len(changed) > 6 else "")
 
 
 def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
