@@ -384,9 +384,10 @@ def test_bad_precision_and_missing_process_group():
 # 8. a failing worker
 
 
-def _live_children(pattern: str) -> list[int]:
-    """Pids of this process's non-zombie children whose command line contains ``pattern``."""
-    me, out = os.getpid(), []
+def _live_children(pattern: str, parent: int | None = None) -> list[int]:
+    """Pids of the non-zombie children of ``parent`` (default: this process) whose command line
+    contains ``pattern``."""
+    me, out = parent or os.getpid(), []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -401,13 +402,20 @@ def _live_children(pattern: str) -> list[int]:
     return out
 
 
+def _workers_left() -> list[int]:
+    """Live worker processes started by this process: spawned children, and children of its fork
+    server (the server itself stays, idle, for the next ``spawn_workers``)."""
+    return _live_children("spawn_main") + [p for server in _live_children("forkserver")
+                                           for p in _live_children("", parent=server)]
+
+
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not a zombie); the workers' parent is the fork server."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    fields = stat[stat.rindex(")") + 2:].split()
-    return fields[0] != "Z" and int(fields[1]) == os.getpid()
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 @pytest.mark.timeout(90)
@@ -430,7 +438,7 @@ def test_failing_worker_reports_traceback_and_stops_everyone(tmp_path):
     pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(2) if Path(tmp_path, f"pid{r}").exists()]
     assert pids, "workers never started"
     assert not [p for p in pids if _alive(p)], "a worker process is still alive"
-    assert _live_children("spawn_main") == []
+    assert _workers_left() == []
 
 
 @pytest.mark.timeout(60)
@@ -442,7 +450,7 @@ def test_hanging_workers_are_stopped_at_the_timeout(tmp_path):
     assert time.monotonic() - t0 < 25
     pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(2) if Path(tmp_path, f"pid{r}").exists()]
     assert not [p for p in pids if _alive(p)], "a worker process is still alive"
-    assert _live_children("spawn_main") == []
+    assert _workers_left() == []
 
 
 @pytest.mark.timeout(60)

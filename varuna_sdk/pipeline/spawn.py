@@ -1,6 +1,14 @@
-"""Local worker processes: start ``target(rank, world_size, *args)`` in fresh ``spawn``-ed
-processes on this machine, connect them with torch.distributed, and stop them all — on success,
-on the first failure, on timeout and on Ctrl-C — so that no worker is ever left running.
+"""Local worker processes: start ``target(rank, world_size, *args)`` in fresh processes on this
+machine, connect them with torch.distributed, and stop them all — on success, on the first
+failure, on timeout and on Ctrl-C — so that no worker is ever left running.
+
+The processes are forked from a ``multiprocessing`` fork server that has imported torch once
+(``_PRELOAD``), not ``spawn``-ed: a spawned process imports torch and ``torch._dynamo`` (which
+every optimizer's first call imports) again, ~2.5 s of CPU each, which on a 2-core VM was most
+of a calibration's probe time. Each child gets the caller's environment, working directory,
+``sys.path``, stdout and stderr as they are at the call, as a spawned one would. A ``target``
+defined in the main script (``__main__``) is still spawned: only a spawned process re-imports
+that script.
 
 Owns ``free_port``, ``spawn_workers`` (each child with its process group initialised),
 ``WorkerFailure`` and ``retain_freed_memory``/``retained_memory`` (the allocator setting of every
@@ -22,6 +30,7 @@ import ctypes
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import time
@@ -109,12 +118,64 @@ def _pick_backend(backend: str) -> str:
     return "nccl" if torch.cuda.is_available() and torch.distributed.is_nccl_available() else "gloo"
 
 
+#: what the fork server imports once for all the processes it forks
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def _context(target: Callable):
+    """The ``multiprocessing`` context for ``target``: the fork server (torch preloaded) where this
+    platform has one, else ``spawn``; ``spawn`` too for a target of the main script."""
+    if getattr(target, "__module__", None) == "__main__" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _CallerState:
+    """The caller's environment, working directory, ``sys.path``, stdout and stderr, pickled for
+    a forked child (a fork server's child would otherwise have the server's, fixed when it
+    started). ``apply()`` in the child makes them its own."""
+
+    def __init__(self) -> None:
+        self.env, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
+        self.fds: tuple = ()
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        fds = ()
+        with contextlib.suppress(OSError, ValueError):   # a closed stdout/stderr: the child keeps its own
+            fds = (DupFd(1), DupFd(2))
+        return _restore_caller, (self.env, self.cwd, self.path, fds)
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
+        with contextlib.suppress(OSError):
+            os.chdir(self.cwd)
+        sys.path[:] = self.path
+        for target_fd, dup in zip((1, 2), self.fds):
+            fd = dup.detach()
+            os.dup2(fd, target_fd)
+            os.close(fd)
+
+
+def _restore_caller(env: dict, cwd: str, path: list, fds: tuple) -> _CallerState:
+    state = _CallerState.__new__(_CallerState)
+    state.env, state.cwd, state.path, state.fds = env, cwd, path, fds
+    return state
+
+
 def _child(rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float, threads: int,
-           err_dir: str, target: Callable, args: tuple) -> None:
+           err_dir: str, caller: _CallerState | None, payload: bytes) -> None:
+    if caller is not None:
+        caller.apply()
     os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)})
     retain_freed_memory()
     try:
+        target, args = pickle.loads(payload)   # after sys.path is the caller's: the target's module is found
         import torch
         import torch.distributed as dist
 
@@ -154,19 +215,23 @@ def spawn_workers(
     ``target`` must be importable (a module-level function). Waits for all; on the first failure
     or after ``timeout_s`` seconds kills every worker's process group and raises
     ``WorkerFailure`` carrying each failed rank's traceback; on ``KeyboardInterrupt`` stops
-    them all and re-raises. Raises ``ValueError`` for ``world_size < 1``.
+    them all and re-raises. Raises ``ValueError`` for ``world_size < 1``, and what ``pickle``
+    raises for a target or argument that cannot be sent to a process (before any starts).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     port = port or free_port(addr)
-    ctx = mp.get_context("spawn")
+    ctx = _context(target)
+    forked = ctx.get_start_method() == "forkserver"
+    payload = pickle.dumps((target, tuple(args)))   # a target or argument that cannot travel: raised here
     err_dir = Path(work_dir or ".") / ".varuna-errors"
     err_dir.mkdir(parents=True, exist_ok=True)
     for f in err_dir.glob("rank*.err"):
         f.unlink()
     procs = [
         ctx.Process(target=_child, args=(r, world_size, addr, port, backend, timeout_s, threads_per_worker,
-                                         str(err_dir), target, tuple(args)), name=f"varuna-worker-{r}")
+                                         str(err_dir), _CallerState() if forked else None, payload),
+                    name=f"varuna-worker-{r}")
         for r in range(world_size)
     ]
     for p in procs:
@@ -197,7 +262,7 @@ def spawn_workers(
                     msg = f"workers did not finish within {timeout_s:.0f} s; all {world_size} stopped"
                 else:
                     tb = failures.get(first, (None, ""))[1].strip().splitlines()
-                    msg = f"worker rank {first} failed (exit {codes[first]}): " + (tb[-1] if tb else _no_traceback())
+                    msg = f"worker rank {first} failed (exit {codes[first]}): " + (tb[-1] if tb else _no_traceback(forked))
                 raise WorkerFailure(msg, failures)
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -205,11 +270,12 @@ def spawn_workers(
         raise
 
 
-def _no_traceback() -> str:
+def _no_traceback(forked: bool) -> str:
     """Why a worker can fail before its target runs: ``spawn`` starts it by importing the parent's
-    main script, whose top-level code then runs again in the worker."""
+    main script, whose top-level code then runs again in the worker (a forked one imports nothing
+    of it)."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main:
+    if main and not forked:
         return (f"it exited before starting its work, while re-importing the main script {main} (each worker "
                 "process starts by importing it, running its top-level code again; its error is on stderr). If "
                 "that script plans, calibrates or trains at its top level, put that code under "
