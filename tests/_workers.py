@@ -330,6 +330,20 @@ def hanging_worker(rank: int, world: int, out_dir: str) -> None:
     time.sleep(600)
 
 
+def caller_state_worker(rank: int, world: int, out_dir: str) -> None:
+    """What this process was given: a variable of the caller's environment, its working directory,
+    whether a folder the caller put on ``sys.path`` is there, its parent's command line (the fork
+    server's or the caller's); one line on stdout."""
+    import json
+    import sys
+
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(bytes(1), b" ").decode()
+    Path(out_dir, f"state{rank}.json").write_text(json.dumps({
+        "env": os.environ.get("VARUNA_TEST_CALLER"), "cwd": os.getcwd(),
+        "path": os.environ.get("VARUNA_TEST_PATH") in sys.path, "parent": parent}))
+    print(f"rank {rank} writes to the caller's stdout", flush=True)
+
+
 def grad_sync_worker(rank: int, world: int, out_dir: str) -> None:
     """Three parameters reduced by ``GradSync`` over all ranks: ``a`` used on every rank (grad =
     rank + 1), ``b`` on rank 0 only (grad 2), ``c`` on none; saves the reduced gradients."""

@@ -441,6 +441,37 @@ def test_failing_worker_reports_traceback_and_stops_everyone(tmp_path):
     assert _workers_left() == []
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_get_the_callers_environment_folder_path_and_stdout(tmp_path, monkeypatch, capfd, method):
+    """A process forked from the fork server (started, with its own environment, by an earlier
+    call) has what a spawned one has: the caller's environment, working directory, ``sys.path``
+    and stdout as they are at this call. ``VARUNA_SDK_START_METHOD=spawn`` spawns instead; any
+    other value is refused before a process starts."""
+    import json
+    import sys
+
+    (tmp_path / "before").mkdir()   # the fork server runs before the environment below is set
+    spawn_workers(W.caller_state_worker, 1, args=(str(tmp_path / "before"),), timeout_s=60,
+                  work_dir=tmp_path / "before", backend="gloo")
+    monkeypatch.setenv("VARUNA_SDK_START_METHOD", method)
+    monkeypatch.setenv("VARUNA_TEST_CALLER", f"set at the call ({method})")
+    monkeypatch.setenv("VARUNA_TEST_PATH", str(tmp_path / "on-path"))
+    monkeypatch.syspath_prepend(str(tmp_path / "on-path"))
+    monkeypatch.chdir(tmp_path)
+    spawn_workers(W.caller_state_worker, 2, args=(str(tmp_path),), timeout_s=60, work_dir=tmp_path, backend="gloo")
+    for r in range(2):
+        got = json.loads((tmp_path / f"state{r}.json").read_text())
+        assert got["env"] == f"set at the call ({method})" and got["cwd"] == str(tmp_path) and got["path"], got
+        assert ("forkserver" in got["parent"]) is (method == "forkserver"), got["parent"]
+        assert ("forkserver" in got["parent"] or "pytest" in got["parent"] or sys.executable in got["parent"]), got
+    out = capfd.readouterr().out
+    assert "rank 0 writes to the caller's stdout" in out and "rank 1 writes to the caller's stdout" in out, out
+    monkeypatch.setenv("VARUNA_SDK_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="VARUNA_SDK_START_METHOD='fork': use 'forkserver'"):
+        spawn_workers(W.caller_state_worker, 1, args=(str(tmp_path),), work_dir=tmp_path, backend="gloo")
+
+
 @pytest.mark.timeout(60)
 def test_hanging_workers_are_stopped_at_the_timeout(tmp_path):
     """Workers that never finish: WorkerFailure after ``timeout_s`` and every worker is gone."""

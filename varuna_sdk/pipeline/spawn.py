@@ -8,7 +8,7 @@ every optimizer's first call imports) again, ~2.5 s of CPU each, which on a 2-co
 of a calibration's probe time. Each child gets the caller's environment, working directory,
 ``sys.path``, stdout and stderr as they are at the call, as a spawned one would. A ``target``
 defined in the main script (``__main__``) is still spawned: only a spawned process re-imports
-that script.
+that script. ``VARUNA_SDK_START_METHOD=spawn`` spawns every process.
 
 Owns ``free_port``, ``spawn_workers`` (each child with its process group initialised),
 ``WorkerFailure`` and ``retain_freed_memory``/``retained_memory`` (the allocator setting of every
@@ -122,10 +122,20 @@ def _pick_backend(backend: str) -> str:
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
+#: environment variable that selects ``spawn`` instead of the fork server (``=spawn``): for a
+#: library that cannot be used in a forked process, and for the benchmark's baseline
+START_METHOD_ENV = "VARUNA_SDK_START_METHOD"
+
+
 def _context(target: Callable):
     """The ``multiprocessing`` context for ``target``: the fork server (torch preloaded) where this
-    platform has one, else ``spawn``; ``spawn`` too for a target of the main script."""
-    if getattr(target, "__module__", None) == "__main__" or "forkserver" not in mp.get_all_start_methods():
+    platform has one, else ``spawn``; ``spawn`` too for a target of the main script, or when
+    ``VARUNA_SDK_START_METHOD=spawn``. Raises ``ValueError`` for another value of it."""
+    chosen = os.environ.get(START_METHOD_ENV, "forkserver")
+    if chosen not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={chosen!r}: use 'forkserver' (the default) or 'spawn'")
+    if (chosen == "spawn" or getattr(target, "__module__", None) == "__main__"
+            or "forkserver" not in mp.get_all_start_methods()):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
