@@ -472,6 +472,38 @@ def test_workers_get_the_callers_environment_folder_path_and_stdout(tmp_path, mo
         spawn_workers(W.caller_state_worker, 1, args=(str(tmp_path),), work_dir=tmp_path, backend="gloo")
 
 
+@pytest.mark.timeout(90)
+def test_workers_of_a_killed_fork_server_are_stopped_and_the_next_call_starts_a_new_server(tmp_path):
+    """The fork server SIGKILLed while its workers run: spawn_workers fails saying so, no worker is
+    left running (they outlive the server; its death reports them exited), and the next call
+    starts a fresh server."""
+    import signal
+    import threading
+
+    spawn_workers(W.caller_state_worker, 1, args=(str(tmp_path),), timeout_s=60, work_dir=tmp_path, backend="gloo")
+    server, = _live_children("forkserver")
+    failure: list = []
+
+    def run() -> None:
+        try:
+            spawn_workers(W.hanging_worker, 2, args=(str(tmp_path),), timeout_s=60, work_dir=tmp_path, backend="gloo")
+        except WorkerFailure as e:
+            failure.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    os.kill(server, signal.SIGKILL)
+    t.join(30)
+    assert failure and "fork server was killed" in str(failure[0]), failure
+    assert not [p for p in pids if _alive(p)], "a worker of the killed fork server is still running"
+    spawn_workers(W.caller_state_worker, 2, args=(str(tmp_path),), timeout_s=60, work_dir=tmp_path, backend="gloo")
+    assert _live_children("forkserver") and _live_children("forkserver") != [server]
+
+
 @pytest.mark.timeout(60)
 def test_hanging_workers_are_stopped_at_the_timeout(tmp_path):
     """Workers that never finish: WorkerFailure after ``timeout_s`` and every worker is gone."""

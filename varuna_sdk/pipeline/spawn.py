@@ -6,9 +6,12 @@ The processes are forked from a ``multiprocessing`` fork server that has importe
 (``_PRELOAD``), not ``spawn``-ed: a spawned process imports torch and ``torch._dynamo`` (which
 every optimizer's first call imports) again, ~2.5 s of CPU each, which on a 2-core VM was most
 of a calibration's probe time. Each child gets the caller's environment, working directory,
-``sys.path``, stdout and stderr as they are at the call, as a spawned one would. A ``target``
-defined in the main script (``__main__``) is still spawned: only a spawned process re-imports
-that script. ``VARUNA_SDK_START_METHOD=spawn`` spawns every process.
+``sys.path``, stdout and stderr as they are at the call, as a spawned one would, and imports the
+main script again as a spawned one does (keep a script's work under ``if __name__ ==
+"__main__":``). A ``target`` defined in the main script is spawned. What torch reads from the
+environment when it is imported (``TORCH_COMPILE_DISABLE`` and the like) is what the first call
+saw, when the fork server started: set such variables before it, or set
+``VARUNA_SDK_START_METHOD=spawn``, which spawns every process.
 
 Owns ``free_port``, ``spawn_workers`` (each child with its process group initialised),
 ``WorkerFailure`` and ``retain_freed_memory``/``retained_memory`` (the allocator setting of every
@@ -154,10 +157,7 @@ class _CallerState:
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
-        fds = ()
-        with contextlib.suppress(OSError, ValueError):   # a closed stdout/stderr: the child keeps its own
-            fds = (DupFd(1), DupFd(2))
-        return _restore_caller, (self.env, self.cwd, self.path, fds)
+        return _restore_caller, (self.env, self.cwd, self.path, (DupFd(1), DupFd(2)))
 
     def apply(self) -> None:
         os.environ.clear()
@@ -169,6 +169,20 @@ class _CallerState:
             fd = dup.detach()
             os.dup2(fd, target_fd)
             os.close(fd)
+
+
+def _fill_closed_std_fds() -> None:
+    """A closed stdout or stderr (fd 1 or 2) of this process becomes ``/dev/null``: else the next
+    file ``multiprocessing`` opens (its connection to the fork server) takes that number and is
+    handed to the children as their stdout (a spawned child drops its output too)."""
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def _restore_caller(env: dict, cwd: str, path: list, fds: tuple) -> _CallerState:
@@ -233,6 +247,8 @@ def spawn_workers(
     port = port or free_port(addr)
     ctx = _context(target)
     forked = ctx.get_start_method() == "forkserver"
+    if forked:
+        _fill_closed_std_fds()
     payload = pickle.dumps((target, tuple(args)))   # a target or argument that cannot travel: raised here
     err_dir = Path(work_dir or ".") / ".varuna-errors"
     err_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +271,7 @@ def spawn_workers(
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 time.sleep(0.5 if failed else 0.0)  # let peers write their own tracebacks
-                _kill(procs)
+                _kill(procs, forked)
                 failures = {}
                 for r, p in enumerate(procs):
                     if p.exitcode not in (0,):
@@ -276,34 +292,50 @@ def spawn_workers(
                 raise WorkerFailure(msg, failures)
             time.sleep(0.05)
     except KeyboardInterrupt:
-        _kill(procs)
+        _kill(procs, forked)
         raise
 
 
 def _no_traceback(forked: bool) -> str:
-    """Why a worker can fail before its target runs: ``spawn`` starts it by importing the parent's
-    main script, whose top-level code then runs again in the worker (a forked one imports nothing
-    of it)."""
+    """Why a worker can fail without a traceback: before its target runs, ``multiprocessing``
+    imports the parent's main script in it (spawned or forked from the fork server alike), whose
+    top-level code then runs again; or the fork server it came from was killed (exit 255)."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main and not forked:
-        return (f"it exited before starting its work, while re-importing the main script {main} (each worker "
-                "process starts by importing it, running its top-level code again; its error is on stderr). If "
-                "that script plans, calibrates or trains at its top level, put that code under "
+    server = " or its fork server was killed," if forked else ""
+    if main:
+        return (f"it exited without a traceback:{server} it may have failed while re-importing the main script "
+                f"{main} (each worker process starts by importing it, running its top-level code again; its error "
+                "is on stderr). If that script plans, calibrates or trains at its top level, put that code under "
                 "`if __name__ == \"__main__\":`")
-    return "it exited before starting its work, without a traceback (its error, if any, is on stderr)"
+    return f"it exited without a traceback{server} (its error, if any, is on stderr)"
 
 
-def _kill(procs: list) -> None:
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a forked worker whose fork server died
+    is reported exited, exit code 255, while it may still run)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] not in ("Z", "X")
+
+
+def _kill(procs: list, forked: bool = False) -> None:
+    """SIGTERM every worker still running, SIGKILL what is left after 5 s."""
+    def alive(p) -> bool:
+        return p.exitcode is None or (forked and _running(p.pid))
+
     for p in procs:
-        if p.exitcode is None:
-            try:
+        if alive(p):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     t = time.monotonic() + 5
     for p in procs:
         p.join(timeout=max(0.1, t - time.monotonic()))
+        while forked and _running(p.pid) and time.monotonic() < t:
+            time.sleep(0.05)
     for p in procs:
-        if p.exitcode is None:
-            p.kill()
+        if alive(p):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
             p.join(timeout=2)
