@@ -330,6 +330,15 @@ def hanging_worker(rank: int, world: int, out_dir: str) -> None:
     time.sleep(600)
 
 
+def hanging_worker_with_a_child(rank: int, world: int, out_dir: str) -> None:
+    """Start a child process (its pid recorded), then never finish."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    Path(out_dir, f"child{rank}").write_text(str(child.pid))
+    time.sleep(600)
+
+
 def caller_state_worker(rank: int, world: int, out_dir: str) -> None:
     """What this process was given: a variable of the caller's environment, its working directory,
     whether a folder the caller put on ``sys.path`` is there, its parent's command line (the fork

@@ -517,6 +517,21 @@ def test_hanging_workers_are_stopped_at_the_timeout(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_what_a_stopped_worker_started_is_stopped_too(tmp_path):
+    """A worker that started a process of its own and hangs: at the timeout its process group is
+    stopped, so its child is gone too (it ran on, re-parented, when only the worker was signalled)."""
+    with pytest.raises(WorkerFailure, match="did not finish within 5 s"):
+        spawn_workers(W.hanging_worker_with_a_child, 2, args=(str(tmp_path),), timeout_s=5, work_dir=tmp_path,
+                      backend="gloo")
+    kids = [int((tmp_path / f"child{r}").read_text()) for r in range(2) if (tmp_path / f"child{r}").exists()]
+    assert len(kids) == 2, kids
+    deadline = time.monotonic() + 5
+    while [k for k in kids if _alive(k)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if _alive(k)], "a process a worker started is still running"
+
+
+@pytest.mark.timeout(60)
 def test_grad_sync_leaves_a_parameter_no_replica_used_without_gradient(tmp_path):
     """Over 2 replicas: a parameter used on both gets the mean, one used on one replica gets half
     its gradient (zeros on the other, as DDP), one used on neither keeps ``.grad = None`` (as plain

@@ -195,6 +195,8 @@ def _child(rank: int, world_size: int, addr: str, port: int, backend: str, timeo
            err_dir: str, caller: _CallerState | None, payload: bytes) -> None:
     if caller is not None:
         caller.apply()
+    with contextlib.suppress(OSError):
+        os.setpgrp()   # its own process group: stopping it stops what it started too
     os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)})
     retain_freed_memory()
@@ -320,22 +322,29 @@ def _running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:].split()[0] not in ("Z", "X")
 
 
+def _signal_group(pid: int, sig: int) -> None:
+    """``sig`` to the process group of worker ``pid`` (each worker leads its own), else to it."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def _kill(procs: list, forked: bool = False) -> None:
-    """SIGTERM every worker still running, SIGKILL what is left after 5 s."""
+    """SIGTERM every worker still running and what it started (its process group), SIGKILL what
+    is left after 5 s."""
     def alive(p) -> bool:
         return p.exitcode is None or (forked and _running(p.pid))
 
-    for p in procs:
-        if alive(p):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
+    stopped = [p for p in procs if alive(p)]
+    for p in stopped:
+        _signal_group(p.pid, signal.SIGTERM)
     t = time.monotonic() + 5
     for p in procs:
         p.join(timeout=max(0.1, t - time.monotonic()))
         while forked and _running(p.pid) and time.monotonic() < t:
             time.sleep(0.05)
-    for p in procs:
-        if alive(p):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(timeout=2)
+    for p in stopped:   # the worker, and anything of its group still running
+        _signal_group(p.pid, signal.SIGKILL)
+        p.join(timeout=2)
