@@ -33,7 +33,6 @@ import ctypes
 import datetime
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import sys
 import time
@@ -192,7 +191,7 @@ def _restore_caller(env: dict, cwd: str, path: list, fds: tuple) -> _CallerState
 
 
 def _child(rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float, threads: int,
-           err_dir: str, caller: _CallerState | None, payload: bytes) -> None:
+           err_dir: str, caller: _CallerState | None, target: Callable, args: tuple) -> None:
     if caller is not None:
         caller.apply()
     with contextlib.suppress(OSError):
@@ -201,7 +200,6 @@ def _child(rank: int, world_size: int, addr: str, port: int, backend: str, timeo
                        "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)})
     retain_freed_memory()
     try:
-        target, args = pickle.loads(payload)   # after sys.path is the caller's: the target's module is found
         import torch
         import torch.distributed as dist
 
@@ -242,7 +240,7 @@ def spawn_workers(
     or after ``timeout_s`` seconds kills every worker's process group and raises
     ``WorkerFailure`` carrying each failed rank's traceback; on ``KeyboardInterrupt`` stops
     them all and re-raises. Raises ``ValueError`` for ``world_size < 1``, and what ``pickle``
-    raises for a target or argument that cannot be sent to a process (before any starts).
+    raises for a target or argument that cannot be sent to a process (when the first starts).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -251,14 +249,13 @@ def spawn_workers(
     forked = ctx.get_start_method() == "forkserver"
     if forked:
         _fill_closed_std_fds()
-    payload = pickle.dumps((target, tuple(args)))   # a target or argument that cannot travel: raised here
     err_dir = Path(work_dir or ".") / ".varuna-errors"
     err_dir.mkdir(parents=True, exist_ok=True)
     for f in err_dir.glob("rank*.err"):
         f.unlink()
     procs = [
         ctx.Process(target=_child, args=(r, world_size, addr, port, backend, timeout_s, threads_per_worker,
-                                         str(err_dir), _CallerState() if forked else None, payload),
+                                         str(err_dir), _CallerState() if forked else None, target, tuple(args)),
                     name=f"varuna-worker-{r}")
         for r in range(world_size)
     ]
