@@ -145,29 +145,33 @@ def _context(target: Callable):
 
 
 class _CallerState:
-    """The caller's environment, working directory, ``sys.path``, stdout and stderr, pickled for
-    a forked child (a fork server's child would otherwise have the server's, fixed when it
-    started). ``apply()`` in the child makes them its own."""
+    """The caller's environment, stdout and stderr, pickled for a forked child (a fork server's
+    child would otherwise have the server's, fixed when it started; ``multiprocessing`` itself
+    gives it the caller's ``sys.path`` and working directory). ``apply()`` in the child makes them
+    its own."""
 
     def __init__(self) -> None:
-        self.env, self.cwd, self.path = dict(os.environ), os.getcwd(), list(sys.path)
+        self.env = dict(os.environ)
         self.fds: tuple = ()
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
-        return _restore_caller, (self.env, self.cwd, self.path, (DupFd(1), DupFd(2)))
+        return _restore_caller, (self.env, (DupFd(1), DupFd(2)))
 
     def apply(self) -> None:
         os.environ.clear()
         os.environ.update(self.env)
-        with contextlib.suppress(OSError):
-            os.chdir(self.cwd)
-        sys.path[:] = self.path
         for target_fd, dup in zip((1, 2), self.fds):
             fd = dup.detach()
             os.dup2(fd, target_fd)
             os.close(fd)
+
+
+def _restore_caller(env: dict, fds: tuple) -> _CallerState:
+    state = _CallerState.__new__(_CallerState)
+    state.env, state.fds = env, fds
+    return state
 
 
 def _fill_closed_std_fds() -> None:
@@ -182,12 +186,6 @@ def _fill_closed_std_fds() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
-
-
-def _restore_caller(env: dict, cwd: str, path: list, fds: tuple) -> _CallerState:
-    state = _CallerState.__new__(_CallerState)
-    state.env, state.cwd, state.path, state.fds = env, cwd, path, fds
-    return state
 
 
 def _child(rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float, threads: int,
