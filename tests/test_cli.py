@@ -259,3 +259,26 @@ def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_
     fourth = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run),
                              "--local", "1"], capture_output=True, text=True, env=env, timeout=120)
     assert fourth.returncode == 0 and "had already ended (SUCCEEDED)" in fourth.stdout, fourth.stdout + fourth.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_training_says_its_cause_once(tmp_path):
+    """``varuna train`` whose data fails on one replica at P=1 x D=2: exit 1, and the cause (the
+    failing rank's error, with the example's index) is printed once after ``training failed``, not
+    once in the message and again in a per-rank listing; the peer's gloo error is not shown."""
+    from tests.thirdparty.user_data import make_dataset
+    from varuna_sdk.data.loader import ExampleLoader
+
+    n, gb = 400, 16
+    bad = int(ExampleLoader(make_dataset(n), gb, seed=0, indices=range(n - 20)).example_indices(1)[gb // 2])
+    (tmp_path / "job.yaml").write_text(
+        "model: {factory: 'tests.thirdparty.user_data:Classifier'}\n"
+        f"data: {{dataset: 'tests.thirdparty.user_data:OneBadExample', dataset_kwargs: {{n: {n}, bad: {bad}}}}}\n"
+        f"parallel: {{P: 1, D: 2, global_batch: {gb}, micro_batch_size: 4}}\n"
+        "train: {steps: 6, eval_batches: 1, checkpoint_every: 0}\n")
+    out = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "train", str(tmp_path / "job.yaml"),
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 1, out.stderr[-3000:]
+    said = out.stderr[out.stderr.index("varuna: training failed"):]
+    assert said.count(f"DataError: the dataset could not give example {bad}") == 1, said
+    assert "--- rank" not in said and "Connection closed" not in said, said

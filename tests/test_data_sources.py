@@ -217,7 +217,12 @@ def test_a_dataset_factory_trains_through_the_pipeline_as_plain_pytorch_does(tmp
                     parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
                     train=TrainConfig(steps=6, lr=1e-2, warmup_steps=1, eval_batches=1, grad_clip=None,
                                       run_dir=str(tmp_path / "runs")))
-    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    rows = train_local(job, run_dir=tmp_path / "run").metrics()
+    got = [m["loss"] for m in rows]
+    # feature vectors and class labels hold no tokens: throughput is examples/s only
+    assert all(m["tokens_per_s"] is None and m["examples_per_s"] > 0 for m in rows)
+    logs = "".join(p.read_text() for p in (tmp_path / "run").rglob("workers.log"))
+    assert "ex/s" in logs and "tok/s" not in logs
     r = resolve(job)
     assert r.spec.call.describe() == "model(example[0]), loss(output, example[1])"
     model = build_on_meta(r.spec.factory)
@@ -580,3 +585,16 @@ def test_float_targets_with_the_automatic_cross_entropy_ask_for_a_loss():
     with pytest.raises(ModelSpecError, match=r"cross-entropy \(the automatic loss\) compares the logits with class "
                                              r"ids, but the targets are float32 \[4, 1\].*give the loss"):
         resolve_job(job)
+
+
+def test_an_example_the_dataset_gives_as_none_is_named():
+    """``__getitem__`` returning ``None`` for one index (a missing ``return``): the error names
+    the example by its dataset index and says what is wrong, not that shapes differ."""
+    from varuna_sdk.data.loader import DataError, collate
+
+    ex = (torch.zeros(3), torch.tensor(1))
+    with pytest.raises(DataError, match=r"gives None for example 41: its __getitem__ returned nothing") as e:
+        collate([ex, None, ex], ids=[40, 41, 42])
+    assert "shape" not in str(e.value)
+    with pytest.raises(DataError, match=r"gives None for example 0 of the batch"):
+        collate([None])

@@ -497,3 +497,29 @@ def test_a_finished_run_is_not_rerun_with_a_changed_config(tmp_path):
                                           r"again, so this config's changes \(train.steps 2 -> 4\)"):
         train_local(more, run_dir=tmp_path / "run")
     assert "steps: 2" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_no_tokenizer_for_a_dataset_of_tensors_and_a_clear_refusal_where_one_is_needed(tmp_path):
+    """``data.tokenizer: null``: a dataset whose examples are tensors already needs no tokenizer
+    (its model resolves, and the YAML loads); text data, and a registered model that takes its
+    vocabulary from the tokenizer, are refused naming what to give instead."""
+    from varuna_sdk.config import JobConfig as J
+
+    def job(data: DataConfig, model: ModelConfig) -> JobConfig:
+        return JobConfig(name="notok", model=model, data=data,
+                         parallel=ParallelConfig(P=1, D=1, global_batch=8, micro_batch_size=2),
+                         train=TrainConfig(steps=2, eval_batches=1, run_dir=str(tmp_path / "runs")))
+
+    tensors = DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None)
+    r = resolve_job(job(tensors, ModelConfig(factory="tests.thirdparty.user_data:Classifier")))
+    assert r.data.tokenizer is None and r.spec.call.describe() == "model(example[0]), loss(output, example[1])"
+    (tmp_path / "j.yaml").write_text("data: {dataset: 'tests.thirdparty.user_data:make_dataset', tokenizer: null}\n")
+    assert J.from_yaml(tmp_path / "j.yaml").validate().data.tokenizer is None
+    with pytest.raises(ConfigError, match=r"data.tokenizer is null, but the data is text .* give data.tokenizer"):
+        resolve_job(job(DataConfig(corpus="shakespeare", tokenizer=None), ModelConfig()))
+    windows = DataConfig(dataset="tests.thirdparty.user_data:TokenWindows", tokenizer=None, seq_len=16)
+    with pytest.raises(ConfigError, match=r"model gpt2 .* data.tokenizer, which is null: .* model.kwargs.vocab_size"):
+        resolve_job(job(windows, ModelConfig(preset="tiny")))
+    with pytest.raises(ConfigError, match=r"model.factory hf-causal-lm .* model.kwargs.vocab_size"):
+        resolve_job(job(windows, ModelConfig(factory="hf-causal-lm", kwargs={"model_type": "gpt2", "n_layer": 1})))
+    assert resolve_job(job(windows, ModelConfig(preset="tiny", kwargs={"vocab_size": 300}))).spec.vocab_size == 300

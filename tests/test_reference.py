@@ -197,9 +197,10 @@ def test_a_boundary_the_outer_residual_cannot_cross_is_still_refused_clearly():
 
 
 def test_tokens_per_example_counts_token_ids_not_a_bool_mask(tmp_path):
-    """``tokens_per_s`` of a dataset job: an ``input_ids`` field's length (16), and for examples
-    without token ids (floats and a bool mask) one per example — a mask of 12 flags is not 12
-    tokens (tokens/s was 12 x examples/s)."""
+    """``tokens_per_s`` of a dataset job: an ``input_ids`` field's length (16); examples without
+    token ids (floats and a bool mask; floats and an integer class label) have none, so the job
+    reports examples/s only — a mask of 12 flags is not 12 tokens (tokens/s was 12 x examples/s),
+    nor is a label one token (tokens/s was equal to examples/s)."""
     from varuna_sdk.trainer import tokens_per_example
 
     def job_of(dataset, **model):
@@ -211,7 +212,9 @@ def test_tokens_per_example_counts_token_ids_not_a_bool_mask(tmp_path):
     assert tokens_per_example(j.config, j.resolved) == 16
     j = job_of("tests.thirdparty.user_data:masked_regression", factory="tests.thirdparty.user_data:MaskedMLP",
                targets="target", loss="tests.thirdparty.user_data:mse")
-    assert tokens_per_example(j.config, j.resolved) == 1
+    assert tokens_per_example(j.config, j.resolved) is None
+    j = job_of("tests.thirdparty.user_data:make_dataset", factory="tests.thirdparty.user_data:Classifier")
+    assert tokens_per_example(j.config, j.resolved) is None
 
 
 def _aux_job(tmp_path, aux_from: int, P: int) -> JobConfig:

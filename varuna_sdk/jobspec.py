@@ -140,7 +140,7 @@ class Registered:
     init_fn: Any = None
 
 
-RegisteredBuilder = Callable[[JobConfig, Tokenizer], Registered]
+RegisteredBuilder = Callable[[JobConfig, "Tokenizer | None"], Registered]
 MODELS: dict[str, RegisteredBuilder] = {}
 
 
@@ -155,16 +155,28 @@ def register_model(name: str, builder: RegisteredBuilder) -> None:
     MODELS[name] = builder
 
 
-def _gpt2_builder(job: JobConfig, tok: Tokenizer) -> Registered:
+def _vocab_size(job: JobConfig, tok: Tokenizer | None, kw: Mapping[str, Any], model: str) -> int:
+    """The vocabulary of a registered model: ``model.kwargs.vocab_size``, else the tokenizer's.
+    Raises ``ConfigError`` when there is neither (``data.tokenizer: null``)."""
+    if "vocab_size" in kw:
+        return kw["vocab_size"]
+    if tok is None:
+        raise ConfigError(f"{model} takes its vocabulary size from data.tokenizer, which is null: give data.tokenizer "
+                          "(the one your examples' token ids come from) or model.kwargs.vocab_size")
+    return tok.vocab_size
+
+
+def _gpt2_builder(job: JobConfig, tok: Tokenizer | None) -> Registered:
     from .model.gpt2 import GPT2Config, gpt2, init_gpt2, lm_loss, preset
 
     m = job.model
     kw = dict(m.kwargs or {})
+    kw["vocab_size"] = _vocab_size(job, tok, kw, "model gpt2 (the preset)")
     name = kw.pop("preset", None) or m.preset or "cpu-demo"
     overrides = {k: v for k, v in (("n_layer", m.n_layer), ("n_head", m.n_head), ("n_embd", m.n_embd)) if v is not None}
     overrides.update(kw)
     base = preset(name)
-    cfg: GPT2Config = preset(name, **{"vocab_size": tok.vocab_size, "dropout": m.dropout,
+    cfg: GPT2Config = preset(name, **{"dropout": m.dropout,
                                       "block_size": max(base.block_size, job.data.seq_len), **overrides})
     return Registered(functools.partial(gpt2, cfg, False), name=f"GPT-2 {name}",
                       identity={"kind": "preset", "name": "gpt2", "gpt2": cfg.to_dict()},
@@ -238,7 +250,7 @@ def _check_hf_model_type(factory: str, model_type: str) -> None:
                       + f"; model types that have one: {some}, …")
 
 
-def _hf_builder(factory: str, job: JobConfig, tok: Tokenizer) -> Registered:
+def _hf_builder(factory: str, job: JobConfig, tok: Tokenizer | None) -> Registered:
     import transformers
 
     kw = dict(job.model.kwargs or {})
@@ -246,8 +258,8 @@ def _hf_builder(factory: str, job: JobConfig, tok: Tokenizer) -> Registered:
         examples = "bert, roberta, deberta-v2" if factory == "hf-masked-lm" else "gpt2, llama, mistral"
         raise ConfigError(f"model.factory {factory} needs model.kwargs.model_type (e.g. {examples}) and "
                           "the config fields to set (e.g. num_hidden_layers, hidden_size)")
-    kw.setdefault("vocab_size", tok.vocab_size)
-    pad = next((i for i in (tok.token_id(t) for t in PAD_TOKENS) if i is not None), None)
+    kw["vocab_size"] = _vocab_size(job, tok, kw, f"model.factory {factory}")
+    pad = None if tok is None else next((i for i in (tok.token_id(t) for t in PAD_TOKENS) if i is not None), None)
     if pad is not None:   # the tokenizer's own padding id, not the config's default (RoBERTa's 1 may be a word)
         kw.setdefault("pad_token_id", pad)
     identity = {"kind": "hf", "kwargs": kw, "transformers": transformers.__version__}
@@ -283,7 +295,7 @@ def _source_digest(obj: Any) -> str:
         return "unknown"
 
 
-def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
+def resolve_model(job: JobConfig, tokenizer: Tokenizer | None, fields: Sequence[str],
                   search: Sequence[str | Path | None] = (), from_text: bool = True) -> ModelSpec:
     """The ``ModelSpec`` of ``job`` for data with ``fields`` (see the module docstring);
     ``from_text``: the fields are language-model fields made from text, not a dataset's own.
@@ -354,11 +366,11 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer, fields: Sequence[str],
 @dataclass
 class JobData:
     """The job's data, opened and checked: a token stream (``tokens``, with its ``tokenizer``)
-    or a dataset of examples (``examples``). ``fields``: the names a batch has. ``mlm``: masked-LM
+    or a dataset of examples (``examples``; ``tokenizer`` ``None`` when ``data.tokenizer`` is null). ``fields``: the names a batch has. ``mlm``: masked-LM
     masking of token data (``data.mlm_probability``): ``input_ids`` masked, ``labels`` and
     ``targets`` the ids to predict (-100 elsewhere), the same examples whatever P, D or morphs."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     tokens: TokenData | None = None
     examples: ExampleData | None = None
     source: str = ""
@@ -447,15 +459,27 @@ class _LMLoader:
         self.inner.load_state_dict(state)
 
 
+def _tokenizer(name: str | None, examples: bool) -> Tokenizer | None:
+    """The tokenizer ``data.tokenizer`` names; ``None`` (no tokenizer) only for a dataset of
+    examples (``examples``). Raises ``ConfigError`` for an unknown one, or ``None`` with text data."""
+    if name is None:
+        if not examples:
+            raise ConfigError("data.tokenizer is null, but the data is text or tokens to cut into sequences, which "
+                              "needs one: give data.tokenizer ('gpt2', 'byte' or a tokenizer.json), or a data.dataset "
+                              "whose examples are tensors already")
+        return None
+    try:
+        return get_tokenizer(name)
+    except ValueError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+
+
 def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> JobData:
     """Open and check the job's data (see ``config.DataConfig``). Raises ``DataError`` naming the
     file, column or factory and the fix, ``ConfigError`` for an unknown tokenizer."""
     d = job.data
-    try:
-        tok = get_tokenizer(d.tokenizer)
-    except ValueError as e:
-        raise ConfigError(f"data.tokenizer: {e}") from None
     digest = _by_value_ref(d.by_value)
+    tok = _tokenizer(d.tokenizer, examples=digest is not None or d.dataset is not None)
     if digest is not None or d.dataset is not None:
         if digest is not None:
             shipped = find_objects(digest, search)

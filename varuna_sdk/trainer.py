@@ -63,7 +63,8 @@ class StepMetrics:
     that throughput and the time left are what the job really runs at — a dataset whose
     ``__getitem__`` is slow shows there, not only in the wall clock.
     ``peak_live_graphs``: the most micro-batches whose activations rank 0 (the first stage, which
-    holds the most) kept at once in the step (``StepResult.peak_live_graphs``)."""
+    holds the most) kept at once in the step (``StepResult.peak_live_graphs``).
+    ``tokens_per_s``: ``None`` for examples that hold no token ids (``tokens_per_example``)."""
 
     step: int
     loss: float
@@ -72,7 +73,7 @@ class StepMetrics:
     skipped: bool
     loss_scale: float
     step_time_s: float
-    tokens_per_s: float
+    tokens_per_s: float | None
     examples_per_s: float
     wall_time: float
     P: int
@@ -198,17 +199,21 @@ def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path 
     return Training(engine, opt, loader, [r.split(v) for v in val], r, field_kinds(r.data.sample(1, d.seq_len)))
 
 
-def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int:
+def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int | None:
     """Tokens in one example: ``seq_len`` for token data; for a dataset, the elements of its
-    ``input_ids`` field, else its first integer field (token ids; not a bool mask), else 1."""
+    ``input_ids`` field, else its first integer field of more than one element (token ids; not a
+    bool mask, not a class label), else ``None``: the examples hold no tokens (images, table rows),
+    and throughput is examples/s only."""
     if resolved.data.tokens is not None:
         return job.data.seq_len
     fields = resolved.data.sample(1, job.data.seq_len)
     ids = [fields["input_ids"]] if "input_ids" in fields else list(fields.values())
     for v in ids:
         if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype is not torch.bool:
-            return max(1, v[0].numel())
-    return 1
+            n = v[0].numel() if v.dim() else 1
+            if n > 1 or v is fields.get("input_ids"):
+                return max(1, n)
+    return None
 
 
 #: Steps in a row whose loss or gradients are not finite after which a job fails, instead of going
@@ -362,7 +367,8 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     run = _start_run(rank, JobConfig.from_dict(job_dict).validate(), run_dir, generation, secret)
     _resume(run)
     p = run.job.parallel
-    tokens_per_step = p.global_batch * tokens_per_example(run.job, run.tr.job)
+    per_example = tokens_per_example(run.job, run.tr.job)
+    tokens_per_step = None if per_example is None else p.global_batch * per_example
     t_start = run.t_start = time.time()
     r = None
     with open(run.out / "metrics.jsonl", "a") if run.lead else open(os.devnull, "w") as mf:
@@ -495,7 +501,7 @@ def _resume(run: _WorkerRun) -> None:
                      "held-out figures of this run mean nothing; check those examples for NaN or inf")
 
 
-def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -> StepResult:
+def _train_step(run: _WorkerRun, step: int, tokens_per_step: int | None, on_step, mf) -> StepResult:
     """One optimizer step (0-based ``step``) at its learning rate; then the progress, the metrics
     line (``on_step``, and written to ``mf`` and logged on rank 0). Raises ``NonFiniteLossError``
     after ``MAX_NONFINITE_STEPS`` skipped steps in a row (``_count_skipped``)."""
@@ -512,7 +518,8 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
     run.outcome.step, run.outcome.steps_run = done, run.outcome.steps_run + 1
     m = StepMetrics(step=step, loss=r.loss, lr=lr_at(step, job), grad_norm=r.grad_norm, skipped=r.skipped,
                     loss_scale=r.loss_scale, step_time_s=wall_s,
-                    tokens_per_s=tokens_per_step / wall_s, examples_per_s=p.global_batch / wall_s,
+                    tokens_per_s=None if tokens_per_step is None else tokens_per_step / wall_s,
+                    examples_per_s=p.global_batch / wall_s,
                     wall_time=time.time(), P=p.P, D=p.D, generation=run.generation,
                     peak_live_graphs=r.peak_live_graphs, data_s=data_s)
     md = asdict(m)
@@ -521,7 +528,8 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int, on_step, mf) -
     if run.lead:
         mf.write(json.dumps(md) + "\n")
         mf.flush()
-        _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {m.tokens_per_s:8.0f} tok/s | "
+        tok = "" if m.tokens_per_s is None else f"{m.tokens_per_s:8.0f} tok/s | "
+        _log(f"step {step + 1:4d}/{t.steps} | loss {r.loss:7.4f} | {tok}"
              f"{m.examples_per_s:6.2f} ex/s | {wall_s:6.3f} s" + (_skip_note(t.precision, r) if r.skipped else ""))
     _count_skipped(run, r, step)   # after its line: the error names steps the log shows
     return r

@@ -140,9 +140,10 @@ def _main(argv: list[str] | None) -> int:
                   f"`{again_command(args.argv, e.run_dir)}` continues the job", file=sys.stderr)
             return 130
         except WorkerFailure as e:
-            print(f"varuna: training failed: {e}", file=sys.stderr)
+            said = f"varuna: training failed: {e}"
+            print(said, file=sys.stderr)
             for rank, (code, tb) in sorted(e.failures.items()):
-                if tb:
+                if tb and tb.strip() not in said:   # a rank's words the message above has not given already
                     print(f"--- rank {rank} (exit {code}) ---\n{tb}", file=sys.stderr)
             return 1
         if not result.trained:

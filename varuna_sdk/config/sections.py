@@ -68,7 +68,8 @@ class DataConfig:
     ``parquet``/``csv`` files whose ``text_column`` holds the text; ``format`` ``auto`` tells them
     apart), else the shipped ``corpus`` (``shakespeare``, the default; ignored when one of the
     others is set). ``tokenizer``: ``gpt2`` (real BPE),
-    ``byte``, or the path of a ``tokenizer.json``. ``seq_len`` tokens per example, the held-out
+    ``byte``, the path of a ``tokenizer.json``, or ``None`` for a dataset whose examples are already
+    tensors (``dataset``/``by_value``) and a model that takes its vocabulary from nowhere else. ``seq_len`` tokens per example, the held-out
     fraction (the end of the data) and the data seed (the order of examples). ``mlm_probability``
     (token data only; e.g. 0.15): masked-LM examples for a model such as BERT — each token chosen
     with that probability is masked (80 %), replaced by a random token (10 %) or kept (10 %), and
@@ -85,7 +86,7 @@ class DataConfig:
     dataset: str | None = None
     dataset_kwargs: dict[str, Any] = field(default_factory=dict)
     by_value: str | None = None
-    tokenizer: str = "gpt2"
+    tokenizer: str | None = "gpt2"
     seq_len: int = 128
     val_fraction: float = 0.05
     seed: int = 0
@@ -220,7 +221,8 @@ RULES: dict[type, dict[str, Any]] = {
     DataConfig: {"corpus": _OPT, "path": _OPT,
                  "format": Text(("auto", "text", "tokens", "hf", "json", "jsonl", "parquet", "csv")),
                  "text_column": Text(), "token_dtype": Text(("uint16", "uint32"), optional=True), "dataset": _OPT,
-                 "dataset_kwargs": Plain("map", optional=False), "by_value": _OPT, "tokenizer": Text(),
+                 "dataset_kwargs": Plain("map", optional=False), "by_value": _OPT,
+                 "tokenizer": Text(optional=True, hint="'gpt2', 'byte' or the path of a tokenizer.json"),
                  "seq_len": Int(1, 1 << 20), "val_fraction": Num(0.0, 1.0, True, True),
                  "seed": Int(0, 2 ** 63 - 1),
                  "mlm_probability": Num(0.0, 1.0, True, True, optional=True, unit="a probability"),

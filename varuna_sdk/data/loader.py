@@ -359,6 +359,11 @@ def collate(examples: list, ids: Sequence[int] | None = None) -> dict[str, Any]:
     from torch.utils.data import default_collate
 
     first = examples[0]
+    missing = next((pos for pos, ex in enumerate(examples) if ex is None), None)
+    if missing is not None:
+        which = f"example {int(ids[missing])}" if ids is not None else f"example {missing} of the batch"
+        raise DataError(f"the dataset gives None for {which}: its __getitem__ returned nothing (a missing return, or a "
+                        "row it skips); every index below len(dataset) must give an example")
     try:
         batch = default_collate(examples)
     except (RuntimeError, TypeError) as e:

@@ -199,9 +199,9 @@ class PlanView:
 
 
 def metrics_figure(df, resume_steps, height: int = 260):
-    """``Job.plot``: training loss (per step, and smoothed: an EMA over 20 steps) and tokens/s by
-    step as two Bokeh figures in a column, one colour per generation (and launch, when ``df``
-    holds several job ids), each morph's ``resume_steps`` marked by a dotted line. ``df``: the
+    """``Job.plot``: training loss (per step, and smoothed: an EMA over 20 steps) and tokens/s (or
+    examples/s, for examples that hold no tokens) by step as two Bokeh figures in a column, one
+    colour per generation (and launch, when ``df`` holds several job ids), each morph's ``resume_steps`` marked by a dotted line. ``df``: the
     non-empty ``Job.metrics`` frame (step, loss, tokens_per_s, P, D, generation, job_id);
     ``height``: of each figure, pixels."""
     from bokeh.layouts import column
@@ -212,7 +212,9 @@ def metrics_figure(df, resume_steps, height: int = 260):
     key = df["job_id"].astype(str) + "/" + df["generation"].astype(str) if "job_id" in df else df["generation"]
     launches = {j: k for k, j in enumerate(dict.fromkeys(df["job_id"].astype(str)))} if "job_id" in df else {}
     figs = []
-    for col, label, unit in (("loss", "training loss", "loss"), ("tokens_per_s", "throughput", "tokens / s")):
+    tokens = "tokens_per_s" in df and df["tokens_per_s"].notna().any()   # examples without token ids: examples/s
+    rate = ("tokens_per_s", "throughput", "tokens / s") if tokens else ("examples_per_s", "throughput", "examples / s")
+    for col, label, unit in (("loss", "training loss", "loss"), rate):
         f = figure(height=height, sizing_mode="stretch_width", title=label, x_axis_label="step",
                    y_axis_label=unit, tools="pan,box_zoom,wheel_zoom,reset,hover,save")
         for i, (_, g) in enumerate(df.groupby(key, sort=False)):
