@@ -293,3 +293,30 @@ def test_segment_rng_is_reproducible_per_micro_batch_and_leaves_caller_rng_alone
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c) and not torch.allclose(a, d)
+
+
+def test_an_encoder_decoder_gets_cut_points_in_both_stacks():
+    """T5, BART and ``nn.Transformer``: both the encoder's and the decoder's blocks are bodies
+    (encoder first), so a split can cut the decoder too; T5 with 3 + 3 blocks has 9 segments
+    (embeddings, 3 encoder blocks, between, 3 decoder blocks, head), and P = 3 ends no stage at the
+    encoder's end alone: the last stage no longer holds the whole decoder."""
+    import transformers
+
+    from tests.thirdparty import hf_models
+    from varuna_sdk.model.cutpoint import auto_cutpoints, find_block_lists
+    from varuna_sdk.model.partition import unsplittable_cuts
+
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32))
+    assert [n for n, _ in find_block_lists(bart)] == ["model.encoder.layers", "model.decoder.layers"]
+    tr = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32)
+    assert [n for n, _ in find_block_lists(tr)] == ["encoder.layers", "decoder.layers"]
+    assert [n for n, _ in find_block_lists(gpt2(preset("tiny")))] == ["h"]   # one stack: as before
+
+    t5 = build_on_meta(lambda: auto_cutpoints(hf_models.t5(n_layer=3)))
+    x = torch.randint(0, 256, (2, 24))
+    s = trace_model(t5, {"input_ids": x, "labels": x}, torch.device("cpu"))
+    assert s.num_segments == t5._varuna_auto_segments == 9
+    cuts = balanced_stage_map(segment_costs(s), 3, unsplittable_cuts(s)).ranges
+    assert cuts[-1][0] > 5, cuts   # the last stage starts inside the decoder (segments 5..8)

@@ -75,7 +75,7 @@ SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llam
               ("hf_gpt2_unused", 2, 1, "zb"), ("shared_depth", 2, 1), ("wide_mlp", 2, 1),
               ("hf_deberta", 2, 1), ("hf_bert_mlm", 2, 1), ("hf_albert_mlm", 2, 1)],
           3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
-              ("hf_gpt2", 3, 1, "zb")],
+              ("hf_gpt2", 3, 1, "zb"), ("hf_t5", 3, 1)],   # T5: cut-points in both stacks
           4: [("hf_gpt2_unused", 2, 2), ("hf_llama", 2, 2), ("hf_bert_mlm", 2, 2)]}
 
 

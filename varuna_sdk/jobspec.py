@@ -692,7 +692,7 @@ def _check_every_block_ran(meta: nn.Module, structure: ModelStructure, name: str
     if want is None or structure.num_segments >= want:
         return
     raise ModelSpecError(
-        f"{name}'s forward skipped some of its {want - 2} blocks in the dry run (training mode: "
+        f"{name}'s forward skipped some of its {getattr(meta, '_varuna_auto_blocks', want - 2)} blocks in the dry run (training mode: "
         f"{structure.num_segments} segments where every block called makes {want}): a pipeline runs every block on "
         "every micro-batch. If it skips blocks at random in training "
         "(LayerDrop, stochastic depth by whole blocks), turn that off (skip nothing, or scale the block's output "

@@ -153,11 +153,40 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.Module]:
     return best
 
 
+#: Version of the rules ``auto_cutpoints`` places cut-points by: part of a calibration's cache key
+#: (``profiling.job.profile_key``), so a profile measured on other segments is never reused. 2: an
+#: encoder-decoder is cut in both stacks.
+AUTO_CUTPOINTS_VERSION = 2
+
+
+def find_block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's bodies, in forward order: ``find_block_list``'s, and for an encoder-decoder (the
+    body's name holds ``encoder`` or ``decoder``, and the same name with the other word names a
+    container of 2 or more blocks, e.g. T5's ``encoder.block``/``decoder.block``, BART's and
+    ``nn.Transformer``'s ``encoder.layers``/``decoder.layers``) both stacks, the encoder's first.
+
+    Raises ``ValueError`` as ``find_block_list``."""
+    name, body = find_block_list(model)
+    for a, b in (("encoder", "decoder"), ("decoder", "encoder")):
+        if a in name:
+            try:
+                other = model.get_submodule(name.replace(a, b))
+            except AttributeError:
+                continue
+            if isinstance(other, (nn.ModuleList, nn.Sequential)) and len(other) >= 2:
+                pair = [(name, body), (name.replace(a, b), other)]
+                return pair if a == "encoder" else pair[::-1]
+    return [(name, body)]
+
+
 def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     """Mark a cut-point before every block of the model's body and one after the last block.
 
     The body is ``blocks`` (a dotted module name) or, when omitted, the largest
-    ``nn.ModuleList``/``nn.Sequential`` in the model (e.g. GPT-2's ``h``). Implemented with
+    ``nn.ModuleList``/``nn.Sequential`` in the model (e.g. GPT-2's ``h``) — for an encoder-decoder
+    both stacks (``find_block_lists``), each marked as a body is: ``n + m`` blocks give
+    ``n + m + 3`` segments, [embeddings], [encoder blocks], [between: the encoder's last norm, the
+    decoder's embeddings], [decoder blocks], [head]. Implemented with
     forward hooks, so neither the model's code nor its parameter names change (checkpoints of
     the plain model still load). With ``n`` blocks the model gets ``n + 1`` cut-points and
     ``n + 2`` segments: [embeddings], [block 0], …, [block n-1], [head] (one block object listed
@@ -176,7 +205,7 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     if getattr(model, "_varuna_auto_cutpoints", False):
         return model
     if blocks is None:
-        _, body = find_block_list(model)
+        bodies = [body for _, body in find_block_lists(model)]
     else:
         try:
             body = model.get_submodule(blocks)
@@ -184,6 +213,20 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
             raise ValueError(f"auto_cutpoints: model has no submodule {blocks!r}") from e
         if not isinstance(body, (nn.ModuleList, nn.Sequential)) or len(body) < 1:
             raise ValueError(f"auto_cutpoints: {blocks!r} is a {type(body).__name__}, not a non-empty ModuleList/Sequential")
+        bodies = [body]
+    segments = [_mark_body(body) for body in bodies]
+    if all(n is not None for n in segments):
+        # distinct blocks, each called once per forward: this many segments at least (checked on the
+        # dry run: a forward that skips blocks, as LayerDrop does, has fewer)
+        model._varuna_auto_segments = sum(segments) + 1
+        model._varuna_auto_blocks = sum(n - 1 for n in segments)
+    model._varuna_auto_cutpoints = True
+    return model
+
+
+def _mark_body(body: nn.Module) -> int | None:
+    """Hook a cut-point before each block of ``body`` and one after its last; the segments it adds
+    (one per block and the one after it), or ``None`` when the blocks are not distinct."""
 
     def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict):
         return _cut_call_args(args, kwargs)
@@ -199,13 +242,10 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
         child.register_forward_pre_hook(pre_hook, with_kwargs=True)
     if len(distinct) == len(children) > 1:
         _called(body[-1], last=True).register_forward_hook(post_hook)
-        # distinct blocks, each called once per forward: this many segments at least (checked on the
-        # dry run: a forward that skips blocks, as LayerDrop does, has fewer)
-        model._varuna_auto_segments = len(children) + 2
+        return len(children) + 1
     # else: the last block is also an earlier one (or the list's only block, which may be called at
     # every depth), whose every call would end a segment; the head stays in the last call's segment
-    model._varuna_auto_cutpoints = True
-    return model
+    return None
 
 
 def _called(block: nn.Module, last: bool) -> nn.Module:

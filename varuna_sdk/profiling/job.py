@@ -28,6 +28,7 @@ import torch
 from ..config import JobConfig
 from ..data.loader import default_cache_dir
 from ..jobspec import ResolvedJob, resolve_job
+from ..model.cutpoint import AUTO_CUTPOINTS_VERSION
 from .calibrate import calibrate
 from .network import MODEL_SAMPLES
 from .profile import NetworkProfile, Profile
@@ -41,14 +42,15 @@ HOST_NETWORK_MAX_AGE_S = 3600.0
 def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
     """Cache key of a job's calibration (16 hex digits): what the measurements depend on — the
     model's identity (factory, arguments, code hash), the shape and type of each input field of an
-    example, the sequence length, precision, torch and threads per worker. Not the job's name: two
+    example, the sequence length, precision, torch, threads per worker and the version of the
+    cut-point rules (``model.cutpoint.AUTO_CUTPOINTS_VERSION``). Not the job's name: two
     jobs of the same model and data shapes share one calibration. ``resolved``: the job's model
     spec and data if already resolved (``jobspec.resolve_job``); raises what resolving raises."""
     r = resolved or resolve_job(job)
     example = {k: [list(v.shape[1:]), str(v.dtype)] if isinstance(v, torch.Tensor) else type(v).__name__
                for k, v in r.data.sample(1, job.data.seq_len).items()}
     text = json.dumps([r.spec.identity, example, job.data.seq_len, job.train.precision, torch.__version__,
-                       job.launch.threads_per_worker], sort_keys=True, default=str)
+                       job.launch.threads_per_worker, AUTO_CUTPOINTS_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
