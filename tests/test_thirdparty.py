@@ -13,7 +13,8 @@ processes), against the same model trained by plain PyTorch from the same initia
 - ``GPT2LMHeadModel`` with frozen weights (``requires_grad=False``) on both stages, whole and split;
 - Hugging Face ``T5ForConditionalGeneration`` (encoder-decoder; the relative position bias is made
   from weights and crosses cut-points beside the hidden state that uses it) at P = 2, with and
-  without the split;
+  without the split, and at P = 3, where a stage starts inside the decoder (both stacks are cut);
+  ``BartForConditionalGeneration`` at P = 3 likewise;
 - plain ``nn.Module`` models: one block object at every depth (weights shared across depth, as in
   ALBERT: the same module runs before stage 1 and within it), and blocks whose MLP is an
   ``nn.Sequential`` longer than the list of blocks (the body is still the list) at P = 2;
@@ -50,6 +51,7 @@ MODELS = {
     "hf_gpt2": ("tests.thirdparty.hf_models:gpt2", {"n_layer": 3}, "hf"),
     "hf_llama": ("tests.thirdparty.hf_models:llama", {"n_layer": 3}, "hf"),
     "hf_t5": ("tests.thirdparty.hf_models:t5", {"n_layer": 3}, "hf"),
+    "hf_bart": ("tests.thirdparty.hf_models:bart", {"n_layer": 2}, "hf"),
     "hf_bert": ("tests.thirdparty.hf_models:bert_mlm", {"n_layer": 3}, "hf"),
     "hf_deberta": ("tests.thirdparty.hf_models:deberta_v2", {"n_layer": 3}, "hf"),
     # masked by the product: data.mlm_probability with a word-level tokenizer.json holding [MASK]
@@ -75,7 +77,7 @@ SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llam
               ("hf_gpt2_unused", 2, 1, "zb"), ("shared_depth", 2, 1), ("wide_mlp", 2, 1),
               ("hf_deberta", 2, 1), ("hf_bert_mlm", 2, 1), ("hf_albert_mlm", 2, 1)],
           3: [("hf_gpt2", 3, 1), ("hf_llama", 3, 1),     # a middle stage (the single-file GPT: P=2 only)
-              ("hf_gpt2", 3, 1, "zb"), ("hf_t5", 3, 1)],   # T5: cut-points in both stacks
+              ("hf_gpt2", 3, 1, "zb"), ("hf_t5", 3, 1), ("hf_bart", 3, 1)],   # both stacks cut
           4: [("hf_gpt2_unused", 2, 2), ("hf_llama", 2, 2), ("hf_bert_mlm", 2, 2)]}
 
 

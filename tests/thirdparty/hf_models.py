@@ -44,6 +44,18 @@ def t5(n_layer: int = 3, d_model: int = 32, vocab_size: int = 256):
     return transformers.T5ForConditionalGeneration(cfg)
 
 
+def bart(n_layer: int = 2, d_model: int = 32, vocab_size: int = 256):
+    """``BartForConditionalGeneration`` (encoder-decoder, both stacks cut: the decoder's blocks get the
+    encoder's output as an argument; learned positions with an offset of 2; ``labels=`` shifted into
+    the decoder inputs)."""
+    cfg = transformers.BartConfig(vocab_size=vocab_size, d_model=d_model, encoder_layers=n_layer, decoder_layers=n_layer,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * d_model,
+                                  decoder_ffn_dim=2 * d_model, max_position_embeddings=64, dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                                  eos_token_id=2, decoder_start_token_id=2)
+    return transformers.BartForConditionalGeneration(cfg)
+
+
 def bert_mlm(n_layer: int = 3, hidden: int = 32, vocab_size: int = 256, max_positions: int = 64):
     """``BertForMaskedLM`` (its LM head's bias is tied to the decoder's and padded in place by
     ``post_init`` — ``bias.data = pad(bias)``; token-type ids and position ids are buffers)."""
