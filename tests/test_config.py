@@ -48,6 +48,17 @@ def test_partial_yaml_fills_defaults():
     assert JobConfig.from_yaml_text("") == JobConfig()
 
 
+def test_numbers_in_exponent_form_are_floats_as_written():
+    """``lr: 1e-3`` is the float 0.001, as a user means it (YAML 1.1, which PyYAML follows, reads
+    a number without a dot as a string, and the job was refused: "train.lr='1e-3' must be a
+    finite number"); a quoted "1e-3" stays text, and so do words such as ``e3``."""
+    cfg = JobConfig.from_yaml_text("train: {lr: 1e-3, min_lr: 3E-5, weight_decay: 1e-2}\n"
+                                   "data: {corpus: '1e-3', tokenizer: e3}\n")
+    assert (cfg.train.lr, cfg.train.min_lr, cfg.train.weight_decay) == (0.001, 3e-05, 0.01)
+    assert cfg.data.corpus == "1e-3" and cfg.data.tokenizer == "e3"
+    cfg.validate()
+
+
 def test_unknown_keys_are_rejected_with_the_valid_ones_listed():
     with pytest.raises(ConfigError) as ei:
         JobConfig.from_yaml_text("parallel:\n  P: 2\n  pipeline_depth: 4\n")

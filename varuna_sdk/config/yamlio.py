@@ -39,6 +39,14 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+# YAML 1.2 floats: PyYAML follows YAML 1.1, where a number needs a dot to be a float, so a learning
+# rate written ``1e-3`` or ``3e-4`` would be read as a string; here it is the float it looks like
+_NoAliasLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def unknown_key_line(msg: str, text: str) -> str:
     """``"line N: "`` for a message about an unknown section or key (``from_dict``'s), else ``""``."""
     m = re.search(r"unknown key\(s\) \['([^']+)'.*? in '(\w+)'", msg) or re.search(r"unknown config section '([^']+)'", msg)
