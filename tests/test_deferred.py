@@ -32,7 +32,35 @@ class _DataSwap(nn.Module):
         self.blocks = nn.ModuleList([_Swapped(), _Swapped()])
 
 
+class _SkippedBlock(nn.Module):
+    """Initialisers torch skips for a meta tensor (``trunc_normal_``, ``orthogonal_``, ``dirac_``,
+    ``sparse_``), on tensors made by ``randn``, ``zeros`` and ``empty`` (a ViT's class token and
+    positions, an RNN's orthogonal weights): they must be recorded and replayed (they were lost:
+    a randn table kept std 1, an empty one was "never filled")."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 8, 16))
+        nn.init.trunc_normal_(self.pos, std=0.02)
+        self.cls = nn.Parameter(torch.zeros(1, 1, 16))
+        nn.init.trunc_normal_(self.cls, mean=0.1, std=0.02, a=-1.0, b=1.0)
+        self.rec_weight = nn.Parameter(torch.empty(16, 8))
+        nn.init.orthogonal_(self.rec_weight, gain=2.0)
+        self.conv = nn.Conv1d(4, 4, 3)
+        nn.init.dirac_(self.conv.weight)
+        self.sparse = nn.Parameter(torch.empty(6, 5))
+        nn.init.sparse_(self.sparse, sparsity=0.5)
+
+
+class _SkippedOnMeta(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_SkippedBlock(), _SkippedBlock()])
+
+
 FACTORIES = {
+    "skipped_on_meta": _SkippedOnMeta,
+    "hf_vit": lambda: hf_models.vit_classifier(),
     "hf_gpt2": lambda: hf_models.gpt2(n_layer=2),
     "hf_llama": lambda: hf_models.llama(n_layer=2),
     "hf_bert_mlm": lambda: hf_models.bert_mlm(n_layer=2),
@@ -164,3 +192,16 @@ def test_a_constructor_that_reads_values_builds_on_meta_as_for_real():
     assert all(p.device.type == "meta" for p in meta.parameters())
     with pytest.raises(UninitializedError, match=r"reads the values of a \(\) torch.float32 tensor .* never filled"):
         build_on_meta(_ReadsEmpty)
+
+
+def test_a_compiled_model_is_trained_as_the_module_it_wraps():
+    """A factory returning ``torch.compile(model)``: the module itself is built (parameter names
+    without ``_orig_mod.``), with a warning saying so, and its weights replay as the module's own."""
+    with pytest.warns(UserWarning, match=r"returned torch.compile\(Sequential\); the pipeline trains the module"):
+        meta = build_recorded(lambda: torch.compile(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))))
+    assert isinstance(meta, nn.Sequential) and sorted(_state(meta)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    torch.manual_seed(7)
+    replayed = construction_log(meta).replay(_state(meta), "cpu", exact=True)
+    torch.manual_seed(7)
+    real = _state(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    assert all(torch.equal(replayed[n], t) for n, t in real.items())

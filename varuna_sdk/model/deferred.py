@@ -23,6 +23,7 @@ Must never import ``varuna_sdk.pipeline``.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -239,6 +240,91 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+# ---- initialisers torch skips on meta tensors --------------------------------------------------
+#: ``torch.nn.init`` functions that return at once for a meta tensor (no ATen operation to record:
+#: ``trunc_normal_``'s rejection sampling, ``orthogonal_``'s QR, ``dirac_``, ``sparse_``) -> the
+#: names of their arguments after the tensor, in order. While recording, a call of one on a meta
+#: tensor becomes one ``varuna::nn_init`` operation, recorded and replayed like any other: on a real
+#: device it runs torch's own function (random ones re-seeded per operation like the rest; a
+#: ``generator`` argument is not kept).
+_SKIPPED_ON_META = {"trunc_normal_": ("mean", "std", "a", "b"), "orthogonal_": ("gain",), "dirac_": ("groups",),
+                    "sparse_": ("sparsity", "std")}
+_INIT_DEFAULTS = {"trunc_normal_": (0.0, 1.0, -2.0, 2.0), "orthogonal_": (1.0,), "dirac_": (1.0,),
+                  "sparse_": (0.0, 0.01)}
+_TORCH_INIT = {name: getattr(torch.nn.init, name) for name in _SKIPPED_ON_META}
+_TORCH_TRUNC = torch.nn.init._no_grad_trunc_normal_
+
+
+@torch.library.custom_op("varuna::nn_init", mutates_args=("t",), tags=(torch.Tag.nondeterministic_seeded,))
+def _nn_init(t: torch.Tensor, fn: str, args: list[float]) -> None:
+    """``torch.nn.init.<fn>(t, *args)`` on a real tensor (the recorded form of a ``_SKIPPED_ON_META`` call)."""
+    vals = [int(v) if name == "groups" else v for name, v in zip(_SKIPPED_ON_META[fn], args)]
+    with torch.no_grad():
+        _TORCH_INIT[fn](t, *vals)
+
+
+@_nn_init.register_fake
+def _(t: torch.Tensor, fn: str, args: list[float]) -> None:
+    return None
+
+
+def _recorded_init(fn: str) -> Callable:
+    """``torch.nn.init.<fn>`` that, for a meta tensor, records one ``varuna::nn_init`` operation."""
+    names = _SKIPPED_ON_META[fn]
+
+    def init(tensor, *args, **kwargs):
+        if not _is_meta(tensor):
+            return _TORCH_INIT[fn](tensor, *args, **kwargs)
+        kwargs.pop("generator", None)
+        vals = list(_INIT_DEFAULTS[fn])
+        for i, v in enumerate(args[:len(names)]):
+            vals[i] = v
+        for i, name in enumerate(names):
+            if name in kwargs:
+                vals[i] = kwargs[name]
+        torch.ops.varuna.nn_init(tensor, fn, [float(v) for v in vals])
+        return tensor
+    return init
+
+
+def _recorded_trunc(tensor, mean, std, a, b, generator=None):
+    """``torch.nn.init._no_grad_trunc_normal_`` (what every ``trunc_normal_`` calls, also through a
+    reference a library kept to ``torch.nn.init.trunc_normal_``) recording a meta tensor's call."""
+    if not _is_meta(tensor):
+        return _TORCH_TRUNC(tensor, mean, std, a, b, generator=generator)
+    torch.ops.varuna.nn_init(tensor, "trunc_normal_", [float(mean), float(std), float(a), float(b)])
+    return tensor
+
+
+class _RecordedInits:
+    """While entered, the ``_SKIPPED_ON_META`` initialisers record their meta calls: ``torch.nn.init``'s
+    names, and the references Hugging Face's ``transformers.initialization`` keeps to them."""
+
+    def __enter__(self) -> None:
+        import sys
+
+        self._saved: list[tuple[Any, str, Any]] = []
+        hf = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+        targets = [(torch.nn.init, "_no_grad_trunc_normal_", _recorded_trunc)]
+        for fn in ("orthogonal_", "dirac_", "sparse_"):
+            targets.append((torch.nn.init, fn, _recorded_init(fn)))
+        for holder, name, new in targets:
+            self._saved.append((holder, name, getattr(holder, name)))
+            setattr(holder, name, new)
+        if isinstance(hf, dict):
+            for fn in ("orthogonal_", "dirac_", "sparse_"):
+                if fn in hf:
+                    self._saved.append((hf, fn, hf[fn]))
+                    hf[fn] = _recorded_init(fn)
+
+    def __exit__(self, *exc: Any) -> None:
+        for holder, name, old in reversed(self._saved):
+            if isinstance(holder, dict):
+                holder[name] = old
+            else:
+                setattr(holder, name, old)
+
+
 _LOGS: "weakref.WeakKeyDictionary[nn.Module, ConstructionLog]" = weakref.WeakKeyDictionary()
 
 
@@ -249,8 +335,10 @@ class recording:
         self.log = log
         self._mode = _Recorder(log)
         self._reads = _ReadsValues(log)
+        self._inits = _RecordedInits()
 
     def __enter__(self) -> ConstructionLog:
+        self._inits.__enter__()
         self._mode.__enter__()
         self._reads.__enter__()
         return self.log
@@ -258,6 +346,7 @@ class recording:
     def __exit__(self, *exc: Any) -> None:
         self._reads.__exit__(*exc)
         self._mode.__exit__(*exc)
+        self._inits.__exit__(*exc)
 
 
 def build_recorded(model_fn: Callable[[], nn.Module]) -> nn.Module:
@@ -269,7 +358,21 @@ def build_recorded(model_fn: Callable[[], nn.Module]) -> nn.Module:
         model = model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"the model factory must return an nn.Module, got {type(model).__name__}")
+    model = _uncompiled(model)
     _LOGS[model] = log
+    return model
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds, with a warning: a stage
+    runs part of the user's forward, which the whole model's compiled graph cannot; other models
+    unchanged."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        warnings.warn(f"the model factory returned torch.compile({type(inner).__name__}); the pipeline trains the "
+                      "module itself, uncompiled (each stage runs only part of its forward): return the module "
+                      "without torch.compile", UserWarning, stacklevel=3)
+        return inner
     return model
 
 
