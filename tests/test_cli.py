@@ -267,10 +267,11 @@ def test_a_failed_training_says_its_cause_once(tmp_path):
     failing rank's error, with the example's index) is printed once after ``training failed``, not
     once in the message and again in a per-rank listing; the peer's gloo error is not shown."""
     from tests.thirdparty.user_data import make_dataset
-    from varuna_sdk.data.loader import ExampleLoader
+    from varuna_sdk.data.loader import ExampleLoader, split_examples
 
     n, gb = 400, 16
-    bad = int(ExampleLoader(make_dataset(n), gb, seed=0, indices=range(n - 20)).example_indices(1)[gb // 2])
+    train, _ = split_examples(n, 0.05, seed=0)
+    bad = int(ExampleLoader(make_dataset(n), gb, seed=0, indices=train).example_indices(1)[gb // 2])
     (tmp_path / "job.yaml").write_text(
         "model: {factory: 'tests.thirdparty.user_data:Classifier'}\n"
         f"data: {{dataset: 'tests.thirdparty.user_data:OneBadExample', dataset_kwargs: {{n: {n}, bad: {bad}}}}}\n"

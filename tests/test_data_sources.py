@@ -381,7 +381,9 @@ def test_a_replica_whose_data_fails_mid_mini_batch_is_named_at_once_and_not_retr
     from tests.thirdparty.user_data import make_dataset
 
     n, gb, step_bad = 400, 16, 3
-    order = ExampleLoader(make_dataset(n), gb, seed=0, indices=range(n - 20))  # val_fraction 0.05
+    from varuna_sdk.data.loader import split_examples
+
+    order = ExampleLoader(make_dataset(n), gb, seed=0, indices=split_examples(n, 0.05, seed=0)[0])
     bad = int(order.example_indices(step_bad)[gb // 2 + 3])                    # replica 1's 4th example
     assert bad not in {int(i) for s in range(step_bad) for i in order.example_indices(s)}
     job = JobConfig(name="baddata", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
@@ -561,15 +563,18 @@ def test_examples_that_change_shape_or_dtype_midway_fail_naming_the_step_and_fie
 
 
 def test_a_dataset_len_longer_than_its_examples_is_refused_naming_the_example():
-    """``__len__`` counting examples that are not there: the held-out part (the dataset's tail) is
-    read when the job is checked, and the error names the example, the held-out batch and the fix
-    (it was a bare IndexError at Job())."""
+    """``__len__`` counting examples that are not there: the held-out part is read when the job is
+    checked, and the error names the example, the held-out batch and the fix (it was a bare
+    IndexError at Job())."""
+    from varuna_sdk.data.loader import split_examples
+
+    bad = int(split_examples(400, 0.05, seed=0)[1][1])   # the held-out part's second example
     job = JobConfig(name="longlen", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
                     data=DataConfig(dataset="tests.thirdparty.user_data:OneBadExample",
-                                    dataset_kwargs={"n": 400, "bad": 381}, val_fraction=0.05),
+                                    dataset_kwargs={"n": 400, "bad": bad}, val_fraction=0.05),
                     parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4))
-    with pytest.raises(DataError, match=r"could not give example 381 \(held-out batch 1 of 1, example 2 of 16\): "
-                                        r"IndexError: record 381 .* make __len__ count only the examples there are"):
+    with pytest.raises(DataError, match=rf"could not give example {bad} \(held-out batch 1 of 1, example 2 of 16\): "
+                                        rf"IndexError: record {bad} .* make __len__ count only the examples there are"):
         resolve_job(job)
 
 
@@ -598,3 +603,40 @@ def test_an_example_the_dataset_gives_as_none_is_named():
     assert "shape" not in str(e.value)
     with pytest.raises(DataError, match=r"gives None for example 0 of the batch"):
         collate([None])
+
+
+def test_a_datasets_held_out_part_is_drawn_at_random_and_a_tiny_training_part_is_refused():
+    """A dataset stored class by class (an image folder): the held-out part is a seeded random
+    subset (every class keeps examples in training; with the tail held out, the last class was
+    never trained on), the same for the same data seed and apart from training; a training part
+    smaller than one mini-batch (which repeated examples inside every mini-batch) is refused."""
+    from varuna_sdk.data.loader import split_examples
+
+    train, held = split_examples(400, 0.05, seed=0)
+    assert len(held) == 20 and len(train) == 380 and not set(train) & set(held)
+    assert sorted(set(train) | set(held)) == list(range(400))
+    assert {i // 20 for i in train} == set(range(20))      # 20 classes of 20, stored in order: all trained on
+    assert held.tolist() != list(range(380, 400))          # not the tail
+    assert (split_examples(400, 0.05, seed=0)[1] == held).all() and (split_examples(400, 0.05, seed=1)[1] != held).any()
+    job = JobConfig(name="tiny", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 10},
+                                    val_fraction=0.2),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4))
+    with pytest.raises(DataError, match=r"leaves 8 examples to train on \(of 10, 20% held out\), fewer than one "
+                                        r"mini-batch of 16"):
+        resolve_job(job).data.loaders(16, 16, 0, 0.2, 1)
+
+
+def test_int32_class_ids_train_with_the_automatic_cross_entropy(tmp_path):
+    """Class ids of int32 (NumPy's) with the automatic loss: trained as int64 ids are (the workers
+    failed with torch's "expected target dtype to be Long"), the same losses as plain PyTorch."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="int32", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:int32_labels"),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=2, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    assert got == pytest.approx(Job(job).plain_pytorch_losses(2), rel=1e-5)

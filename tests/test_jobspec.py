@@ -317,6 +317,7 @@ def test_a_masked_lm_on_text_is_warned_about(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:gpt2", kwargs={"n_layer": 2})))
+        resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:my_llama")))   # a subclass: causal
 
 
 class _TiedLM(_Plain):
@@ -523,3 +524,42 @@ def test_no_tokenizer_for_a_dataset_of_tensors_and_a_clear_refusal_where_one_is_
     with pytest.raises(ConfigError, match=r"model.factory hf-causal-lm .* model.kwargs.vocab_size"):
         resolve_job(job(windows, ModelConfig(factory="hf-causal-lm", kwargs={"model_type": "gpt2", "n_layer": 1})))
     assert resolve_job(job(windows, ModelConfig(preset="tiny", kwargs={"vocab_size": 300}))).spec.vocab_size == 300
+
+
+def test_a_lazy_module_is_refused_before_anything_starts(tmp_path):
+    """``nn.LazyLinear`` (a weight without a shape until the first forward) is refused when the job
+    is checked, naming the module and the fix (it failed in the workers, blaming Hugging Face)."""
+    job = JobConfig(name="lazy", model=ModelConfig(factory="tests.thirdparty.plain_models:LazyHead"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs")))
+    with pytest.raises(ModelSpecError, match=r"lazy modules .*: head \(LazyLinear\); give their input sizes"):
+        resolve_job(job)
+
+
+def test_int32_labels_for_a_models_own_loss_reach_it_as_int64():
+    """``labels`` (or ``targets``) of int32, as NumPy makes them, handed to a forward that computes
+    its own loss, arrive as int64, which torch's losses need (calibration failed with "expected
+    target dtype to be Long"); other fields, and labels for a loss of the SDK's, keep their dtype."""
+    from varuna_sdk.model.spec import CallSpec
+
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.int32), "labels": torch.ones(2, dtype=torch.int32),
+             "mask": torch.ones(2, 4, dtype=torch.bool)}
+    own = CallSpec(kwargs=(("input_ids", "input_ids"), ("attention_mask", "mask"), ("labels", "labels")))
+    inputs, _ = own.split(batch)
+    assert inputs["labels"].dtype == torch.int64 and inputs["input_ids"].dtype == torch.int32
+    assert inputs["attention_mask"].dtype == torch.bool
+    theirs = CallSpec(kwargs=(("input_ids", "input_ids"),), targets="labels")
+    assert theirs.split(batch)[1].dtype == torch.int32   # the SDK's cross-entropy takes any integer ids
+
+
+def test_a_value_dependent_shape_is_refused_saying_it_is_the_meta_devices_limit(tmp_path):
+    """``torch.nonzero`` routing (as mixture-of-experts layers do) cannot be traced on the meta
+    device: the refusal, before anything starts, says that it is the meta device's limit and names
+    such operations (it blamed the model alone)."""
+    job = JobConfig(name="routed", model=ModelConfig(factory="tests.thirdparty.plain_models:Routed"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs")))
+    with pytest.raises(ModelSpecError, match=r"nonzero.* limit of the meta device .*mixture-of-experts routing"):
+        resolve_job(job)

@@ -92,6 +92,54 @@ def test_a_language_model_at_D2_matches_and_dropout_is_warned_about(tmp_path):
                                                                    torch.nn.Linear(8, 256)))
 
 
+def test_tuple_examples_go_to_a_forward_that_takes_targets_and_its_own_loss_is_used_at_P2(tmp_path):
+    """``(x, y)`` examples and a single-file GPT whose ``forward(idx, targets=None)`` returns
+    ``(logits, loss)`` with ``ignore_index=-1``: the targets go to the forward and its own loss is
+    trained (targets padded with -1 are ignored, as the model says), at P = 2 equal to plain PyTorch.
+    (The pipeline called ``model(x)``, whose logits are then the last position's only, and took its
+    own cross-entropy of them: -1 targets failed in the workers.)"""
+    job = JobConfig(name="ref-tuple-own", model=ModelConfig(factory="tests.thirdparty.singlefile_gpt:make_gpt",
+                                                            kwargs={"n_layer": 2, "block_size": 16, "dropout": 0.0}),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:padded_windows", tokenizer=None),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=3, lr=3e-3, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    handle = Job(job)
+    assert handle.resolved.spec.call.describe() == "model(idx=example[0], targets=example[1]), its own loss"
+    got = _pipeline_losses(job, tmp_path)
+    assert got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5)
+
+
+@pytest.mark.parametrize("P,split", [(2, False), (3, True)])
+def test_blocks_the_user_checkpoints_train_across_stages_as_plain_pytorch(tmp_path, P, split):
+    """A forward that runs each block under ``torch.utils.checkpoint`` (non-reentrant), with a
+    residual outside the blocks: the checkpoint recomputes a stage's first block in the backward
+    from the argument it saved, which on a later stage is the prefix's meta tensor; the received
+    tensor is put in its place there too (it failed: "Tensor on device cpu is not on the expected
+    device meta"). Losses equal plain PyTorch's, with the whole and the split backward."""
+    job = JobConfig(name=f"ref-ckpt-{P}", model=ModelConfig(factory="tests.thirdparty.plain_models:CheckpointedBlocks"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
+                    parallel=ParallelConfig(P=P, D=1, global_batch=8, micro_batch_size=2, split_backward=split),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    got = _pipeline_losses(job, tmp_path)
+    assert got == pytest.approx(Job(job).plain_pytorch_losses(3), rel=1e-5)
+
+
+def test_numpy_randomness_in_the_forward_is_the_same_in_a_recompute_and_at_any_P(tmp_path):
+    """A forward drawing masks from NumPy's global generator: every segment of every micro-batch
+    seeds it as it seeds torch's, so a recomputing stage draws its forward's masks again and the
+    losses at P = 2 (stage 0 recomputes) equal those at P = 1 (they were different draws: the
+    gradient came from another mask than the forward's, and every run differed)."""
+    def job(P: int, recompute: bool) -> JobConfig:
+        return JobConfig(name=f"ref-np-{P}", model=ModelConfig(factory="tests.thirdparty.plain_models:NumpyMasked"),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
+                         parallel=ParallelConfig(P=P, D=1, global_batch=8, micro_batch_size=2, recompute=recompute),
+                         train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1,
+                                           run_dir=str(tmp_path / "runs")))
+    one = _pipeline_losses(job(1, False), tmp_path / "p1")
+    two = _pipeline_losses(job(2, True), tmp_path / "p2")
+    assert two == pytest.approx(one, rel=1e-5), (one, two)
+
+
 def test_bad_steps_and_micro_batch_sizes_are_refused_with_the_valid_ones(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text(TEXT)

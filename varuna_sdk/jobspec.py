@@ -57,7 +57,7 @@ from torch import nn
 
 from .config import ConfigError, JobConfig
 from .data.loader import (LM_FIELDS, BatchLoader, ExampleLoader, collate, eval_batches, example_eval_batches,
-                          lm_fields, train_val_split)
+                          lm_fields, split_examples, train_val_split)
 from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
@@ -411,13 +411,18 @@ class JobData:
             except ValueError as e:
                 raise DataError(f"{self.source}: {e}") from None
             return _LMLoader(loader, self.mlm), val_b
-        n = len(self.examples)
-        n_val = max(1, int(round(n * val_fraction)))
-        if n - n_val < 1:
-            raise DataError(f"{self.source} has {n} examples: too few to hold out {val_fraction:.0%} and train on the rest")
-        loader = ExampleLoader(self.examples.dataset, global_batch, seed=seed, indices=range(n - n_val))
         try:
-            val_b = example_eval_batches(self.examples.dataset, range(n - n_val, n), global_batch, eval_batches_max)
+            train, held_out = split_examples(len(self.examples), val_fraction, seed)
+        except ValueError as e:
+            raise DataError(f"{self.source}: {e}") from None
+        if len(train) < global_batch:
+            raise DataError(f"{self.source} leaves {len(train)} examples to train on (of {len(self.examples)}, "
+                            f"{val_fraction:.0%} held out), fewer than one mini-batch of {global_batch}: each mini-batch "
+                            "would repeat examples; use more data, a smaller data.val_fraction or a smaller "
+                            "parallel.global_batch")
+        loader = ExampleLoader(self.examples.dataset, global_batch, seed=seed, indices=train)
+        try:
+            val_b = example_eval_batches(self.examples.dataset, held_out, global_batch, eval_batches_max)
         except ValueError as e:
             raise DataError(f"{self.source}: {e}") from None
         return loader, val_b
@@ -565,7 +570,7 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(b, T).items()
                            if isinstance(v, torch.Tensor))
         err = ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
-                             f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}")
+                             f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}" + _on_meta(e))
         err.__cause__ = e
         raise _ForwardFailed(err) from None
     if reads_values:  # what such a loss returns, on a real stand-in of the output (outside the dry run)
@@ -578,6 +583,31 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
         if loss is not None:
             _check_loss(loss, spec)
     return structure
+
+
+#: Words of torch's errors for what the meta device cannot run: no meta kernel, an output whose shape
+#: depends on values (``nonzero``, boolean-mask indexing: MoE routing), a meta kernel stricter than the
+#: real one (``grouped_mm`` asks for bf16)
+_META_LIMITS = ("meta", "fake impl", "data-dependent", "dynamicoutputshape", "nonzero", "grouped_mm",
+                "cannot be converted to a python scalar")
+
+
+def _on_meta(e: BaseException) -> str:
+    """What to add to a dry-run failure that comes from the meta device itself, not from the model:
+    an explanation and the way out; ``""`` for other failures."""
+    text = f"{type(e).__name__} {e}".lower()
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    in_torch_meta = any(("_meta_registrations" in f or "fake_impl" in f or "_subclasses/fake" in f) for f in frames)
+    if not in_torch_meta and not any(w in text for w in _META_LIMITS):
+        return ""
+    return (". This is a limit of the meta device the SDK traces the model on (weights without memory): an "
+            "operation torch has no meta kernel for (e.g. CTC loss), or one whose output shape depends on values "
+            "(torch.nonzero, boolean-mask indexing, mixture-of-experts routing), cannot run there, so such a model "
+            "cannot be split into pipeline stages yet")
 
 
 def _runs_on(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, precision: str) -> bool:
@@ -602,6 +632,7 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             raise DataError(f"data.seq_len={T} is longer than {spec.name}'s context of {spec.context} "
                             f"positions; use data.seq_len <= {spec.context}, or build the model with a longer context")
     meta = build_on_meta(spec.factory)
+    _check_no_lazy_modules(meta, spec.name)
     _check_no_layerdrop(meta, spec.name)
     if spec.init_fn is not None:
         _check_init(meta, spec.init_fn)
@@ -702,6 +733,21 @@ def _check_every_block_ran(meta: nn.Module, structure: ModelStructure, name: str
 
 #: attributes through which models (Hugging Face's OPT, BART, Wav2Vec2, M2M100...) ask for LayerDrop
 _LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _check_no_lazy_modules(meta: nn.Module, name: str) -> None:
+    """Refuse lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``...): their weights get a shape only
+    at the first forward, and every stage materialises its weights from what the constructor made.
+    Raises ``ModelSpecError`` naming the modules and the fix."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    lazy = [f"{mod_name or '<root>'} ({type(m).__name__})" for mod_name, m in meta.named_modules()
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    if lazy:
+        raise ModelSpecError(f"{name} has lazy modules whose weights get their shape only at the first forward: "
+                             f"{', '.join(lazy[:5])}{' …' if len(lazy) > 5 else ''}; give their input sizes "
+                             "(e.g. nn.Linear(in_features, out) instead of nn.LazyLinear(out)), since each "
+                             "pipeline stage makes its weights from what the constructor made")
 
 
 def _check_no_layerdrop(meta: nn.Module, name: str) -> None:

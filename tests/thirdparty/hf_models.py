@@ -106,3 +106,21 @@ def convnext_classifier(depths: tuple = (1, 1, 2), hidden: tuple = (8, 16, 32), 
                                       num_stages=len(depths), patch_size=2, num_labels=num_labels,
                                       drop_path_rate=drop_path_rate, image_size=16)
     return transformers.ConvNextForImageClassification(cfg)
+
+
+def vit_classifier(n_layer: int = 2, hidden: int = 32, num_labels: int = 4):
+    """``ViTForImageClassification``: its class token and position embeddings are initialised by
+    ``trunc_normal_``, which torch skips for a meta tensor (the initialisation must be recorded)."""
+    cfg = transformers.ViTConfig(hidden_size=hidden, num_hidden_layers=n_layer, num_attention_heads=4,
+                                 intermediate_size=2 * hidden, image_size=16, patch_size=4, num_labels=num_labels)
+    return transformers.ViTForImageClassification(cfg)
+
+
+class MyLlama(transformers.LlamaForCausalLM):
+    """A user's subclass of a causal LM (its own name says nothing of it)."""
+
+
+def my_llama(n_layer: int = 2):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return MyLlama(cfg)

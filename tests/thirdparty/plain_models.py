@@ -147,3 +147,70 @@ class NoisyLM(TinyLM):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
+
+
+class LazyHead(nn.Module):
+    """Blocks of ``nn.Linear`` and a head made by ``nn.LazyLinear`` (its input size found at the
+    first forward)."""
+
+    def __init__(self, d: int = 16, classes: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(d, d) for _ in range(3)])
+        self.head = nn.LazyLinear(classes)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+class CheckpointedBlocks(nn.Module):
+    """Residual MLP blocks each run under ``torch.utils.checkpoint`` (non-reentrant), the user's own
+    activation recomputation."""
+
+    def __init__(self, d: int = 16, classes: int = 4, n_layer: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(n_layer)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        from torch.utils import checkpoint
+
+        for b in self.blocks:
+            x = x + checkpoint.checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
+class NumpyMasked(nn.Module):
+    """Blocks that mask their features with NumPy's global generator in the forward (as Hugging
+    Face's SpecAugment does): a recompute must draw the forward's mask again."""
+
+    def __init__(self, d: int = 16, classes: int = 4, n_layer: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(d, d) for _ in range(n_layer)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        import numpy as np
+
+        for b in self.blocks:
+            keep = torch.from_numpy(np.random.rand(x.shape[-1]) > 0.3).to(x.dtype)
+            x = torch.tanh(b(x)) * keep
+        return self.head(x)
+
+
+class Routed(nn.Module):
+    """Blocks whose rows are routed by ``torch.nonzero`` of a value (as mixture-of-experts routing
+    is): an output shape that depends on values, which the meta device cannot compute."""
+
+    def __init__(self, d: int = 16, classes: int = 4, n_layer: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(d, d) for _ in range(n_layer)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        for b in self.blocks:
+            chosen = torch.nonzero(x[:, 0] > 0).squeeze(-1)
+            x = torch.tanh(b(x))
+            x = x.index_add(0, chosen, x[chosen])
+        return self.head(x)

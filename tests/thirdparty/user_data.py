@@ -12,6 +12,11 @@ def make_dataset(n: int = 400, features: int = 16, classes: int = 4, seed: int =
     return torch.utils.data.TensorDataset(x, x[:, :classes].argmax(dim=1))
 
 
+def int32_labels(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
+    """``make_dataset`` with its class ids as int32 (as NumPy gives them)."""
+    return [(x, y.int()) for x, y in make_dataset(n, features, classes, seed)]
+
+
 def float64_dataset(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
     """``make_dataset`` as numpy hands it over: float64 features (pandas ``.values``, ``np.random``)."""
     x, y = make_dataset(n, features, classes, seed).tensors
@@ -123,6 +128,13 @@ class TokenWindows(torch.utils.data.Dataset):
         x = torch.randint(0, self.max_id, (length + 1,), generator=g)
         x[0] = self.max_id - 1  # every example holds the largest id
         return x[:-1], x[1:]
+
+
+def padded_windows(n: int = 200, pad: int = 4):
+    """``TokenWindows`` whose last ``pad`` targets are -1: padding a nanoGPT-style model's own loss
+    ignores (``cross_entropy(..., ignore_index=-1)``), and a plain cross-entropy cannot take."""
+    ds = TokenWindows(n)
+    return [(x, torch.cat([y[:-pad], torch.full((pad,), -1)])) for x, y in (ds[i] for i in range(n))]
 
 
 def long_windows(n: int = 200, length: int = 40):

@@ -69,8 +69,9 @@ class DataConfig:
     apart), else the shipped ``corpus`` (``shakespeare``, the default; ignored when one of the
     others is set). ``tokenizer``: ``gpt2`` (real BPE),
     ``byte``, the path of a ``tokenizer.json``, or ``None`` for a dataset whose examples are already
-    tensors (``dataset``/``by_value``) and a model that takes its vocabulary from nowhere else. ``seq_len`` tokens per example, the held-out
-    fraction (the end of the data) and the data seed (the order of examples). ``mlm_probability``
+    tensors (``dataset``/``by_value``) and a model that takes its vocabulary from nowhere else.
+    ``seq_len`` tokens per example, the held-out fraction (the end of a text or token stream; of a
+    dataset, examples drawn at random from the data seed) and the data seed (the order of examples). ``mlm_probability``
     (token data only; e.g. 0.15): masked-LM examples for a model such as BERT — each token chosen
     with that probability is masked (80 %), replaced by a random token (10 %) or kept (10 %), and
     ``labels``/``targets`` hold the chosen tokens' ids (-100 elsewhere: not predicted); drawn per

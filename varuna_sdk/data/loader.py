@@ -6,7 +6,8 @@ train/validation split, and the batches each step trains on:
 * ``tokenize_corpus(corpus, tokenizer, cache_dir)`` -> 1-D numpy token array,
   cached as ``.npy`` keyed by corpus, tokenizer and a hash of the text.
 * ``train_val_split(tokens, val_fraction)`` -> contiguous (train, val); the
-  held-out part is the *last* fraction.
+  held-out part is the *last* fraction. ``split_examples`` does it for a dataset of examples:
+  a seeded random held-out subset.
 * ``BatchLoader`` -> ``batch(step)`` is a pure function of ``(seed, step)``, so
   any replica, on any machine, after any restart or re-partitioning, computes
   exactly the same global batch for a step; ``replica_batch`` returns one
@@ -133,6 +134,22 @@ def train_val_split(
     n = len(tokens)
     n_val = int(round(n * float(val_fraction)))
     return tokens[: n - n_val], tokens[n - n_val :]
+
+
+def split_examples(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, held-out)`` dataset indices (sorted int64 arrays) of a dataset of ``n`` examples:
+    the held-out part is ``max(1, round(n * val_fraction))`` examples drawn at random from ``seed``
+    (the data seed), not the dataset's tail, which for a dataset stored in class order (an image
+    folder) would be whole classes never trained on. The same for any P, D and morph.
+
+    Raises ``ValueError`` when ``val_fraction`` is outside ``[0, 1)`` or nothing is left to train on."""
+    if not 0.0 <= float(val_fraction) < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    n_val = max(1, int(round(n * float(val_fraction))))
+    if n - n_val < 1:
+        raise ValueError(f"{n} examples are too few to hold out {float(val_fraction):.0%} and train on the rest")
+    perm = np.random.default_rng([int(seed), 0x5EED]).permutation(n)   # a stream apart from the epoch orders
+    return np.sort(perm[n_val:]).astype(np.int64), np.sort(perm[:n_val]).astype(np.int64)
 
 
 def _as_token_array(tokens: Any) -> np.ndarray:

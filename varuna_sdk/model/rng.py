@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from .cutpoint import observe_cutpoints
@@ -28,7 +29,8 @@ def derive_seed(*parts: object) -> int:
 
 
 def seed_segment(seed: int, step: int, microbatch: int, segment: int) -> None:
-    """Seed torch's generators (CPU and, if present, CUDA) for one segment of one micro-batch.
+    """Seed torch's generators (CPU and, if present, CUDA) and NumPy's global one for one segment
+    of one micro-batch (Python's ``random`` is not seeded).
 
     ``microbatch`` is the global micro-batch index ``replica * m + i`` so that it does not depend
     on which replica ran it.
@@ -36,6 +38,10 @@ def seed_segment(seed: int, step: int, microbatch: int, segment: int) -> None:
     s = derive_seed("segment", seed, step, microbatch, segment)
     # the generators directly: torch.manual_seed also records stack traces (~130 µs a call)
     torch.default_generator.manual_seed(s)
+    # NumPy's global generator too (a forward that draws from it, as Hugging Face's SpecAugment masks
+    # do, gets the same draws in a recompute as in its forward, at any P and D); not saved and
+    # restored as torch's are (that costs ~170 µs): after a forward it holds a segment's seed
+    np.random.seed(s & 0xFFFF_FFFF)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(s)
 

@@ -77,8 +77,9 @@ def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
 
 def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of the output's logits ``[B, T, V]`` (or ``[B, V]``) against
-    ``targets`` ``[B, T]`` (or ``[B]``) int64; fp32 whatever the autocast dtype. Raises
-    ``ModelSpecError`` for floating-point targets (a regression's: cross-entropy needs class ids)."""
+    ``targets`` ``[B, T]`` (or ``[B]``) class ids of any integer dtype (int32 ids from NumPy are
+    taken as int64); fp32 whatever the autocast dtype. Raises ``ModelSpecError`` for floating-point
+    targets (a regression's: cross-entropy needs class ids)."""
     if isinstance(targets, torch.Tensor) and targets.is_floating_point():
         raise ModelSpecError(
             f"cross-entropy (the automatic loss) compares the logits with class ids, but the targets are "
@@ -86,13 +87,22 @@ def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
             "model.loss: 'mypkg.losses:mse' with def mse(output, targets): return F.mse_loss(output.squeeze(-1), "
             "targets), or Job(..., loss=my_loss) in a notebook")
     logits = output_logits(output)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
 
 
 LOSSES: dict[str, LossFn] = {"model": model_loss, "cross_entropy": cross_entropy}
 
 
 # ---- how a batch becomes the model's inputs ---------------------------------------------------
+def _class_ids(arg: str, value: Any, own_loss: bool) -> Any:
+    """``labels``/``targets`` handed to a forward that computes its own loss, as int64 when they
+    are integers of another type (NumPy's int32 ids: torch's losses take int64 class ids only)."""
+    if (own_loss and arg in ("labels", "targets") and isinstance(value, torch.Tensor)
+            and not value.is_floating_point() and value.dtype not in (torch.int64, torch.bool)):
+        return value.long()
+    return value
+
+
 @dataclass(frozen=True)
 class CallSpec:
     """How the named fields of a batch feed the model and the loss.
@@ -111,14 +121,15 @@ class CallSpec:
         return names + ([self.targets] if self.targets and self.targets not in names else [])
 
     def split(self, batch: Mapping[str, Any]) -> tuple[ModelInputs, Any]:
-        """``(inputs, targets)`` of a batch of named fields. Raises ``ModelSpecError`` naming a
-        missing field and the fields there are."""
+        """``(inputs, targets)`` of a batch of named fields (integer ``labels``/``targets`` handed to
+        a forward computing its own loss as int64). Raises ``ModelSpecError`` naming a missing field
+        and the fields there are."""
         missing = [f for f in self.fields() if f not in batch]
         if missing:
             raise ModelSpecError(f"the batch has no field(s) {missing}; it has {sorted(batch)}. Set model.inputs "
                                  "(and the targets field) to names the data gives")
-        inputs: ModelInputs = ({a: batch[f] for a, f in self.kwargs} if self.kwargs and not self.args
-                               else tuple(batch[f] for f in self.args))
+        inputs: ModelInputs = ({a: _class_ids(a, batch[f], self.targets is None) for a, f in self.kwargs}
+                               if self.kwargs and not self.args else tuple(batch[f] for f in self.args))
         if self.kwargs and self.args:
             raise ModelSpecError("a model call takes positional or keyword fields, not both")
         return inputs, (batch[self.targets] if self.targets else None)
@@ -133,6 +144,12 @@ class CallSpec:
                                                else ", its own loss")
 
 
+def _named_causal(model: nn.Module) -> bool:
+    """The model's class, or a class it derives from (a user's ``class MyLlama(LlamaForCausalLM)``),
+    is a Hugging Face causal LM by name (``…ForCausalLM``, ``…LMHeadModel``)."""
+    return any("CausalLM" in c.__name__ or "LMHead" in c.__name__ for c in type(model).__mro__)
+
+
 def _warn_if_not_causal(model: nn.Module) -> None:
     """Warn when a Hugging Face model given ``labels=input_ids`` from text is not a causal (or
     encoder-decoder) language model: a masked-LM head sees, unmasked, every token it is asked to
@@ -141,7 +158,7 @@ def _warn_if_not_causal(model: nn.Module) -> None:
     name = type(model).__name__
     if cfg is None or getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "is_decoder", False):
         return
-    if "CausalLM" in name or "LMHead" in name:
+    if _named_causal(model):
         return
     warnings.warn(f"{name} is not a causal language model: trained on text, its labels are its unmasked inputs, "
                   "which it sees, so its loss falls towards 0 without learning. Set data.mlm_probability: 0.15 "
@@ -156,7 +173,7 @@ def warn_if_causal_with_masking(model: nn.Module) -> None:
     objective it was not made for."""
     cfg = getattr(model, "config", None)
     name = type(model).__name__
-    causal = ("CausalLM" in name or "LMHead" in name or type(model).__module__.endswith("varuna_sdk.model.gpt2")
+    causal = (_named_causal(model) or type(model).__module__.endswith("varuna_sdk.model.gpt2")
               or (cfg is not None and getattr(cfg, "is_decoder", False)
                   and not getattr(cfg, "is_encoder_decoder", False)))
     if causal:
@@ -203,7 +220,8 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     cross-entropy against ``targets``; any other field the forward takes by name (a dataset's
     ``attention_mask``, ``token_type_ids``) is passed by keyword too, and one it cannot take is
     warned about. For a dataset's fields: tuple examples ``(x, y)`` give
-    ``model(x)`` and ``loss(output, y)``; dict examples are passed by keyword (the fields the forward
+    ``model(x)`` and ``loss(output, y)`` — or, when the forward takes ``targets`` or ``labels`` by
+    name and no loss is given, ``model(x=x, targets=y)`` and its own loss; dict examples are passed by keyword (the fields the forward
     takes by name; the others are warned about, not passed), and when the
     forward takes their targets field (``labels``) by name it gets it and its own loss is used
     (a Hugging Face classifier's: cross-entropy, or MSE for one label).
@@ -245,6 +263,12 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     elif all(f.isdigit() for f in fields):  # tuple examples (x, y, ...)
         n = len(fields)
         call = CallSpec(args=tuple(fields if own or n == 1 else fields[:-1]))
+        takes = next((t for t in ("labels", "targets") if t in names[1:]), None)
+        front = [nm for nm in names if nm != takes][:n - 1]
+        if loss is None and n >= 2 and takes is not None and len(front) == n - 1:
+            # the forward takes the targets by name (a single-file GPT's targets=, a classifier's labels=):
+            # they go to it, and its own loss is used, as for language-model and dict data
+            call, own = CallSpec(kwargs=(*zip(front, fields[:-1]), (takes, fields[-1]))), True
     else:  # dict examples: by keyword
         tgt = targets or next((f for f in ("targets", "labels", "label") if f in fields), None)
         if loss is None and tgt is not None and tgt in names:

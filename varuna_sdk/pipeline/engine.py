@@ -48,7 +48,7 @@ from .scaler import LossScaler
 from .running_stats import RunningStats
 from .schedule import StageScheduler, default_recompute
 from .split_backward import WeightWork, backward_input
-from .stage_prefix import StageExit, StagePrefix, StageRun
+from .stage_prefix import Carried, Recomputing, StageExit, StagePrefix, StageRun
 
 LossFn = Callable[[object, object], torch.Tensor]  # (model output, targets) -> scalar mean loss
 
@@ -89,7 +89,9 @@ class _StepState:
     of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``: which received
     tensors carry a gradient; ``stash``: micro-batch -> received inputs awaiting R; ``live``:
     micro-batch -> (leaves, outputs) with a graph awaiting B; ``deferred``: micro-batch -> its
-    weight-gradient work awaiting W; ``compute_s``/``model_s``: seconds per action kind in the
+    weight-gradient work awaiting W; ``carried``: micro-batch -> the crossing tensors its forward
+    replaced by received ones (``StageRun.carried``), until its backward is done (a block run under
+    ``torch.utils.checkpoint`` is recomputed then, with them); ``compute_s``/``model_s``: seconds per action kind in the
     action / inside the model (``StepResult``); ``grad_actions``: gradient-accumulating actions run so far;
     ``peak_live``: the most entries of ``live`` + ``deferred`` at once so far."""
 
@@ -102,6 +104,7 @@ class _StepState:
     stash: dict[int, tuple | None] = field(default_factory=dict)
     live: dict[int, tuple] = field(default_factory=dict)
     deferred: dict[int, WeightWork] = field(default_factory=dict)
+    carried: dict[int, Carried] = field(default_factory=dict)
     compute_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0})
     model_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "R": 0.0, "B": 0.0, "W": 0.0})
     wait_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
@@ -315,11 +318,12 @@ class Varuna:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def _forward(self, inputs: ModelInputs, received: tuple | None, mb: int, grad: bool,
-                 model_s: dict[str, float] | None = None, kind: str = "F"):
+                 model_s: dict[str, float] | None = None, kind: str = "F", carried: dict | None = None):
         """Run this stage's part of the user forward for global micro-batch ``mb`` (the prefix on
         meta, see ``stage_prefix``): the stage's output tensors, or on the last stage the model's
-        output. ``model_s[kind]``, when given, gets the seconds inside the model's own forward.
-        Raises ``RuntimeError`` if the forward skips the stage's cut-points."""
+        output. ``model_s[kind]``, when given, gets the seconds inside the model's own forward;
+        ``carried[mb]``, when given, the crossing tensors the received ones replaced (for the
+        backward: ``Recomputing``). Raises ``RuntimeError`` if the forward skips the stage's cut-points."""
         with forked_rng(), self.prefix.running(inputs) as restore, torch.set_grad_enabled(grad), self._autocast():
             mode = None if self.is_first else MetaAsDevice(self.device, cache=self.prefix.meta_cache)
             run = StageRun(self.start_cut, self.end_cut, received, self.seed, self.step_count, mb, restore, mode,
@@ -335,6 +339,8 @@ class Varuna:
                     run.close()
                     if model_s is not None:
                         model_s[kind] += time.perf_counter() - t0
+                    if carried is not None and run.carried:
+                        carried[mb] = run.carried
             if not run.entered:
                 raise RuntimeError(
                     f"stage {self.stage}: the forward never reached cut-point {self.start_cut}; the model "
@@ -445,7 +451,8 @@ class Varuna:
         with_grad = self.is_last or not self.recompute
         leaves = self._leaves(received, st.recv_flags, with_grad)
         with self.in_place.watch() if not with_grad else contextlib.nullcontext():
-            out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad, model_s=st.model_s)
+            out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad, model_s=st.model_s,
+                                carried=st.carried if with_grad else None)
         if self.is_last:
             t0 = time.perf_counter()
             loss = self.loss_fn(out, st.mb_tg[i])
@@ -467,7 +474,8 @@ class Varuna:
         received = st.stash.pop(i)
         leaves = self._leaves(received, st.recv_flags, True)
         with self.in_place.kept():  # the forward's in-place updates (running statistics) happened in F
-            out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True, model_s=st.model_s, kind="R")
+            out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True, model_s=st.model_s, kind="R",
+                                carried=st.carried)
         st.live[i] = (leaves, _as_tuple(out))
         return 0.0
 
@@ -487,10 +495,11 @@ class Varuna:
             pairs = [(o, g) for o, g in zip(flagged, g_tensors) if o.requires_grad]
             roots, gouts = [o for o, _ in pairs], [g for _, g in pairs]
         t0 = time.perf_counter()
-        if self.split_backward:
-            st.deferred[i] = self._backward_input(roots, gouts, leaves)
-        elif roots:
-            torch.autograd.backward(roots, gouts if not self.is_last else None)
+        with self._recomputing(st, i, done=not self.split_backward):
+            if self.split_backward:
+                st.deferred[i] = self._backward_input(roots, gouts, leaves)
+            elif roots:
+                torch.autograd.backward(roots, gouts if not self.is_last else None)
         st.model_s["B"] += time.perf_counter() - t0
         if not self.is_first:
             self.ch_grad_out.send(self._input_grads(leaves, st.recv_flags))
@@ -500,9 +509,17 @@ class Varuna:
         """W of micro-batch ``i`` (split backward): its deferred weight gradients; during the last W
         each parameter group's gradients are handed to the all-reduce as they turn final."""
         t0 = time.perf_counter()
-        st.deferred.pop(i).run(on_group=self._weights_final if st.grad_actions == self.m else None)
+        with self._recomputing(st, i, done=True):
+            st.deferred.pop(i).run(on_group=self._weights_final if st.grad_actions == self.m else None)
         st.model_s["W"] += time.perf_counter() - t0
         return 0.0
+
+    @staticmethod
+    def _recomputing(st: _StepState, i: int, done: bool):
+        """The cut-point observer of micro-batch ``i``'s backward (``Recomputing``: a block the
+        user's forward checkpointed is recomputed with the received tensors), dropped when ``done``."""
+        carried = st.carried.pop(st.base + i, None) if done else st.carried.get(st.base + i)
+        return observe_cutpoints(Recomputing(carried)) if carried else contextlib.nullcontext()
 
     def _end_transfers(self) -> None:
         """Wait for both receivers to finish the step and for every send to complete."""

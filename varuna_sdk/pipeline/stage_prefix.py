@@ -42,6 +42,7 @@ from ..model.tracer import ModelStructure
 
 Swap = tuple[nn.Module, str, nn.Parameter]  # (owning module, attribute name, the real parameter)
 Stub = tuple[nn.Module, list]  # (module, its recorded meta outputs, one per call in a forward)
+Carried = dict[int, tuple[torch.Tensor, torch.Tensor]]  # id(crossing tensor) -> (it, the tensor received for it)
 
 
 class StageExit(BaseException):
@@ -86,7 +87,7 @@ class StageRun:
         self.mode = mode
         self.everywhere = everywhere
         self.entered = start_cut < 0
-        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.carried: Carried = {}
         self._received_mode: _Received | None = None
 
     def close(self) -> None:
@@ -96,15 +97,7 @@ class StageRun:
             self._received_mode = None
 
     def _substitute(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The received tensor for every crossing tensor that is one received at the stage's first
-        cut-point (same object: a mask or rotary table handed to every block)."""
-        if not self.carried:
-            return tensors
-        out = []
-        for t in tensors:
-            hit = self.carried.get(id(t))
-            out.append(hit[1] if hit is not None and hit[0] is t else t)
-        return tuple(out)
+        return substitute(self.carried, tensors)
 
     def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The tensors the forward continues with after the next cut-point; raises ``StageExit``
@@ -113,8 +106,9 @@ class StageRun:
         self.k += 1
         if k == self.end_cut:
             raise StageExit(self._substitute(tensors))
-        if k >= self.start_cut:
-            seed_segment(self.seed, self.step, self.mb, k + 1)
+        # every segment, the prefix's too: what it computes for real (from the inputs, or NumPy's draws
+        # that a later segment uses) is then what the stages before computed
+        seed_segment(self.seed, self.step, self.mb, k + 1)
         if k == self.start_cut:
             self.entered = True
             if self.on_enter is not None:
@@ -131,13 +125,41 @@ class StageRun:
         return tensors
 
 
+def substitute(carried: Carried, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The received tensor for every crossing tensor that is one received at the stage's first
+    cut-point (same object: a mask or rotary table handed to every block)."""
+    if not carried:
+        return tensors
+    out = []
+    for t in tensors:
+        hit = carried.get(id(t))
+        out.append(hit[1] if hit is not None and hit[0] is t else t)
+    return tuple(out)
+
+
+class Recomputing:
+    """Cut-point observer for a micro-batch's backward on a stage after the first (pass
+    ``StageRun.carried`` of its forward). A block the user's forward ran under
+    ``torch.utils.checkpoint`` is recomputed in the backward with the arguments the checkpoint
+    saved, which for the stage's first block are the meta tensors the prefix made: at its
+    cut-point each is replaced by the tensor received for it, as in the forward. Other crossings
+    pass unchanged."""
+
+    def __init__(self, carried: Carried):
+        self.carried = carried
+
+    def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """``tensors`` with the received ones in place of the forward's crossing tensors."""
+        return substitute(self.carried, tensors)
+
+
 class _Received(TorchFunctionMode):
     """Torch-function mode: every tensor argument that is one of the crossing tensors of the
     stage's first cut-point (the same object, made on meta by the prefix) is replaced by the
     tensor received for it, so that an operation outside the blocks (``h + layer(h)``) computes
     with, and sends its gradient to, what the stage before sent."""
 
-    def __init__(self, carried: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, carried: Carried):
         super().__init__()
         self.carried = carried
 
