@@ -640,3 +640,14 @@ def test_int32_class_ids_train_with_the_automatic_cross_entropy(tmp_path):
                     train=TrainConfig(steps=2, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
     got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
     assert got == pytest.approx(Job(job).plain_pytorch_losses(2), rel=1e-5)
+
+
+def test_nested_and_text_fields_are_refused_with_the_shape_to_give_instead():
+    """An example ``((x_cat, x_num), y)`` or one holding text: refused naming the field, with the
+    flat tuple or dict to give instead, or where the text must be tokenized."""
+    from varuna_sdk.data.sources import open_examples
+
+    with pytest.raises(DataError, match=r"at \['0'\].*flattened to \(x_cat, x_num, y\)"):
+        open_examples([((torch.zeros(2), torch.ones(3)), torch.tensor(1))], "ds")
+    with pytest.raises(DataError, match=r"at \['text'\].*text must be token ids: tokenize it in __getitem__"):
+        open_examples([{"text": "hello", "labels": 1}], "ds")

@@ -140,6 +140,19 @@ def test_numpy_randomness_in_the_forward_is_the_same_in_a_recompute_and_at_any_P
     assert two == pytest.approx(one, rel=1e-5), (one, two)
 
 
+def test_blocks_in_a_module_dict_named_by_model_blocks_train_at_P2(tmp_path):
+    """``model.blocks`` naming an ``nn.ModuleDict``: a cut-point before each of its blocks, in the
+    dict's order, and at P = 2 the losses plain PyTorch gives (it was refused: not a ModuleList)."""
+    job = JobConfig(name="ref-dict", model=ModelConfig(factory="tests.thirdparty.plain_models:DictBlocks",
+                                                       blocks="stages"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    handle = Job(job)
+    assert handle.resolved.spec.identity["kind"] == "import"
+    assert _pipeline_losses(job, tmp_path) == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5)
+
+
 def test_bad_steps_and_micro_batch_sizes_are_refused_with_the_valid_ones(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text(TEXT)

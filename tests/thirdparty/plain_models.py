@@ -214,3 +214,17 @@ class Routed(nn.Module):
             x = torch.tanh(b(x))
             x = x.index_add(0, chosen, x[chosen])
         return self.head(x)
+
+
+class DictBlocks(nn.Module):
+    """Blocks held in an ``nn.ModuleDict`` (named stages of a user's network), called in its order."""
+
+    def __init__(self, d: int = 16, classes: int = 4):
+        super().__init__()
+        self.stages = nn.ModuleDict({name: nn.Linear(d, d) for name in ("stem", "middle", "late", "final")})
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        for block in self.stages.values():
+            x = torch.tanh(block(x))
+        return self.head(x)

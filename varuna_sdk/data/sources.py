@@ -306,8 +306,18 @@ def open_examples(dataset: Any, source: str) -> ExampleData:
     else:
         bad = [] if ok(first) else ["the example itself"]
     if bad:
+        items = first.items() if isinstance(first, dict) else enumerate(first) if isinstance(first, (tuple, list)) else []
+        what = {str(k): v for k, v in items}
+        hints = []
+        if any(isinstance(what.get(k), (tuple, list)) and what[k] and all(ok(x) for x in what[k]) for k in bad):
+            hints.append("a nested tuple such as ((x_cat, x_num), y) can be flattened to (x_cat, x_num, y), or give "
+                         "a dict {'x_cat': ..., 'x_num': ..., 'labels': ...}; a list of numbers can be "
+                         "torch.tensor(values)")
+        if any(isinstance(what.get(k), str) for k in bad):
+            hints.append("text must be token ids: tokenize it in __getitem__ (or use data.path with a tokenizer), or "
+                         "drop the column (datasets: .remove_columns([...]))")
         raise DataError(f"{source}: example 0 holds non-tensor values at {bad}; each example must be a tensor, a "
-                        "tuple of tensors or a dict of tensors (numbers are fine)")
+                        "tuple of tensors or a dict of tensors (numbers are fine)" + "".join(f"; {h}" for h in hints))
     return ExampleData(dataset, source)
 
 

@@ -182,7 +182,8 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     """Mark a cut-point before every block of the model's body and one after the last block.
 
-    The body is ``blocks`` (a dotted module name) or, when omitted, the largest
+    The body is ``blocks`` (a dotted module name of a ``ModuleList``, ``Sequential`` or
+    ``ModuleDict``, whose blocks the forward calls in the dict's order) or, when omitted, the largest
     ``nn.ModuleList``/``nn.Sequential`` in the model (e.g. GPT-2's ``h``) — for an encoder-decoder
     both stacks (``find_block_lists``), each marked as a body is: ``n + m`` blocks give
     ``n + m + 3`` segments, [embeddings], [encoder blocks], [between: the encoder's last norm, the
@@ -211,8 +212,9 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
             body = model.get_submodule(blocks)
         except AttributeError as e:
             raise ValueError(f"auto_cutpoints: model has no submodule {blocks!r}") from e
-        if not isinstance(body, (nn.ModuleList, nn.Sequential)) or len(body) < 1:
-            raise ValueError(f"auto_cutpoints: {blocks!r} is a {type(body).__name__}, not a non-empty ModuleList/Sequential")
+        if not isinstance(body, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or len(body) < 1:
+            raise ValueError(f"auto_cutpoints: {blocks!r} is a {type(body).__name__}, not a non-empty "
+                             "ModuleList/Sequential/ModuleDict")
         bodies = [body]
     segments = [_mark_body(body) for body in bodies]
     if all(n is not None for n in segments):
@@ -236,12 +238,13 @@ def _mark_body(body: nn.Module) -> int | None:
 
     # a block that is itself a ModuleList (``for attn, ff in self.layers``) is never called: the
     # cut-point goes before its first module's call, and after the last block's last module
-    children = [_called(c, last=False) for c in body]
+    blocks = list(body.values()) if isinstance(body, nn.ModuleDict) else list(body)   # a ModuleDict: in its order
+    children = [_called(c, last=False) for c in blocks]
     distinct = list({id(c): c for c in children}.values())
     for child in distinct:  # one block object listed n times (weights shared across depth): one hook
         child.register_forward_pre_hook(pre_hook, with_kwargs=True)
     if len(distinct) == len(children) > 1:
-        _called(body[-1], last=True).register_forward_hook(post_hook)
+        _called(blocks[-1], last=True).register_forward_hook(post_hook)
         return len(children) + 1
     # else: the last block is also an earlier one (or the list's only block, which may be called at
     # every depth), whose every call would end a segment; the head stays in the last call's segment
