@@ -526,15 +526,19 @@ def test_no_tokenizer_for_a_dataset_of_tensors_and_a_clear_refusal_where_one_is_
     assert resolve_job(job(windows, ModelConfig(preset="tiny", kwargs={"vocab_size": 300}))).spec.vocab_size == 300
 
 
+def _classifier_job(tmp_path, factory: str, P: int) -> JobConfig:
+    """A job of ``factory``'s model on ``make_dataset``'s (x, class) examples at P x 1."""
+    return JobConfig(name="classify", model=ModelConfig(factory=factory),
+                     data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                     parallel=ParallelConfig(P=P, D=1, global_batch=8, micro_batch_size=2),
+                     train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs")))
+
+
 def test_a_lazy_module_is_refused_before_anything_starts(tmp_path):
     """``nn.LazyLinear`` (a weight without a shape until the first forward) is refused when the job
     is checked, naming the module and the fix (it failed in the workers, blaming Hugging Face)."""
-    job = JobConfig(name="lazy", model=ModelConfig(factory="tests.thirdparty.plain_models:LazyHead"),
-                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
-                    parallel=ParallelConfig(P=1, D=1, global_batch=8, micro_batch_size=2),
-                    train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs")))
     with pytest.raises(ModelSpecError, match=r"lazy modules .*: head \(LazyLinear\); give their input sizes"):
-        resolve_job(job)
+        resolve_job(_classifier_job(tmp_path, "tests.thirdparty.plain_models:LazyHead", P=1))
 
 
 def test_int32_labels_for_a_models_own_loss_reach_it_as_int64():
@@ -557,9 +561,5 @@ def test_a_value_dependent_shape_is_refused_saying_it_is_the_meta_devices_limit(
     """``torch.nonzero`` routing (as mixture-of-experts layers do) cannot be traced on the meta
     device: the refusal, before anything starts, says that it is the meta device's limit and names
     such operations (it blamed the model alone)."""
-    job = JobConfig(name="routed", model=ModelConfig(factory="tests.thirdparty.plain_models:Routed"),
-                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
-                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
-                    train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs")))
     with pytest.raises(ModelSpecError, match=r"nonzero.* limit of the meta device .*mixture-of-experts routing"):
-        resolve_job(job)
+        resolve_job(_classifier_job(tmp_path, "tests.thirdparty.plain_models:Routed", P=2))
