@@ -627,6 +627,62 @@ def test_a_datasets_held_out_part_is_drawn_at_random_and_a_tiny_training_part_is
         resolve_job(job).data.loaders(16, 16, 0, 0.2, 1)
 
 
+def test_val_fraction_zero_trains_on_every_example_and_measures_no_held_out_loss(tmp_path, capfd):
+    """``data.val_fraction: 0``: a dataset's every example and a text's every token train (no
+    held-out part), the run logs that it measures no held-out loss and its summary has none; the
+    losses are still those of plain PyTorch."""
+    import json
+
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.data.loader import split_examples
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    train, held = split_examples(40, 0.0, seed=0)
+    assert train.tolist() == list(range(40)) and len(held) == 0
+    text = resolve_job(JobConfig(name="t", data=DataConfig(tokenizer="byte", val_fraction=0.0)))
+    loader, val = text.data.loaders(32, 8, 0, 0.0, 4)
+    assert val == [] and len(loader.inner.tokens) == len(text.data.tokens.tokens)
+    job = JobConfig(name="noval", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 32},
+                                    val_fraction=0.0),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=2, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    run = train_local(job, run_dir=tmp_path / "run")
+    got = [m["loss"] for m in run.metrics()]
+    assert got == pytest.approx(Job(job).plain_pytorch_losses(2), rel=1e-5)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["loss_start"] is None and summary["loss_end"] is None and summary["final_loss"] == pytest.approx(got[-1])
+    assert "no held-out evaluation: data.val_fraction is 0" in capfd.readouterr().out
+
+
+def test_class_ids_outside_the_models_outputs_fail_the_job_at_once_naming_id_and_width(tmp_path):
+    """A label the model has no output for (id 7 with 4 outputs): the automatic cross-entropy
+    names the id and the output width, and the job fails without a retry (torch's own error was
+    "Target 7 is out of bounds", retried as if transient); -100 stays the ignored id."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.model.spec import ModelSpecError, cross_entropy
+    from varuna_sdk.pipeline.spawn import WorkerFailure
+    from varuna_sdk.runner import train_local
+    from varuna_sdk.worker import failure_cause
+
+    logits = torch.randn(4, 4)
+    with pytest.raises(ModelSpecError, match=r"class id 7 \(ids from 0 to 7 in this micro-batch\) but the model's "
+                                             r"output has 4 classes.*out_features=8.*labels to 0\.\.3") as e:
+        cross_entropy(logits, torch.tensor([0, 7, 2, -100]))
+    assert failure_cause(e.value) == "code" and e.value.__cause__ is None
+    with pytest.raises(ModelSpecError, match=r"class id -3"):
+        cross_entropy(logits, torch.tensor([0, -3, 2, 1], dtype=torch.int32))
+    ignored = torch.tensor([0, -100, 2, 1])
+    assert cross_entropy(logits, ignored) == torch.nn.functional.cross_entropy(logits, ignored)
+    job = JobConfig(name="badids", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:out_of_range_labels"),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=2, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    with pytest.raises(WorkerFailure, match=r"(?s)not retried.*class id 7 .*output has 4 classes"):
+        train_local(job, run_dir=tmp_path / "run")
+
+
 def test_int32_class_ids_train_with_the_automatic_cross_entropy(tmp_path):
     """Class ids of int32 (NumPy's) with the automatic loss: trained as int64 ids are (the workers
     failed with torch's "expected target dtype to be Long"), the same losses as plain PyTorch."""

@@ -399,20 +399,23 @@ class JobData:
 
     def loaders(self, seq_len: int, global_batch: int, seed: int, val_fraction: float, eval_batches_max: int):
         """``(train loader, held-out batches)``: the loader's ``replica_batch(step, replica, D)``
-        gives a replica's fields of a step; held-out batches are lists of fields (the data's last
-        ``val_fraction``). Raises ``DataError`` when either part is too small."""
+        gives a replica's fields of a step; held-out batches are lists of fields (the text's last
+        ``val_fraction``, a dataset's seeded random ``val_fraction``; none when it is 0: the job then
+        trains on all the data and measures no held-out loss). Raises ``DataError`` when either part
+        is too small."""
+        held_out = float(val_fraction) > 0
         if self.tokens is not None:
             train, val = train_val_split(self.tokens.tokens, val_fraction)
             try:
                 loader = BatchLoader(train, seq_len, global_batch, seed=seed)
                 val_b = [_lm(x, y, self.mlm, [(HELD_OUT, b, k) for k in range(len(x))])
                          for b, (x, y) in enumerate(eval_batches(val, seq_len, global_batch,
-                                                                 max_batches=eval_batches_max))]
+                                                                 max_batches=eval_batches_max))] if held_out else []
             except ValueError as e:
                 raise DataError(f"{self.source}: {e}") from None
             return _LMLoader(loader, self.mlm), val_b
         try:
-            train, held_out = split_examples(len(self.examples), val_fraction, seed)
+            train, held = split_examples(len(self.examples), val_fraction, seed)
         except ValueError as e:
             raise DataError(f"{self.source}: {e}") from None
         if len(train) < global_batch:
@@ -421,8 +424,10 @@ class JobData:
                             "would repeat examples; use more data, a smaller data.val_fraction or a smaller "
                             "parallel.global_batch")
         loader = ExampleLoader(self.examples.dataset, global_batch, seed=seed, indices=train)
+        if not held_out:
+            return loader, []
         try:
-            val_b = example_eval_batches(self.examples.dataset, held_out, global_batch, eval_batches_max)
+            val_b = example_eval_batches(self.examples.dataset, held, global_batch, eval_batches_max)
         except ValueError as e:
             raise DataError(f"{self.source}: {e}") from None
         return loader, val_b

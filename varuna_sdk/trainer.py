@@ -126,10 +126,11 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def evaluate(engine: Varuna, batches: list) -> float:
-    """Mean held-out loss over ``batches`` (``(inputs, targets)`` each; collective)."""
+def evaluate(engine: Varuna, batches: list) -> float | None:
+    """Mean held-out loss over ``batches`` (``(inputs, targets)`` each; collective); ``None``
+    without batches (``data.val_fraction: 0``: every rank has none, so none calls the collective)."""
     losses = [engine.evaluate(b) for b in batches]
-    return sum(losses) / len(losses)
+    return sum(losses) / len(losses) if losses else None
 
 
 @dataclass
@@ -490,7 +491,10 @@ def _resume(run: _WorkerRun) -> None:
             if lead:
                 _log(f"[varuna] resumed from {info.name} (saved at P={info.P} x D={info.D}): step {run.outcome.step}")
     run.progress.steps_done = run.outcome.step
-    if run.loss0 is None:
+    if run.loss0 is None and not run.tr.val:
+        if lead:
+            _log("[varuna] no held-out evaluation: data.val_fraction is 0, so every example trains")
+    elif run.loss0 is None:
         run.loss0 = evaluate(engine, run.tr.val)
         if lead:
             what, (v0,) = _held_out(run.job, run.loss0)
@@ -610,7 +614,8 @@ def _finish(run: _WorkerRun, r: StepResult | None, t_start: float) -> WorkerOutc
     if run.lead:
         what, (v0, v1) = _held_out(run.job, run.loss0, loss1)
         _log(f"[varuna] held-out {what}: start {v0} -> end {v1} "
-             f"({outcome.steps_run} steps in {time.time() - t_start:.1f} s)")
+             f"({outcome.steps_run} steps in {time.time() - t_start:.1f} s)" if run.tr.val else
+             f"[varuna] done: {outcome.steps_run} steps in {time.time() - t_start:.1f} s (no held-out evaluation)")
         (run.out / "summary.json").write_text(_strict_json({
             "name": run.job.name, "steps": t.steps, "P": run.job.parallel.P, "D": run.job.parallel.D,
             "loss_start": _finite(run.loss0), "loss_end": _finite(loss1),

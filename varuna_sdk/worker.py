@@ -118,7 +118,8 @@ _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken p
 
 #: exception types that are programming errors: the same code fails the same way on a retry
 CODE_ERRORS = frozenset({"TypeError", "AttributeError", "NameError", "ImportError", "SyntaxError",
-                         "NotImplementedError", "ConfigError", "ShippingError", "UnboundLocalError"})
+                         "NotImplementedError", "ConfigError", "ShippingError", "UnboundLocalError",
+                         "ModelSpecError"})
 
 
 def failure_cause(e: BaseException) -> str:

@@ -17,6 +17,14 @@ def int32_labels(n: int = 400, features: int = 16, classes: int = 4, seed: int =
     return [(x, y.int()) for x, y in make_dataset(n, features, classes, seed)]
 
 
+def out_of_range_labels(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
+    """``make_dataset`` with every 10th label set to ``classes + 3``: a class id the model has no output for."""
+    x, y = make_dataset(n, features, classes, seed).tensors
+    y = y.clone()
+    y[::10] = classes + 3
+    return torch.utils.data.TensorDataset(x, y)
+
+
 def float64_dataset(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
     """``make_dataset`` as numpy hands it over: float64 features (pandas ``.values``, ``np.random``)."""
     x, y = make_dataset(n, features, classes, seed).tensors

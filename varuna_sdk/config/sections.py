@@ -71,7 +71,8 @@ class DataConfig:
     ``byte``, the path of a ``tokenizer.json``, or ``None`` for a dataset whose examples are already
     tensors (``dataset``/``by_value``) and a model that takes its vocabulary from nowhere else.
     ``seq_len`` tokens per example, the held-out fraction (the end of a text or token stream; of a
-    dataset, examples drawn at random from the data seed) and the data seed (the order of examples). ``mlm_probability``
+    dataset, examples drawn at random from the data seed; ``0``: none held out, every example trains and no
+    held-out loss is measured) and the data seed (the order of examples). ``mlm_probability``
     (token data only; e.g. 0.15): masked-LM examples for a model such as BERT — each token chosen
     with that probability is masked (80 %), replaced by a random token (10 %) or kept (10 %), and
     ``labels``/``targets`` hold the chosen tokens' ids (-100 elsewhere: not predicted); drawn per
@@ -224,7 +225,7 @@ RULES: dict[type, dict[str, Any]] = {
                  "text_column": Text(), "token_dtype": Text(("uint16", "uint32"), optional=True), "dataset": _OPT,
                  "dataset_kwargs": Plain("map", optional=False), "by_value": _OPT,
                  "tokenizer": Text(optional=True, hint="'gpt2', 'byte' or the path of a tokenizer.json"),
-                 "seq_len": Int(1, 1 << 20), "val_fraction": Num(0.0, 1.0, True, True),
+                 "seq_len": Int(1, 1 << 20), "val_fraction": Num(0.0, 1.0, False, True),
                  "seed": Int(0, 2 ** 63 - 1),
                  "mlm_probability": Num(0.0, 1.0, True, True, optional=True, unit="a probability"),
                  "mask_token": _OPT},

@@ -79,7 +79,9 @@ def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of the output's logits ``[B, T, V]`` (or ``[B, V]``) against
     ``targets`` ``[B, T]`` (or ``[B]``) class ids of any integer dtype (int32 ids from NumPy are
     taken as int64); fp32 whatever the autocast dtype. Raises ``ModelSpecError`` for floating-point
-    targets (a regression's: cross-entropy needs class ids)."""
+    targets (a regression's: cross-entropy needs class ids), and for class ids outside
+    ``[0, V)`` (other than -100, ignored), naming the id and ``V`` (checked when torch refuses them;
+    on CUDA torch's device-side assert comes first)."""
     if isinstance(targets, torch.Tensor) and targets.is_floating_point():
         raise ModelSpecError(
             f"cross-entropy (the automatic loss) compares the logits with class ids, but the targets are "
@@ -87,7 +89,28 @@ def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
             "model.loss: 'mypkg.losses:mse' with def mse(output, targets): return F.mse_loss(output.squeeze(-1), "
             "targets), or Job(..., loss=my_loss) in a notebook")
     logits = output_logits(output)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
+    ids = targets.reshape(-1).long()
+    try:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids)
+    except (IndexError, RuntimeError):
+        wrong = _class_id_error(ids, logits.shape[-1])
+        if wrong is None:
+            raise
+    raise wrong from None
+
+
+def _class_id_error(ids: torch.Tensor, classes: int) -> ModelSpecError | None:
+    """The error to raise when a class id of ``ids`` is outside ``[0, classes)`` and is not
+    cross-entropy's ignored -100, else None."""
+    bad = ids[((ids < 0) | (ids >= classes)) & (ids != -100)]
+    if bad.numel():
+        lo, hi = int(ids[ids != -100].min()), int(ids[ids != -100].max())
+        return ModelSpecError(
+            f"the targets hold class id {int(bad[0])} (ids from {lo} to {hi} in this micro-batch) but the model's "
+            f"output has {classes} classes (logits [..., {classes}]): cross-entropy takes ids in [0, {classes}) "
+            f"(-100: ignored). Make the model's output as wide as the number of classes (e.g. its last "
+            f"nn.Linear with out_features={max(hi + 1, classes)}), or map the dataset's labels to 0..{classes - 1}")
+    return None
 
 
 LOSSES: dict[str, LossFn] = {"model": model_loss, "cross_entropy": cross_entropy}
