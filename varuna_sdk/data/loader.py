@@ -346,7 +346,7 @@ def eval_batches(
             f"{len(arr)} held-out tokens give {num_seqs} sequences of seq_len={seq_len}, "
             f"fewer than one batch of {batch_size} sequences: need at least "
             f"{batch_size * seq_len + 1} tokens; use a smaller global batch (parallel.global_batch) "
-            "or seq_len (data.seq_len), a larger data.val_fraction, or more text"
+            "or seq_len (data.seq_len), a larger data.val_fraction, or more text; data.val_fraction: 0 holds none out"
         )
     n = num_batches * batch_size * seq_len
     inputs = torch.from_numpy(arr[:n].astype(np.int64)).view(num_batches, batch_size, seq_len)
@@ -543,7 +543,7 @@ def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batche
         n = min(n, int(max_batches))
     if n == 0:
         raise ValueError(f"{len(idx)} held-out examples are fewer than one batch of {batch_size}; use a larger "
-                         "val_fraction or a smaller global batch")
+                         "data.val_fraction or a smaller global batch, or data.val_fraction: 0 to hold none out")
     out = []
     for k in range(n):
         ids = [int(i) for i in idx[k * batch_size:(k + 1) * batch_size]]
