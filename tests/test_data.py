@@ -256,3 +256,43 @@ def test_data_package_does_not_import_runtime_layers():
                 continue
             for name in names:
                 assert not name.startswith(forbidden), (path, name)
+
+
+def test_prefetcher_reads_the_next_step_on_one_thread_while_a_step_runs_and_raises_at_its_step():
+    """``BatchPrefetcher``: step k + 1 is read on one background thread (always the same, in step
+    order) while the caller works on step k; the batches are those ``read`` gives; a read that
+    fails raises at the step that needs it, not before; nothing is read past ``stop``; disabled,
+    every read is on the caller's thread."""
+    import threading
+
+    from varuna_sdk.data.prefetch import BatchPrefetcher
+
+    log: list[tuple[int, str]] = []
+    done = {k: threading.Event() for k in range(6)}
+
+    def read(step):
+        log.append((step, threading.current_thread().name))
+        done[step].set()
+        if step == 3:
+            raise KeyError("example 12 is gone")
+        return {"x": step * 10}
+
+    pf = BatchPrefetcher(read, stop=5)
+    got = []
+    for step in range(3):
+        got.append(pf.get(step))
+        # the step's compute: the next batch is read meanwhile, before the caller asks for it
+        assert done[step + 1].wait(10), f"step {step + 1} was not read during step {step}"
+    assert got == [{"x": 0}, {"x": 10}, {"x": 20}]
+    assert {name for _, name in log} == {"varuna-prefetch"}
+    assert [s for s, _ in log] == [0, 1, 2, 3]              # in order, once each
+    with pytest.raises(KeyError, match="example 12 is gone"):
+        pf.get(3)
+    assert pf.get(4) == {"x": 40}
+    pf.close()
+    assert not done[5].is_set()                             # stop=5: step 5 is never read
+
+    log.clear()
+    off = BatchPrefetcher(read, stop=5, enabled=False)
+    assert off.get(1) == {"x": 10}
+    assert log == [(1, threading.current_thread().name)]

@@ -313,7 +313,9 @@ def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recomput
 def test_step_time_and_throughput_include_reading_the_batch(tmp_path):
     """A dataset whose ``__getitem__`` takes 10 ms: each step's 16 examples take >= 0.16 s to read,
     and the step time, examples/s and the time left count it (they were the engine's step alone,
-    25x too fast for a slow dataset)."""
+    25x too fast for a slow dataset). With the next batch read while a step trains, a step waits
+    for what its predecessor's few milliseconds of compute did not hide: the first step the whole
+    read, every step most of it."""
     from varuna_sdk.config import TrainConfig
     from varuna_sdk.runner import train_local
 
@@ -323,9 +325,10 @@ def test_step_time_and_throughput_include_reading_the_batch(tmp_path):
                     train=TrainConfig(steps=3, eval_batches=1, run_dir=str(tmp_path / "runs")))
     rows = train_local(job, run_dir=tmp_path / "run").metrics()
     assert len(rows) == 3
+    assert rows[0]["data_s"] >= 16 * 0.01
     for r in rows:
-        assert r["data_s"] >= 16 * 0.01 and r["step_time_s"] >= r["data_s"], r
-        assert r["examples_per_s"] == pytest.approx(16 / r["step_time_s"], rel=1e-6) and r["examples_per_s"] < 100
+        assert r["data_s"] >= 0.75 * 16 * 0.01 and r["step_time_s"] >= r["data_s"], r
+        assert r["examples_per_s"] == pytest.approx(16 / r["step_time_s"], rel=1e-6) and r["examples_per_s"] < 16 / 0.12
 
 
 def test_float64_data_for_a_float32_model_is_refused_up_front_with_the_cast_to_make():

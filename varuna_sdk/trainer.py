@@ -37,6 +37,7 @@ from .checkpoint.store import manifest_key
 from .checkpoint.store import checkpoint_name
 from .config import JobConfig
 from .data.loader import DataError
+from .data.prefetch import BatchPrefetcher
 from .jobspec import ResolvedJob, resolve_job
 from .pipeline.engine import StepResult, Varuna
 
@@ -59,9 +60,10 @@ def lr_at(step: int, job: JobConfig) -> float:
 @dataclass
 class StepMetrics:
     """One line of ``metrics.jsonl``: units are seconds, tokens/s and examples/s.
-    ``step_time_s``: the whole step on rank 0, reading its batch included (``data_s`` of it), so
+    ``step_time_s``: the whole step on rank 0, waiting for its batch included (``data_s`` of it:
+    the part of reading it that the previous step's compute did not hide, ``data.prefetch``), so
     that throughput and the time left are what the job really runs at — a dataset whose
-    ``__getitem__`` is slow shows there, not only in the wall clock.
+    ``__getitem__`` is slower than a step shows there, not only in the wall clock.
     ``peak_live_graphs``: the most micro-batches whose activations rank 0 (the first stage, which
     holds the most) kept at once in the step (``StepResult.peak_live_graphs``).
     ``tokens_per_s``: ``None`` for examples that hold no token ids (``tokens_per_example``)."""
@@ -372,11 +374,14 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     tokens_per_step = None if per_example is None else p.global_batch * per_example
     t_start = run.t_start = time.time()
     r = None
-    with open(run.out / "metrics.jsonl", "a") if run.lead else open(os.devnull, "w") as mf:
-        for step in range(run.outcome.step, run.job.train.steps):
-            r = _train_step(run, step, tokens_per_step, on_step, mf)
-            if _stop_or_checkpoint(run, should_stop):
-                return run.outcome
+    try:
+        with open(run.out / "metrics.jsonl", "a") if run.lead else open(os.devnull, "w") as mf:
+            for step in range(run.outcome.step, run.job.train.steps):
+                r = _train_step(run, step, tokens_per_step, on_step, mf)
+                if _stop_or_checkpoint(run, should_stop):
+                    return run.outcome
+    finally:
+        run.reader.close()
     return _finish(run, r, t_start)
 
 
@@ -437,6 +442,11 @@ class _WorkerRun:
     skipped_total: int = 0
     time_before: float = 0.0   # training seconds of the generations before this one (from the checkpoint)
     t_start: float = 0.0       # when this generation's first step began (Unix s)
+    reader: BatchPrefetcher | None = None   # the steps' batches, the next read while a step trains
+
+    def __post_init__(self) -> None:
+        if self.reader is None:
+            self.reader = BatchPrefetcher(self.tr.batch, self.job.train.steps, enabled=self.job.data.prefetch)
 
     @property
     def lead(self) -> bool:
@@ -512,9 +522,8 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int | None, on_step
     job, p, t = run.job, run.job.parallel, run.job.train
     for g in run.tr.optimizer.param_groups:
         g["lr"] = lr_at(step, job)
-    t0 = time.perf_counter()
-    batch = run.tr.batch(step)
-    data_s = time.perf_counter() - t0
+    batch = run.reader.get(step)
+    data_s = run.reader.waited_s
     r = run.tr.engine.step(batch, run.tr.optimizer)
     wall_s = data_s + r.time_s
     done = step + 1

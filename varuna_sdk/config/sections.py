@@ -78,7 +78,10 @@ class DataConfig:
     ``labels``/``targets`` hold the chosen tokens' ids (-100 elsewhere: not predicted); drawn per
     example from ``seed``, so they are the same at any P, D and through morphs (``data.mlm``).
     ``mask_token``: the mask token's text (default: ``[MASK]`` or ``<mask>``, whichever the
-    tokenizer has; ``gpt2`` and ``byte`` have none: give a tokenizer.json)."""
+    tokenizer has; ``gpt2`` and ``byte`` have none: give a tokenizer.json). ``prefetch``: each rank
+    reads the next step's batch on a background thread while a step trains (``data.prefetch``);
+    ``false`` reads it on the main thread, for a dataset that must be read on the thread that
+    opened it (an ``sqlite3`` connection)."""
 
     corpus: str | None = "shakespeare"
     path: str | None = None
@@ -94,6 +97,7 @@ class DataConfig:
     seed: int = 0
     mlm_probability: float | None = None
     mask_token: str | None = None
+    prefetch: bool = True
 
 
 @dataclass
@@ -228,7 +232,7 @@ RULES: dict[type, dict[str, Any]] = {
                  "seq_len": Int(1, 1 << 20), "val_fraction": Num(0.0, 1.0, False, True),
                  "seed": Int(0, 2 ** 63 - 1),
                  "mlm_probability": Num(0.0, 1.0, True, True, optional=True, unit="a probability"),
-                 "mask_token": _OPT},
+                 "mask_token": _OPT, "prefetch": Flag()},
     ParallelConfig: {"P": Int(1, 4096, True), "D": Int(1, 1 << 20, True), "global_batch": Int(1, 1 << 30),
                      "micro_batch_size": Int(1, 1 << 20), "policy": Text(POLICIES),
                      "recompute": Plain("stage_flags"), "max_in_flight": Plain("stage_counts"),

@@ -1,0 +1,110 @@
+"""Read the next step's batch while this step trains.
+
+A rank reads its batch of step ``k + 1`` (the dataset's ``__getitem__``, collation, the job's
+split into model inputs and targets) on one long-lived background thread while step ``k`` runs,
+as ``torch.utils.data.DataLoader`` prefetches, so that the time a user's dataset takes to decode
+its examples (images, audio, text tokenised on the fly) is hidden behind the pipeline instead of
+being added to every step. One thread, not processes: torch's operators release the GIL, so
+reading overlaps with the stage's compute without starting a process per rank (2 cores here,
+each rank's process already holds its share), and every read happens on the same thread, in
+step order.
+
+Batches are a pure function of the step (``data.loader``), so reading one ahead changes no
+number: the same step reads the same examples with or without prefetching. A read that fails
+raises its error at the step that needed it, in the main thread (a ``DataError`` names the step
+and the examples as without prefetching); a batch read ahead for a step that never runs (the
+job stops or morphs at that boundary) is dropped. The thread is a daemon: an interpreter that
+exits does not wait for a read in flight.
+
+Imports nothing of ``varuna_sdk`` but itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+
+class BatchPrefetcher:
+    """``get(step)`` returns ``read(step)``, having read it on a background thread when the
+    previous ``get(step - 1)`` asked for it; ``get`` then starts reading ``step + 1`` (unless
+    ``step + 1 >= stop``, the run's step count).
+
+    Args:
+        read: ``step -> batch``, a pure function of the step (any exception it raises is raised
+            again by the ``get`` of that step, with its traceback).
+        stop: the first step never read (the job's ``train.steps``).
+        enabled: ``False`` reads every batch in ``get`` itself (``data.prefetch: false``, for a
+            dataset that must be read on the thread that opened it, e.g. an ``sqlite3``
+            connection).
+
+    ``waited_s`` after each ``get``: seconds that ``get`` blocked for its batch (the whole read
+    without prefetching; only what the step's compute did not hide with it).
+    """
+
+    def __init__(self, read: Callable[[int], Any], stop: int, *, enabled: bool = True):
+        self._read, self._stop, self.enabled = read, int(stop), bool(enabled)
+        self._cond = threading.Condition()
+        self._want: int | None = None        # the step the thread is asked to read next
+        self._reading: int | None = None     # the step it is reading now
+        self._have: tuple[int, bool, Any] | None = None   # (step, ok, batch or exception) read last
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.waited_s = 0.0
+
+    def get(self, step: int) -> Any:
+        """The batch of ``step`` (read ahead when the previous ``get`` was of ``step - 1``); then
+        the read of ``step + 1`` is started. Raises whatever ``read(step)`` raised."""
+        t0 = time.perf_counter()
+        if not self.enabled:
+            batch = self._read(step)
+            self.waited_s = time.perf_counter() - t0
+            return batch
+        with self._cond:
+            if step not in (self._want, self._reading) and not self._holds(step):
+                self._ask(step)
+            while not self._holds(step):
+                self._cond.wait()
+            _, ok, value = self._have
+            self._have = None
+            if step + 1 < self._stop:
+                self._ask(step + 1)
+        self.waited_s = time.perf_counter() - t0
+        if not ok:
+            raise value
+        return value
+
+    def _holds(self, step: int) -> bool:
+        return self._have is not None and self._have[0] == step
+
+    def _ask(self, step: int) -> None:
+        """Ask the thread (started on first use) to read ``step``; ``_cond`` held."""
+        self._want = step
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="varuna-prefetch", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._want is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                step, self._want, self._reading = self._want, None, self._want
+            try:
+                result = (step, True, self._read(step))
+            except BaseException as e:  # noqa: BLE001 - handed to the step that needs it
+                result = (step, False, e)
+            with self._cond:
+                self._have, self._reading = result, None
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread after its current read (a batch read ahead is dropped)."""
+        with self._cond:
+            self._closed = True
+            self._have = None
+            self._cond.notify_all()
