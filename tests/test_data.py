@@ -284,8 +284,9 @@ def test_prefetcher_reads_the_next_step_on_one_thread_while_a_step_runs_and_rais
         # the step's compute: the next batch is read meanwhile, before the caller asks for it
         assert done[step + 1].wait(10), f"step {step + 1} was not read during step {step}"
     assert got == [{"x": 0}, {"x": 10}, {"x": 20}]
-    assert {name for _, name in log} == {"varuna-prefetch"}
-    assert [s for s, _ in log] == [0, 1, 2, 3]              # in order, once each
+    main = threading.current_thread().name                   # the first read: on the caller's thread, checked
+    assert log == [(0, main), (1, "varuna-prefetch"), (2, "varuna-prefetch"), (3, "varuna-prefetch")]
+    assert pf.off_reason is None
     with pytest.raises(KeyError, match="example 12 is gone"):
         pf.get(3)
     assert pf.get(4) == {"x": 40}
@@ -295,4 +296,42 @@ def test_prefetcher_reads_the_next_step_on_one_thread_while_a_step_runs_and_rais
     log.clear()
     off = BatchPrefetcher(read, stop=5, enabled=False)
     assert off.get(1) == {"x": 10}
-    assert log == [(1, threading.current_thread().name)]
+    assert log == [(1, main)]
+
+
+@pytest.mark.parametrize("draw", ["torch", "numpy", "random"])
+def test_prefetcher_reads_on_the_main_thread_a_dataset_that_draws_from_a_global_generator(draw):
+    """A read that draws from torch's, NumPy's or Python's global generator (a random transform)
+    would race with the stages' seeded forwards: prefetching turns itself off after the first read
+    and says why; every batch is then read on the caller's thread, in order, and equals reading
+    synchronously (the same draws from the same states)."""
+    import random
+    import threading
+
+    import numpy as np
+
+    from varuna_sdk.data.prefetch import BatchPrefetcher
+
+    threads = []
+
+    def read(step):
+        threads.append(threading.current_thread().name)
+        if draw == "torch":
+            return float(torch.rand(()))
+        if draw == "numpy":
+            return float(np.random.rand())
+        return random.random()
+
+    def reseed():
+        torch.manual_seed(3), np.random.seed(3), random.seed(3)
+
+    reseed()
+    want = [read(k) for k in range(4)]
+    threads.clear()
+    reseed()
+    pf = BatchPrefetcher(read, stop=4)
+    got = [pf.get(k) for k in range(4)]
+    pf.close()
+    assert got == want and not pf.enabled
+    assert threads == [threading.current_thread().name] * 4
+    assert {"torch": "torch", "numpy": "NumPy", "random": "Python random"}[draw] in pf.off_reason

@@ -524,6 +524,8 @@ def _train_step(run: _WorkerRun, step: int, tokens_per_step: int | None, on_step
         g["lr"] = lr_at(step, job)
     batch = run.reader.get(step)
     data_s = run.reader.waited_s
+    if run.lead and run.reader.off_reason and not run.outcome.steps_run:
+        _log(f"[varuna] data.prefetch is off for this run: {run.reader.off_reason}")
     r = run.tr.engine.step(batch, run.tr.optimizer)
     wall_s = data_s + r.time_s
     done = step + 1

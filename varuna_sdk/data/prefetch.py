@@ -6,8 +6,15 @@ as ``torch.utils.data.DataLoader`` prefetches, so that the time a user's dataset
 its examples (images, audio, text tokenised on the fly) is hidden behind the pipeline instead of
 being added to every step. One thread, not processes: torch's operators release the GIL, so
 reading overlaps with the stage's compute without starting a process per rank (2 cores here,
-each rank's process already holds its share), and every read happens on the same thread, in
-step order.
+each rank's process already holds its share), and every read after the first happens on the
+same thread, in step order.
+
+A dataset that draws from a process-wide random generator while reading (torch's, NumPy's or
+Python's global one: torchvision's random transforms, ``np.random`` augmentation) is read on the
+main thread instead: its draws would race with the stage's, whose forward seeds torch's and
+NumPy's generators per segment so that a recompute replays the forward's dropout. The first read
+runs on the caller's thread with nothing else running and is checked: when any of the three
+generators' states moved, prefetching is turned off for the run (``off_reason`` says why).
 
 Batches are a pure function of the step (``data.loader``), so reading one ahead changes no
 number: the same step reads the same examples with or without prefetching. A read that fails
@@ -16,14 +23,19 @@ and the examples as without prefetching); a batch read ahead for a step that nev
 job stops or morphs at that boundary) is dropped. The thread is a daemon: an interpreter that
 exits does not wait for a read in flight.
 
-Imports nothing of ``varuna_sdk`` but itself.
+Imports nothing of ``varuna_sdk``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 import threading
 import time
 from typing import Any, Callable
+
+import numpy as np
+import torch
 
 
 class BatchPrefetcher:
@@ -40,7 +52,9 @@ class BatchPrefetcher:
             connection).
 
     ``waited_s`` after each ``get``: seconds that ``get`` blocked for its batch (the whole read
-    without prefetching; only what the step's compute did not hide with it).
+    without prefetching; only what the step's compute did not hide with it). ``off_reason``: why
+    prefetching was turned off after the first read (its read drew from a global random
+    generator), else ``None``.
     """
 
     def __init__(self, read: Callable[[int], Any], stop: int, *, enabled: bool = True):
@@ -51,12 +65,30 @@ class BatchPrefetcher:
         self._have: tuple[int, bool, Any] | None = None   # (step, ok, batch or exception) read last
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._probed = False
+        self.off_reason: str | None = None
         self.waited_s = 0.0
 
     def get(self, step: int) -> Any:
         """The batch of ``step`` (read ahead when the previous ``get`` was of ``step - 1``); then
         the read of ``step + 1`` is started. Raises whatever ``read(step)`` raised."""
         t0 = time.perf_counter()
+        if not self._probed and self.enabled:
+            self._probed = True
+            before = _global_rng_states()
+            batch = self._read(step)
+            moved = [name for name, a, b in zip(("torch", "NumPy", "Python random"), before, _global_rng_states())
+                     if a != b]
+            if moved:
+                self.enabled = False
+                self.off_reason = (f"reading a batch draws from the global {' and '.join(moved)} random generator(s) "
+                                   "(random transforms in __getitem__?), which the stages' forwards seed; the batches "
+                                   "are read on the main thread so that the draws do not race")
+            elif step + 1 < self._stop:
+                with self._cond:
+                    self._ask(step + 1)
+            self.waited_s = time.perf_counter() - t0
+            return batch
         if not self.enabled:
             batch = self._read(step)
             self.waited_s = time.perf_counter() - t0
@@ -108,3 +140,11 @@ class BatchPrefetcher:
             self._closed = True
             self._have = None
             self._cond.notify_all()
+
+
+def _global_rng_states() -> tuple[bytes, bytes, bytes]:
+    """Digests of torch's default CPU generator, NumPy's global and Python's ``random`` states."""
+    np_state = np.random.get_state()
+    return (hashlib.sha1(torch.default_generator.get_state().numpy().tobytes()).digest(),
+            hashlib.sha1(np_state[1].tobytes() + repr(np_state[2:]).encode()).digest(),
+            hashlib.sha1(repr(random.getstate()).encode()).digest())
