@@ -292,6 +292,7 @@ def test_prefetcher_reads_the_next_step_on_one_thread_while_a_step_runs_and_rais
     assert pf.get(4) == {"x": 40}
     pf.close()
     assert not done[5].is_set()                             # stop=5: step 5 is never read
+    assert pf.get(2) == {"x": 20} and log[-1] == (2, main)  # closed: read on the caller's thread
 
     log.clear()
     off = BatchPrefetcher(read, stop=5, enabled=False)

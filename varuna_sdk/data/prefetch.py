@@ -89,7 +89,7 @@ class BatchPrefetcher:
                     self._ask(step + 1)
             self.waited_s = time.perf_counter() - t0
             return batch
-        if not self.enabled:
+        if not self.enabled or self._closed:
             batch = self._read(step)
             self.waited_s = time.perf_counter() - t0
             return batch
@@ -135,7 +135,8 @@ class BatchPrefetcher:
                 self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop the thread after its current read (a batch read ahead is dropped)."""
+        """Stop the thread after its current read (a batch read ahead is dropped); a later
+        ``get`` reads on the caller's thread."""
         with self._cond:
             self._closed = True
             self._have = None
