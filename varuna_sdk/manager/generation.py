@@ -64,6 +64,7 @@ from .wire import STOPPED
 log = logging.getLogger(__name__)
 
 REAP_TIMEOUT_S = 10.0   # reaching a VM lost by its heartbeats to kill what is left of the generation there
+EXIT_REPORT_GRACE_S = 2.0  # how long an ended generation waits for its workers' exits to be reported (worker_exited)
 
 
 def place(hosts: Sequence[Host], world_size: int, *, cpu_slots: int = 1) -> list[tuple[Host, int]]:
@@ -132,6 +133,8 @@ class Generation(WorkerStartup):
         self._lost: dict[str, str] = {}          # hosts lost before/while launching
         self._start_failure: str | None = None   # bootstrap/launch failure (not a loss)
         self._failed_ranks: list[int] = []       # ranks in the order their failure was seen
+        self._exit_reported: set[int] = set()    # ranks whose exit the watcher has reported (worker_exited)
+        self._all_ended_at: float | None = None  # when every process was first seen ended
         self._bye: dict[int, str] = {}           # rank -> bye status
         self._stop_reason: str | None = None
         self._stopping = False
@@ -336,6 +339,7 @@ class Generation(WorkerStartup):
         if self.server is not None:
             self.server.report_exit(w.host.name, w.rank, code, at=p.ended_at if p else None)
         with self._cond:
+            self._exit_reported.add(w.rank)
             if code not in (0,) and not self._stopping and w.rank not in self._failed_ranks:
                 self._failed_ranks.append(w.rank)
                 if self._first_problem_at is None:
@@ -423,6 +427,17 @@ class Generation(WorkerStartup):
                 f"exited with {w.exit_code} and wrote nothing to stderr"]
         return "\n".join(f"{w.prefix} {x}" for x in lines)
 
+    def _exits_reported(self) -> bool:
+        """Every ended worker's exit has been reported (its ``worker_exited`` recorded before
+        ``generation_ended``: the processes are seen ended on one thread, their exits reported on
+        the watcher's), or ``EXIT_REPORT_GRACE_S`` passed since all were seen ended."""
+        with self._cond:
+            if len(self._exit_reported) >= len(self.remote.workers):
+                return True
+            now = time.monotonic()
+            self._all_ended_at = self._all_ended_at or now
+            return now - self._all_ended_at >= EXIT_REPORT_GRACE_S
+
     def _failure_cause(self) -> str | None:
         root = self._root_failure() if self._start_failure is None else None
         return None if root is None else root[1].get("cause")
@@ -453,7 +468,7 @@ class Generation(WorkerStartup):
             return GenerationResult(GenerationStatus.FAILED, failure=self._failure_text(), cause=self._failure_cause(), **base)
         if self.remote is None:
             return GenerationResult(GenerationStatus.KILLED, **base) if stopping else None
-        if not self.remote.done():
+        if not self.remote.done() or not self._exits_reported():
             return None
         codes = base["exit_codes"]
         if all(c == 0 for c in codes.values()):
