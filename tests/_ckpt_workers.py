@@ -115,6 +115,7 @@ def reshard_chain_worker(rank: int, world: int, chain: list, urls: list, out_roo
 
     import torch.distributed as dist
 
+    dist.barrier()  # every rank has connected its pairs before any rank closes them
     dist.destroy_process_group()  # the one spawn_workers made (world 8); each hop makes its own
     for i, (P, D) in enumerate(chain):
         if rank >= P * D:
@@ -129,5 +130,6 @@ def reshard_chain_worker(rank: int, world: int, chain: list, urls: list, out_roo
         if P * D > 1:
             dist.barrier()   # no rank tears its pairs down while a peer still uses them
             dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[-1]}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # for spawn_workers' own tear-down
+    # No group is made again for spawn_workers' tear-down (it tolerates none): with no collective
+    # after it, a rank that finished connecting its pairs could exit while rank 0 still read its
+    # handshake, and rank 0 failed with "Connection closed by peer" in connectFullMesh.

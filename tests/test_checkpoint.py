@@ -65,8 +65,12 @@ def test_reshard_round_trip_is_bitwise(tmp_path):
 
     chain = [(4, 2), (2, 3), (8, 1), (1, 1), (4, 2)]
     urls = [str(tmp_path / "store0"), (tmp_path / "store1").as_uri()] + [str(tmp_path / f"store{i}") for i in range(2, 5)]
-    ports = [free_port() for _ in range(len(chain) + 1)]
-    _spawn(W.reshard_chain_worker, 8, (chain, urls, str(tmp_path), ports, 2), tmp_path, timeout_s=300)
+    ports: set[int] = set()
+    while len(ports) < len(chain) + 1:  # distinct: a rank that skips a hop must not reach another hop's store
+        ports.add(free_port())
+    spawn_port, *ports = ports
+    spawn_workers(W.reshard_chain_worker, 8, args=(chain, urls, str(tmp_path), ports, 2), timeout_s=300,
+                  work_dir=tmp_path, backend="gloo", port=spawn_port)
     dumps = [[torch.load(tmp_path / f"hop{i}" / f"rank{r}.pt", weights_only=True) for r in range(P * D)]
              for i, (P, D) in enumerate(chain)]
 
