@@ -13,6 +13,11 @@
 namespace varuna {
 namespace {
 
+// Seconds each rank of a D-replica candidate reads data per mini-batch: its replica's examples.
+double data_read_s(const SearchInput& in, int D) {
+    return in.data_read_per_example * static_cast<double>(in.global_batch) / std::max(1, D);
+}
+
 // Whether stage s of a P-deep candidate recomputes (the per-stage override, else `recompute`).
 bool rec_at(const SearchInput& in, int P, int s) {
     if (s >= P - 1) return false;
@@ -429,6 +434,8 @@ SimConfig candidate_config(const SearchInput& in, Candidate& c, const SegmentTab
                                   (rec_at(in, P, s) ? cfg.fwd[s] : 0.0));
     }
     share_sync_phase(in, cfg);
+    cfg.data_read = data_read_s(in, c.D);
+    cfg.data_prefetch = in.data_prefetch;
     return cfg;
 }
 
@@ -555,6 +562,9 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
         rate = std::max(rate, flow_rate(cfg, in.policy));
         cfg.m = m_sim;
     }
+    // the data read applies once to the whole mini-batch, after the steady-state extension
+    const double read = cfg.data_read;
+    cfg.data_read = 0.0;
     SimResult r = simulate(cfg);
     long long acts = r.events;
     const std::vector<double> scales = interference_scales(in, cfg, r);
@@ -565,7 +575,9 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
         if (m_sim < c.m) rate *= *std::max_element(scales.begin(), scales.end());
     }
     if (actions) *actions += acts;
-    c.minibatch_time = r.minibatch_time + (c.m - m_sim) * rate;
+    const double compute = r.minibatch_time + (c.m - m_sim) * rate;
+    c.minibatch_time = with_data_read(compute, read, cfg.data_prefetch);
+    c.data_wait = c.minibatch_time - compute;
     c.bubble_fraction = r.bubble_fraction;
     if (m_sim < c.m) {  // bubbles shrink as the steady state grows
         double busy = 0.0;
@@ -694,7 +706,7 @@ double time_lower_bound(const SimConfig& cfg) {
         const double w = *std::max_element(host.begin(), host.end());
         lb = std::max(lb, m * w / cfg.compute_slots_per_host + tail);
     }
-    return lb * (1.0 - 1e-12);
+    return with_data_read(lb * (1.0 - 1e-12), cfg.data_read * (1.0 - 1e-12), cfg.data_prefetch);
 }
 
 // Split-free lower bound on evaluate()'s minibatch_time, valid for EVERY split into P stages (so
@@ -928,7 +940,9 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
 double candidate_lower_bound(const SearchInput& in, int P, int D, int ti, bool split_free) {
     const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
     Candidate c = new_candidate(in, P, D, ti);
-    if (split_free) return split_free_bound(in, table_sums(in, t), P, c.m);
+    if (split_free)
+        return with_data_read(split_free_bound(in, table_sums(in, t), P, c.m), data_read_s(in, D) * (1.0 - 1e-12),
+                              in.data_prefetch);
     c.starts = !in.fixed_starts.empty() ? in.fixed_starts : balance(in, t, P, c.m);
     if (c.starts.empty()) return std::numeric_limits<double>::infinity();
     return time_lower_bound(candidate_config(in, c, t));
@@ -971,6 +985,8 @@ std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
     if (in.gpus < 1) throw std::invalid_argument("gpus must be >= 1");
     if (in.global_batch < 1) throw std::invalid_argument("global_batch must be >= 1");
     if (in.tables.empty()) throw std::invalid_argument("no micro-batch sizes to search");
+    if (!(std::isfinite(in.data_read_per_example) && in.data_read_per_example >= 0.0))
+        throw std::invalid_argument("data_read_per_example (seconds to read one example) must be a finite number >= 0");
     const int n = static_cast<int>(in.tables[0].fwd.size());
     for (const auto& t : in.tables) {
         if (static_cast<int>(t.fwd.size()) != n || static_cast<int>(t.rec.size()) != n ||
@@ -1031,7 +1047,8 @@ std::vector<Candidate> search(const SearchInput& in, SearchStats* stats) {
                 const int b = in.tables[static_cast<std::size_t>(ti)].micro_batch_size;
                 if ((in.global_batch / D) % b != 0) continue;
                 const int m = in.global_batch / (b * D);
-                const double key = split_free_bound(in, sums[static_cast<std::size_t>(ti)], P, m);
+                const double key = with_data_read(split_free_bound(in, sums[static_cast<std::size_t>(ti)], P, m),
+                                                  data_read_s(in, D) * (1.0 - 1e-12), in.data_prefetch);
                 d.opts.push_back(Option{key, D, ti, false, {}, {}});
             }
         st.candidates += static_cast<long long>(d.opts.size());

@@ -103,6 +103,11 @@ struct SearchInput {
     // fastest), or, if none was simulated, an infeasible row with Candidate::simulated false
     // and its smallest lower bound as minibatch_time.  The fastest row is the same either way.
     bool exhaustive = true;
+    // Seconds to read one example of the data (0 = not modelled): every rank of a replica reads
+    // the replica's global_batch / D examples per mini-batch (SimConfig::data_read), overlapped
+    // with the previous mini-batch when data_prefetch.
+    double data_read_per_example = 0.0;
+    bool data_prefetch = true;
 };
 
 struct Candidate {
@@ -110,6 +115,7 @@ struct Candidate {
     std::vector<int> starts;                 // first segment of each stage
     double minibatch_time = 0.0;             // seconds (simulated)
     double bubble_fraction = 0.0;
+    double data_wait = 0.0;                  // of minibatch_time, seconds waiting for data
     std::vector<double> stage_memory;        // bytes, per stage (peak)
     // Simulated peak micro-batches per stage: inputs stashed for a recompute, live graphs.
     std::vector<int> peak_stashed, peak_live;

@@ -1139,17 +1139,32 @@ void validate(const SimConfig& c) {
                 bad("rank_compute_scale[" + std::to_string(i) + "] must be a finite number > 0, got " +
                     num(c.rank_compute_scale[i]));
     }
+    if (!(std::isfinite(c.data_read) && c.data_read >= 0.0))
+        bad("data_read (seconds per rank to read a mini-batch's data) must be a finite number >= 0, got " +
+            num(c.data_read));
     if (c.extrapolate_cap < 0)
         bad("extrapolate_cap must be >= 0 (0 = max(4P, 16)), got " + std::to_string(c.extrapolate_cap));
 }
 
-SimResult simulate(const SimConfig& c) {
-    validate(c);
+double with_data_read(double t, double read, bool prefetch) { return prefetch ? std::max(t, read) : t + read; }
+
+namespace {
+SimResult simulate_compute(const SimConfig& c) {
     if (c.extrapolate && !has_jitter(c) && !c.record_timeline) {
         SimResult r;
         if (extrapolate(c, r)) return r;
     }
     return simulate_exact(c, c.m);
+}
+}  // namespace
+
+SimResult simulate(const SimConfig& c) {
+    validate(c);
+    SimResult r = simulate_compute(c);
+    const double t = with_data_read(r.minibatch_time, c.data_read, c.data_prefetch);
+    r.data_wait = t - r.minibatch_time;
+    r.minibatch_time = t;
+    return r;
 }
 
 }  // namespace varuna

@@ -176,6 +176,13 @@ struct SimConfig {
     // veth): activations downstream and gradients upstream go one at a time, FIFO; false: each
     // direction has its own link.
     bool shared_egress = false;
+    // Reading the mini-batch's data, seconds per rank (each rank of a replica reads the replica's
+    // examples: stage 0 its inputs, the last stage its targets; 0 = not modelled).  With
+    // data_prefetch the next mini-batch is read while this one computes (data.prefetch,
+    // data/prefetch.py): a mini-batch lasts max(pipeline + sync, read); without, the read comes
+    // first: pipeline + sync + read.  Applied once to the whole mini-batch (with_data_read()).
+    double data_read = 0.0;
+    bool data_prefetch = true;
     // Gradient all-reduce bucket (bytes): buckets start during the last backward (see above);
     // 0 = one all-reduce after the pipeline phase.
     double bucket_bytes = 4194304.0;
@@ -248,6 +255,7 @@ struct SimResult {
     long long events = 0;          // compute actions simulated (all runs)
     int engine_used = 0;           // 1 event loop, 2 fast (of the last run)
     int period = 0;                // extrapolation: detected steady-state period c, 0 none
+    double data_wait = 0.0;        // of minibatch_time, seconds waiting for data (SimConfig::data_read)
 
     // Only with record_timeline: index = simulated rank (replica * P + stage).
     std::vector<std::vector<Segment>> timeline;
@@ -261,6 +269,10 @@ double allreduce_time(double bytes, int n, double ar_alpha, double ar_beta);
 // phase done at `done` and its last gradient-producing action started at `grad_start` (see
 // the DP rule above; cfg gives ar_alpha, ar_beta, bucket_bytes).
 double dp_allreduce_end(double bytes, int D, double done, double grad_start, const SimConfig& cfg);
+
+// A mini-batch's time with its data read (SimConfig::data_read): max(t, read) when the read is
+// prefetched during the previous mini-batch, else t + read.  Monotone in t (lower bounds stay so).
+double with_data_read(double t, double read, bool prefetch);
 
 // Throws std::invalid_argument with a message naming the offending field.
 void validate(const SimConfig& cfg);

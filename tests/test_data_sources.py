@@ -506,33 +506,49 @@ def test_a_jobs_metrics_before_any_step_have_the_documented_columns(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_slow_dataset_is_one_drift_event_not_one_per_check(tmp_path):
-    """Reading a slow dataset makes every step far slower than the simulator's prediction (which
-    models compute and communication). The manager records that once; it re-recorded it at every
-    check (every 2 heartbeats), the re-simulated estimate never explaining time spent outside the
-    model."""
+def test_a_slow_dataset_is_in_the_prediction_and_time_outside_it_is_one_drift_event(tmp_path):
+    """Reading 16 examples of 10 ms each makes every step >= 0.16 s where the model computes for a
+    few milliseconds. The calibration measures the read (``Profile.data_read_s``), so the plan
+    predicts the step with it and the job runs without an estimate_drift event. Handed the same
+    calibration without the read (time outside the model), the manager records the drift once —
+    it re-recorded it at every check (every 2 heartbeats), the re-simulated estimate never
+    explaining the step."""
     from varuna_sdk.cluster.provider import LocalProvider
     from varuna_sdk.config import TrainConfig
     from varuna_sdk.manager.events import EventLog, Kind
     from varuna_sdk.manager.manager import Manager
     from varuna_sdk.manager.state import JobState
+    from varuna_sdk.profiling.job import calibrate_job
+    from varuna_sdk.profiling.profile import Profile
 
     job = JobConfig(name="slow-drift", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
                     data=DataConfig(dataset="tests.thirdparty.user_data:SlowExamples"),
                     parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=8),
-                    train=TrainConfig(steps=60, eval_batches=1, run_dir=str(tmp_path / "runs")))
-    provider = LocalProvider(1)
-    mgr = Manager(job, provider, run_dir=tmp_path / "run", heartbeat_interval_s=0.5, grow=None, straggler=None,
-                  generation_options={"sink": None})
-    try:
-        mgr.start()
-        assert mgr.wait(200) == JobState.SUCCEEDED, mgr.error
-    finally:
-        mgr.cancel()
-        mgr.wait(30)
-        provider.close()
-    with EventLog.reader(tmp_path / "run" / "events.db") as log:
-        drifts = [e.payload for e in log.events(kind=Kind.ESTIMATE_DRIFT)]
+                    train=TrainConfig(steps=40, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    measured = calibrate_job(job)
+    assert 0.01 <= measured.data_read_s < 0.02, measured.data_read_s   # the dataset sleeps 10 ms per example
+    blind = Profile.from_dict({**json.loads(measured.to_json()), "data_read_s": 0.0})
+
+    def run(name: str, profile) -> tuple[list[dict], dict]:
+        provider = LocalProvider(1)
+        mgr = Manager(job, provider, run_dir=tmp_path / name, heartbeat_interval_s=0.5, grow=None, straggler=None,
+                      profile=profile, generation_options={"sink": None})
+        try:
+            mgr.start()
+            assert mgr.wait(200) == JobState.SUCCEEDED, mgr.error
+        finally:
+            mgr.cancel()
+            mgr.wait(30)
+            provider.close()
+        with EventLog.reader(tmp_path / name / "events.db") as log:
+            return ([e.payload for e in log.events(kind=Kind.ESTIMATE_DRIFT)],
+                    log.events(kind=Kind.PLAN, last=1)[0].payload)
+
+    drifts, plan = run("modelled", measured)
+    assert plan["predicted_step_s"] >= 16 * 0.01 and plan["data_wait_s"] > 0.9 * 16 * 0.01, plan["predicted_step_s"]
+    assert drifts == [], [(d["predicted_step_s"], d["measured_step_s"]) for d in drifts]
+    drifts, plan = run("blind", blind)
+    assert plan["predicted_step_s"] < 0.1 and plan["data_wait_s"] == 0.0
     assert len(drifts) == 1, [(d["measured_step_s"], d["drift"]) for d in drifts]
     assert drifts[0]["measured_step_s"] >= 16 * 0.01 and drifts[0]["drift"] > 1.0, drifts[0]
 

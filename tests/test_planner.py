@@ -267,6 +267,12 @@ def _random_search_input(rng: random.Random, big: bool = False):
         kw["recompute"] = rng.random() < 0.5
     inp = plan(prof, G, B, **kw)._search
     inp.sim_cap = rng.choice([0, 0, 4, 8, 12])  # 0: max(P + 8, 64)
+    # the data read (seconds per example, each rank reads its replica's B / D), drawn from a
+    # generator of its own so that the cases above stay those of the main stream
+    drng = random.Random(B * 1000 + G * 10 + n)
+    if drng.random() < 0.4:
+        inp.data_read_per_example = drng.choice([1e-4, 2e-3, 1e-2, 5e-2])
+        inp.data_prefetch = drng.random() < 0.6
     if inp.policy == "varuna" and rng.random() < 0.4:  # the split backward: B and W of each segment
         tables = inp.tables
         for t in tables:
@@ -1208,3 +1214,44 @@ def test_the_planner_starts_no_stage_after_a_cut_point_a_tensor_skips():
     assert starts and 5 not in starts, [r.stages for r in pl.rows]
     six = next(r for r in pl.rows if r.P == 6)
     assert not six.feasible and "a tensor skips cut-points" in six.reason and "leaving 5 places" in six.reason
+
+
+def test_a_slow_dataset_is_planned_for_and_the_plan_says_the_read_bounds_it():
+    """Every rank reads its replica's global_batch / D examples per mini-batch
+    (``Profile.data_read_s`` seconds each). Each row's time is its compute-only time (the same
+    candidate evaluated without a read) and the read combined: max with prefetch, the sum without.
+    A read that dwarfs the compute moves the best row to more replicas (each reads fewer examples)
+    — here from P=4 D=2 — and the plan's notes say what bounds it and what to change."""
+    prof = synthetic_profile(HEAVY, param_bytes=1e9)
+    fast = plan(prof, 8, 64)
+    assert (fast.best.P, fast.best.D) == (4, 2) and fast.best.data_wait_s == 0.0
+    assert not any("reading the data" in n for n in fast.notes)
+    inp0 = fast._search
+    sizes = [t.micro_batch_size for t in inp0.tables]
+
+    def compute_only(r) -> float:
+        c = _core.evaluate(inp0, r.P, r.D, sizes.index(r.micro_batch_size))
+        assert [s[0] for s in r.stages] == list(c.starts)
+        return c.minibatch_time
+
+    # 64 examples at 0.3 s: 19.2 s per mini-batch at D=1, 4.8 s at D=4 (compute of P=2 D=4: 6.9 s)
+    for per, prefetch in ((0.3, True), (0.3, False), (0.6, True)):
+        prof.data_read_s = per
+        slow = plan(prof, 8, 64, data_prefetch=prefetch)
+        assert len(slow.feasible) >= 4
+        for r in slow.feasible:
+            read, T = per * 64 / r.D, compute_only(r)
+            assert r.time_s == pytest.approx(max(T, read) if prefetch else T + read, rel=1e-12), (r.P, r.D)
+            assert r.data_wait_s == pytest.approx(r.time_s - T, abs=1e-12)
+        assert slow.best.D > 2, (per, prefetch, slow.best.P, slow.best.D)
+        notes = [n for n in slow.notes if n.startswith("reading the data bounds the best row")]
+        if slow.best.data_wait_s == 0.0:   # (0.3, True): hidden behind the best row's compute
+            assert (per, prefetch) == (0.3, True) and not notes
+            continue
+        assert f"its replica's {64 // slow.best.D} examples" in notes[0]
+        assert ("of compute it overlaps" in notes[0]) == prefetch and ("data.prefetch is off" in notes[0]) != prefetch
+    with pytest.raises(ConfigError, match="data_prefetch='yes' must be True"):
+        plan(prof, 8, 64, data_prefetch="yes")
+    prof.data_read_s = -1.0
+    with pytest.raises(ProfileError, match="data_read_s .* is -1.0; it must be a number >= 0"):
+        plan(prof, 8, 64)

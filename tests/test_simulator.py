@@ -490,3 +490,28 @@ def test_shared_egress_sends_one_message_at_a_time_per_rank():
     assert one.minibatch_time > both.minibatch_time * 1.1
     # the last stage sends only gradients: nothing to share, same timings for its messages
     assert [t for t in one.transfers if t.src == 2][:1] == [t for t in both.transfers if t.src == 2][:1]
+
+
+@pytest.mark.parametrize("policy", ["varuna", "1f1b", "gpipe"])
+def test_the_data_read_is_hidden_behind_compute_with_prefetch_and_added_without(policy):
+    """A rank's read of the mini-batch's data (``data_read``): with prefetch (read during the
+    previous mini-batch) a mini-batch lasts max(compute, read), without it compute + read;
+    ``data_wait`` is the part spent waiting, and the pipeline phase, peaks and sync are unchanged.
+    The compute-only time is the same simulation without a read."""
+    kw = dict(P=3, D=2, m=6, fwd=0.02, bwd=0.04, policy=policy, act_bytes=1e5, p2p_beta=1e8, dp_bytes=1e6,
+              ar_beta=1e8, record_timeline=False)
+    alone = simulate(**kw)
+    T = alone.minibatch_time
+    for read in (0.3 * T, 2.5 * T):
+        hidden, serial = simulate(**kw, data_read=read), simulate(**kw, data_read=read, data_prefetch=False)
+        assert hidden.minibatch_time == pytest.approx(max(T, read), rel=1e-12)
+        assert hidden.data_wait == pytest.approx(max(0.0, read - T), abs=1e-12)
+        assert serial.minibatch_time == pytest.approx(T + read, rel=1e-12) and serial.data_wait == pytest.approx(read)
+        for out in (hidden, serial):
+            assert out.pipeline_time == alone.pipeline_time and out.peak_inflight == alone.peak_inflight
+            assert out.sync_time == pytest.approx(alone.sync_time, abs=1e-12)
+    assert alone.data_wait == 0.0
+    with pytest.raises(ValueError, match=r"data_read .* must be a finite number >= 0, got -0\.1"):
+        simulate(**kw, data_read=-0.1)
+    with pytest.raises(TypeError, match="data_prefetch must be a bool"):
+        simulate(**kw, data_read=0.1, data_prefetch="no")

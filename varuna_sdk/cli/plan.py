@@ -49,7 +49,8 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     common = dict(policy=args.policy or par.policy, recompute=par.recompute if isinstance(par.recompute, bool) else None,
                   network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
                   memory_limit_bytes=args.memory_gib * 2**30 if args.memory_gib is not None else None,
-                  prices=_prices(args), target_examples=args.target_examples, **placement)
+                  prices=_prices(args), target_examples=args.target_examples, data_prefetch=job.data.prefetch,
+                  **placement)
     pl = plan(prof, G, B, exhaustive=not args.best_only, **common)
     print(pl.table(top=args.top))
     print(f"placement: {where}")

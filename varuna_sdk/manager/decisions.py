@@ -238,9 +238,10 @@ def judge_straggler(plan, row, rank: int, slowdown: float, without, data_s: floa
     the running configuration; ``rank`` runs ``slowdown`` x slower than predicted; ``without``:
     the best ``PlanRow`` for the pool minus its VM (None: no VM would be left). Simulates the
     running configuration with that rank slowed (``Plan.simulate(rank_scale=...)``) and
-    compares mini-batch times, each with the time a step spends reading its batch (``data_s``,
-    seconds measured for a replica's share now; the simulator does not model it: a replica of
-    ``without`` reads ``row.D / without.D`` times as much). Excludes only when the step is
+    compares mini-batch times, each with the time a step waits for its batch that the plan's
+    simulation leaves out (``data_s``, seconds measured for a replica's share now; 0 where the
+    profile's ``data_read_s`` lets the simulator model the read; a replica of ``without`` reads
+    ``row.D / without.D`` times as much). Excludes only when the step is
     ``min_gain`` (0.1 = 10 %) faster without: a job bound by reading its data gains nothing by
     losing a worker. ``measured_s``: the step time measured with the worker (data included),
     when known, replaces the simulated one — a calibration that splits the model between stages

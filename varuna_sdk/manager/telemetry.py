@@ -155,7 +155,10 @@ class ManagerTelemetry:
                 alt = (self._replan(others, first=False, best_only=True, profile=run.profile)[2]
                        if others else None)   # (the running plan's calibration: the same yardstick)
                 beats = self.options.straggler.beats
-                data_s = statistics.median(self._data_times[-beats:]) if self._data_times else 0.0
+                # the wait for data the plan's times leave out: none where the calibration measured
+                # the read (the simulator then models it, Profile.data_read_s), else what steps measure
+                modelled = getattr(run.profile, "data_read_s", 0.0) > 0.0
+                data_s = statistics.median(self._data_times[-beats:]) if self._data_times and not modelled else 0.0
                 measured = statistics.median(self._step_times[-beats:]) if len(self._step_times) >= beats else None
                 exclude, with_it, without = judge_straggler(run.plan, run.row, rank, slowdown, alt, data_s,
                                                             self.options.straggler.min_gain, measured)

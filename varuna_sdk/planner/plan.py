@@ -51,6 +51,7 @@ def plan(
     split_backward: bool | None = None,
     shared_egress: bool = False,
     max_in_flight: int | None = None,
+    data_prefetch: bool = True,
 ) -> Plan:
     """Rank every configuration of ``gpus`` GPUs for a fixed ``global_batch`` (paper §4.4).
 
@@ -109,6 +110,11 @@ def plan(
             the last included — holds more micro-batches in flight than this, whatever the
             planner's own caps; each row is simulated with the resulting caps and its
             ``recompute_why`` says where the ceiling binds. None (default): the planner's caps.
+        data_prefetch: True (default) where each rank reads the next mini-batch while one trains
+            (``data.prefetch``): a row's time is max(its compute, its read); False: their sum.
+            The read is the profile's ``data_read_s`` (seconds per example, measured by
+            ``profiling.job.calibrate_job`` on the job's own data; 0: not modelled) times the
+            replica's ``global_batch / D`` examples, which every rank of a replica reads.
 
     Raises ``ConfigError`` for bad arguments (each checked before any work, the message saying
     what to pass instead) and ``ProfileError`` naming what the profile lacks.
@@ -119,7 +125,8 @@ def plan(
                       compute_slots_per_vm=compute_slots_per_vm, micro_batch_sizes=micro_batch_sizes,
                       boundaries=boundaries, network_bandwidth_Bps=network_bandwidth_Bps, prices=prices,
                       target_examples=target_examples, max_depth=max_depth, replicas=replicas, exhaustive=exhaustive,
-                      split_backward=split_backward, shared_egress=shared_egress, max_in_flight=max_in_flight)
+                      split_backward=split_backward, shared_egress=shared_egress, max_in_flight=max_in_flight,
+                      data_prefetch=data_prefetch)
     t0 = time.perf_counter()
     found = run_search(req)
     rows = plan_rows(req, found)
@@ -205,7 +212,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
               prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress,
-              max_in_flight=ceiling)
+              max_in_flight=ceiling, data_prefetch=job.data.prefetch)
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"

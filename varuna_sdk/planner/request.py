@@ -53,6 +53,10 @@ def _checked(profile: Profile) -> tuple[np.ndarray, dict[str, np.ndarray]]:
                                f"{getattr(profile.segments[k], attr)[j]!r}; it must be a finite "
                                "number >= 0; re-run calibrate()")
         out[attr] = a
+    dr = profile.data_read_s
+    if isinstance(dr, bool) or not isinstance(dr, (int, float)) or not math.isfinite(dr) or dr < 0:
+        raise ProfileError(f"profile data_read_s (seconds to read one example) is {dr!r}; it must be a number "
+                           ">= 0; re-run calibrate_job()")
     for k, seg in enumerate(profile.segments):
         pb = seg.param_bytes
         if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not math.isfinite(pb) or pb < 0:
@@ -162,6 +166,7 @@ class PlanRequest:
     split_backward: bool | None = None
     shared_egress: bool = False
     max_in_flight: int | None = None
+    data_prefetch: bool = True
     limit: float | None = field(init=False, default=None)
     sizes: list[int] = field(init=False, default_factory=list)
     checked: tuple = field(init=False, default=(), repr=False)
@@ -277,6 +282,10 @@ class PlanRequest:
             raise ConfigError(f"shared_egress={self.shared_egress!r} must be True (a rank's sends share one link) or "
                               "False (a link per pair of ranks)")
         self.shared_egress = bool(self.shared_egress)
+        if not isinstance(self.data_prefetch, (bool, np.bool_)):
+            raise ConfigError(f"data_prefetch={self.data_prefetch!r} must be True (the next mini-batch is read while "
+                              "one trains: data.prefetch) or False (read, then train)")
+        self.data_prefetch = bool(self.data_prefetch)
         if self.max_in_flight is not None:
             self.max_in_flight = int_arg("max_in_flight", self.max_in_flight, 1,
                                          "pass the most micro-batches any stage may hold in flight, e.g. 2, or None "

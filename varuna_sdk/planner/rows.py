@@ -87,6 +87,9 @@ class PlanRow:
     stage_recompute: list[bool] = field(default_factory=list)
     max_in_flight: list[int] = field(default_factory=list)
     recompute_why: list[str] = field(default_factory=list)
+    data_wait_s: float = 0.0
+    """Seconds of ``time_s`` spent waiting for data: the read of the replica's examples beyond
+    the compute it overlaps (``data.prefetch``), or all of it without prefetch."""
 
     @property
     def recompute_label(self) -> str:

@@ -85,6 +85,8 @@ def search_input(req: PlanRequest, recompute: bool = False):
     inp.compute_interference = profile.compute_interference
     inp.ar_cpu_share = profile.network.ar_cpu_share if profile.network is not None else 1.0
     inp.exhaustive = bool(req.exhaustive)
+    inp.data_read_per_example = float(profile.data_read_s)
+    inp.data_prefetch = req.data_prefetch
     if req.boundaries is not None:
         inp.fixed_starts = [b[0] for b in req.boundaries]
     # no stage starts after a cut-point a tensor skips (recorded by the calibration's trace)
@@ -267,7 +269,7 @@ def _row(req: PlanRequest, c, mode: Mode, inp, sp: StagePlan | None = None) -> P
                   pruned=not c.simulated, lower_bound_s=math.nan if c.simulated else c.minibatch_time,
                   split_backward=split and c.feasible,
                   stage_recompute=sp.recompute if sp else [], max_in_flight=sp.max_in_flight if sp else [],
-                  recompute_why=sp.why if sp else [])
+                  recompute_why=sp.why if sp else [], data_wait_s=c.data_wait if c.feasible else 0.0)
     if c.feasible and eps > 0:
         used = c.P * c.D
         hours_per_1k = 1000.0 / eps / 3600.0
@@ -292,7 +294,30 @@ def plan_notes(req: PlanRequest, rows: list[PlanRow]) -> list[str]:
         limits = ([f"boundaries fix P={len(bnd)}"] if bnd is not None else []) + \
             ([f"max_depth={max_depth}"] if bnd is None and (max_depth or n) < min(req.gpus, n) else [])
         notes.append(_idle_note(best, req.gpus, req.global_batch, req.replicas, limits))
+    if best is not None and best.data_wait_s > DATA_NOTE_SHARE * best.time_s:
+        notes.append(_data_note(best, req))
     return notes
+
+
+#: Share of the best row's time spent waiting for data above which the plan says so.
+DATA_NOTE_SHARE = 0.05
+
+
+def _data_note(best: PlanRow, req: PlanRequest) -> str:
+    """Why the best row waits for its data, and what would shorten the wait."""
+    per = req.profile.data_read_s
+    n = req.global_batch // best.D
+    read = per * n
+    head = (f"reading the data bounds the best row: each rank reads its replica's {n} examples per mini-batch "
+            f"({format_duration(per)} each, {format_duration(read)})")
+    if req.data_prefetch:
+        how = (f", longer than the {format_duration(best.time_s - best.data_wait_s)} of compute it overlaps, so "
+               f"{format_duration(best.data_wait_s)} of each {format_duration(best.time_s)} mini-batch waits for it")
+    else:
+        how = (f" before it computes (data.prefetch is off), {format_duration(best.data_wait_s)} of each "
+               f"{format_duration(best.time_s)} mini-batch; data.prefetch: true overlaps it with the previous one")
+    return (head + how + "; a faster dataset __getitem__ (decode once and cache, or keep the examples in memory) "
+            "or more replicas (each reads fewer examples) shortens it")
 
 
 def _stages(P: int) -> str:

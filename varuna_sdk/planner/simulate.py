@@ -159,6 +159,12 @@ class SimInput:
     """All-reduce bandwidth, bytes/s."""
     consensus_latency: float = 0.0
     """World-wide consensus all-reduce at the end of each step, seconds (0 when P*D == 1)."""
+    data_read: float = 0.0
+    """Seconds each rank spends reading the mini-batch's data (a replica's examples, read by each
+    of its stages); 0 = not modelled.  See ``data_prefetch``."""
+    data_prefetch: bool = True
+    """The next mini-batch is read while this one computes (``data.prefetch``): the mini-batch
+    lasts max(compute, ``data_read``); False: compute + ``data_read``."""
     shared_egress: bool = False
     """Each rank's outgoing messages share one link (one NIC, as a VM or a network-namespace host
     has): activations downstream and gradients upstream go one at a time, FIFO; False: one link
@@ -260,6 +266,10 @@ class SimInput:
         if self.rank_compute_scale is not None:
             c.rank_compute_scale = [float(x) for x in self.rank_compute_scale]
         c.shared_egress = bool(self.shared_egress)
+        if not isinstance(self.data_prefetch, (bool, np.bool_)):
+            raise TypeError(f"data_prefetch must be a bool, got {self.data_prefetch!r}")
+        c.data_read = float(self.data_read)
+        c.data_prefetch = bool(self.data_prefetch)
         c.record_timeline = bool(self.record_timeline)
         c.extrapolate = bool(self.extrapolate)
         c.extrapolate_cap = int(self.extrapolate_cap)
@@ -274,7 +284,8 @@ class SimOutput:
 
     ``pipeline_time`` is when the last rank finished its last action and its last
     message arrived (start of the synchronisation phase); ``minibatch_time`` adds the
-    all-reduces, the consensus and the optimizer step.  Per stage, ``stage_busy`` is the
+    all-reduces, the consensus and the optimizer step, and ``data_wait``: what of the mini-batch
+    is spent waiting for its data (``SimInput.data_read``).  Per stage, ``stage_busy`` is the
     F+R+B compute time (with overheads and jitter, without slot waits; mean over
     replicas) and ``stage_bubble = 1 - stage_busy / pipeline_time``;
     ``bubble_fraction`` is their mean over stages (GPipe with uniform costs, free
@@ -309,6 +320,9 @@ class SimOutput:
     """Compute actions simulated (all runs): a cost measure."""
     engine: str
     """Engine of the last run: ``"fast"`` or ``"event"``."""
+    data_wait: float = 0.0
+    """Seconds of ``minibatch_time`` spent waiting for data: ``data_read`` beyond the compute
+    with prefetch, all of it without (0 when ``data_read`` is 0)."""
     timeline: list[list[Segment]] | None = None
     """With ``record_timeline``: per simulated rank (replica*P + stage), its segments."""
     transfers: list[Transfer] | None = None
@@ -316,8 +330,8 @@ class SimOutput:
 
     @property
     def sync_time(self) -> float:
-        """Seconds after the pipeline phase: all-reduces, consensus, optimizer."""
-        return self.minibatch_time - self.pipeline_time
+        """Seconds after the pipeline phase: all-reduces, consensus, optimizer (not the data wait)."""
+        return self.minibatch_time - self.data_wait - self.pipeline_time
 
     @classmethod
     def from_core(cls, r: "_core.SimResult", with_timeline: bool) -> "SimOutput":
@@ -343,6 +357,7 @@ class SimOutput:
             period=r.period,
             actions=r.actions,
             engine=r.engine_used,
+            data_wait=r.data_wait,
             timeline=timeline,
             transfers=transfers,
         )

@@ -38,6 +38,10 @@ from .profile import NetworkProfile, Profile
 # a loaded machine does not plan every later job (``refresh=True`` measures afresh at once).
 HOST_NETWORK_MAX_AGE_S = 3600.0
 
+# Wall-clock seconds ``measure_data_read`` may spend timing the job's data reads (a fast dataset
+# reads its 252 examples well within it; a slow one stops after a batch or two).
+DATA_READ_BUDGET_S = 0.5
+
 
 def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
     """Cache key of a job's calibration (16 hex digits): what the measurements depend on — the
@@ -73,6 +77,9 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
         prof = Profile.load(path)
         if not prof.calibrated_at:   # a cache file from before the time was recorded: its own time
             prof.calibrated_at = path.stat().st_mtime
+        # measured afresh: the key holds the data's shapes, not the dataset (another with the same
+        # shapes may read slower)
+        prof.data_read_s = measure_data_read(r, job.data.seq_len)
         return prof
     T = job.data.seq_len
     threads = job.launch.threads_per_worker
@@ -84,8 +91,30 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
                      model_info={"name": job.name, "model": r.spec.name, "identity": r.spec.identity})
     if known is None and prof.network is not None:
         store_host_network(hosts, threads, prof.network)
+    prof.data_read_s = measure_data_read(r, T)
     _write_atomic(path, prof.to_json())
     return prof
+
+
+def measure_data_read(r: ResolvedJob, seq_len: int, budget_s: float = DATA_READ_BUDGET_S,
+                      max_examples: int = 256) -> float:
+    """Seconds to read one example of the job's data as a training step reads it: the dataset's
+    ``__getitem__`` (or the token slice), collation and the split into inputs and targets
+    (``ResolvedJob.sample_inputs``), timed over batches of 4, 8, 16, ... examples after one warm-up
+    read (which opens files and fills caches), stopping before the next batch would take the total
+    past ``budget_s`` seconds or ``max_examples`` examples. The simulator charges each rank
+    ``global_batch / D`` times this per mini-batch (``SimConfig.data_read``). Raises what reading
+    the data raises (the job's dry run has read these examples already)."""
+    r.sample_inputs(1, seq_len)
+    spent, n_read, n = 0.0, 0, 4
+    while True:
+        t0 = time.perf_counter()
+        r.sample_inputs(n, seq_len)
+        spent += time.perf_counter() - t0
+        n_read += n
+        n *= 2
+        if n_read + n > max_examples or spent + n * spent / n_read > budget_s:
+            return spent / n_read
 
 
 def host_key(threads: int) -> str:

@@ -110,6 +110,11 @@ class Profile:
     # per-segment factors applied to the measured compute by ``scaled`` (a live re-calibration
     # from a job's heartbeats); empty: the calibration as measured
     live_scale: list[float] = field(default_factory=list)
+    # Seconds to read one example of the job's data as a training step reads it (the dataset's
+    # __getitem__, collation, the split into inputs and targets; ``profiling.job.measure_data_read``):
+    # each rank reads its replica's examples every mini-batch, which the simulator overlaps with
+    # compute under data.prefetch (``SimConfig.data_read``). 0 = not measured (not modelled).
+    data_read_s: float = 0.0
 
     def scaled(self, segment_factors: Sequence[float]) -> "Profile":
         """A copy whose per-segment compute (``fwd_s``, ``rec_s``, ``bwd_s``, ``bwd_in_s``, ``wgt_s``,
@@ -158,7 +163,7 @@ class Profile:
         except TypeError as e:
             raise ProfileError(f"profile has a malformed entry: {e}") from e
         opt = {k: d[k] for k in ("optimizer_state_factor", "calibration_s", "opt_parallelism",
-                                            "compute_interference", "calibrated_at", "live_scale") if k in d}
+                                            "compute_interference", "calibrated_at", "live_scale", "data_read_s") if k in d}
         return cls(segments=segs, network=net, **rest, **opt)
 
     @classmethod
