@@ -464,10 +464,13 @@ def cpu_count() -> int:
 
 
 def _cpu_times() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return idle, sum(vals)
+    """``(idle, total)`` CPU ticks of the machine (``varuna_sdk.profiling.job.cpu_times``)."""
+    from varuna_sdk.profiling.job import cpu_times
+
+    t = cpu_times()
+    if t is None:
+        raise RuntimeError("no /proc/stat here: the benchmarks measure the machine's load on Linux only")
+    return t
 
 
 def wait_for_idle(max_wait_s: float, idle_frac: float = 0.85, window_s: float = 3.0) -> dict:

@@ -335,3 +335,67 @@ def test_a_calibration_on_a_known_host_runs_only_the_models_probes(tmp_path, mon
         assert prof.network.samples["opt"] != [[1, 9.9]] and prof.network.samples["compute_ks"] == [1, k]
         assert prof.opt_parallelism >= 1.0 and prof.compute_interference >= 0.0
     assert prof.network.samples["p2p"] == [[4096, 1.0, 1.0, 0.0]]
+
+
+def test_the_machines_load_is_measured_from_proc_stat_and_decides_a_fresh_calibration():
+    """``busy_fraction`` reads the CPUs' busy share of a window from /proc/stat: two real processes
+    spinning on this 2-core machine's cores are seen (>= 0.7). ``measured_under_load``: only a
+    calibration measured under load (>= BUSY_STALE) on a machine quiet now (<= BUSY_QUIET), at least
+    BUSY_RECHECK_AGE_S old, is measured again; one still busy, a recent one, or an unknown load
+    keeps its calibration."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from varuna_sdk.profiling.job import (BUSY_QUIET, BUSY_RECHECK_AGE_S, BUSY_STALE, busy_fraction,
+                                          measured_under_load)
+
+    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 20\nwhile time.time() < t: pass"])
+            for _ in range(max(2, os.cpu_count() or 1))]
+    try:
+        time.sleep(0.3)
+        assert busy_fraction(0.5) >= 0.7
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    old = BUSY_RECHECK_AGE_S
+    assert measured_under_load(0.9, 0.05, old) and measured_under_load(BUSY_STALE, BUSY_QUIET, old)
+    assert not measured_under_load(0.9, 0.05, old - 1)       # moments ago: one calibration for calls close together
+    assert not measured_under_load(0.9, 0.6, old)            # still busy: the same load would be measured
+    assert not measured_under_load(BUSY_STALE - 0.01, 0.0, old) and not measured_under_load(0.1, 0.0, old)
+    assert not measured_under_load(None, 0.0, old) and not measured_under_load(0.9, None, old)
+
+
+def test_a_calibration_cached_under_load_is_measured_again_once_the_machine_is_quiet(tmp_path):
+    """A cached profile marked as measured (long ago) while other work kept 95 % of the CPUs busy: on a quiet
+    machine ``calibrate_job`` warns and measures it again (its time, its load and its compute
+    figures new, the cache rewritten); the new one is then reused as it is."""
+    import time
+
+    from varuna_sdk.config import DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig
+    from varuna_sdk.profiling.job import BUSY_QUIET, busy_fraction, calibrate_job, profile_key, store_host_network
+    from varuna_sdk.profiling.profile import Profile
+
+    store_host_network(tmp_path / "hosts", 1, _fake_network())
+    job = JobConfig(name="loaded", model=ModelConfig(preset="tiny", n_layer=2, n_embd=32, n_head=2),
+                    data=DataConfig(tokenizer="byte", seq_len=16), parallel=ParallelConfig(global_batch=8),
+                    launch=LaunchConfig(gpus=1))
+    first = calibrate_job(job, cache_dir=tmp_path, micro_batch_sizes=(1, 2))
+    path = tmp_path / f"{profile_key(job)}.json"
+    loaded = Profile.from_dict({**json.loads(path.read_text()), "busy_at_calibration": 0.95, "calibrated_at": 1.0})
+    path.write_text(loaded.to_json())
+    deadline = time.time() + 20
+    while (busy_fraction() or 1.0) > BUSY_QUIET / 2:   # quiet with a margin, as a user's idle machine is
+        if time.time() > deadline:
+            pytest.skip("this machine stayed busy for 20 s: the quiet case cannot be shown here")
+        time.sleep(0.5)
+    with pytest.warns(UserWarning, match=r"measured while other work kept 95% of this machine's CPUs busy"):
+        again = calibrate_job(job, cache_dir=tmp_path, micro_batch_sizes=(1, 2))
+    assert again.calibrated_at > 1.0 and again.busy_at_calibration is not None and again.busy_at_calibration < 0.95
+    assert again.segments[0].fwd_s != loaded.segments[0].fwd_s   # measured, not the cached figures
+    assert Profile.load(path).calibrated_at == again.calibrated_at
+    # reused as it is (measured moments ago, and quiet)
+    assert calibrate_job(job, cache_dir=tmp_path, micro_batch_sizes=(1, 2)).calibrated_at == again.calibrated_at
+    assert first.busy_at_calibration is not None

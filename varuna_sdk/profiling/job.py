@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,6 +38,15 @@ from .profile import NetworkProfile, Profile
 # enough for a session's models to share one measurement, short enough that a measurement taken on
 # a loaded machine does not plan every later job (``refresh=True`` measures afresh at once).
 HOST_NETWORK_MAX_AGE_S = 3600.0
+
+# A cached calibration measured while other work kept at least BUSY_STALE of the CPUs busy is
+# measured again once at most BUSY_QUIET are, if at least BUSY_RECHECK_AGE_S old
+# (``measured_under_load``); the load is sampled over BUSY_WINDOW_S seconds before each
+# calibration or cache read.
+BUSY_STALE = 0.5
+BUSY_QUIET = 0.2
+BUSY_WINDOW_S = 0.2
+BUSY_RECHECK_AGE_S = 600.0
 
 # Wall-clock seconds ``measure_data_read`` may spend timing the job's data reads (a fast dataset
 # reads its 252 examples well within it; a slow one stops after a batch or two).
@@ -65,26 +75,36 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     ``Profile`` JSON under ``cache_dir`` (default ``~/.cache/varuna_sdk/profiles``), keyed by
     ``profile_key``; a cached profile is reused unless ``refresh``. ``run_dir``: where objects the
     job shipped by value are looked up too. ``micro_batch_sizes``: default 1, 2, 4 examples — or
-    2, 4, 8 for a model that cannot train on one (``ModelSpec.min_micro_batch``). Raises what
-    resolving the job or ``calibrate`` raises."""
+    2, 4, 8 for a model that cannot train on one (``ModelSpec.min_micro_batch``). The profile's
+    ``data_read_s`` is timed on this job's data every time (``measure_data_read``), and its
+    ``busy_at_calibration`` says how busy other work kept the CPUs; a cached profile measured
+    under load is measured again, with a warning, once the machine is quiet
+    (``measured_under_load``). Raises what resolving the job or ``calibrate`` raises."""
     r = resolved or resolve_job(job, search=[run_dir] if run_dir is not None else [])
     if micro_batch_sizes is None:
         micro_batch_sizes = tuple(r.spec.min_micro_batch * k for k in (1, 2, 4))
     cache = Path(cache_dir) if cache_dir else default_cache_dir() / "profiles"
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{profile_key(job, r)}.json"
+    busy = busy_fraction()
+    stale = False
     if path.exists() and not refresh:
         prof = Profile.load(path)
         if not prof.calibrated_at:   # a cache file from before the time was recorded: its own time
             prof.calibrated_at = path.stat().st_mtime
-        # measured afresh: the key holds the data's shapes, not the dataset (another with the same
-        # shapes may read slower)
-        prof.data_read_s = measure_data_read(r, job.data.seq_len)
-        return prof
+        if not measured_under_load(prof.busy_at_calibration, busy, time.time() - prof.calibrated_at):
+            # measured afresh: the key holds the data's shapes, not the dataset (another with the
+            # same shapes may read slower)
+            prof.data_read_s = measure_data_read(r, job.data.seq_len)
+            return prof
+        warnings.warn(f"the cached calibration of this model ({path.name}) was measured while other work kept "
+                      f"{prof.busy_at_calibration:.0%} of this machine's CPUs busy, which inflates its compute "
+                      f"times; the CPUs are {busy:.0%} busy now, so it is measured again", stacklevel=2)
+        stale = True
     T = job.data.seq_len
     threads = job.launch.threads_per_worker
     hosts = cache / "hosts"
-    known = None if refresh else cached_host_network(hosts, threads)
+    known = None if refresh or stale else cached_host_network(hosts, threads)
     prof = calibrate(r.spec.factory, r.spec.loss_fn, lambda b: r.sample_inputs(b, T), micro_batch_sizes,
                      seed=job.train.seed, init_fn=r.spec.init_fn, precision=job.train.precision,
                      threads=threads, network=known or True,
@@ -92,8 +112,45 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     if known is None and prof.network is not None:
         store_host_network(hosts, threads, prof.network)
     prof.data_read_s = measure_data_read(r, T)
+    prof.busy_at_calibration = busy
     _write_atomic(path, prof.to_json())
     return prof
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """This machine's CPU time so far, ``(idle, total)`` in clock ticks over every CPU (idle
+    includes waiting for I/O), from ``/proc/stat``; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(vals) < 4:
+        return None
+    return vals[3] + (vals[4] if len(vals) > 4 else 0), sum(vals)
+
+
+def busy_fraction(window_s: float = BUSY_WINDOW_S) -> float | None:
+    """The share of this machine's CPU time (0..1) that was not idle over the next ``window_s``
+    seconds (this process sleeps meanwhile: the work is other processes'); None where
+    ``cpu_times`` is None."""
+    a = cpu_times()
+    time.sleep(window_s)
+    b = cpu_times()
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    return round(1.0 - (b[0] - a[0]) / (b[1] - a[1]), 3)
+
+
+def measured_under_load(busy_then: float | None, busy_now: float | None, age_s: float) -> bool:
+    """True when a cached calibration ``age_s`` seconds old should be measured again: other work
+    kept at least ``BUSY_STALE`` of the CPUs busy while it was measured (its compute times are
+    inflated, and every later plan of the model would use them), at most ``BUSY_QUIET`` are busy
+    now, and it is at least ``BUSY_RECHECK_AGE_S`` old (calls moments apart share one calibration,
+    whatever a fraction of a second's load said). A machine that stays busy keeps its calibration
+    (measuring again would measure the same load); None (not known) never triggers it."""
+    return (busy_then is not None and busy_now is not None and busy_then >= BUSY_STALE and busy_now <= BUSY_QUIET
+            and age_s >= BUSY_RECHECK_AGE_S)
 
 
 def measure_data_read(r: ResolvedJob, seq_len: int, budget_s: float = DATA_READ_BUDGET_S,

@@ -115,6 +115,10 @@ class Profile:
     # each rank reads its replica's examples every mini-batch, which the simulator overlaps with
     # compute under data.prefetch (``SimConfig.data_read``). 0 = not measured (not modelled).
     data_read_s: float = 0.0
+    # The share of the machine's CPU time (0..1) other work kept busy just before the calibration
+    # (``profiling.job.busy_fraction``); None: not known. A calibration measured under load is
+    # measured again once the machine is quiet (``profiling.job.measured_under_load``).
+    busy_at_calibration: float | None = None
 
     def scaled(self, segment_factors: Sequence[float]) -> "Profile":
         """A copy whose per-segment compute (``fwd_s``, ``rec_s``, ``bwd_s``, ``bwd_in_s``, ``wgt_s``,
@@ -163,7 +167,8 @@ class Profile:
         except TypeError as e:
             raise ProfileError(f"profile has a malformed entry: {e}") from e
         opt = {k: d[k] for k in ("optimizer_state_factor", "calibration_s", "opt_parallelism",
-                                            "compute_interference", "calibrated_at", "live_scale", "data_read_s") if k in d}
+                                            "compute_interference", "calibrated_at", "live_scale", "data_read_s",
+                                 "busy_at_calibration") if k in d}
         return cls(segments=segs, network=net, **rest, **opt)
 
     @classmethod
