@@ -4,7 +4,9 @@ starts, naming the file or column and the fix; the data position is exact across
 
 from __future__ import annotations
 
+import copy
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -726,3 +728,60 @@ def test_nested_and_text_fields_are_refused_with_the_shape_to_give_instead():
         open_examples([((torch.zeros(2), torch.ones(3)), torch.tensor(1))], "ds")
     with pytest.raises(DataError, match=r"at \['text'\].*text must be token ids: tokenize it in __getitem__"):
         open_examples([{"text": "hello", "labels": 1}], "ds")
+
+
+def test_dict_examples_with_other_keys_name_the_odd_example():
+    """A dataset whose example 150 says ``label`` where the others say ``labels``: torch's collate
+    raised a bare KeyError ('labels'); the batch is refused naming the example and both key sets."""
+    from varuna_sdk.data.loader import collate
+
+    examples = [{"x": torch.zeros(3), "labels": torch.tensor(1)} for _ in range(4)]
+    examples[2] = {"x": torch.zeros(3), "label": torch.tensor(1)}
+    with pytest.raises(DataError, match=r"example 150 has fields \['label', 'x'\], the others \['labels', 'x'\]"):
+        collate(examples, ids=[7, 9, 150, 3])
+
+
+def test_a_dataset_whose_reads_draw_random_numbers_is_planned_without_prefetch():
+    """Reads that draw from torch's global generator (a random augmentation) are not read ahead
+    at run time (``data.prefetch`` turns itself off); the calibration sees the draw
+    (``Profile.data_draws_random``), so the plan adds the read to the compute instead of
+    overlapping them (its row is the same job's plan with prefetch off) and its note says why.
+    The same data without the draw keeps the overlap."""
+    from varuna_sdk.planner.plan import data_prefetch_for, plan_for_job
+    from varuna_sdk.profiling.job import calibrate_job
+
+    def job(dataset: str) -> JobConfig:
+        return JobConfig(name="aug", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                         data=DataConfig(dataset=f"tests.thirdparty.user_data:{dataset}", dataset_kwargs={"delay_s": 0.01}),
+                         parallel=ParallelConfig(global_batch=16))
+    aug, plain = job("SlowAugmented"), job("SlowExamples")
+    prof = calibrate_job(aug)
+    assert prof.data_draws_random == ["torch"] and not data_prefetch_for(aug, prof)
+    assert 0.01 <= prof.data_read_s < 0.03
+    _, pl = plan_for_job(aug, prof, gpus=2)
+    off = copy.deepcopy(aug)
+    off.data.prefetch = False
+    _, pl_off = plan_for_job(off, prof, gpus=2)
+    assert pl.best.time_s == pl_off.best.time_s and pl.best.data_wait_s == pytest.approx(16 / pl.best.D * prof.data_read_s)
+    note = next(n for n in pl.notes if n.startswith("reading the data bounds the best row"))
+    assert "draws from the global torch random generator" in note and "own (seeded from the index)" in note
+    still = calibrate_job(plain)   # the same model and shapes: the cached profile, its data measured afresh
+    assert still.data_draws_random == [] and data_prefetch_for(plain, still)
+    _, pl_plain = plan_for_job(plain, still, gpus=2)
+    assert pl_plain.best.data_wait_s < pl.best.data_wait_s
+
+
+def test_an_output_tuple_of_several_tensors_warns_which_one_the_automatic_loss_takes():
+    """A forward returning ``(hidden [B, 32], logits [B, 4])`` with class ids below 32: the
+    automatic cross-entropy takes the first tensor and trained on the hidden state with no word;
+    resolving the job now warns, naming both shapes and the loss to give. A single output does not."""
+    def job(factory: str) -> JobConfig:
+        return JobConfig(model=ModelConfig(factory=f"tests.thirdparty.user_data:{factory}"),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                         parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4))
+    with pytest.warns(UserWarning, match=r"returns a tuple of 2 tensors \(shapes \[\[4, 32\], \[4, 4\]\]\); the automatic "
+                                         r"cross-entropy takes the first, \[4, 32\].*give the job a loss"):
+        resolve_job(job("HiddenAndLogits"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_job(job("Classifier"))

@@ -62,7 +62,7 @@ from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
-from .model.spec import (ModelSpec, ModelSpecError, infer_call, model_limits, positive_settings, prepare_model,
+from .model.spec import (ModelSpec, ModelSpecError, cross_entropy, infer_call, model_limits, positive_settings, prepare_model,
                          warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
@@ -543,6 +543,20 @@ class _ForwardFailed(Exception):
         self.error = error
 
 
+def _warn_first_of_several(out: Any, name: str) -> None:
+    """Warn when the automatic cross-entropy takes the first tensor of an output tuple that holds
+    several (``model.spec.output_logits``): a ``(hidden, logits)`` output would train on the
+    hidden state as if it were logits, with no error."""
+    if not isinstance(out, (tuple, list)) or getattr(out, "logits", None) is not None:
+        return
+    shapes = [list(t.shape) for t in out if isinstance(t, torch.Tensor)]
+    if len(shapes) > 1:
+        warnings.warn(f"{name} returns a {type(out).__name__} of {len(shapes)} tensors (shapes {shapes}); the automatic "
+                      f"cross-entropy takes the first, {shapes[0]}, as the logits. If the logits are another element, "
+                      "give the job a loss, e.g. model.loss: 'mypkg.losses:ce' with def ce(output, targets): return "
+                      "F.cross_entropy(output[1], targets) (Job(..., loss=ce) in a notebook)", stacklevel=2)
+
+
 def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, precision: str) -> ModelStructure:
     """One dry run (weights on meta, ``b`` real examples): the forward, the loss on its output, and
     every embedding lookup (token tables bound the ids, position tables the length). Raises
@@ -553,6 +567,8 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
         raise DataError(f"{data.source}: {e}") from None
 
     def loss_on(out: Any) -> None:
+        if spec.loss_fn is cross_entropy:
+            _warn_first_of_several(out, spec.name)
         try:
             loss = spec.loss_fn(out, targets)
         except WeightValueError:

@@ -104,6 +104,15 @@ class SlowExamples(torch.utils.data.Dataset):
         return self.ds[i]
 
 
+class SlowAugmented(SlowExamples):
+    """``SlowExamples`` with a random augmentation drawn from torch's global generator (noise
+    added to the features, as torchvision's random transforms draw): read on the main thread."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + 0.01 * torch.randn_like(x), y
+
+
 class OneBadExample(torch.utils.data.Dataset):
     """``make_dataset(n)`` whose example ``bad`` cannot be read (a record missing from the file its
     ``__len__`` was counted from): ``__getitem__`` raises ``IndexError`` for it."""
@@ -226,3 +235,13 @@ class ChangesMidway(torch.utils.data.Dataset):
         if self.reads > self.after:
             x = x.double() if self.dtype_only else torch.nn.functional.pad(x, (0, self.features - x.shape[0]))
         return x, y
+
+
+class HiddenAndLogits(Classifier):
+    """``Classifier`` whose forward returns ``(hidden, logits)``: the logits second."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.body:
+            h = block(h)
+        return h, self.out(h)

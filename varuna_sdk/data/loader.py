@@ -383,7 +383,7 @@ def collate(examples: list, ids: Sequence[int] | None = None) -> dict[str, Any]:
                         "row it skips); every index below len(dataset) must give an example")
     try:
         batch = default_collate(examples)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, KeyError, ValueError) as e:   # KeyError: dicts with other keys
         raise DataError(f"the dataset's examples cannot be stacked into one batch: {_unstackable(examples, ids)}; "
                         "every example must hold tensors of the same shapes (pad or crop them to one shape in "
                         f"__getitem__) [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None

@@ -75,10 +75,7 @@ class BatchPrefetcher:
         t0 = time.perf_counter()
         if not self._probed and self.enabled:
             self._probed = True
-            before = _global_rng_states()
-            batch = self._read(step)
-            moved = [name for name, a, b in zip(("torch", "NumPy", "Python random"), before, _global_rng_states())
-                     if a != b]
+            batch, moved = draws_random(lambda: self._read(step))
             if moved:
                 self.enabled = False
                 self.off_reason = (f"reading a batch draws from the global {' and '.join(moved)} random generator(s) "
@@ -141,6 +138,17 @@ class BatchPrefetcher:
             self._closed = True
             self._have = None
             self._cond.notify_all()
+
+
+def draws_random(read: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``read()``'s result and the global random generators it drew from (``"torch"``,
+    ``"NumPy"``, ``"Python random"``: their states moved), read on the caller's thread. A dataset
+    whose reads draw from them cannot be read ahead on another thread (``BatchPrefetcher``); the
+    calibration asks the same of the job's data so that the plan models what will run."""
+    before = _global_rng_states()
+    out = read()
+    return out, [name for name, a, b in zip(("torch", "NumPy", "Python random"), before, _global_rng_states())
+                 if a != b]
 
 
 def _global_rng_states() -> tuple[bytes, bytes, bytes]:

@@ -212,7 +212,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
               prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress,
-              max_in_flight=ceiling, data_prefetch=job.data.prefetch)
+              max_in_flight=ceiling, data_prefetch=data_prefetch_for(job, profile))
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
@@ -243,4 +243,11 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     return job.validate(), pl
 
 
-__all__ = ["plan_for_job", "plan"]
+def data_prefetch_for(job: JobConfig, profile: Profile) -> bool:
+    """Whether the job's ranks will read each batch ahead (``plan(data_prefetch=...)``):
+    ``data.prefetch``, unless the calibration saw the data's reads draw from a global random
+    generator (``Profile.data_draws_random``), for which the runtime turns prefetching off."""
+    return bool(job.data.prefetch) and not profile.data_draws_random
+
+
+__all__ = ["plan_for_job", "plan", "data_prefetch_for"]

@@ -313,11 +313,17 @@ def _data_note(best: PlanRow, req: PlanRequest) -> str:
     if req.data_prefetch:
         how = (f", longer than the {format_duration(best.time_s - best.data_wait_s)} of compute it overlaps, so "
                f"{format_duration(best.data_wait_s)} of each {format_duration(best.time_s)} mini-batch waits for it")
+    elif req.profile.data_draws_random:
+        how = (f" before it computes: reading draws from the global {' and '.join(req.profile.data_draws_random)} "
+               "random generator (a random transform in __getitem__?), so the batches are read on the main thread, "
+               f"not ahead; {format_duration(best.data_wait_s)} of each {format_duration(best.time_s)} mini-batch. "
+               "A torch.Generator of the dataset's own (seeded from the index) lets data.prefetch read ahead")
     else:
         how = (f" before it computes (data.prefetch is off), {format_duration(best.data_wait_s)} of each "
                f"{format_duration(best.time_s)} mini-batch; data.prefetch: true overlaps it with the previous one")
-    return (head + how + "; a faster dataset __getitem__ (decode once and cache, or keep the examples in memory) "
-            "or more replicas (each reads fewer examples) shortens it")
+    more = " or more replicas (each reads fewer examples)" if req.gpus // best.P > best.D else ""
+    return head + how + f"; a faster dataset __getitem__ (decode once and cache, or keep the examples in memory){more} " \
+        "shortens it"
 
 
 def _stages(P: int) -> str:

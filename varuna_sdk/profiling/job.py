@@ -28,6 +28,7 @@ import torch
 
 from ..config import JobConfig
 from ..data.loader import default_cache_dir
+from ..data.prefetch import draws_random
 from ..jobspec import ResolvedJob, resolve_job
 from ..model.cutpoint import AUTO_CUTPOINTS_VERSION
 from .calibrate import calibrate
@@ -95,7 +96,7 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
         if not measured_under_load(prof.busy_at_calibration, busy, time.time() - prof.calibrated_at):
             # measured afresh: the key holds the data's shapes, not the dataset (another with the
             # same shapes may read slower)
-            prof.data_read_s = measure_data_read(r, job.data.seq_len)
+            prof.data_read_s, prof.data_draws_random = measure_data_read(r, job.data.seq_len)
             return prof
         warnings.warn(f"the cached calibration of this model ({path.name}) was measured while other work kept "
                       f"{prof.busy_at_calibration:.0%} of this machine's CPUs busy, which inflates its compute "
@@ -111,7 +112,7 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
                      model_info={"name": job.name, "model": r.spec.name, "identity": r.spec.identity})
     if known is None and prof.network is not None:
         store_host_network(hosts, threads, prof.network)
-    prof.data_read_s = measure_data_read(r, T)
+    prof.data_read_s, prof.data_draws_random = measure_data_read(r, T)
     prof.busy_at_calibration = busy
     _write_atomic(path, prof.to_json())
     return prof
@@ -154,15 +155,17 @@ def measured_under_load(busy_then: float | None, busy_now: float | None, age_s: 
 
 
 def measure_data_read(r: ResolvedJob, seq_len: int, budget_s: float = DATA_READ_BUDGET_S,
-                      max_examples: int = 256) -> float:
+                      max_examples: int = 256) -> tuple[float, list[str]]:
     """Seconds to read one example of the job's data as a training step reads it: the dataset's
     ``__getitem__`` (or the token slice), collation and the split into inputs and targets
     (``ResolvedJob.sample_inputs``), timed over batches of 4, 8, 16, ... examples after one warm-up
     read (which opens files and fills caches), stopping before the next batch would take the total
-    past ``budget_s`` seconds or ``max_examples`` examples. The simulator charges each rank
-    ``global_batch / D`` times this per mini-batch (``SimConfig.data_read``). Raises what reading
-    the data raises (the job's dry run has read these examples already)."""
-    r.sample_inputs(1, seq_len)
+    past ``budget_s`` seconds or ``max_examples`` examples; and the global random generators the
+    warm-up read drew from (``data.prefetch.draws_random``: a dataset whose reads draw from them is
+    read on the main thread, not ahead). The simulator charges each rank ``global_batch / D`` times
+    the seconds per mini-batch (``SimConfig.data_read``). Raises what reading the data raises (the
+    job's dry run has read these examples already)."""
+    _, moved = draws_random(lambda: r.sample_inputs(4, seq_len))
     spent, n_read, n = 0.0, 0, 4
     while True:
         t0 = time.perf_counter()
@@ -171,7 +174,7 @@ def measure_data_read(r: ResolvedJob, seq_len: int, budget_s: float = DATA_READ_
         n_read += n
         n *= 2
         if n_read + n > max_examples or spent + n * spent / n_read > budget_s:
-            return spent / n_read
+            return spent / n_read, moved
 
 
 def host_key(threads: int) -> str:

@@ -115,6 +115,10 @@ class Profile:
     # each rank reads its replica's examples every mini-batch, which the simulator overlaps with
     # compute under data.prefetch (``SimConfig.data_read``). 0 = not measured (not modelled).
     data_read_s: float = 0.0
+    # The global random generators reading the data draws from ("torch", "NumPy", "Python random";
+    # a random transform in __getitem__): such data is read on the main thread, not ahead
+    # (data.prefetch turns itself off), so the plan models no overlap.
+    data_draws_random: list[str] = field(default_factory=list)
     # The share of the machine's CPU time (0..1) other work kept busy just before the calibration
     # (``profiling.job.busy_fraction``); None: not known. A calibration measured under load is
     # measured again once the machine is quiet (``profiling.job.measured_under_load``).
@@ -168,7 +172,7 @@ class Profile:
             raise ProfileError(f"profile has a malformed entry: {e}") from e
         opt = {k: d[k] for k in ("optimizer_state_factor", "calibration_s", "opt_parallelism",
                                             "compute_interference", "calibrated_at", "live_scale", "data_read_s",
-                                 "busy_at_calibration") if k in d}
+                                 "data_draws_random", "busy_at_calibration") if k in d}
         return cls(segments=segs, network=net, **rest, **opt)
 
     @classmethod
