@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import ast
 from pathlib import Path
 
@@ -336,3 +338,34 @@ def test_prefetcher_reads_on_the_main_thread_a_dataset_that_draws_from_a_global_
     assert got == want and not pf.enabled
     assert threads == [threading.current_thread().name] * 4
     assert {"torch": "torch", "numpy": "NumPy", "random": "Python random"}[draw] in pf.off_reason
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_read_that_hangs_is_reported_every_stall_interval_until_it_returns(enabled):
+    """A ``__getitem__`` stuck on step 2 (a hung network mount): while ``get(2)`` waits, the
+    watchdog reports the step and the seconds waited every ``stall_s`` (read ahead or on the
+    caller's thread alike); once the read returns the reports stop, and quick reads never report."""
+    from varuna_sdk.data.prefetch import BatchPrefetcher
+
+    release = threading.Event()
+    stalls: list[tuple[int, float]] = []
+
+    def read(step: int) -> int:
+        if step == 2:
+            release.wait(30)
+        return step * 10
+
+    pf = BatchPrefetcher(read, 5, enabled=enabled, on_stall=lambda s, w: stalls.append((s, w)), stall_s=0.3)
+    try:
+        assert [pf.get(0), pf.get(1)] == [0, 10] and stalls == []
+        threading.Timer(1.1, release.set).start()
+        assert pf.get(2) == 20
+        seen = list(stalls)
+        assert [s for s, _ in seen] == [2] * len(seen) and 2 <= len(seen) <= 4, seen
+        assert all(w >= 0.3 * (k + 1) - 0.05 for k, (_, w) in enumerate(seen)), seen
+        assert [pf.get(3), pf.get(4)] == [30, 40]
+        time.sleep(0.7)
+        assert stalls == seen
+    finally:
+        pf.close()

@@ -648,3 +648,49 @@ def test_vms_are_planned_with_one_egress_link_per_worker_and_local_slots_over_lo
         deep = [(a.time_s, b.time_s) for a in want.feasible for b in other.feasible
                 if (a.P, a.D, a.micro_batch_size) == (b.P, b.D, b.micro_batch_size) and a.P > 2]
         assert deep and any(abs(a - b) > 1e-3 * a for a, b in deep)  # the two link models differ here
+
+
+@pytest.mark.timeout(240)
+def test_a_stop_while_a_step_hangs_on_its_data_says_what_was_kept(tmp_path):
+    """A dataset whose reads hang from a step on (the worker's log would say which step's batch it
+    awaits after ``trainer.DATA_STALL_S``; the watchdog is tested in test_data): a user's stop cannot
+    reach a mini-batch boundary — the workers are killed at the
+    stop's deadline. The job is STOPPED saying so and naming the steps its last complete checkpoint
+    holds (it said "at a mini-batch boundary (checkpointed)"), and ``JobStopped`` says how many steps
+    will be trained again."""
+    from varuna_sdk.cluster.provider import LocalProvider
+    from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+    from varuna_sdk.runner import JobStopped
+
+    flag = tmp_path / "hang"
+    job = JobConfig(name="hangs", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:HangsOnFlag",
+                                    dataset_kwargs={"flag": str(flag)}),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=8),
+                    train=TrainConfig(steps=5000, eval_batches=1, checkpoint_every=1000, run_dir=str(tmp_path / "runs")))
+    run = tmp_path / "run"
+    provider = LocalProvider(1)
+    mgr = Manager(job, provider, run_dir=run, heartbeat_interval_s=0.5, stop_timeout_s=6, grow=None, straggler=None,
+                  calibrate_first=False, generation_options={"sink": None})
+    try:
+        mgr.start()
+        wait_step(run, 3, 120)
+        flag.touch()
+        time.sleep(3.0)     # the next read hangs: the worker waits in its get
+        mgr.cancel()
+        assert mgr.wait(120) == JobState.STOPPED, mgr.error
+    finally:
+        mgr.cancel()
+        mgr.wait(30)
+        provider.close()
+    summary = mgr.summary()
+    done = summary["last_step"] + 1
+    kept = summary["checkpoint_steps"]
+    assert kept is not None and kept < done and kept % 1000 == 0, summary
+    with EventLog.reader(run / "events.db") as log:
+        said = log.events(kind=Kind.JOB_STATE, last=1)[0].payload
+        assert log.events(kind=Kind.STOP_TIMEOUT)
+    text = json.dumps(said)
+    assert "did not reach a mini-batch boundary within 6 s" in text and f"holds {kept} step(s)" in text, said
+    msg = str(JobStopped(run, summary["last_step"], kept))
+    assert f"holds {kept} step(s), and {done - kept} step(s) will be trained again" in msg

@@ -353,14 +353,20 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
 
 
 class JobStopped(Exception):
-    """The job was stopped on request (Ctrl-C, SIGTERM, ``varuna stop``) at a mini-batch boundary,
-    with a checkpoint in ``run_dir``: ``varuna launch RUN_DIR/config.yaml --run-dir RUN_DIR``
-    continues it. ``last_step``: the last step done (0-based; None: none)."""
+    """The job was stopped on request (Ctrl-C, SIGTERM, ``varuna stop``), at a mini-batch boundary
+    with a checkpoint in ``run_dir`` — or, when a step stalled past the stop's deadline, killed, its
+    last complete checkpoint kept: ``varuna launch RUN_DIR/config.yaml --run-dir RUN_DIR``
+    continues it. ``last_step``: the last step done (0-based; None: none); ``kept``: the steps the
+    checkpoint it continues from holds (None: as many as were done)."""
 
-    def __init__(self, run_dir: Path, last_step: int | None):
+    def __init__(self, run_dir: Path, last_step: int | None, kept: int | None = None):
         self.run_dir, self.last_step = Path(run_dir), last_step
         done = 0 if last_step is None else last_step + 1
-        super().__init__(f"stopped after {done} step(s) with a checkpoint in {run_dir}; continue with `varuna launch "
+        self.kept = done if kept is None else kept
+        how = (f"with a checkpoint in {run_dir}" if self.kept >= done else
+               f"without reaching a mini-batch boundary (the workers were killed); its last checkpoint in {run_dir} "
+               f"holds {self.kept} step(s), and {done - self.kept} step(s) will be trained again")
+        super().__init__(f"stopped after {done} step(s) {how}; continue with `varuna launch "
                          f"{Path(run_dir) / 'config.yaml'} --run-dir {run_dir}`")
 
 
@@ -389,7 +395,7 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
         provider.close()
     out = Path(summary["run_dir"])
     if summary["state"] == "STOPPED":
-        raise JobStopped(out, summary.get("last_step"))
+        raise JobStopped(out, summary.get("last_step"), summary.get("checkpoint_steps"))
     if summary["state"] != "SUCCEEDED":
         raise WorkerFailure(f"job {summary['job_id']} {summary['state']}: {summary['error']}",
                             {0: (1, summary["error"] or "")})

@@ -124,6 +124,10 @@ def model_structure(job: JobConfig, resolved: ResolvedJob | None = None):
     return trace_model(build_on_meta(r.spec.factory), sample, after=loss_after(r.spec.loss_fn, targets))
 
 
+#: Seconds a step may wait for its batch before the worker's log says so (and again every as many).
+DATA_STALL_S = 60.0
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -446,7 +450,18 @@ class _WorkerRun:
 
     def __post_init__(self) -> None:
         if self.reader is None:
-            self.reader = BatchPrefetcher(self.tr.batch, self.job.train.steps, enabled=self.job.data.prefetch)
+            self.reader = BatchPrefetcher(self.tr.batch, self.job.train.steps, enabled=self.job.data.prefetch,
+                                          on_stall=self._data_stalled, stall_s=DATA_STALL_S)
+
+    def _data_stalled(self, step: int, waited_s: float) -> None:
+        """Say in the worker's log that ``step``'s batch has been awaited ``waited_s`` seconds."""
+        ids = getattr(self.tr.loader, "example_indices", None)
+        which = ""
+        if ids is not None:
+            idx = [int(i) for i in ids(step)]
+            which = f" (examples {idx[:8]}{'...' if len(idx) > 8 else ''})"
+        _log(f"[varuna] rank {self.progress.rank}: step {step + 1}'s batch{which} is not read after {waited_s:.0f} s: "
+             "the dataset's __getitem__ (or the storage it reads) may hang; the job waits for it")
 
     @property
     def lead(self) -> bool:

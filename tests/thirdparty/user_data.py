@@ -245,3 +245,22 @@ class HiddenAndLogits(Classifier):
         for block in self.body:
             h = block(h)
         return h, self.out(h)
+
+
+class HangsOnFlag(torch.utils.data.Dataset):
+    """``make_dataset(n)`` whose ``__getitem__`` hangs (a stuck network mount) once the file
+    ``flag`` exists."""
+
+    def __init__(self, flag: str, n: int = 400):
+        self.ds, self.flag = make_dataset(n), flag
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        import os
+        import time
+
+        while os.path.exists(self.flag):
+            time.sleep(0.05)
+        return self.ds[i]

@@ -50,6 +50,10 @@ class BatchPrefetcher:
         enabled: ``False`` reads every batch in ``get`` itself (``data.prefetch: false``, for a
             dataset that must be read on the thread that opened it, e.g. an ``sqlite3``
             connection).
+        on_stall: ``(step, seconds) -> None``, called (on a watchdog thread) every ``stall_s``
+            seconds that a ``get`` has been waiting for its batch — a ``__getitem__`` that hangs
+            (a stuck network mount) would otherwise stall the job without a word. None: no watchdog.
+        stall_s: seconds between ``on_stall`` calls (> 0).
 
     ``waited_s`` after each ``get``: seconds that ``get`` blocked for its batch (the whole read
     without prefetching; only what the step's compute did not hide with it). ``off_reason``: why
@@ -57,8 +61,14 @@ class BatchPrefetcher:
     generator), else ``None``.
     """
 
-    def __init__(self, read: Callable[[int], Any], stop: int, *, enabled: bool = True):
+    def __init__(self, read: Callable[[int], Any], stop: int, *, enabled: bool = True,
+                 on_stall: Callable[[int, float], None] | None = None, stall_s: float = 60.0):
         self._read, self._stop, self.enabled = read, int(stop), bool(enabled)
+        if not stall_s > 0:
+            raise ValueError(f"stall_s={stall_s!r} must be > 0 seconds")
+        self._on_stall, self._stall_s = on_stall, float(stall_s)
+        self._getting: tuple[int, float] | None = None   # (step, perf_counter at its get) while a get waits
+        self._watch: threading.Thread | None = None
         self._cond = threading.Condition()
         self._want: int | None = None        # the step the thread is asked to read next
         self._reading: int | None = None     # the step it is reading now
@@ -72,6 +82,36 @@ class BatchPrefetcher:
     def get(self, step: int) -> Any:
         """The batch of ``step`` (read ahead when the previous ``get`` was of ``step - 1``); then
         the read of ``step + 1`` is started. Raises whatever ``read(step)`` raised."""
+        if self._on_stall is None:
+            return self._get(step)
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._watchdog, name="varuna-data-watch", daemon=True)
+            self._watch.start()
+        self._getting = (step, time.perf_counter())
+        try:
+            return self._get(step)
+        finally:
+            self._getting = None
+
+    def _watchdog(self) -> None:
+        """Call ``on_stall`` every ``stall_s`` seconds that one ``get`` waits (until ``close``)."""
+        told: tuple[int, float] | None = None
+        calls = 0
+        while not self._closed:
+            time.sleep(min(self._stall_s / 4, 1.0))
+            now, getting = time.perf_counter(), self._getting
+            if getting is None:
+                continue
+            if getting != told:
+                told, calls = getting, 0
+            if now - getting[1] >= (calls + 1) * self._stall_s:
+                calls += 1
+                try:
+                    self._on_stall(getting[0], now - getting[1])
+                except Exception:  # noqa: BLE001 - a report that fails must not end the watch
+                    pass
+
+    def _get(self, step: int) -> Any:
         t0 = time.perf_counter()
         if not self._probed and self.enabled:
             self._probed = True

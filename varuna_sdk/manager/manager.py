@@ -511,11 +511,14 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
 
     def summary(self) -> dict[str, Any]:
         """State, generation, budgets used, morphs and the error, as plain data. ``ended_before``:
-        the job had already ended (SUCCEEDED or FAILED) in this run folder, so ``run()`` ran nothing."""
+        the job had already ended (SUCCEEDED or FAILED) in this run folder, so ``run()`` ran nothing.
+        ``checkpoint_steps``: of a STOPPED job, the steps its last complete checkpoint holds (where
+        it continues), else None."""
         return {"job_id": self.job_id, "state": self.state.value, "generation": self.generation,
                 "ended_before": self._ended_before,
                 "last_step": self._last_step, "preemptions": self.preemptions, "failures": self.failures,
-                "morphs": [m.to_dict() for m in self.morphs], "error": self.error, "run_dir": str(self.run_dir)}
+                "morphs": [m.to_dict() for m in self.morphs], "error": self.error, "run_dir": str(self.run_dir),
+                "checkpoint_steps": self._resume_step() if self.state == JobState.STOPPED else None}
 
 
 __all__ = ["Manager"]

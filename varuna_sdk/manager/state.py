@@ -164,6 +164,7 @@ class RunningGeneration:
     first_step_time: float | None = None
     stopping: tuple[MorphCause, str | None, float] | None = None  # (cause, host, when asked)
     stop_deadline: float = math.inf
+    stop_timed_out: bool = False             # the workers missed the stop's deadline and were killed
     profile: Any = None                      # the calibration this generation was planned from
     estimate_s: float | None = None          # the step time measured at the last drift event (None: the plan's)
     recalibrated_examples_per_s: float | None = None   # the running plan re-simulated from heartbeats

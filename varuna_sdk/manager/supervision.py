@@ -118,6 +118,7 @@ class ManagerSupervision:
         used); the morph's cause becomes ``stop_timeout``. Returns the generation's result."""
         self.log.append(Kind.STOP_TIMEOUT, job_id=self.job_id,
                         payload={"generation": self.generation, "timeout_s": self.options.stop_timeout_s})
+        run.stop_timed_out = True
         run.gen.stop(grace_s=2.0)
         res = run.gen.wait(timeout_s=10.0)
         if self._pending is not None:
@@ -157,7 +158,13 @@ class ManagerSupervision:
             cause = run.stopping[0] if run.stopping else "notice"
             if cause == "user":
                 self._pending = None
-                self._set(JobState.STOPPED, "stopped by the user at a mini-batch boundary (checkpointed)")
+                if run.stop_timed_out:   # killed mid-step: what is kept is the last complete checkpoint
+                    self._set(JobState.STOPPED, f"stopped by the user: the workers did not reach a mini-batch boundary "
+                                                f"within {self.options.stop_timeout_s:.0f} s (a step stalled?) and were "
+                                                f"killed; the last complete checkpoint holds {self._resume_step()} "
+                                                "step(s), where the job continues")
+                else:
+                    self._set(JobState.STOPPED, "stopped by the user at a mini-batch boundary (checkpointed)")
                 return self.state
             if cause == "notice":
                 self.preemptions += 1
