@@ -548,6 +548,7 @@ def test_a_slow_dataset_is_in_the_prediction_and_time_outside_it_is_one_drift_ev
 
     drifts, plan = run("modelled", measured)
     assert plan["predicted_step_s"] >= 16 * 0.01 and plan["data_wait_s"] > 0.9 * 16 * 0.01, plan["predicted_step_s"]
+    assert any(n.startswith("reading the data bounds the best row") for n in plan["notes"]), plan["notes"]
     assert drifts == [], [(d["predicted_step_s"], d["measured_step_s"]) for d in drifts]
     drifts, plan = run("blind", blind)
     assert plan["predicted_step_s"] < 0.1 and plan["data_wait_s"] == 0.0

@@ -186,6 +186,7 @@ class ManagerPlanning:
             "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
             "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": row.time_s,
             "examples_per_s": row.examples_per_s, "bubble": row.bubble_fraction, "data_wait_s": row.data_wait_s,
+            "notes": list(pl.notes),
             "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline, "labels": self.labels,
             "prices": asdict(pl.prices)})
         return per_stage

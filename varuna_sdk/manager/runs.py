@@ -241,7 +241,9 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
         Kind.PLAN: lambda: (f"plan for generation {p.get('generation')}: {_plan_text(p)}, micro-batch "
                             f"{p.get('micro_batch_size')} x {p.get('num_micro_batches')}"
                             + (f", predicted {p['predicted_step_s']:.3f} s per step" if isinstance(
-                                p.get("predicted_step_s"), (int, float)) else "")),
+                                p.get("predicted_step_s"), (int, float)) else "")
+                            + (f" ({p['data_wait_s']:.3f} s of it waiting for data)" if isinstance(
+                                p.get("data_wait_s"), (int, float)) and p["data_wait_s"] > 0 else "")),
         Kind.MORPH: lambda: "morph: " + morph_sentence(p),
         Kind.ESTIMATE_DRIFT: lambda: "estimate: " + drift_sentence(p, e.time),
         Kind.HOST_ADDED: lambda: f"VM {vm} joined the pool",
