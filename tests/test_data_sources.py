@@ -644,8 +644,8 @@ def test_a_datasets_held_out_part_is_drawn_at_random_and_a_tiny_training_part_is
                     data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 10},
                                     val_fraction=0.2),
                     parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4))
-    with pytest.raises(DataError, match=r"leaves 8 examples to train on \(of 10, 20% held out\), fewer than one "
-                                        r"mini-batch of 16"):
+    with pytest.raises(DataError, match=r"leaves 8 examples to train on \(of 10; 2 held out by data.val_fraction "
+                                        r"0.2\), fewer than one mini-batch of 16"):
         resolve_job(job).data.loaders(16, 16, 0, 0.2, 1)
 
 

@@ -419,8 +419,9 @@ class JobData:
         except ValueError as e:
             raise DataError(f"{self.source}: {e}") from None
         if len(train) < global_batch:
-            raise DataError(f"{self.source} leaves {len(train)} examples to train on (of {len(self.examples)}, "
-                            f"{val_fraction:.0%} held out), fewer than one mini-batch of {global_batch}: each mini-batch "
+            raise DataError(f"{self.source} leaves {len(train)} examples to train on (of {len(self.examples)}; "
+                            f"{len(held)} held out by data.val_fraction {val_fraction:g}), fewer than one mini-batch of "
+                            f"{global_batch}: each mini-batch "
                             "would repeat examples; use more data, a smaller data.val_fraction or a smaller "
                             "parallel.global_batch")
         loader = ExampleLoader(self.examples.dataset, global_batch, seed=seed, indices=train)

@@ -114,7 +114,9 @@ class ParallelConfig:
     caps; the planner keeps one integer as a ceiling on its per-stage caps and replaces a list. ``split_backward`` (Varuna only) splits each backward into
     the input gradient (B, sent upstream at once) and the weight gradients (W, deferred into the
     stage's waits; the zero-bubble split); ``None`` = the policy's default. ``P``/``D`` ``None`` =
-    let the planner choose for ``launch.gpus`` workers from a calibration (paper §4.4)."""
+    let the planner choose for ``launch.gpus`` workers from a calibration (paper §4.4); it then
+    chooses ``micro_batch_size`` too (the configured one is replaced by the plan's; ``varuna plan``
+    keeps it only where P or D is fixed)."""
 
     P: int | None = 1
     D: int | None = 1
