@@ -7,7 +7,8 @@ On ``cuda:0`` it measures, for a GPT-2 (12 blocks, d=768, T=512, GPT-2 vocabular
   2. calibration on CUDA (``profiling.calibrate``, no network probes: one GPU);
   3. the simulator's prediction for P=1 (``planner.plan`` on that profile) vs the measured step;
   4. tokens/s and model FLOPs utilisation (6 x parameters x tokens + attention, over the
-     H200's dense bf16 peak 989 TFLOP/s, fp32 against 67 TFLOP/s).
+     H200's dense bf16 peak 989 TFLOP/s, fp32 against 67 TFLOP/s);
+  5. a class id beyond a classifier's logits: a clear error, not a device-side assert.
 One GPU cannot host several NCCL ranks, so multi-rank NCCL stays unverified here.
 Prints one JSON document (also written to $OUT/gpu_check.json when OUT is set).
 """
@@ -143,6 +144,28 @@ def check_calibration_and_simulator(measured_step_s: float) -> dict:
             "prediction_error": pred / measured_step_s - 1.0}
 
 
+def check_class_ids() -> dict:
+    """5. A class id beyond the logits on CUDA: the engine's last stage checks the targets' host
+    copy (``model.spec.check_class_ids``) and raises the ``ModelSpecError`` naming it, instead of
+    a device-side assert that poisons the process; a good step on the same engine follows."""
+    from varuna_sdk.model.spec import ModelSpecError, cross_entropy
+
+    par = ParallelConfig(P=1, D=1, global_batch=8, micro_batch_size=4)
+    eng = Varuna(lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)),
+                 cross_entropy, par, (torch.zeros(4, 16),), seed=SEED, device=DEV)
+    opt = torch.optim.AdamW(eng.parameters(), lr=1e-3)
+    x, bad = torch.randn(8, 16), torch.tensor([0, 1, 2, 3, 0, 1, 7, 2])
+    said = None
+    try:
+        eng.step(((x,), bad), opt)
+    except ModelSpecError as e:
+        said = str(e)
+    good = eng.step(((x,), bad.clamp(max=3)), opt).loss
+    sync()
+    return {"error_named_the_id": said is not None and "class id 7" in said, "message": said,
+            "good_step_after_loss": good}
+
+
 def main() -> None:
     if not DRY and not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device visible"}))
@@ -161,6 +184,10 @@ def main() -> None:
             out["simulator"] = check_calibration_and_simulator(fp32["engine_step_s"])
         except Exception:  # noqa: BLE001
             out["errors"].append({"part": "calibration/simulator", "traceback": traceback.format_exc()})
+    try:   # last: were the check missing, a device-side assert would poison the process
+        out["class_ids"] = check_class_ids()
+    except Exception:  # noqa: BLE001
+        out["errors"].append({"part": "class ids", "traceback": traceback.format_exc()})
     text = json.dumps(out, indent=1)
     print(text)
     if os.environ.get("OUT"):

@@ -786,3 +786,20 @@ def test_an_output_tuple_of_several_tensors_warns_which_one_the_automatic_loss_t
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolve_job(job("Classifier"))
+
+
+def test_class_ids_are_checked_on_the_host_copy_against_the_outputs_shape_alone():
+    """On CUDA the last stage checks the targets' host copy before the loss (a class id beyond the
+    logits is otherwise a device-side assert): ``check_class_ids`` reads only the output's shape —
+    here a meta tensor, whose values cannot be read at all, as a GPU tensor's cannot without a
+    sync — and names the id; ids in range, -100 and floating-point targets pass."""
+    from varuna_sdk.model.spec import ModelSpecError, check_class_ids, cross_entropy
+
+    logits = torch.empty(4, 5, device="meta")
+    with pytest.raises(ModelSpecError, match=r"class id 5 \(ids from 0 to 5 in this micro-batch\) but the model's "
+                                             r"output has 5 classes"):
+        check_class_ids(logits, torch.tensor([0, 5, 1, -100]))
+    check_class_ids(logits, torch.tensor([0, 4, -100, 2], dtype=torch.int32))
+    check_class_ids(logits, torch.randn(4))
+    check_class_ids((torch.empty(2, 3, 7, device="meta"),), torch.tensor([[6, 0, 1], [2, 3, 4]]))
+    assert cross_entropy.check_targets is check_class_ids   # the hook the engine's last stage calls

@@ -81,7 +81,8 @@ def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
     taken as int64); fp32 whatever the autocast dtype. Raises ``ModelSpecError`` for floating-point
     targets (a regression's: cross-entropy needs class ids), and for class ids outside
     ``[0, V)`` (other than -100, ignored), naming the id and ``V`` (checked when torch refuses them;
-    on CUDA torch's device-side assert comes first)."""
+    on CUDA the pipeline's last stage checks the targets' host copy first, ``check_class_ids``,
+    since torch's device-side assert would come first there)."""
     if isinstance(targets, torch.Tensor) and targets.is_floating_point():
         raise ModelSpecError(
             f"cross-entropy (the automatic loss) compares the logits with class ids, but the targets are "
@@ -112,6 +113,21 @@ def _class_id_error(ids: torch.Tensor, classes: int) -> ModelSpecError | None:
             f"nn.Linear with out_features={max(hi + 1, classes)}), or map the dataset's labels to 0..{classes - 1}")
     return None
 
+
+def check_class_ids(output: Any, targets: Any) -> None:
+    """``cross_entropy``'s check of the targets' host copy against the output's width (read from
+    its shape: no device sync), run by the pipeline's last stage before a loss on another device
+    (``pipeline.engine.Varuna._loss``). Raises the ``ModelSpecError`` of ``cross_entropy`` for a
+    class id outside ``[0, V)`` (other than -100); floating-point or non-tensor targets are left
+    to the loss."""
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+        return
+    wrong = _class_id_error(targets.reshape(-1).long(), output_logits(output).shape[-1])
+    if wrong is not None:
+        raise wrong
+
+
+cross_entropy.check_targets = check_class_ids   # type: ignore[attr-defined]
 
 LOSSES: dict[str, LossFn] = {"model": model_loss, "cross_entropy": cross_entropy}
 

@@ -110,6 +110,7 @@ class _StepState:
     wait_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     grad_actions: int = 0
     peak_live: int = 0
+    mb_host: list = field(default_factory=list)   # targets on the host, per micro-batch (Varuna._micro_batches)
 
 
 def _as_tuple(x) -> tuple:
@@ -382,25 +383,40 @@ class Varuna:
         self.step_count += 1
         return result
 
-    def _micro_batches(self, batch: Sequence, non_blocking: bool = False) -> tuple[list, list]:
-        """This replica's ``(inputs, targets)`` cut into ``m`` micro-batches on the stage's device."""
+    def _micro_batches(self, batch: Sequence, non_blocking: bool = False) -> tuple[list, list, list]:
+        """This replica's ``(inputs, targets)`` cut into ``m`` micro-batches on the stage's device,
+        and the targets' micro-batches as read (on the host) where the last stage computes on
+        another device and its loss checks targets (``check_targets``; else ``None`` each)."""
         inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
+        b = self.parallel.micro_batch_size
+        host = [None] * self.m
+        if self.is_last and self.device.type != "cpu" and getattr(self.loss_fn, "check_targets", None) is not None:
+            host = [rows(targets, i * b, (i + 1) * b) for i in range(self.m)]
         inputs = to_device(inputs, self.device, non_blocking=non_blocking)
         targets = to_device(targets, self.device, non_blocking=non_blocking)
-        b = self.parallel.micro_batch_size
         return ([rows(inputs, i * b, (i + 1) * b) for i in range(self.m)],
-                [rows(targets, i * b, (i + 1) * b) for i in range(self.m)])
+                [rows(targets, i * b, (i + 1) * b) for i in range(self.m)], host)
+
+    def _loss(self, out: Any, targets: Any, host: Any) -> torch.Tensor:
+        """The last stage's loss of ``out``. A loss with a ``check_targets(output, targets)`` hook
+        first checks ``host``, the targets' copy on the host (None on a CPU stage, where the loss
+        itself raises the clear error): on CUDA a class id beyond the logits would otherwise be a
+        device-side assert that poisons the process, not an error naming the id
+        (``model.spec.cross_entropy``)."""
+        if host is not None:
+            self.loss_fn.check_targets(out, host)
+        return self.loss_fn(out, targets)
 
     def _begin_train_step(self, batch: Sequence) -> _StepState:
         """Cut the batch, open the channels' step and start both receivers for ``m`` messages."""
-        mb_in, mb_tg = self._micro_batches(batch, non_blocking=True)
+        mb_in, mb_tg, mb_host = self._micro_batches(batch, non_blocking=True)
         self._begin_step()
         for rx in (self.rx_acts, self.rx_grads):
             if rx is not None:
                 rx.start(self.m)
         recv_flags = [c["requires_grad"] for c in self.structure.crossings[self.start_cut]] if not self.is_first else []
         return _StepState(mb_in, mb_tg, base=self.replica * self.m, scale=self.scaler.scale, recv_flags=recv_flags,
-                          loss_sum=torch.zeros((), device=self.device))
+                          loss_sum=torch.zeros((), device=self.device), mb_host=mb_host)
 
     def _run_schedule(self, st: _StepState) -> None:
         """Ask the policy for the next action given what has arrived, run it, until the step's
@@ -455,7 +471,7 @@ class Varuna:
                                 carried=st.carried if with_grad else None)
         if self.is_last:
             t0 = time.perf_counter()
-            loss = self.loss_fn(out, st.mb_tg[i])
+            loss = self._loss(out, st.mb_tg[i], st.mb_host[i])
             st.model_s["F"] += time.perf_counter() - t0
             st.live[i] = (leaves, (loss,))
             st.loss_sum = st.loss_sum + loss.detach()
@@ -600,7 +616,7 @@ class Varuna:
     def evaluate(self, batch: Sequence[torch.Tensor]) -> float:
         """Mean loss over a held-out mini-batch (forward only, no RNG effect on training;
         collective). Dropout is off during evaluation."""
-        mb_in, mb_tg = self._micro_batches(batch)
+        mb_in, mb_tg, mb_host = self._micro_batches(batch)
         self._begin_step()
         acts = self.rx_acts
         if acts is not None:
@@ -614,7 +630,7 @@ class Varuna:
                 out = self._forward(mb_in[i], self._leaves(received, recv_flags, False),
                                     self.replica * self.m + i, grad=False)
                 if self.is_last:
-                    total += self.loss_fn(out, mb_tg[i]).float()
+                    total += self._loss(out, mb_tg[i], mb_host[i]).float()
                 else:
                     self.ch_act_out.send(out, [False] * len(out))
         finally:
