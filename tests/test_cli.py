@@ -283,3 +283,40 @@ def test_a_failed_training_says_its_cause_once(tmp_path):
     said = out.stderr[out.stderr.index("varuna: training failed"):]
     assert said.count(f"DataError: the dataset could not give example {bad}") == 1, said
     assert "--- rank" not in said and "Connection closed" not in said, said
+
+
+def test_an_interrupt_passed_on_twice_at_once_is_one_stop_and_a_later_one_kills(tmp_path):
+    """``timeout`` (or ``uv run``) passes on the SIGINT its process group got, so the manager's
+    process gets two at once: that is one Ctrl-C — the job stops at a boundary with a checkpoint —
+    not the second Ctrl-C that kills the workers (which it was). A second interrupt
+    ``REPEAT_SIGNAL_S`` later still raises ``KeyboardInterrupt``. Real signals to this process."""
+    import os
+    import signal
+    import time
+
+    from varuna_sdk.manager.events import EventLog, Kind
+    from varuna_sdk.runner import REPEAT_SIGNAL_S, stop_on_signals
+
+    class Mgr:
+        job_id = "sig"
+
+        def __init__(self):
+            self.log, self.cancels = EventLog(tmp_path / "events.db"), 0
+
+        def cancel(self):
+            self.cancels += 1
+
+    mgr = Mgr()
+    try:
+        with stop_on_signals(mgr):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            assert mgr.cancels == 1
+            time.sleep(REPEAT_SIGNAL_S)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1.0)
+        assert [e.payload["by"] for e in mgr.log.events(kind=Kind.STOP_REQUEST_RECEIVED)] == ["SIGINT"]
+    finally:
+        mgr.log.close()

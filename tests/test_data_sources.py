@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from varuna_sdk.config import DataConfig, JobConfig, ModelConfig, ParallelConfig
+from varuna_sdk.config import ConfigError, DataConfig, JobConfig, ModelConfig, ParallelConfig
 from varuna_sdk.data.loader import ExampleLoader
 from varuna_sdk.data.sources import DataError, open_tokens
 from varuna_sdk.data.tokenizer import get_tokenizer
@@ -803,3 +803,35 @@ def test_class_ids_are_checked_on_the_host_copy_against_the_outputs_shape_alone(
     check_class_ids(logits, torch.randn(4))
     check_class_ids((torch.empty(2, 3, 7, device="meta"),), torch.tensor([[6, 0, 1], [2, 3, 4]]))
     assert cross_entropy.check_targets is check_class_ids   # the hook the engine's last stage calls
+
+
+@pytest.mark.timeout(180)
+def test_a_data_file_edited_in_place_is_refused_before_a_run_continues(tmp_path):
+    """A run trained on a text file; the file is then edited in place — once to other text of the
+    same length (it used to continue on the new text without a word), once to a shorter text (the
+    workers failed loading the checkpoint and the run was marked FAILED for good). Going on with
+    the run folder is refused before anything starts, naming the file and both token counts; with
+    the file put back it is accepted."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.runner import prepare_run, train_local
+
+    text = tmp_path / "notes.txt"
+    original = "\n".join(DOCS * 3)
+    text.write_text(original)
+    job = JobConfig(name="edited", model=ModelConfig(preset="tiny", n_layer=1, n_embd=32, n_head=2),
+                    data=DataConfig(path=str(text), tokenizer="byte", seq_len=16),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=4, micro_batch_size=2),
+                    train=TrainConfig(steps=2, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    run = tmp_path / "run"
+    train_local(job, run_dir=run)
+    prepare_run(job, run)   # the same data: accepted
+    text.write_text(original.translate(str.maketrans("abcdefgh", "bcdefghi")))
+    with pytest.raises(ConfigError, match=rf"the data of the run in {run} changed since the run began: .*notes.txt now "
+                                          r"gives as many tokens, of other content .* Put that data back"):
+        prepare_run(job, run)
+    text.write_text(original[: len(original) // 2])
+    with pytest.raises(ConfigError, match=rf"notes.txt now gives {len(original) // 2} tokens where it had "
+                                          rf"{len(original)}"):
+        prepare_run(job, run)
+    text.write_text(original)
+    prepare_run(job, run)

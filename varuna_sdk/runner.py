@@ -149,6 +149,8 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     if objects is not None:
         files.update(objects.pack(job))
     resolved = resolve(job, run_dir)  # the model spec and the data, checked together
+    if run_dir is not None:
+        check_same_data(resolved, Path(run_dir))
     if not job.parallel.planned:
         check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
     check_store_url(job)
@@ -164,7 +166,47 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
             tmp.replace(out / name)
     if not (out / "config.yaml").exists():
         job.to_yaml(out / "config.yaml")
+        ident = data_identity(resolved)
+        if ident is not None:
+            (out / DATA_IDENTITY).write_text(json.dumps(ident))
     return job, out, resolved
+
+
+#: The run folder's record of the token data it began with (``data_identity``).
+DATA_IDENTITY = "data-identity.json"
+
+
+def data_identity(resolved) -> dict | None:
+    """What identifies a job's token data (text or token files): its source, its content digest
+    (``data.sources.TokenData.digest``: the files' bytes and the tokenizer) and its token count;
+    None for a ``data.dataset`` (a Python object: no file to fingerprint)."""
+    t = resolved.data.tokens
+    return None if t is None else {"source": t.source, "digest": t.digest, "tokens": len(t)}
+
+
+def check_same_data(resolved, run_dir: Path) -> None:
+    """A started run folder (``events.db``) whose recorded token data (``DATA_IDENTITY``) differs
+    from what the job reads now — a data file edited in place — is refused before anything starts:
+    its checkpoints hold positions in the old token stream, and loading them failed in the workers
+    and marked the run FAILED (or, with the same length, trained on on other text without a word).
+    Raises ``ConfigError`` naming the source, both token counts and what to do."""
+    path = run_dir / DATA_IDENTITY
+    if not (run_dir / "events.db").is_file() or not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text())
+        old_digest, old_tokens = str(old["digest"]), int(old["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return   # an unreadable record: the checkpoint's own checks decide
+    new = data_identity(resolved)
+    if new is None or new["digest"] == old_digest:
+        return
+    same = "as many tokens" if new["tokens"] == old_tokens else f"{new['tokens']} tokens where it had {old_tokens}"
+    raise ConfigError(f"the data of the run in {run_dir} changed since the run began: {new['source']} now gives "
+                      f"{same}, of other content (digest {new['digest']}, was {old_digest}); its checkpoints hold "
+                      "positions in the data it began with. Put that data back to continue this run, or train on "
+                      "the changed data in another --run-dir (in a notebook: Job(..., run_dir=...) naming another "
+                      "folder)")
 
 
 #: what a continued run must keep: its checkpoints hold this model, trained on these examples
@@ -283,20 +325,29 @@ def plan_job(job: JobConfig, profile=None):
     return plan_for_job(job, profile or calibrate_job(job))
 
 
+#: Seconds after a first SIGINT/SIGTERM within which another is the same interrupt (``stop_on_signals``).
+REPEAT_SIGNAL_S = 1.0
+
+
 @contextlib.contextmanager
 def stop_on_signals(mgr) -> Iterator[None]:
     """While in this block (in the main thread), the first SIGINT (Ctrl-C) or SIGTERM stops the
     job at the next mini-batch boundary with a checkpoint (``mgr.cancel()``, as ``varuna stop``);
-    a second one raises ``KeyboardInterrupt`` (the workers are killed, nothing is checkpointed).
+    a second one at least ``REPEAT_SIGNAL_S`` later raises ``KeyboardInterrupt`` (the workers are
+    killed, nothing is checkpointed) — sooner, it is the same interrupt delivered twice (``timeout``,
+    ``uv run`` and other wrappers pass on the SIGINT its process group got as well) and is ignored.
     Elsewhere than the main thread it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     from .manager.events import Kind
-    seen: list[int] = []
+    seen: list[float] = []
 
     def handler(signum, frame) -> None:
-        seen.append(signum)
+        now = time.monotonic()
+        if seen and now - seen[0] < REPEAT_SIGNAL_S:
+            return
+        seen.append(now)
         if len(seen) > 1:
             raise KeyboardInterrupt
         name = signal.Signals(signum).name

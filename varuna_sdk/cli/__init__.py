@@ -129,6 +129,7 @@ def _main(argv: list[str] | None) -> int:
         job = _validated(job, _apply_overrides(job, args))
         if args.cmd == "demo" and not args.no_spot:
             return _spot_demo(job, args)
+        from ..manager.state import ManagerError
         from ..pipeline.spawn import WorkerFailure
         from ..runner import JobStopped, train_local
 
@@ -136,9 +137,15 @@ def _main(argv: list[str] | None) -> int:
             result = train_local(job, run_dir=args.run_dir, signals=True)
         except JobStopped as e:
             done = 0 if e.last_step is None else e.last_step + 1
-            print(f"[varuna] stopped after {done} step(s) with a checkpoint in {e.run_dir}; "
-                  f"`{again_command(args.argv, e.run_dir)}` continues the job", file=sys.stderr)
+            how = (f"with a checkpoint in {e.run_dir}" if e.kept >= done else
+                   f"without reaching a mini-batch boundary (the workers were killed); its last checkpoint in "
+                   f"{e.run_dir} holds {e.kept} step(s)")
+            print(f"[varuna] stopped after {done} step(s) {how}; `{again_command(args.argv, e.run_dir)}` continues "
+                  "the job", file=sys.stderr)
             return 130
+        except ManagerError as e:   # another manager runs the folder (as `varuna launch` says it)
+            print(f"varuna: {e}", file=sys.stderr)
+            return 2
         except WorkerFailure as e:
             said = f"varuna: training failed: {e}"
             print(said, file=sys.stderr)
