@@ -526,7 +526,7 @@ def test_a_slow_dataset_is_in_the_prediction_and_time_outside_it_is_one_drift_ev
     job = JobConfig(name="slow-drift", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
                     data=DataConfig(dataset="tests.thirdparty.user_data:SlowExamples"),
                     parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=8),
-                    train=TrainConfig(steps=40, eval_batches=1, run_dir=str(tmp_path / "runs")))
+                    train=TrainConfig(steps=24, eval_batches=1, run_dir=str(tmp_path / "runs")))
     measured = calibrate_job(job)
     assert 0.01 <= measured.data_read_s < 0.02, measured.data_read_s   # the dataset sleeps 10 ms per example
     blind = Profile.from_dict({**json.loads(measured.to_json()), "data_read_s": 0.0})
