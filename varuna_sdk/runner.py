@@ -403,22 +403,31 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
             provider.close()
 
 
+def stopped_sentence(run_dir: str | Path, last_step: int | None, kept: int | None) -> str:
+    """How a stopped job ended, in words: ``stopped after N step(s) with a checkpoint in RUN`` — or,
+    when its last complete checkpoint holds fewer steps (``kept``; None: all of them; a step that
+    stalled past the stop's deadline got the workers killed), how many it holds and how many will
+    be trained again. ``last_step``: the last step done (0-based; None: none)."""
+    done = 0 if last_step is None else last_step + 1
+    if kept is None or kept >= done:
+        return f"stopped after {done} step(s) with a checkpoint in {run_dir}"
+    return (f"stopped after {done} step(s) without reaching a mini-batch boundary (the workers were killed); its last "
+            f"checkpoint in {run_dir} holds {kept} step(s), and {done - kept} step(s) will be trained again")
+
+
 class JobStopped(Exception):
     """The job was stopped on request (Ctrl-C, SIGTERM, ``varuna stop``), at a mini-batch boundary
     with a checkpoint in ``run_dir`` — or, when a step stalled past the stop's deadline, killed, its
     last complete checkpoint kept: ``varuna launch RUN_DIR/config.yaml --run-dir RUN_DIR``
     continues it. ``last_step``: the last step done (0-based; None: none); ``kept``: the steps the
-    checkpoint it continues from holds (None: as many as were done)."""
+    checkpoint it continues from holds (None: as many as were done); ``sentence``:
+    ``stopped_sentence``."""
 
     def __init__(self, run_dir: Path, last_step: int | None, kept: int | None = None):
-        self.run_dir, self.last_step = Path(run_dir), last_step
-        done = 0 if last_step is None else last_step + 1
-        self.kept = done if kept is None else kept
-        how = (f"with a checkpoint in {run_dir}" if self.kept >= done else
-               f"without reaching a mini-batch boundary (the workers were killed); its last checkpoint in {run_dir} "
-               f"holds {self.kept} step(s), and {done - self.kept} step(s) will be trained again")
-        super().__init__(f"stopped after {done} step(s) {how}; continue with `varuna launch "
-                         f"{Path(run_dir) / 'config.yaml'} --run-dir {run_dir}`")
+        self.run_dir, self.last_step, self.kept = Path(run_dir), last_step, kept
+        self.sentence = stopped_sentence(run_dir, last_step, kept)
+        super().__init__(f"{self.sentence}; continue with `varuna launch {Path(run_dir) / 'config.yaml'} "
+                         f"--run-dir {run_dir}`")
 
 
 def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
@@ -455,6 +464,6 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
                      trained=not summary.get("ended_before", False))
 
 
-__all__ = ["JobObjects", "JobStopped", "RunResult", "launch_job", "new_run_dir", "plan_job", "prepare_run", "stop_on_signals",
+__all__ = ["JobObjects", "JobStopped", "stopped_sentence", "RunResult", "launch_job", "new_run_dir", "plan_job", "prepare_run", "stop_on_signals",
            "train_local",
            "ConfigError"]

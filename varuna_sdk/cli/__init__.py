@@ -136,12 +136,8 @@ def _main(argv: list[str] | None) -> int:
         try:
             result = train_local(job, run_dir=args.run_dir, signals=True)
         except JobStopped as e:
-            done = 0 if e.last_step is None else e.last_step + 1
-            how = (f"with a checkpoint in {e.run_dir}" if e.kept >= done else
-                   f"without reaching a mini-batch boundary (the workers were killed); its last checkpoint in "
-                   f"{e.run_dir} holds {e.kept} step(s)")
-            print(f"[varuna] stopped after {done} step(s) {how}; `{again_command(args.argv, e.run_dir)}` continues "
-                  "the job", file=sys.stderr)
+            print(f"[varuna] {e.sentence}; `{again_command(args.argv, e.run_dir)}` continues the job",
+                  file=sys.stderr)
             return 130
         except ManagerError as e:   # another manager runs the folder (as `varuna launch` says it)
             print(f"varuna: {e}", file=sys.stderr)

@@ -83,10 +83,9 @@ def launch_command(args: argparse.Namespace) -> int:
         print(f"varuna: {summary['error']}", file=sys.stderr)
     if summary["state"] == "STOPPED":
         again = again_command(getattr(args, "argv", ["launch", args.config]), summary["run_dir"])
-        done = 0 if summary.get("last_step") is None else summary["last_step"] + 1
-        kept = summary.get("checkpoint_steps")
-        how = ("with a checkpoint" if kept is None or kept >= done else
-               f"without reaching a mini-batch boundary; its last checkpoint holds {kept} of the {done} step(s) done")
-        print(f"[varuna] stopped {how}; `{again}` continues the job", flush=True)
+        from ..runner import stopped_sentence
+
+        said = stopped_sentence(summary["run_dir"], summary.get("last_step"), summary.get("checkpoint_steps"))
+        print(f"[varuna] {said}; `{again}` continues the job", flush=True)
         return 130
     return 0 if summary["state"] == "SUCCEEDED" else 1
