@@ -118,6 +118,9 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
 
     cfg, run = tmp_path / "tiny.yaml", tmp_path / "runs" / "tiny"
     cfg.write_text(TINY)
+    # `varuna logs --follow` started before the job: it waits for the folder, then follows it to the stop
+    follow = subprocess.Popen([sys.executable, "-m", "varuna_sdk.cli", "logs", str(run), "--follow", "--events"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = _launch(cfg, run)
     try:
         _wait_steps(run, 8, first)
@@ -138,6 +141,12 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     finally:
         first.kill()
     assert first.returncode == 130 and "SIGINT: stopping at the next mini-batch boundary" in out, out
+    try:
+        followed = follow.communicate(timeout=30)[0]
+    finally:
+        follow.kill()
+    assert follow.returncode == 0 and followed.startswith("[varuna] waiting for a job to start in"), followed
+    assert "asked to stop from outside (SIGINT)" in followed, followed
     assert "Traceback" not in out and "STOPPED" in out, out
     # the command that continues it repeats every flag given (--local, --heartbeat), not only the folder
     assert f"`varuna launch {cfg} --local 2 --heartbeat 0.5 --run-dir {run}` continues the job" in out, out

@@ -344,6 +344,7 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
         log.close()
     assert any("manager restarted" in r for r in reasons), reasons
     assert [m["cause"] for m in morphs] == ["manager_restart"], morphs
+    assert morphs[0]["kept"] is None              # the config's P=2 x D=2 does not fit 2 slots: planned afresh
     assert morphs[0]["steps_lost"] == 0           # the orphans checkpointed where they stopped
     assert steps_redone(run) == [0]               # ... counted from the metrics rows too
     assert_same_trajectory(final_losses(run), reference)
@@ -381,6 +382,9 @@ def test_varuna_train_killed_and_run_again_keeps_the_configured_plan(tmp_path):
         plans = [e.payload for e in log.events(kind=Kind.PLAN)]
     assert len(plans) == 2 and all((p["P"], p["D"]) == (2, 1) for p in plans), plans
     assert plans[1]["note"] == "as configured (no calibration yet)", plans[1]
+    with EventLog.reader(run / "events.db") as log:   # ... and its morph says the config's P and D were kept
+        morphs = [e.payload for e in log.events(kind=Kind.MORPH)]
+    assert [(m["cause"], m["kept"]) for m in morphs] == [("manager_restart", {"P": 2, "D": 1})], morphs
     assert not list((tmp_path / "cache").rglob("*.json")), "a calibration ran"
     assert _worker_pids(run) == []
 

@@ -55,6 +55,12 @@ def test_the_sentence_says_vm_cause_choice_phases_and_what_was_lost():
     assert "(the fastest predicted of 5 feasible plan(s): P=1 x D=2 8.0 ex/s (chosen); P=2 x D=1 6.5 ex/s)" in s
     assert ", 9.0 s down (stop 4.0 s, re-plan 0.5 s, start workers 1.5 s, resume + first step 3.0 s)" in s
     assert s.endswith("3 step(s) redone: resumed from the checkpoint of step 40"), s
+    # a restarted job's first plan keeps the config's fixed D: the plans compared are those, not all
+    kept = morph_sentence({**m, "cause": "manager_restart", "kept": {"D": 1}, "feasible_plans": 2,
+                           "candidates": [{"P": 2, "D": 1, "examples_per_s": 11.8, "chosen": True},
+                                          {"P": 1, "D": 1, "examples_per_s": 7.6, "chosen": False}]})
+    assert ("(the config's parallel.D=1 kept (null lets the planner choose), of 2 feasible plan(s) compared: "
+            "P=2 x D=1 11.8 ex/s (chosen); P=1 x D=1 7.6 ex/s)") in kept, kept
     # a payload from before phases and candidates were recorded, or a mangled one, still reads
     old = morph_sentence({"cause": "notice", "host": "vm1", "old": {"P": 2, "D": 1}, "new": {"P": 1, "D": 1},
                           "downtime_s": 5.0, "resume_step": 7, "candidates": [{"P": "x"}], "phases_s": {"stop": "?"}})

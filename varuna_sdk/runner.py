@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -430,6 +432,14 @@ class JobStopped(Exception):
                          f"--run-dir {run_dir}`")
 
 
+def _devices_here() -> str:
+    """This machine's devices in words: its CUDA GPUs, else its CPU cores."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"{n} GPU(s)" if n else f"{os.cpu_count()} CPU core(s)"
+
+
 def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
                 **manager_options) -> RunResult:
     """``varuna train``: the job on P × D local worker processes (gloo on CPU, NCCL with GPUs),
@@ -446,6 +456,11 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
 
     job = copy.deepcopy(job).validate()
     slots = job.parallel.world_size if not job.parallel.planned else job.launch.gpus
+    if slots > job.launch.gpus:
+        warnings.warn(f"P={job.parallel.P} x D={job.parallel.D} starts {slots} local workers, more than "
+                      f"launch.gpus={job.launch.gpus}; they share this machine's devices ({_devices_here()}), so "
+                      "each step is slower than the plan for that many GPUs. Set launch.gpus to the workers "
+                      "this machine should run, or P and D null to plan for launch.gpus", stacklevel=2)
     opts = {"calibrate_first": False, "max_failures": 0, "grow": None, "straggler": None,
             "generation_options": {"start_timeout_s": max(180.0, job.launch.timeout_s)}, **manager_options}
     provider = LocalProvider(slots)

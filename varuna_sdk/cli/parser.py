@@ -58,7 +58,10 @@ def _add_train_demo_config(sub) -> None:
     """``varuna train``, ``varuna demo`` and ``varuna config``."""
     sp = _subcommand(sub, "train", "train a job from a YAML config on local workers",
                      "Train the job of a YAML config on P x D local worker processes (gloo on CPU, NCCL with GPUs), "
-                     "under the manager; with P or D null the planner chooses them first.")
+                     "under the manager; with P or D null the planner chooses them first. With P and D fixed it "
+                     "starts at once, without a calibration: stage boundaries balance estimated costs and recompute "
+                     "is parallel.recompute or the policy's default (Varuna: on but on the last stage), where "
+                     "`varuna launch` calibrates and plans both from measured times and memory.")
     sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
     _parallel_overrides(sp)
     sp = _subcommand(sub, "demo", "train the demo GPT-2 on Shakespeare on emulated spot VMs",

@@ -65,16 +65,41 @@ def run_folder_command(args: argparse.Namespace) -> int:
     except (FileNotFoundError, NotADirectoryError) as e:
         print(f"varuna: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # (``logs --follow``, ``stop --wait``): the job itself goes on
+        return 130
+
+
+FOLLOW_START_WAIT_S = 600.0   # how long ``logs --follow`` waits for a job to start in a new folder
+ORPHAN_QUIET_S = 10.0         # ... and follows an active job no manager holds before it ends too
+
+
+def _wait_for_start(run: Path, wait_s: float = FOLLOW_START_WAIT_S) -> None:
+    """Wait until ``run/events.db`` exists (a job launched beside the command may still be
+    calibrating), saying so once on stderr; raises ``FileNotFoundError`` after ``wait_s`` seconds."""
+    import time
+
+    print(f"[varuna] waiting for a job to start in {run} (no events.db yet; Ctrl-C stops waiting)",
+          file=sys.stderr, flush=True)
+    deadline = time.time() + wait_s
+    while not (run / "events.db").is_file():
+        if time.time() > deadline:
+            raise FileNotFoundError(f"no job started in {str(run)!r} within {wait_s:g} s (no events.db): "
+                                    f"is it the --run-dir the job was launched with?")
+        time.sleep(0.5)
 
 
 def _logs(args: argparse.Namespace, runs) -> int:
     """Print the run's worker output (or, with --events, its events in sentences); with --follow
-    keep printing until the job has ended and nothing new came for a second."""
+    wait for the job to start when the folder has no event log yet (``_wait_for_start``), then keep
+    printing until the job has ended and nothing new came for a second (10 s when its state is
+    active but no manager holds the folder)."""
     import time
 
     from ..manager.events import EventLog
 
     run = Path(args.run)
+    if args.follow and not (run / "events.db").is_file():
+        _wait_for_start(run)
     runs.read_run(run)  # a run folder, or FileNotFoundError
     offsets: dict[Path, int] = {}
     last_id, t0 = 0, None
@@ -107,8 +132,8 @@ def _logs(args: argparse.Namespace, runs) -> int:
         info = runs.read_run(run)
         if new or (info.active and not info.orphaned):
             quiet_since = None
-        else:
+        else:   # ended; or no manager holds the folder (killed, or one just made it and starts soon)
             quiet_since = quiet_since or time.time()
-            if time.time() - quiet_since > 1.0:
+            if time.time() - quiet_since > (ORPHAN_QUIET_S if info.active else 1.0):
                 return 0
         time.sleep(0.5)

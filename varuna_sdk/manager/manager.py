@@ -152,6 +152,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._excluded: set[str] = set()          # stragglers taken out
         self._suspect: dict[str, float] = {}      # host -> when reported lost (until re-added)
         self._micro_batch_size: int | None = None  # the first plan's; morphs keep it (see _replan)
+        self.plan_kept: dict[str, int] | None = None  # the config's fixed P/D the last plan kept (see _replan)
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         # set when the background run ends: waited on instead of Thread.join, which a Ctrl-C (a
@@ -382,7 +383,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
             job_g, pl, row, used = planned
             resume = self._resume_step()
             if self._pending is not None:
-                self._note_replanned(job_g, pl, row, used, resume)
+                self._note_replanned(job_g, pl, row, used, resume, first)
             per_stage = self._record_plan(job_g, pl, row, used)
             run = self._launch(job_g, pl, row, used, per_stage)
             first = False
@@ -416,13 +417,15 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._last_plan = (pool, planned)
         return planned
 
-    def _note_replanned(self, job_g: JobConfig, pl, row, used: list[Host], resume: int) -> None:
-        """The morph under way has its new plan: record the candidates compared, the last step
-        finished before it (metrics that reached only ``metrics.jsonl`` included), the new plan,
-        where it resumes and the steps lost."""
+    def _note_replanned(self, job_g: JobConfig, pl, row, used: list[Host], resume: int, first: bool) -> None:
+        """The morph under way has its new plan: record the candidates compared (and the config's
+        fixed P/D the plan kept, ``plan_kept``: a ``first`` plan keeps them when they fit), the last step finished
+        before it (metrics that reached only ``metrics.jsonl`` included), the new plan, where it
+        resumes and the steps lost."""
         rec = self._pending
         rec.mark("replan")
         rec.candidates, rec.feasible_plans = plan_candidates(pl, row)
+        rec.kept = self.plan_kept if first else None
         self._poll_metrics(None)
         self._backfill_metrics()   # steps whose heartbeat never left a lost VM
         self._poll_metrics(None)

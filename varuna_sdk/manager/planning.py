@@ -86,6 +86,8 @@ class ManagerPlanning:
         prices = Prices(**priced) if priced else None
         job = copy.deepcopy(self.job)
         p0 = job.parallel
+        fixed = {k: getattr(p0, k) for k in ("P", "D") if getattr(p0, k) is not None}
+        self.plan_kept = fixed if first and fixed else None   # the config's fixed P/D, kept unless they do not fit
         if first and not self.options.calibrate_first and self._profile is None and not p0.planned and p0.P * p0.D <= G:
             self._micro_batch_size = self._micro_batch_size or p0.micro_batch_size
             return job, None, None, self._hosts_for(hosts, p0.P * p0.D)  # as configured, no calibration
@@ -127,6 +129,7 @@ class ManagerPlanning:
                    f"has ({e}); planning for the pool instead")
             _log.warning("job %s: %s", self.job_id, msg)
             self.log.append(Kind.WARNING, job_id=self.job_id, payload={"message": msg})
+            self.plan_kept = None
             job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
             job.parallel.boundaries = None
             try:   # ... P and D, with the configured micro-batch size when some plan has it

@@ -150,8 +150,14 @@ def _choice_text(m: dict) -> str:
     except (KeyError, TypeError, ValueError):
         return ""
     n = m.get("feasible_plans") or len(cands)
-    chosen_first = bool(cands[0].get("chosen"))
-    why = f"the fastest predicted of {n} feasible plan(s)" if chosen_first else f"kept as configured, of {n} feasible"
+    kept = m.get("kept") if isinstance(m.get("kept"), dict) else None
+    if kept:   # the config fixed P and/or D: the plans compared are those that keep them
+        fixed = " and ".join(f"parallel.{k}={v}" for k, v in kept.items())
+        why = f"the config's {fixed} kept (null lets the planner choose), of {n} feasible plan(s) compared"
+    elif cands[0].get("chosen"):
+        why = f"the fastest predicted of {n} feasible plan(s)"
+    else:
+        why = f"kept as configured, of {n} feasible"
     return f" ({why}: {listed})"
 
 
@@ -251,15 +257,15 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
         Kind.PREEMPTION_NOTICE: lambda: f"VM {vm} will be pre-empted in {p.get('lead_s', '?')} s",
         Kind.HOST_LOST: lambda: f"VM {vm} lost ({p.get('reason', '?')})",
         Kind.WORKER_FAILED: lambda: f"rank {e.rank} on {vm} failed: {str(p.get('error') or '?').splitlines()[-1][:300]}",
-        Kind.CHECKPOINT: lambda: f"checkpoint of step {p.get('step')} published",
+        Kind.CHECKPOINT: lambda: f"checkpoint after step {p.get('step')} published",
         Kind.WORKER_JOINED: lambda: f"rank {e.rank} on {vm} joined (pid {p.get('pid', '?')})",
-        Kind.WORKER_FINISHED: lambda: f"rank {e.rank} on {vm} finished ({p.get('status')}, last step {p.get('last_step')})",
+        Kind.WORKER_FINISHED: lambda: f"rank {e.rank} on {vm} finished ({p.get('status')}, {_steps_done(p)})",
         Kind.WORKER_EXITED: lambda: f"rank {e.rank} on {vm} exited with code {p.get('exit_code')}",
         Kind.HEARTBEAT_SERVER_STARTED: lambda: f"heartbeat server listening on {p.get('address')}",
         Kind.GENERATION_STARTED: lambda: (f"generation {p.get('generation')} started: P={p.get('P')} x D={p.get('D')} on "
                                           f"{', '.join(p.get('hosts') or [])}"),
         Kind.GENERATION_ENDED: lambda: (f"generation {p.get('generation')} ended: {p.get('status')} after "
-                                        f"{p.get('seconds', 0):.0f} s, last step {p.get('last_step')}"),
+                                        f"{p.get('seconds', 0):.0f} s, {_steps_done(p)}"),
         Kind.CALIBRATION_STARTED: lambda: str(p.get("message") or "calibrating the model"),
         Kind.GROW_DECISION: lambda: (f"VMs free: a plan on them would run {_num(p.get('new_examples_per_s'))} examples/s "
                                      f"against {_num(p.get('current_examples_per_s'))} now: "
@@ -277,6 +283,12 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
         return at + text()
     except (KeyError, TypeError, ValueError, IndexError):
         return f"{at}{k}: {_brief(p)}"
+
+
+def _steps_done(p: dict) -> str:
+    """A worker's or generation's ``last_step`` (0-based) as the console counts: steps done."""
+    last = p.get("last_step")
+    return f"{last + 1} step(s) done" if isinstance(last, int) else "no step done"
 
 
 def _num(v) -> str:

@@ -69,7 +69,9 @@ class MorphRecord:
     phases (``MORPH_PHASES``, seconds each; they sum to ``downtime_s``); ``candidates``: the
     planner's best predictions for the new pool (``{"P", "D", "micro_batch_size",
     "examples_per_s", "time_s"}``, fastest first, the chosen one marked ``"chosen": True``) and
-    ``feasible_plans`` how many it compared (paper §4.2: the planner simulates each)."""
+    ``feasible_plans`` how many it compared (paper §4.2: the planner simulates each); ``kept``:
+    the config's fixed ``parallel.P``/``D`` the plan kept (``{"D": 1}``; a restarted or continued
+    job's first plan keeps them), None when the planner chose freely."""
 
     time: float
     cause: MorphCause
@@ -83,6 +85,7 @@ class MorphRecord:
     phases_s: dict[str, float] = field(default_factory=dict)
     candidates: list[dict[str, Any]] = field(default_factory=list)
     feasible_plans: int | None = None
+    kept: dict[str, int] | None = None
     marks: dict[str, float] = field(default_factory=dict, repr=False)
 
     def mark(self, phase_end: str, at: float | None = None, *, first_only: bool = False) -> None:

@@ -221,7 +221,8 @@ class Plan:
         return head, rows, notes
 
     def _title(self) -> str:
-        split = {None: " (backward split per row: B|W)", True: " + split backward (B|W)", False: ""}[self.split_backward]
+        split = {None: _split_title([r.split_backward for r in self.feasible]), True: " + split backward (B|W)",
+                 False: ""}[self.split_backward]
         return (f"plan for G={self.gpus} GPUs, global batch {self.global_batch}, policy {self.policy}"
                 f"{_RECOMPUTE_TITLE[self.recompute]}{split} (searched in {self.search_s * 1e3:.1f} ms"
                 f"{'' if self.exhaustive else _BEST_ONLY_NOTE})")
@@ -287,6 +288,13 @@ class Plan:
         r = _core.simulate_candidate(search, row.P, row.D, self._sizes.index(row.micro_batch_size),
                                      [st[0] for st in row.stages], scale, bool(record_timeline))
         return SimOutput.from_core(r, bool(record_timeline))
+
+
+def _split_title(splits: list[bool]) -> str:
+    """The title's words for a plan that chose the backward split per row (``split_backward`` None)."""
+    if any(splits):
+        return " (backward split B|W on the rows where the simulator found it faster)"
+    return " (backward split B|W tried per row; the whole backward is as fast or faster on every row)"
 
 
 def _plain(v):
