@@ -842,3 +842,49 @@ def test_a_data_file_edited_in_place_is_refused_before_a_run_continues(tmp_path)
         prepare_run(job, run)
     text.write_text(original)
     prepare_run(job, run)
+
+
+def test_a_datasets_file_edited_between_runs_is_refused_and_one_without_a_fingerprint_is_not(tmp_path):
+    """The same check for a ``data.dataset`` (a Python object reading a file): the run folder
+    records a fingerprint of the dataset (its length and sampled examples, ``ExampleData.digest``);
+    a started run (it has an event log) whose file was then edited is refused naming the dataset
+    and both example counts; the file put back is accepted. Random draws from the global generators
+    do not change the fingerprint (they are seeded alike for it, and left as they were); a dataset
+    drawing from a generator of its own has none, and is never refused for it."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.manager.events import EventLog
+    from varuna_sdk.runner import DATA_IDENTITY, prepare_run
+
+    rows = tmp_path / "rows.npy"
+    x = np.random.default_rng(0).normal(size=(128, 8)).astype(np.float32)
+    np.save(rows, x)
+
+    def job(**kw):
+        return JobConfig(name="npy", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier",
+                                                      kwargs={"features": 8, "classes": 4}),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:NpyExamples",
+                                         dataset_kwargs={"path": str(rows), **kw}),
+                         parallel=ParallelConfig(P=1, D=1, global_batch=4, micro_batch_size=2),
+                         train=TrainConfig(steps=2, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    run = tmp_path / "run"
+    prepare_run(job(), run)
+    EventLog(run / "events.db").close()   # the run began
+    ident = json.loads((run / DATA_IDENTITY).read_text())
+    assert ident["examples"] == 128 and len(ident["digest"]) == 16, ident
+    state = torch.get_rng_state()
+    prepare_run(job(), run)   # the same data: accepted, and torch's generator left where it was
+    assert torch.equal(state, torch.get_rng_state())
+    edited = x.copy()
+    edited[64, 3] += 1.0      # one value of the middle example
+    np.save(rows, edited)
+    with pytest.raises(ConfigError, match=rf"the data of the run in {run} changed since the run began: "
+                                          r".*NpyExamples.* now gives as many examples, of other content"):
+        prepare_run(job(), run)
+    np.save(rows, x[:80])
+    with pytest.raises(ConfigError, match=r"now gives 80 examples where it had 128"):
+        prepare_run(job(), run)
+    np.save(rows, x)
+    prepare_run(job(), run)
+    noisy = tmp_path / "noisy"   # its own generator: no fingerprint recorded, nothing refused
+    prepare_run(job(own_noise=True), noisy)
+    assert not (noisy / DATA_IDENTITY).exists()

@@ -174,21 +174,26 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     return job, out, resolved
 
 
-#: The run folder's record of the token data it began with (``data_identity``).
+#: The run folder's record of the data it began with (``data_identity``).
 DATA_IDENTITY = "data-identity.json"
 
 
 def data_identity(resolved) -> dict | None:
-    """What identifies a job's token data (text or token files): its source, its content digest
-    (``data.sources.TokenData.digest``: the files' bytes and the tokenizer) and its token count;
-    None for a ``data.dataset`` (a Python object: no file to fingerprint)."""
-    t = resolved.data.tokens
-    return None if t is None else {"source": t.source, "digest": t.digest, "tokens": len(t)}
+    """What identifies a job's data: its source, a content digest and its size — for token data
+    (text or token files) ``data.sources.TokenData.digest`` (the files' bytes and the tokenizer)
+    and the token count; for a ``data.dataset`` ``ExampleData.digest`` (its length and sampled
+    examples) and the example count. None when the data has no stable fingerprint (a dataset
+    that draws from a random generator of its own)."""
+    t, e = resolved.data.tokens, resolved.data.examples
+    if t is not None:
+        return {"source": t.source, "digest": t.digest, "tokens": len(t)}
+    digest = e.digest() if e is not None else None
+    return None if digest is None else {"source": e.source, "digest": digest, "examples": len(e)}
 
 
 def check_same_data(resolved, run_dir: Path) -> None:
-    """A started run folder (``events.db``) whose recorded token data (``DATA_IDENTITY``) differs
-    from what the job reads now — a data file edited in place — is refused before anything starts:
+    """A started run folder (``events.db``) whose recorded data (``DATA_IDENTITY``: tokens or a
+    dataset's examples) differs from what the job reads now — a data file edited in place — is refused before anything starts:
     its checkpoints hold positions in the old token stream, and loading them failed in the workers
     and marked the run FAILED (or, with the same length, trained on on other text without a word).
     Raises ``ConfigError`` naming the source, both token counts and what to do."""
@@ -197,13 +202,14 @@ def check_same_data(resolved, run_dir: Path) -> None:
         return
     try:
         old = json.loads(path.read_text())
-        old_digest, old_tokens = str(old["digest"]), int(old["tokens"])
+        unit = "tokens" if "tokens" in old else "examples"
+        old_digest, old_count = str(old["digest"]), int(old[unit])
     except (OSError, ValueError, KeyError, TypeError):
         return   # an unreadable record: the checkpoint's own checks decide
     new = data_identity(resolved)
-    if new is None or new["digest"] == old_digest:
+    if new is None or unit not in new or new["digest"] == old_digest:
         return
-    same = "as many tokens" if new["tokens"] == old_tokens else f"{new['tokens']} tokens where it had {old_tokens}"
+    same = f"as many {unit}" if new[unit] == old_count else f"{new[unit]} {unit} where it had {old_count}"
     raise ConfigError(f"the data of the run in {run_dir} changed since the run began: {new['source']} now gives "
                       f"{same}, of other content (digest {new['digest']}, was {old_digest}); its checkpoints hold "
                       "positions in the data it began with. Put that data back to continue this run, or train on "

@@ -264,3 +264,24 @@ class HangsOnFlag(torch.utils.data.Dataset):
         while os.path.exists(self.flag):
             time.sleep(0.05)
         return self.ds[i]
+
+
+class NpyExamples(torch.utils.data.Dataset):
+    """(x, y) rows of a ``.npy`` file of floats (y: the class of the largest of the first 4
+    features), read from disk on every ``[i]`` — a file the user may edit between runs.
+    ``own_noise``: add noise from a generator of its own (no stable fingerprint)."""
+
+    def __init__(self, path: str, own_noise: bool = False):
+        import numpy as np
+
+        self.x = np.load(path, mmap_mode="r")
+        self.rng = np.random.default_rng() if own_noise else None
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = torch.from_numpy(self.x[i].copy())
+        if self.rng is not None:
+            x = x + torch.from_numpy(self.rng.normal(0, 0.01, x.shape).astype(x.numpy().dtype))
+        return x, x[:4].argmax()

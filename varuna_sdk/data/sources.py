@@ -22,10 +22,11 @@ Never imports ``varuna_sdk.pipeline``, ``cluster`` or ``manager``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -282,6 +283,70 @@ class ExampleData:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def digest(self, samples: int = 5) -> str | None:
+        """A content fingerprint (16 hex digits) of the dataset: its length and the values of up to
+        ``samples`` examples spread over it (first, middle, last), read twice with the global
+        random generators seeded alike (and restored after); None when the two reads differ (the
+        dataset draws from a generator of its own: no stable fingerprint). Catches the files
+        behind a dataset edited or replaced between a run and its continuation; an edit that
+        misses every sampled example is not caught. Raises what reading an example raises."""
+        n = len(self.dataset)
+        picks = sorted({i for i in (0, 1, n // 2, n - 2, n - 1)[:max(1, samples)] if 0 <= i < n})
+        digests = []
+        with _seeded_global_rngs() as reseed:
+            for _ in range(2):
+                reseed()
+                h = hashlib.sha256(str(n).encode())
+                for i in picks:
+                    _hash_value(h, self.dataset[i])
+                digests.append(h.hexdigest()[:16])
+        return digests[0] if digests[0] == digests[1] else None
+
+
+def _hash_value(h, v) -> None:
+    """Feed an example's value (tensors, arrays, numbers, nested in tuples, lists and dicts) to ``h``."""
+    import torch
+
+    if isinstance(v, dict):
+        for k in sorted(v, key=str):
+            h.update(str(k).encode())
+            _hash_value(h, v[k])
+    elif isinstance(v, (tuple, list)):
+        h.update(f"[{len(v)}".encode())
+        for x in v:
+            _hash_value(h, x)
+    elif isinstance(v, torch.Tensor):
+        t = v.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(v, np.ndarray):
+        a = np.ascontiguousarray(v)
+        h.update(f"{a.dtype}{a.shape}".encode() + a.tobytes())
+    else:
+        h.update(repr(v).encode())
+
+
+@contextlib.contextmanager
+def _seeded_global_rngs() -> Iterator[Callable[[], None]]:
+    """Yields ``reseed()``, which seeds the global generators (torch, NumPy, Python's ``random``)
+    alike; their states are put back on leaving, so the user's training draws what it would have."""
+    import random
+
+    import torch
+
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+
+    def reseed() -> None:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+    try:
+        yield reseed
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
 
 
 def open_examples(dataset: Any, source: str) -> ExampleData:
