@@ -21,6 +21,20 @@ from varuna_sdk.model import CutPoint, build_on_meta, gpt2, init_gpt2, lm_loss, 
 from varuna_sdk.pipeline.engine import Varuna
 
 
+class StopAtStepInFile:
+    """A trainer's ``should_stop`` (picklable): stop at a boundary once the steps done reach the
+    number written in the file ``path`` (read every step; no file yet: go on)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, progress) -> bool:
+        try:
+            return progress.steps_done >= int(Path(self.path).read_text())
+        except (OSError, ValueError):
+            return False
+
+
 def tiny_cfg(n_layer=3, dropout=0.1, **kw):
     return preset("tiny", n_layer=n_layer, dropout=dropout, bias=False, **kw)
 

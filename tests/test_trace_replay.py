@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import pytest
@@ -55,21 +56,49 @@ EXPECTED = [("notice", "vm2"), ("removed", "vm2"),               # node55, line 
             ("added", "vm1")]                                    # node121, line 221 (34.4 s)
 
 
-def reference(out, steps_done: int) -> dict[int, float]:
-    """Per-step losses of the job trained without interruption on the same STEPS-step schedule,
-    stopped at a boundary after ``steps_done`` steps, in one spawned process (P=1 x D=1: the losses
-    of any P x D to 1e-5, dropout masks included)."""
-    from varuna_sdk.pipeline.spawn import spawn_workers
-    from varuna_sdk.trainer import StopAtStep, run_worker
+class Reference:
+    """Per-step losses of the job trained without interruption on the same STEPS-step schedule, in
+    one spawned process (P=1 x D=1: the losses of any P x D to 1e-5, dropout masks included),
+    trained beside the job (the replay is mostly waiting for the trace's events) until ``losses``
+    says how far: it stops at a boundary once it has done that many steps (``StopAtStepInFile``)."""
 
-    spawn_workers(run_worker, 1, args=(tiny_job(STEPS, P=1, D=1).to_dict(), str(out), None, StopAtStep(steps_done)),
-                  timeout_s=300, work_dir=out, backend="gloo")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    def __init__(self, out):
+        from _workers import StopAtStepInFile
+        from varuna_sdk.pipeline.spawn import spawn_workers
+        from varuna_sdk.trainer import run_worker
+
+        self.out, self.target, self.error = out, out / "stop-at-step", None
+        out.mkdir()
+
+        def train():
+            try:
+                spawn_workers(run_worker, 1, args=(tiny_job(STEPS, P=1, D=1).to_dict(), str(out), None,
+                                                   StopAtStepInFile(str(self.target))),
+                              timeout_s=400, work_dir=out, backend="gloo")
+            except BaseException as e:  # noqa: BLE001 - raised in the test's thread by losses()
+                self.error = e
+        self.thread = threading.Thread(target=train, daemon=True)
+        self.thread.start()
+
+    def losses(self, steps_done: int) -> dict[int, float]:
+        """The first ``steps_done`` steps' losses (it trains on alone until it has done them)."""
+        self.target.write_text(str(steps_done))
+        self.thread.join(300)
+        assert not self.thread.is_alive(), "the reference run did not stop"
+        if self.error is not None:
+            raise self.error
+        rows = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["step"] < steps_done}
+
+    def close(self) -> None:
+        """Stop it at its next boundary if nothing asked yet (a test that failed before)."""
+        if not self.target.exists():
+            self.target.write_text("0")
+        self.thread.join(120)
 
 
-@pytest.mark.timeout(420)  # ~2 min on the quiet testbed (reference run included), ~3.5 min loaded
-def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog):
+@pytest.mark.timeout(420)  # ~1 min on the quiet testbed (reference run beside it), ~3 min loaded
+def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog, request):
     caplog.set_level(logging.ERROR, logger="varuna_sdk.cluster.spot")
     run, vms = tmp_path / "run", tmp_path / "vms"
     emu = SLICE.emulator(backend="ssh", root=vms, hold=True)
@@ -78,6 +107,8 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog):
     mgr = Manager(tiny_job(STEPS), emu, run_dir=run, heartbeat_interval_s=1.0, stop_timeout_s=60,
                   grow=GrowRule(min_gain=1.1, cooldown_s=0.0), straggler=None,
                   generation_options={"sink": None, "remote_run_dir": str(run)})
+    ref = Reference(tmp_path / "ref")
+    request.addfinalizer(ref.close)
     try:
         t_start = time.time()
         emu.start()
@@ -128,7 +159,7 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog):
     # the losses are the uninterrupted run's, as far as the job got
     got = final_losses(run)
     assert len(got) < STEPS, "the job finished all its steps: the replay no longer tests a running job"
-    assert_same_trajectory(got, reference(tmp_path / "ref", max(got) + 1))
+    assert_same_trajectory(got, ref.losses(max(got) + 1))
     log = EventLog.reader(run / "events.db")
     try:
         boots = log.events(kind=Kind.BOOTSTRAP)

@@ -42,16 +42,24 @@ def seed_segment(seed: int, step: int, microbatch: int, segment: int) -> None:
     # do, gets the same draws in a recompute as in its forward, at any P and D); not saved and
     # restored as torch's are (that costs ~170 µs): after a forward it holds a segment's seed
     np.random.seed(s & 0xFFFF_FFFF)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():   # (False without CUDA; cheaper than is_available, asked per segment)
         torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(s)
 
 
 @contextlib.contextmanager
 def forked_rng() -> Iterator[None]:
     """Save torch's RNG states (CPU and the current CUDA device), restore them on exit."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices, enabled=True):
+    if torch.cuda.is_initialized():
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()], enabled=True):
+            yield
+        return
+    # CPU only: the generator's state directly (fork_rng also asks which accelerator is present,
+    # once per forward of every micro-batch)
+    state = torch.default_generator.get_state()
+    try:
         yield
+    finally:
+        torch.default_generator.set_state(state)
 
 
 class SegmentSeeder:
