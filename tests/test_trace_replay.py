@@ -59,8 +59,10 @@ EXPECTED = [("notice", "vm2"), ("removed", "vm2"),               # node55, line 
 class Reference:
     """Per-step losses of the job trained without interruption on the same STEPS-step schedule, in
     one spawned process (P=1 x D=1: the losses of any P x D to 1e-5, dropout masks included),
-    trained beside the job (the replay is mostly waiting for the trace's events) until ``losses``
-    says how far: it stops at a boundary once it has done that many steps (``StopAtStepInFile``)."""
+    trained beside the job (the replay is mostly waiting for the trace's events; started after the
+    first morph has calibrated the model, whose figures a busy machine would skew) until
+    ``losses`` says how far: it stops at a boundary once it has done that many steps
+    (``StopAtStepInFile``)."""
 
     def __init__(self, out):
         from _workers import StopAtStepInFile
@@ -107,8 +109,7 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog, request):
     mgr = Manager(tiny_job(STEPS), emu, run_dir=run, heartbeat_interval_s=1.0, stop_timeout_s=60,
                   grow=GrowRule(min_gain=1.1, cooldown_s=0.0), straggler=None,
                   generation_options={"sink": None, "remote_run_dir": str(run)})
-    ref = Reference(tmp_path / "ref")
-    request.addfinalizer(ref.close)
+    ref = None   # started once the first morph has calibrated the model (not beside the calibration)
     try:
         t_start = time.time()
         emu.start()
@@ -120,6 +121,9 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog, request):
         deadline = time.time() + 240   # the slice's last event, then its morph and a few steps after it
         while time.time() < deadline and not (len(seen) >= len(EXPECTED) + 4 and _settled(mgr, seen[-1].time)):
             assert mgr.state not in (JobState.FAILED, JobState.SUCCEEDED), (mgr.state, mgr.error)
+            if ref is None and mgr.summary()["morphs"]:
+                ref = Reference(tmp_path / "ref")
+                request.addfinalizer(ref.close)
             time.sleep(0.5)
         t_end = time.time()
         mgr.cancel()                   # stop at a boundary: checkpointed, nothing lost
@@ -159,6 +163,7 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog, request):
     # the losses are the uninterrupted run's, as far as the job got
     got = final_losses(run)
     assert len(got) < STEPS, "the job finished all its steps: the replay no longer tests a running job"
+    assert ref is not None
     assert_same_trajectory(got, ref.losses(max(got) + 1))
     log = EventLog.reader(run / "events.db")
     try:
