@@ -563,3 +563,19 @@ def test_a_value_dependent_shape_is_refused_saying_it_is_the_meta_devices_limit(
     such operations (it blamed the model alone)."""
     with pytest.raises(ModelSpecError, match=r"nonzero.* limit of the meta device .*mixture-of-experts routing"):
         resolve_job(_classifier_job(tmp_path, "tests.thirdparty.plain_models:Routed", P=2))
+
+
+def test_a_hugging_face_model_from_a_config_builds_and_trains_without_transformers_warnings(capfd):
+    """GPT-2's special-token ids (50256) do not exist in a 256-id byte vocabulary: they are left
+    unset before the config is made (transformers warned of each, on every rank), and the loss
+    transformers falls back to is named (it warned ``loss_type=None`` on the first forward with
+    labels); a model with the full vocabulary keeps its ids."""
+    from varuna_sdk.jobspec import hf_causal_lm
+
+    model = hf_causal_lm("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=32)
+    x = torch.randint(0, 256, (2, 16))
+    loss = model(input_ids=x, labels=x).loss
+    assert torch.isfinite(loss) and model.config.bos_token_id is None and model.config.eos_token_id is None
+    assert model.loss_type == "ForCausalLM"
+    assert "[transformers]" not in capfd.readouterr().err
+    assert hf_causal_lm("gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=32).config.eos_token_id == 50256

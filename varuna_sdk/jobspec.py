@@ -187,9 +187,10 @@ def _gpt2_builder(job: JobConfig, tok: Tokenizer | None) -> Registered:
 #: as ``pad_token_id`` (unless model.kwargs set it), not the config class's default
 PAD_TOKENS = ("[PAD]", "<pad>")
 #: ``model.factory`` name of a Hugging Face model from a config → (the transformers Auto class that
-#: builds it, its model-type table in ``transformers.models.auto.modeling_auto``, the head in words)
-HF_HEADS = {"hf-causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-LM"),
-            "hf-masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-LM")}
+#: builds it, its model-type table in ``transformers.models.auto.modeling_auto``, the head in words,
+#: the ``loss_type`` transformers uses for it by default)
+HF_HEADS = {"hf-causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-LM", "ForCausalLM"),
+            "hf-masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-LM", "ForMaskedLM")}
 
 
 def hf_causal_lm(model_type: str, **config: Any) -> nn.Module:
@@ -218,15 +219,20 @@ def hf_model(factory: str, model_type: str, **config: Any) -> nn.Module:
         raise ConfigError(f"{factory}: {cls.__name__} has no field(s) {unknown}"
                           + "".join(f"; {k}: did you mean {h[0]!r}?" for k, h in hints.items() if h)
                           + " (a field it does not know would be ignored and the model built with its default)")
-    cfg = transformers.AutoConfig.for_model(model_type, **config)
-    vocab = getattr(cfg, "vocab_size", None)
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of a vocabulary it no longer has
-        if isinstance(getattr(cfg, k, None), int) and vocab is not None and getattr(cfg, k) >= vocab and k not in config:
-            setattr(cfg, k, None)
+    defaults = cls()
+    vocab = config.get("vocab_size", getattr(defaults, "vocab_size", None))
+    # special-token defaults of a vocabulary it no longer has (GPT-2's 50256 with 256 byte ids): None,
+    # given before the config is made (transformers warns of them as it makes one)
+    dropped = {k: None for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k not in config
+               and isinstance(getattr(defaults, k, None), int) and isinstance(vocab, int) and getattr(defaults, k) >= vocab}
+    cfg = transformers.AutoConfig.for_model(model_type, **config, **dropped)
     try:
-        return getattr(transformers, HF_HEADS[factory][0]).from_config(cfg)
+        model = getattr(transformers, HF_HEADS[factory][0]).from_config(cfg)
     except ValueError as e:   # e.g. a masked-LM head for a causal-only model type
         raise ConfigError(f"{factory}: {_short(str(e), 300)}") from None
+    if getattr(model, "loss_type", "") is None:   # the loss transformers falls back to, named (it warns otherwise)
+        model.loss_type = HF_HEADS[factory][3]
+    return model
 
 
 def _check_hf_model_type(factory: str, model_type: str) -> None:
@@ -235,7 +241,7 @@ def _check_hf_model_type(factory: str, model_type: str) -> None:
     some model types that have this head."""
     from transformers.models.auto import configuration_auto, modeling_auto
 
-    heads = {f: getattr(modeling_auto, table) for f, (_, table, _) in HF_HEADS.items()}
+    heads = {f: getattr(modeling_auto, table) for f, (_, table, *_) in HF_HEADS.items()}
     if model_type in heads[factory]:
         return
     if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
@@ -244,7 +250,7 @@ def _check_hf_model_type(factory: str, model_type: str) -> None:
                           + (f"; did you mean {near[0]!r}?" if near else ""))
     other = [f for f, names in heads.items() if f != factory and model_type in names]
     some = ", ".join(list(heads[factory])[:12])
-    head = {f: words for f, (_, _, words) in HF_HEADS.items()}
+    head = {f: words for f, (_, _, words, _) in HF_HEADS.items()}
     raise ConfigError(f"{factory}: model_type {model_type!r} has no {head[factory]} head in transformers"
                       + (f" (it has a {head[other[0]]} head: use model.factory {other[0]})" if other else "")
                       + f"; model types that have one: {some}, …")
