@@ -337,9 +337,10 @@ def test_a_calibration_on_a_known_host_runs_only_the_models_probes(tmp_path, mon
     assert prof.network.samples["p2p"] == [[4096, 1.0, 1.0, 0.0]]
 
 
-def test_the_machines_load_is_measured_from_proc_stat_and_decides_a_fresh_calibration():
+def test_the_machines_load_is_measured_from_proc_stat_and_decides_a_fresh_calibration(tmp_path):
     """``busy_fraction`` reads the CPUs' busy share of a window from /proc/stat: two real processes
-    spinning on this 2-core machine's cores are seen (>= 0.7). ``measured_under_load``: only a
+    spinning on this 2-core machine's cores are seen (>= 0.7), and a calibration made then warns
+    that its figures are inflated. ``measured_under_load``: only a
     calibration measured under load (>= BUSY_STALE) on a machine quiet now (<= BUSY_QUIET), at least
     BUSY_RECHECK_AGE_S old, is measured again; one still busy, a recent one, or an unknown load
     keeps its calibration."""
@@ -349,13 +350,25 @@ def test_the_machines_load_is_measured_from_proc_stat_and_decides_a_fresh_calibr
     import time
 
     from varuna_sdk.profiling.job import (BUSY_QUIET, BUSY_RECHECK_AGE_S, BUSY_STALE, busy_fraction,
-                                          measured_under_load)
+                                          measured_under_load, under_load_warning)
 
-    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 20\nwhile time.time() < t: pass"])
+    from varuna_sdk.config import DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig
+    from varuna_sdk.profiling.job import calibrate_job, store_host_network
+
+    store_host_network(tmp_path / "hosts", 1, _fake_network())
+    job = JobConfig(name="busy", model=ModelConfig(preset="tiny", n_layer=1, n_embd=16, n_head=2),
+                    data=DataConfig(tokenizer="byte", seq_len=8), parallel=ParallelConfig(global_batch=4),
+                    launch=LaunchConfig(gpus=1))
+    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 60\nwhile time.time() < t: pass"])
             for _ in range(max(2, os.cpu_count() or 1))]
     try:
         time.sleep(0.3)
         assert busy_fraction(0.5) >= 0.7
+        # a calibration made now says its figures are inflated (the manager logs the same as a WARNING event)
+        with pytest.warns(UserWarning, match=r"calibrated while other work kept \d+% of this machine's CPUs busy: "
+                                             r"its compute times are inflated"):
+            prof = calibrate_job(job, cache_dir=tmp_path, micro_batch_sizes=(1,))
+        assert prof.busy_at_calibration >= BUSY_STALE
     finally:
         for p in spin:
             p.kill()
@@ -366,6 +379,7 @@ def test_the_machines_load_is_measured_from_proc_stat_and_decides_a_fresh_calibr
     assert not measured_under_load(0.9, 0.6, old)            # still busy: the same load would be measured
     assert not measured_under_load(BUSY_STALE - 0.01, 0.0, old) and not measured_under_load(0.1, 0.0, old)
     assert not measured_under_load(None, 0.0, old) and not measured_under_load(0.9, None, old)
+    assert under_load_warning(BUSY_STALE - 0.01) is None and under_load_warning(None) is None
 
 
 def test_a_calibration_cached_under_load_is_measured_again_once_the_machine_is_quiet(tmp_path):

@@ -308,13 +308,17 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         when there is none). Raises ``CalibrationFailed`` when measuring the model fails — its code
         fails the same way on every try, so the job fails with that error, not "no plan fits"."""
         if self._profile is None:
-            from ..profiling.job import calibrate_job
+            from ..profiling.job import calibrate_job, under_load_warning
 
             self._log_state_note("calibrating the model (once per model and input shape; cached)")
             try:
                 self._profile = calibrate_job(self.job, run_dir=self.run_dir)
             except Exception as e:  # noqa: BLE001 - reported as the job's failure
                 raise CalibrationFailed(f"{type(e).__name__}: {e}") from e
+            said = under_load_warning(self._profile.busy_at_calibration)
+            if said:   # its plans may be off: in the job's event log too (varuna logs --events, the dashboard)
+                _log.warning("job %s: %s", self.job_id, said)
+                self.log.append(Kind.WARNING, job_id=self.job_id, payload={"message": said})
         return self._profile
 
     def _log_state_note(self, message: str) -> None:

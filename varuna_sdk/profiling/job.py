@@ -78,7 +78,8 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     job shipped by value are looked up too. ``micro_batch_sizes``: default 1, 2, 4 examples — or
     2, 4, 8 for a model that cannot train on one (``ModelSpec.min_micro_batch``). The profile's
     ``data_read_s`` is timed on this job's data every time (``measure_data_read``), and its
-    ``busy_at_calibration`` says how busy other work kept the CPUs; a cached profile measured
+    ``busy_at_calibration`` says how busy other work kept the CPUs (a calibration made while at
+    least ``BUSY_STALE`` were busy warns that its figures are inflated); a cached profile measured
     under load is measured again, with a warning, once the machine is quiet
     (``measured_under_load``). Raises what resolving the job or ``calibrate`` raises."""
     r = resolved or resolve_job(job, search=[run_dir] if run_dir is not None else [])
@@ -115,7 +116,21 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     prof.data_read_s, prof.data_draws_random = measure_data_read(r, T)
     prof.busy_at_calibration = busy
     _write_atomic(path, prof.to_json())
+    said = under_load_warning(busy)
+    if said:
+        warnings.warn(said, stacklevel=2)
     return prof
+
+
+def under_load_warning(busy: float | None) -> str | None:
+    """What to tell a user of a calibration made while other work kept ``busy`` (a fraction) of
+    the CPUs busy, when that is at least ``BUSY_STALE``; None otherwise."""
+    if busy is None or busy < BUSY_STALE:
+        return None
+    return (f"the model was calibrated while other work kept {busy:.0%} of this machine's CPUs busy: its compute "
+            "times are inflated, and the plans made from them (P, D, whether a returning VM is worth growing onto) "
+            f"may be off. It is measured again once it is {BUSY_RECHECK_AGE_S / 60:.0f} min old and the machine at "
+            f"most {BUSY_QUIET:.0%} busy; or calibrate on a quiet machine with `varuna calibrate CONFIG --refresh`")
 
 
 def cpu_times() -> tuple[int, int] | None:
