@@ -325,3 +325,32 @@ def test_an_interrupt_passed_on_twice_at_once_is_one_stop_and_a_later_one_kills(
         assert [e.payload["by"] for e in mgr.log.events(kind=Kind.STOP_REQUEST_RECEIVED)] == ["SIGINT"]
     finally:
         mgr.log.close()
+
+
+def test_logs_refuses_a_file_and_follow_on_a_new_folder_can_be_interrupted(tmp_path, capsys):
+    """``varuna logs FILE`` (a config given by mistake) is refused at once, with or without
+    ``--follow``, not waited on; ``--follow`` on a folder with no job yet waits, and a Ctrl-C
+    (SIGINT) ends the wait with exit 130 and a line saying so, not a timeout message."""
+    import signal
+    import time
+
+    from varuna_sdk.cli import main
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(TINY)
+    for extra in ([], ["--follow"]):
+        assert main(["logs", str(cfg), *extra]) == 2
+        assert "is a file, not a run folder" in capsys.readouterr().err
+    follow = subprocess.Popen([sys.executable, "-m", "varuna_sdk.cli", "logs", str(tmp_path / "new"), "--follow"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        line = follow.stdout.readline()   # it says it waits, then waits
+        assert line.startswith("[varuna] waiting for a job to start in"), line
+        assert follow.poll() is None and time.time() < deadline
+        follow.send_signal(signal.SIGINT)
+        out = follow.communicate(timeout=30)[0]
+    finally:
+        follow.kill()
+    assert follow.returncode == 130 and "varuna: interrupted (the job, if any, goes on)" in out, out
+    assert "within" not in out and "Traceback" not in out, out

@@ -850,7 +850,8 @@ def test_a_datasets_file_edited_between_runs_is_refused_and_one_without_a_finger
     a started run (it has an event log) whose file was then edited is refused naming the dataset
     and both example counts; the file put back is accepted. Random draws from the global generators
     do not change the fingerprint (they are seeded alike for it, and left as they were); a dataset
-    drawing from a generator of its own has none, and is never refused for it."""
+    drawing from a generator of its own has no content fingerprint and is never refused for its
+    draws, but a change of its length is refused (its checkpoints would fail to load)."""
     from varuna_sdk.config import TrainConfig
     from varuna_sdk.manager.events import EventLog
     from varuna_sdk.runner import DATA_IDENTITY, prepare_run
@@ -885,6 +886,13 @@ def test_a_datasets_file_edited_between_runs_is_refused_and_one_without_a_finger
         prepare_run(job(), run)
     np.save(rows, x)
     prepare_run(job(), run)
-    noisy = tmp_path / "noisy"   # its own generator: no fingerprint recorded, nothing refused
+    noisy = tmp_path / "noisy"   # its own generator: no content fingerprint, its length alone is compared
     prepare_run(job(own_noise=True), noisy)
-    assert not (noisy / DATA_IDENTITY).exists()
+    EventLog(noisy / "events.db").close()
+    assert json.loads((noisy / DATA_IDENTITY).read_text())["digest"] is None
+    prepare_run(job(own_noise=True), noisy)   # unchanged: never refused for its random draws
+    np.save(rows, x[:80])
+    with pytest.raises(ConfigError, match=r"now gives 80 examples where it had 128; its checkpoints hold"):
+        prepare_run(job(own_noise=True), noisy)
+    np.save(rows, x)
+    prepare_run(job(own_noise=True), noisy)

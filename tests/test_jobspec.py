@@ -579,3 +579,19 @@ def test_a_hugging_face_model_from_a_config_builds_and_trains_without_transforme
     assert model.loss_type == "ForCausalLM"
     assert "[transformers]" not in capfd.readouterr().err
     assert hf_causal_lm("gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=32).config.eos_token_id == 50256
+
+
+def test_the_models_own_loss_is_found_in_every_form_a_forward_returns_it():
+    """``loss='model'``: a forward that returns its loss as a bare 0-dim tensor (it was refused as
+    "holds no loss"), an ``output.loss``, a ``{"loss": ...}`` or a ``(logits, loss)`` tuple; an
+    output with no loss is refused saying how to give one."""
+    from varuna_sdk.model.spec import ModelSpecError, model_loss
+
+    loss, logits = torch.tensor(1.5), torch.randn(2, 3)
+    assert model_loss(loss) is loss
+    assert model_loss({"loss": loss, "logits": logits}) is loss and model_loss((logits, loss)) is loss
+    assert model_loss(type("Out", (), {"loss": loss})()) is loss
+    with pytest.raises(ModelSpecError, match=r"holds no loss. With loss='model' the forward must compute it"):
+        model_loss(logits)
+    with pytest.raises(ModelSpecError, match="holds no loss"):
+        model_loss(torch.tensor(3))   # an integer scalar is not a loss

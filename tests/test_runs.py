@@ -113,3 +113,25 @@ def test_a_job_is_alive_while_a_manager_holds_its_run_folder(tmp_path):
     finally:
         os.close(fd)
     assert not alive("live")
+
+
+def test_a_run_whose_manager_died_counts_the_steps_its_workers_wrote_themselves(tmp_path):
+    """The manager was killed (no lock holder) while RUNNING; its orphaned workers trained on and
+    wrote ``metrics.jsonl`` rows it never heard of: ``read_run`` counts those steps (the event log
+    alone said 1 of 60 with an ETA, after the workers had finished all 60)."""
+    import json
+
+    from varuna_sdk.manager.events import EventLog
+    from varuna_sdk.manager.runs import read_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("train: {steps: 60}\n")
+    with EventLog(run / "events.db") as log:
+        log.append(Kind.JOB_STATE, job_id="j", payload={"state": "RUNNING", "previous": "PROVISIONING"})
+        log.append_metric(0, {"step": 0, "loss": 5.0, "step_time_s": 0.1}, job_id="j")
+    assert read_run(run).steps_done == 1
+    rows = [json.dumps({"step": s, "loss": 5.0 - s / 100}) for s in range(60)]
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n" + '{"step": 6')   # a torn last line is skipped
+    info = read_run(run)
+    assert info.orphaned and info.steps_done == 60 and info.eta_s == 0, info

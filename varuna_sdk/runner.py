@@ -182,13 +182,14 @@ def data_identity(resolved) -> dict | None:
     """What identifies a job's data: its source, a content digest and its size — for token data
     (text or token files) ``data.sources.TokenData.digest`` (the files' bytes and the tokenizer)
     and the token count; for a ``data.dataset`` ``ExampleData.digest`` (its length and sampled
-    examples) and the example count. None when the data has no stable fingerprint (a dataset
-    that draws from a random generator of its own)."""
+    examples; None for a dataset that draws from a random generator of its own, whose length
+    alone is then compared) and the example count."""
     t, e = resolved.data.tokens, resolved.data.examples
     if t is not None:
         return {"source": t.source, "digest": t.digest, "tokens": len(t)}
-    digest = e.digest() if e is not None else None
-    return None if digest is None else {"source": e.source, "digest": digest, "examples": len(e)}
+    if e is None:
+        return None
+    return {"source": e.source, "digest": e.digest(), "examples": len(e)}   # (digest None: its length alone)
 
 
 def check_same_data(resolved, run_dir: Path) -> None:
@@ -203,18 +204,23 @@ def check_same_data(resolved, run_dir: Path) -> None:
     try:
         old = json.loads(path.read_text())
         unit = "tokens" if "tokens" in old else "examples"
-        old_digest, old_count = str(old["digest"]), int(old[unit])
-    except (OSError, ValueError, KeyError, TypeError):
+        old_digest, old_count = old.get("digest"), int(old[unit])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return   # an unreadable record: the checkpoint's own checks decide
     new = data_identity(resolved)
-    if new is None or unit not in new or new["digest"] == old_digest:
+    if new is None or unit not in new:
+        return
+    if new[unit] == old_count and (old_digest is None or new["digest"] is None or new["digest"] == old_digest):
         return
     same = f"as many {unit}" if new[unit] == old_count else f"{new[unit]} {unit} where it had {old_count}"
+    content = (f", of other content (digest {new['digest']}, was {old_digest})"
+               if old_digest is not None and new["digest"] is not None and new["digest"] != old_digest else "")
+    hint = ("; if no file changed, the dataset is not the same in every process (one that draws at random in "
+            "__init__ without a seed gives each process other examples: seed it)") if unit == "examples" else ""
     raise ConfigError(f"the data of the run in {run_dir} changed since the run began: {new['source']} now gives "
-                      f"{same}, of other content (digest {new['digest']}, was {old_digest}); its checkpoints hold "
-                      "positions in the data it began with. Put that data back to continue this run, or train on "
-                      "the changed data in another --run-dir (in a notebook: Job(..., run_dir=...) naming another "
-                      "folder)")
+                      f"{same}{content}; its checkpoints hold positions in the data it began with. Put that data "
+                      "back to continue this run, or train on the changed data in another --run-dir (in a notebook: "
+                      f"Job(..., run_dir=...) naming another folder){hint}")
 
 
 #: what a continued run must keep: its checkpoints hold this model, trained on these examples

@@ -66,6 +66,7 @@ def run_folder_command(args: argparse.Namespace) -> int:
         print(f"varuna: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:   # (``logs --follow``, ``stop --wait``): the job itself goes on
+        print("varuna: interrupted (the job, if any, goes on)", file=sys.stderr)
         return 130
 
 
@@ -98,6 +99,8 @@ def _logs(args: argparse.Namespace, runs) -> int:
     from ..manager.events import EventLog
 
     run = Path(args.run)
+    if run.exists() and not run.is_dir():
+        raise NotADirectoryError(f"{str(run)!r} is a file, not a run folder; give the --run-dir a job was launched with")
     if args.follow and not (run / "events.db").is_file():
         _wait_for_start(run)
     runs.read_run(run)  # a run folder, or FileNotFoundError
@@ -135,5 +138,9 @@ def _logs(args: argparse.Namespace, runs) -> int:
         else:   # ended; or no manager holds the folder (killed, or one just made it and starts soon)
             quiet_since = quiet_since or time.time()
             if time.time() - quiet_since > (ORPHAN_QUIET_S if info.active else 1.0):
+                if info.orphaned:
+                    print(f"[varuna] no manager runs job {info.name} now (killed or crashed while {info.state}); "
+                          f"its workers stop by themselves with a checkpoint, and `varuna launch "
+                          f"{run / 'config.yaml'} --run-dir {run}` continues it", file=sys.stderr, flush=True)
                 return 0
         time.sleep(0.5)

@@ -284,15 +284,16 @@ class ExampleData:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def digest(self, samples: int = 5) -> str | None:
+    def digest(self, samples: int = 3) -> str | None:
         """A content fingerprint (16 hex digits) of the dataset: its length and the values of up to
-        ``samples`` examples spread over it (first, middle, last), read twice with the global
+        ``samples`` examples spread over it (first, middle, last: 2 x ``samples`` reads before a
+        continued run starts, so few for a slow dataset), read twice with the global
         random generators seeded alike (and restored after); None when the two reads differ (the
         dataset draws from a generator of its own: no stable fingerprint). Catches the files
         behind a dataset edited or replaced between a run and its continuation; an edit that
         misses every sampled example is not caught. Raises what reading an example raises."""
         n = len(self.dataset)
-        picks = sorted({i for i in (0, 1, n // 2, n - 2, n - 1)[:max(1, samples)] if 0 <= i < n})
+        picks = sorted({i for i in (0, n - 1, n // 2, 1, n - 2)[:max(1, samples)] if 0 <= i < n})
         digests = []
         with _seeded_global_rngs() as reseed:
             for _ in range(2):

@@ -360,6 +360,9 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
     end = states[-1].time if states and state in TERMINAL else now
     total = _steps_total(run)
     done = max((m["step"] for m in metrics), default=-1) + 1
+    manager = run_lock_holder(run)
+    if state not in TERMINAL and manager is None:   # orphaned workers train on, unheard: their own rows
+        done = max(done, _last_step_written(run) + 1)
     times = [m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float))]
     eta = None
     if state not in TERMINAL and total is not None and times:
@@ -369,9 +372,29 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
                    plan=_plan_text(plans[-1].payload) if plans else "-", morphs=morphs,
                    last_event=event_sentence(last[0]) if last else "",
                    error=reason if state == "FAILED" else None, started=start, read_at=now,
-                   cost=billing.cost(end), manager=run_lock_holder(run),
+                   cost=billing.cost(end), manager=manager,
                    drift=drifts[-1].payload if drifts and plans and drifts[-1].payload.get("generation") ==
                    plans[-1].payload.get("generation") else None)
+
+
+def _last_step_written(run: Path, tail_bytes: int = 8192) -> int:
+    """The step of the last whole row of the run's newest ``metrics.jsonl`` (rank 0 writes it
+    itself, heard by a manager or not); -1 when there is none. Reads the file's tail only."""
+    path = run / "metrics.jsonl"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail_bytes))
+            lines = fh.read().splitlines()
+    except OSError:
+        return -1
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return -1
 
 
 def _latest_metrics(log: EventLog) -> list[dict]:

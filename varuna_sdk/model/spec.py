@@ -59,9 +59,12 @@ def output_logits(output: Any) -> torch.Tensor:
 
 
 def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
-    """The loss the model computed itself: ``output.loss`` (Hugging Face), ``output["loss"]``, or
-    the one 0-dim floating tensor of a tuple such as ``(logits, loss)``. ``targets`` is ignored.
+    """The loss the model computed itself: the output when it is a 0-dim floating tensor,
+    ``output.loss`` (Hugging Face), ``output["loss"]``, or the one 0-dim floating tensor of a
+    tuple such as ``(logits, loss)``. ``targets`` is ignored.
     Raises ``ModelSpecError`` when the output holds no loss (e.g. labels were not passed)."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+        return output   # the forward returned its loss itself
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
