@@ -341,8 +341,10 @@ def test_logs_refuses_a_file_and_follow_on_a_new_folder_can_be_interrupted(tmp_p
     for extra in ([], ["--follow"]):
         assert main(["logs", str(cfg), *extra]) == 2
         assert "is a file, not a run folder" in capsys.readouterr().err
+    # SIGINT as a terminal's foreground command has it (a test run in a background job inherits it ignored)
     follow = subprocess.Popen([sys.executable, "-m", "varuna_sdk.cli", "logs", str(tmp_path / "new"), "--follow"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 60
         line = follow.stdout.readline()   # it says it waits, then waits
