@@ -58,7 +58,25 @@ class _SkippedOnMeta(nn.Module):
         self.blocks = nn.ModuleList([_SkippedBlock(), _SkippedBlock()])
 
 
+class _FromData(nn.Module):
+    """Tensors made from Python lists on a parameter's (meta) device, ``torch.tensor(values,
+    device=p.device)`` and ``p.new_tensor(values)``, then copied in: the values must survive (they
+    were dropped below every mode, and the replay said the tensor "was not made while recorded")."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.decay = nn.Parameter(torch.empty(4))
+        self.mix = nn.Parameter(torch.empty(1, 4))
+        with torch.no_grad():
+            self.decay.copy_(torch.tensor([-5 + i / 3 for i in range(4)], device=self.decay.device) * 2)
+            self.mix.copy_(self.lin.weight.new_tensor([[0.1, 0.2, 0.3, 0.4]]).pow(0.5))
+            self.lin.bias.copy_(torch.as_tensor([1, 2, 3, 4], dtype=torch.float32, device=self.lin.bias.device))
+
+
 FACTORIES = {
+    "from_data": lambda: nn.ModuleDict({"blocks": nn.ModuleList([_FromData(), _FromData()])}),
+    "hf_rwkv": lambda: hf_models.rwkv(n_layer=2),
     "skipped_on_meta": _SkippedOnMeta,
     "hf_vit": lambda: hf_models.vit_classifier(),
     "hf_gpt2": lambda: hf_models.gpt2(n_layer=2),

@@ -358,6 +358,29 @@ def test_initial_weights_are_the_engines_and_load_into_the_users_own_model(tmp_p
     assert not torch.equal(other["emb.weight"], sd["emb.weight"])  # the seed decides them
 
 
+def test_job_takes_config_fields_by_name_and_refuses_an_unknown_or_ambiguous_one(tmp_path):
+    """``Job(model=, data=, seq_len=32, global_batch=4, P=1, ...)`` sets those fields of the config
+    (a notebook user need not build a JobConfig); an unknown name is refused with the likely one, and
+    ``seed`` (data's and train's) asks which, before anything is built."""
+    from varuna_sdk.notebook import Job
+
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    job = Job(model=_TiedLM, data=str(f), steps=2, tokenizer="byte", seq_len=32, global_batch=4, micro_batch_size=2,
+              P=1, D=1, lr=1e-3, data_seed=3, train_seed=4, train_run_dir=str(tmp_path / "runs"))
+    c = job.config
+    assert (c.data.tokenizer, c.data.seq_len, c.data.seed, c.train.seed, c.train.lr) == ("byte", 32, 3, 4, 1e-3)
+    assert (c.parallel.P, c.parallel.D, c.parallel.global_batch, c.parallel.micro_batch_size) == (1, 1, 4, 2)
+    assert c.train.run_dir == str(tmp_path / "runs") and not c.parallel.planned
+    with pytest.raises(TypeError, match=r"seq_length=64, which is no field .*did you mean seq_len\?"):
+        Job(model=_TiedLM, data=str(f), seq_length=64)
+    with pytest.raises(TypeError, match=r"seed=1, which names both data.seed and train.seed; pass data_seed= or "
+                                        r"train_seed="):
+        Job(model=_TiedLM, data=str(f), seed=1)
+    with pytest.raises(ConfigError, match="seq_len"):   # the values are checked as a config's are
+        Job(model=_TiedLM, data=str(f), tokenizer="byte", seq_len=-1)
+
+
 class _MaskedClassifier(nn.Module):
     """A dataset model in Hugging Face's calling style: ``attention_mask`` optional, as users write it."""
 

@@ -35,6 +35,15 @@ def llama(n_layer: int = 3, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
     return transformers.LlamaForCausalLM(cfg)
 
 
+def rwkv(n_layer: int = 2, hidden: int = 32, vocab_size: int = 256, context: int = 64):
+    """``RwkvForCausalLM`` (no attention: time-mixing recurrences whose ``time_decay``/``time_mix_*``
+    weights its ``_init_weights`` makes from Python lists, ``torch.tensor([...], device=p.device)``,
+    and orthogonal projections)."""
+    cfg = transformers.RwkvConfig(vocab_size=vocab_size, context_length=context, hidden_size=hidden,
+                                  num_hidden_layers=n_layer, attention_hidden_size=hidden, intermediate_size=2 * hidden)
+    return transformers.RwkvForCausalLM(cfg)
+
+
 def t5(n_layer: int = 3, d_model: int = 32, vocab_size: int = 256):
     """``T5ForConditionalGeneration`` (encoder-decoder; relative position bias computed by the first
     layer from its own weights and handed, with the hidden state, to every later layer — across

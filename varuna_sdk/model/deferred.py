@@ -215,10 +215,46 @@ class _ReadsValues(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _READS and args and _is_meta(args[0]):
+        name = getattr(func, "__name__", "")
+        if name in _READS and args and _is_meta(args[0]):
             with _disable_current_modes():
                 return func(self.log.value_of(args[0]), *args[1:], **kwargs)
+        if name in _FROM_DATA:
+            made = _from_data(func, name, args, kwargs)
+            if made is not None:
+                return made
         return func(*args, **kwargs)
+
+
+#: Functions that make a tensor from Python data (``torch.tensor([...], device=p.device)``, as
+#: Hugging Face's RWKV initialiser does): on meta the values are dropped below any mode, so while
+#: recording they are made on the CPU and moved to meta by a recorded copy (``_from_data``).
+_FROM_DATA = frozenset({"tensor", "as_tensor", "new_tensor"})
+
+
+def _from_data(func, name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A meta tensor made from Python data whose values a replay can give back: the tensor made on
+    the CPU, then copied to meta by an operation the recorder logs (``aten::_to_copy``, its input a
+    CPU constant). None when the call makes no meta tensor from data (the caller runs it as is)."""
+    if name == "new_tensor":
+        if len(args) < 2 or not _is_meta(args[0]) or isinstance(args[1], torch.Tensor):
+            return None
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "meta":
+            return None
+        rest = {k: v for k, v in kwargs.items() if k != "device"}
+        rest.setdefault("dtype", args[0].dtype)
+        data, extra = args[1], args[2:]
+    else:
+        device = kwargs.get("device")
+        if not args or isinstance(args[0], torch.Tensor) or device is None or torch.device(device).type != "meta":
+            return None
+        rest = {k: v for k, v in kwargs.items() if k != "device"}
+        data, extra = args[0], args[1:]
+    grad = bool(rest.pop("requires_grad", False))
+    with _disable_current_modes():
+        cpu = torch.tensor(data, *extra, **rest)
+    out = cpu.to(_META)  # through the recording dispatch mode: logged with its CPU input
+    return out.requires_grad_(grad) if grad else out
 
 
 class _Recorder(TorchDispatchMode):

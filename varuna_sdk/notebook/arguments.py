@@ -105,3 +105,52 @@ def apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: A
                         f"{type(data).__name__}")
     return objs if (objs.model or objs.loss or objs.init or objs.dataset) else None
 
+
+
+#: Fields ``Job(**settings)`` does not take by name: set through the Job's own arguments
+#: (``model=``, ``data=``, ``loss=``, ``init=``, ``steps=``, ``run_dir=``) or internal.
+_NOT_SETTINGS = {("model", "factory"), ("model", "loss"), ("model", "init"), ("model", "by_value"),
+                 ("data", "by_value"), ("data", "dataset"), ("train", "steps")}
+
+
+def _settable(job: JobConfig) -> dict[str, list[tuple[str, str]]]:
+    """Each settable field name -> the ``(section, field)`` pairs it names (two for ``seed``)."""
+    import dataclasses
+
+    names: dict[str, list[tuple[str, str]]] = {}
+    for section in dataclasses.fields(job):
+        sub = getattr(job, section.name)
+        if not dataclasses.is_dataclass(sub):
+            names.setdefault(section.name, []).append(("", section.name))
+            continue
+        for f in dataclasses.fields(sub):
+            if (section.name, f.name) not in _NOT_SETTINGS:
+                names.setdefault(f.name, []).append((section.name, f.name))
+                names.setdefault(f"{section.name}_{f.name}", []).append((section.name, f.name))
+    return names
+
+
+def apply_settings(job: JobConfig, settings: dict[str, Any]) -> None:
+    """Put ``Job(..., seq_len=64, global_batch=16, P=2, lr=3e-4)`` into ``job``: each keyword is a
+    field of the config by its name (``seq_len`` is ``data.seq_len``), or ``<section>_<field>``
+    where a name is in two sections (``data_seed``, ``train_seed``). The values are checked with
+    the whole config afterwards (``JobConfig.validate``). Raises ``TypeError`` for a keyword that
+    names no field (with the likely one) or two fields, before anything starts."""
+    import difflib
+
+    names = _settable(job)
+    for key, value in settings.items():
+        where = names.get(key)
+        if where is None:
+            near = difflib.get_close_matches(key, [n for n, w in names.items() if len(w) == 1 and n == w[0][1]], n=2)
+            raise TypeError(f"Job() got the setting {key}={value!r}, which is no field of the job's config"
+                            + (f" (did you mean {' or '.join(near)}?)" if near else "")
+                            + "; a setting is a field's name (seq_len, global_batch, micro_batch_size, P, D, lr, "
+                              "precision, checkpoint_every...) or <section>_<field> (data_seed), see "
+                              "varuna_sdk.config.JobConfig")
+        if len(where) > 1:
+            both = " and ".join(f"{s}.{f}" for s, f in where)
+            alts = " or ".join(f"{s}_{f}=" for s, f in where)
+            raise TypeError(f"Job() got {key}={value!r}, which names both {both}; pass {alts}")
+        section, field = where[0]
+        setattr(getattr(job, section) if section else job, field, copy.deepcopy(value))

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import JobConfig
 from ..palette import plan_label
-from .arguments import SHIP_HELP, apply_overrides, name_of, unshippable
+from .arguments import SHIP_HELP, apply_overrides, apply_settings, name_of, unshippable
 from .views import JobStatus, PlanView, colour_finished_bar, metrics_figure
 
 _RUNNING: dict[str, "Job"] = {}   # job name -> the Job that launched it last (one per kernel)
@@ -47,6 +47,10 @@ class Job:
         ship_modules: your own modules whose code must travel by value too (not installed on
             the VMs); a module in your synced code folder needs nothing.
         steps: ``train.steps`` (a shortcut).
+        **settings: any other field of the config by its name, e.g. ``seq_len=64`` (``data.seq_len``),
+            ``global_batch=16``, ``micro_batch_size=2``, ``P=2``, ``D=1`` (fixing both skips the
+            planner), ``lr=3e-4``, ``precision="bf16"``; ``data_seed=``/``train_seed=`` for the two
+            seeds. An unknown name raises ``TypeError`` with the likely one.
         provider: where workers run (``cluster.provider``: ``LocalProvider``, ``cluster.hostfile.HostFileProvider``,
             ``cluster.spot.SpotEmulator``...); default ``LocalProvider(config.launch.gpus)``,
             local worker processes, closed by ``close()``. A provider you pass stays yours to close
@@ -66,7 +70,7 @@ class Job:
     def __init__(self, config: JobConfig | str | Path | None = None, *, model: Any = None, loss: Any = None,
                  data: Any = None, init: Any = None, ship_modules: tuple = (), steps: int | None = None,
                  provider=None, run_dir: str | Path | None = None, replace: bool = False,
-                 manager_options: dict[str, Any] | None = None):
+                 manager_options: dict[str, Any] | None = None, **settings: Any):
         if config is None:
             job = JobConfig()
             if model is not None:
@@ -86,6 +90,7 @@ class Job:
         objects = apply_overrides(job, model=model, loss=loss, data=data, init=init, ship_modules=ship_modules)
         if steps is not None:
             job.train.steps = steps
+        apply_settings(job, settings)
         bad = unshippable(job.to_dict(), "config")
         if bad:
             raise TypeError(f"{bad} cannot be sent to the workers. {SHIP_HELP}")
