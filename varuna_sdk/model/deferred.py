@@ -141,7 +141,9 @@ class ConstructionLog:
                 if base is None:
                     raise UninitializedError(
                         f"a {tuple(a.shape)} {a.dtype} tensor used by the model's constructor was not made while "
-                        "it was recorded; build every tensor inside the model factory")
+                        "it was recorded (made before the factory was called, e.g. a module-level tensor, or by a "
+                        "call that hides its values from torch's dispatcher); make it inside the model factory, "
+                        "or give the job an init function (Job(init=fn), model.init) that fills the weights")
                 view = torch.empty(0, dtype=a.dtype, device=device)
                 return view.set_(base.untyped_storage(), a.storage_offset(), a.size(), a.stride())
             if isinstance(a, torch.device) and a.type == "meta":
