@@ -896,3 +896,72 @@ def test_a_datasets_file_edited_between_runs_is_refused_and_one_without_a_finger
         prepare_run(job(own_noise=True), noisy)
     np.save(rows, x)
     prepare_run(job(own_noise=True), noisy)
+
+
+def test_padded_labels_train_the_mean_over_the_mini_batchs_tokens_at_any_micro_batch_size(tmp_path):
+    """Labels with -100 on padding, a different count per example (Hugging Face Llama's own loss,
+    which shifts them): each micro-batch's mean loss is weighted by its predicted tokens, so the
+    step's loss is the mean over the whole mini-batch's tokens — what the same mini-batch gives in
+    one plain PyTorch call (computed here by hand from the initial weights), at any micro-batch size
+    and P × D. Averaging the micro-batch means (as before) was 1e-3 off and changed with the
+    micro-batch size, so a plan or morph changed the loss curve (helper-37, D1)."""
+    from tests.thirdparty import hf_models
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.model.loss_items import LossItems
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+    from varuna_sdk.trainer import model_structure
+
+    job = JobConfig(name="padded", model=ModelConfig(factory="tests.thirdparty.hf_models:llama",
+                                                     kwargs={"n_layer": 2, "max_positions": 16}),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:padded_chats", tokenizer=None, seq_len=16),
+                    parallel=ParallelConfig(P=2, D=2, global_batch=8, micro_batch_size=1),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    handle = Job(job)
+    assert model_structure(handle.config, handle.resolved).loss_items == LossItems("labels", True, -100)
+    model = hf_models.llama(n_layer=2, max_positions=16)
+    model.load_state_dict(handle.initial_weights())
+    mbs = handle.batch(0)
+    whole = {k: torch.cat([inputs[k] for inputs, _ in mbs]) for k in mbs[0][0]}
+    with torch.no_grad():
+        one_call = float(model(**whole).loss)
+        averaged = sum(float(model(**inputs).loss) for inputs, _ in mbs) / len(mbs)
+    assert abs(averaged - one_call) > 1e-3 * one_call   # the data makes the difference
+    ref = handle.plain_pytorch_losses(3, micro_batch_size=8)
+    assert ref[0] == pytest.approx(one_call, rel=1e-6)
+    assert handle.plain_pytorch_losses(3, micro_batch_size=1) == pytest.approx(ref, rel=1e-5)
+    run = train_local(job, run_dir=tmp_path / "run")
+    assert [m["loss"] for m in run.metrics()] == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_dataset_object_and_a_hugging_face_dataset_in_its_default_format_are_taken_as_they_are(tmp_path):
+    """``Job(data=ds)`` with the dataset object itself (was: "takes a path, a DataConfig or a
+    function"), and a ``datasets.Dataset`` made with ``from_dict`` (rows of Python lists; was refused
+    as "non-tensor values" until the user found ``set_format('torch')``): both train on the same
+    micro-batches as the equivalent dataset function."""
+    import datasets
+
+    from tests.thirdparty import user_data
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+
+    cfg = JobConfig(name="objects", data=DataConfig(tokenizer=None),
+                    parallel=ParallelConfig(P=1, D=1, global_batch=8, micro_batch_size=4),
+                    train=TrainConfig(steps=2, run_dir=str(tmp_path / "runs")))
+    by_function = Job(cfg, model=user_data.Classifier, data=user_data.make_dataset)
+    by_object = Job(cfg, model=user_data.Classifier, data=user_data.make_dataset())
+    for (a, ta), (b, tb) in zip(by_function.batch(1), by_object.batch(1)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(ta, tb)
+    x, y = user_data.make_dataset(n=200).tensors
+    hf = datasets.Dataset.from_dict({"x": x.tolist(), "labels": y.tolist()})
+    assert isinstance(hf[0]["x"], list)                      # the default format: Python lists
+
+    class DictClassifier(user_data.Classifier):
+        def forward(self, x):
+            return super().forward(x)
+
+    job = Job(cfg, model=DictClassifier, data=hf)
+    inputs, targets = job.batch(0)[0]
+    assert inputs["x"].dtype == torch.float32 and inputs["x"].shape == (4, 16) and targets.dtype == torch.int64
+    with pytest.raises(TypeError, match=r"takes a path, a DataConfig, a map-style Dataset .* got int"):
+        Job(cfg, model=DictClassifier, data=3)

@@ -109,3 +109,20 @@ def test_broadcast_and_matmul_replays_equal_the_meta_kernel(shape, drop, k):
     for _ in range(2):
         out = _run(fn, cache)
         assert _sig(out[0]) + _sig(out[1]) == expected
+
+
+@pytest.mark.parametrize("a_shape,b_shape,offs", [((6, 8), (2, 8, 4), [3, 6]), ((2, 6, 8), (8, 12), [4, 12]),
+                                                   ((6, 8), (8, 4), [4, 8]), ((2, 6, 8), (2, 8, 4), None)])
+def test_a_grouped_product_of_meta_experts_has_the_real_kernels_shape(a_shape, b_shape, offs):
+    """``torch._grouped_mm`` (mixture-of-experts layers) on meta weights: torch's meta kernel wants
+    bf16 and 16-byte strides (its CUDA kernel's needs) where the CPU kernel runs fp32, so the dry run
+    and a later stage's prefix use a stand-in — of the real kernel's output shape and dtype for every
+    layout (2-D/3-D operands), and differentiable."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(*a_shape, generator=g), torch.randn(*b_shape, generator=g)
+    o = torch.tensor(offs, dtype=torch.int32) if offs is not None else None
+    real = torch._grouped_mm(a, b, o)
+    weight = b.to("meta").requires_grad_()
+    with MetaAsDevice("cpu"):
+        out = torch._grouped_mm(a, weight, o)
+    assert out.is_meta and out.shape == real.shape and out.dtype == real.dtype and out.requires_grad

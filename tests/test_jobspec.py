@@ -239,7 +239,8 @@ def test_a_never_finite_loss_fails_under_the_manager_without_retries(tmp_path):
         provider.close()
     assert summary["state"] == "FAILED", summary
     assert "training diverged (not retried" in summary["error"], summary["error"]
-    assert "steps 1..3: the loss or the gradients were not finite" in summary["error"], summary["error"]
+    assert "steps 1..3 of 6 (metrics.jsonl's \"step\" 0..2): the loss or the gradients were not finite" in summary["error"], \
+        summary["error"]
     assert "check the loss function and the data for NaN or inf" in summary["error"]
     assert "enable train.grad_clip" not in summary["error"]  # it is on (1.0): the hint says so
     assert summary["failures"] == 1 and summary["generation"] == 0, summary
@@ -618,3 +619,33 @@ def test_the_models_own_loss_is_found_in_every_form_a_forward_returns_it():
         model_loss(logits)
     with pytest.raises(ModelSpecError, match="holds no loss"):
         model_loss(torch.tensor(3))   # an integer scalar is not a loss
+
+
+class _TakesKwargs(nn.Module):
+    """A forward in Hugging Face's style: named inputs, the rest to ``**kwargs`` (which it ignores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(256, 8), nn.Linear(8, 256)
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        if input_ids is None:
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        return self.head(self.emb(input_ids))
+
+
+def _misnamed_fields():
+    g = torch.Generator().manual_seed(0)
+    return [{"ids": torch.randint(0, 256, (8,), generator=g), "labels": torch.randint(0, 256, (8,), generator=g)}
+            for _ in range(100)]
+
+
+def test_a_field_that_went_to_the_forwards_kwargs_is_named_with_the_parameter_it_likely_means():
+    """Dict examples with ``ids`` for a forward taking ``input_ids`` (and ``**kwargs``): the model's own
+    error ("specify input_ids") is followed by the field that went to ``**kwargs`` and its likely
+    parameter, before anything starts."""
+    from varuna_sdk.notebook import Job
+
+    with pytest.raises(ModelSpecError, match=r"specify exactly one of input_ids.*field\(s\) 'ids' \(its parameter "
+                                             r"'input_ids'\?\) are no parameter of the forward"):
+        Job(model=_TakesKwargs, data=_misnamed_fields, tokenizer=None, global_batch=4, P=1, D=1)

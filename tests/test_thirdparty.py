@@ -1,6 +1,7 @@
 """Models this project did not write, trained unedited through the pipeline (real spawned gloo
 processes), against the same model trained by plain PyTorch from the same initial weights.
 
+- Hugging Face ``MixtralForCausalLM`` (mixture of experts run by ``torch._grouped_mm``) at P = 2;
 - Hugging Face ``GPT2LMHeadModel`` (``Conv1D`` without ``reset_parameters``, tied embeddings,
   ``labels=`` → ``.loss``) and ``LlamaForCausalLM`` (rotary ``position_embeddings=(cos, sin)``
   handed to every layer, an ``inv_freq`` buffer made in ``__init__``) at (P, D) = (2, 1), (3, 1)
@@ -50,6 +51,8 @@ TEXT = ("It was the best of times, it was the worst of times, it was the age of 
 MODELS = {
     "hf_gpt2": ("tests.thirdparty.hf_models:gpt2", {"n_layer": 3}, "hf"),
     "hf_llama": ("tests.thirdparty.hf_models:llama", {"n_layer": 3}, "hf"),
+    # mixture of experts: grouped_mm experts, whose meta kernel wants bf16 (a stand-in runs on meta)
+    "hf_mixtral": ("tests.thirdparty.hf_models:mixtral", {"n_layer": 3}, "hf"),
     "hf_t5": ("tests.thirdparty.hf_models:t5", {"n_layer": 3}, "hf"),
     "hf_bart": ("tests.thirdparty.hf_models:bart", {"n_layer": 2}, "hf"),
     "hf_bert": ("tests.thirdparty.hf_models:bert_mlm", {"n_layer": 3}, "hf"),
@@ -71,7 +74,7 @@ MODELS = {
 }
 # (model, P, D[, "zb"]): "zb" runs the zero-bubble split backward (B, then deferred W), which the
 # planner chooses per row for a user's model as it does for ours
-SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("sf_gpt", 2, 1), ("hf_llama", 2, 1, "zb"),
+SHAPES = {2: [("hf_gpt2", 2, 1), ("hf_llama", 2, 1), ("hf_mixtral", 2, 1), ("sf_gpt", 2, 1), ("hf_llama", 2, 1, "zb"),
               ("sf_gpt", 2, 1, "zb"), ("hf_t5", 2, 1), ("hf_t5", 2, 1, "zb"),
               ("hf_gpt2_frozen", 2, 1), ("hf_gpt2_frozen", 2, 1, "zb"), ("hf_bert", 2, 1),
               ("hf_gpt2_unused", 2, 1, "zb"), ("shared_depth", 2, 1), ("wide_mlp", 2, 1),

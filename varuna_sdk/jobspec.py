@@ -573,32 +573,34 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
     except ModelSpecError as e:
         raise DataError(f"{data.source}: {e}") from None
 
-    def loss_on(out: Any) -> None:
+    def loss_on(out: Any) -> Any:
         if spec.loss_fn is cross_entropy:
             _warn_first_of_several(out, spec.name)
         try:
             loss = spec.loss_fn(out, targets)
         except WeightValueError:
             reads_values.append(out)  # e.g. to log them, or float(...): checked below, on real zeros
-            return
+            return None
         except ConfigError as e:  # an import-path loss that does not resolve: the config's error
             raise ConfigError(f"model.loss: {e}") from None
         except Exception as e:  # noqa: BLE001 - the user's loss failed on the model's output
             raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
                                  f"output, a {type(out).__name__}, as {spec.call.describe()})") from e
         _check_loss(loss, spec)
+        return loss
 
     reads_values: list = []
     try:
         # fp32 runs the data's dtypes as they are (bf16/fp16 autocast casts the operands)
-        structure = trace_model(meta, inputs, after=loss_on, strict_dtypes=precision == "fp32")
+        structure = trace_model(meta, inputs, after=loss_on, strict_dtypes=precision == "fp32", targets=targets)
     except (ModelSpecError, DataError, ConfigError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's forward failed on real data: say which data
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(b, T).items()
                            if isinstance(v, torch.Tensor))
         err = ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
-                             f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}" + _on_meta(e))
+                             f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}" + _on_meta(e)
+                             + _unnamed_fields(meta, inputs))
         err.__cause__ = e
         raise _ForwardFailed(err) from None
     if reads_values:  # what such a loss returns, on a real stand-in of the output (outside the dry run)
@@ -618,6 +620,34 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
 #: real one (``grouped_mm`` asks for bf16)
 _META_LIMITS = ("meta", "fake impl", "data-dependent", "dynamicoutputshape", "nonzero", "grouped_mm",
                 "cannot be converted to a python scalar")
+
+
+def _unnamed_fields(model: nn.Module, inputs: Any) -> str:
+    """What to add to a failed forward called with keyword fields its signature does not name (they
+    went to its ``**kwargs``, e.g. ``ids`` where it takes ``input_ids``): those fields and the likely
+    parameter each stands for; ``""`` when every field is a named parameter."""
+    import difflib
+    import inspect
+
+    if not isinstance(inputs, dict):
+        return ""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return ""
+    named = [n for n, p in params.items() if p.kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                             inspect.Parameter.VAR_POSITIONAL)]
+    odd = [k for k in inputs if k not in named]
+    if not odd:
+        return ""
+    hints = []
+    for k in odd:
+        near = difflib.get_close_matches(k, named, n=1, cutoff=0.4)
+        hints.append(f"{k!r}" + (f" (its parameter {near[0]!r}?)" if near else ""))
+    return (f". The data's field(s) {', '.join(hints)} are no parameter of the forward (they went to its **kwargs): "
+            "name the fields as the forward's parameters, or map them with model.inputs")
 
 
 def _on_meta(e: BaseException) -> str:

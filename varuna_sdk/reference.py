@@ -120,9 +120,11 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
                  model: nn.Module | None = None) -> list[float]:
     """Train the unpartitioned model by plain PyTorch for the job's first ``steps`` steps on its
     micro-batches (``micro_batches``) and return each step's loss: the mean over the micro-batches
-    of ``loss(model(inputs), targets)`` before that step's update — what the pipeline reports as
-    ``loss`` in ``metrics.jsonl`` at any P × D, to fp32 rounding (for a loss that is a mean over the
-    examples or tokens of a micro-batch, any micro-batch size gives the same).
+    of ``loss(model(inputs), targets)`` before that step's update, each weighted by its loss items
+    (valid tokens) where the job counts them (a dataset whose loss is one mean cross-entropy:
+    ``model.loss_items``) — what the pipeline reports as ``loss`` in ``metrics.jsonl`` at any
+    P × D, to fp32 rounding. Any micro-batch size gives the same, and so does the whole mini-batch
+    in one call.
 
     ``model``: your own copy to train (it is changed; default ``initial_model``, the weights every
     stage starts from). Runs on CPU in the job's precision (fp32 or bf16). Warns when the model
@@ -133,13 +135,15 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
         raise ValueError(f"steps must be an int in 1 .. {t.steps} (train.steps), got {steps!r}")
     from .trainer import lr_at
 
+    from .trainer import model_structure
+
     amp = _autocast(t.precision)
     b = micro_batch_size_of(job, micro_batch_size)
+    structure = model_structure(job, resolved)
+    items = structure.loss_items if resolved.data.examples is not None else None   # as the workers count
     if model is None:
-        from .trainer import model_structure
-
         model = initial_model(job, resolved)
-        _warn_if_random(model, model_structure(job, resolved).random_ops)
+        _warn_if_random(model, structure.random_ops)
     else:
         _warn_if_random(model)
     model.train()
@@ -153,12 +157,15 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
         for g in opt.param_groups:
             g["lr"] = lr_at(step, job)
         mbs = micro_batches(job, resolved, step, b)
+        # each micro-batch's share of the mini-batch loss: 1/m, or its items over the mini-batch's
+        counts = [items.count(i, tg)[0] for i, tg in mbs] if items is not None else [1] * len(mbs)
+        n = sum(counts)
         total = 0.0
-        for inputs, targets in mbs:
+        for (inputs, targets), k in zip(mbs, counts):
             with amp:
                 loss = loss_fn(call_model(model, inputs), targets)
-            (loss.float() / len(mbs)).backward()
-            total += float(loss.detach()) / len(mbs)
+            (loss.float() / n if items is None else loss.float() * (k / n)).backward()
+            total += float(loss.detach()) * k / n
         grads = [q.grad for q in params if q.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
             if grads else 0.0

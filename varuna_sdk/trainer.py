@@ -92,7 +92,8 @@ def build_engine(job: JobConfig, rank: int | None = None, resolved: ResolvedJob 
     sample, targets = r.sample_inputs(p.micro_batch_size, job.data.seq_len)
     return Varuna(r.spec.factory, r.spec.loss_fn, p, sample, seed=job.train.seed, init_fn=r.spec.init_fn,
                   precision=job.train.precision, loss_scale=job.train.loss_scale, grad_clip=job.train.grad_clip,
-                  rank=rank, timeout_s=job.launch.timeout_s, sample_targets=targets)
+                  rank=rank, timeout_s=job.launch.timeout_s, sample_targets=targets,
+                  count_loss_items=r.data.examples is not None)
 
 
 def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
@@ -121,7 +122,8 @@ def model_structure(job: JobConfig, resolved: ResolvedJob | None = None):
 
     r = resolved or resolve(job)
     sample, targets = r.sample_inputs(job.parallel.micro_batch_size or 1, job.data.seq_len)
-    return trace_model(build_on_meta(r.spec.factory), sample, after=loss_after(r.spec.loss_fn, targets))
+    return trace_model(build_on_meta(r.spec.factory), sample, after=loss_after(r.spec.loss_fn, targets),
+                       targets=targets)
 
 
 #: Seconds a step may wait for its batch before the worker's log says so (and again every as many).
@@ -592,8 +594,8 @@ def _count_skipped(run: _WorkerRun, r: StepResult, step: int) -> None:
             f"lower train.grad_clip (now {t.grad_clip:g}) only if the gradients grow large first")
     n = run.skipped_in_a_row
     raise NonFiniteLossError(
-        f"steps {step - n + 2}..{step + 1}: the loss or the gradients were not finite (last loss {r.loss}) {n} "
-        f"steps in a row in {t.precision}"
+        f"steps {step - n + 2}..{step + 1} of {t.steps} (metrics.jsonl's \"step\" {step - n + 1}..{step}): the loss or "
+        f"the gradients were not finite (last loss {r.loss}) {n} steps in a row in {t.precision}"
         + (" at the loss scaler's minimum scale" if t.precision == "fp16" else "")
         + f", so no step was applied; check the loss function and the data for NaN or inf, lower train.lr "
         f"(now {t.lr:g}), or {hint}. Not retried: resuming replays the same steps from the same weights")

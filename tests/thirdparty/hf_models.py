@@ -44,6 +44,16 @@ def rwkv(n_layer: int = 2, hidden: int = 32, vocab_size: int = 256, context: int
     return transformers.RwkvForCausalLM(cfg)
 
 
+def mixtral(n_layer: int = 2, hidden: int = 32, experts: int = 4, vocab_size: int = 256, max_positions: int = 64):
+    """``MixtralForCausalLM``: a mixture of experts (top-2 of ``experts`` per token) whose experts run
+    as one ``torch._grouped_mm`` over the tokens sorted by expert (transformers' default kernel)."""
+    cfg = transformers.MixtralConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+                                     num_experts_per_tok=2, vocab_size=vocab_size,
+                                     max_position_embeddings=max_positions)
+    return transformers.MixtralForCausalLM(cfg)
+
+
 def t5(n_layer: int = 3, d_model: int = 32, vocab_size: int = 256):
     """``T5ForConditionalGeneration`` (encoder-decoder; relative position bias computed by the first
     layer from its own weights and handed, with the hidden state, to every later layer — across

@@ -352,10 +352,14 @@ def _seeded_global_rngs() -> Iterator[Callable[[], None]]:
 
 def open_examples(dataset: Any, source: str) -> ExampleData:
     """Check that ``dataset`` is a non-empty map-style dataset whose first example is a tensor, a
-    tuple/list or a dict of tensors (or numbers). Raises ``DataError`` saying what it is instead."""
+    tuple/list or a dict of tensors (or numbers); a Hugging Face ``datasets.Dataset`` in its default
+    (Python) format is read in its torch format. Raises ``DataError`` saying what it is instead."""
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise DataError(f"{source} returned a {type(dataset).__name__}; it must return a map-style dataset (with "
                         "__len__ and __getitem__), e.g. a torch.utils.data.Dataset or TensorDataset")
+    if type(dataset).__module__.split(".")[0] == "datasets" and hasattr(dataset, "with_format") \
+            and getattr(dataset, "format", {}).get("type") is None:
+        dataset = dataset.with_format("torch")   # a Hugging Face Dataset gives Python lists otherwise
     n = len(dataset)
     if n == 0:
         raise DataError(f"{source} returned an empty dataset; it needs at least one example per step's global batch")

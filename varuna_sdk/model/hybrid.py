@@ -38,6 +38,31 @@ _VALUE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, t
                 torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.__len__}
 
 
+def _grouped_mm_on_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` (mixture-of-experts layers: Hugging Face's default experts kernel) for
+    meta operands: a differentiable product of the same output shape, dtype and FLOPs. torch's meta
+    kernel checks what its CUDA kernel needs (bf16 operands, 16-byte strides), while the real CPU
+    kernel runs fp32 at any shape. Shapes follow ``torch.nn.functional.grouped_mm``: 2-D × 3-D
+    (``offs`` groups the rows: tokens by expert) -> ``(M, N)``; 3-D × 2-D -> ``(M, N)``; 2-D × 2-D
+    (``offs`` groups K) -> ``(G, M, N)``; 3-D × 3-D -> ``(G, M, N)``."""
+    a, b = mat_a.to(_META), mat_b.to(_META)
+    if a.dim() == 2 and b.dim() == 3:
+        out = a @ b.sum(0)
+    elif a.dim() == 3 and b.dim() == 2:
+        out = a.sum(0) @ b
+    elif a.dim() == 2:
+        out = (a @ b).unsqueeze(0).expand(offs.size(0), -1, -1)
+    else:
+        out = torch.bmm(a, b)
+    if bias is not None:
+        out = out + bias.to(_META)
+    return out.to(out_dtype or mat_a.dtype)
+
+
+#: Operations whose meta kernel refuses what the real CPU kernel runs -> a meta stand-in
+_META_STAND_INS = {torch._grouped_mm: _grouped_mm_on_meta}
+
+
 class WeightValueError(RuntimeError):
     """The forward read the value of a tensor that depends on weights this process does not hold."""
 
@@ -202,6 +227,7 @@ class MetaAsDevice(TorchFunctionMode):
                 "what the forward does; move such a check out of forward() or make it depend on the inputs")
         if self.on_mixed is not None:
             self.on_mixed(func, args, kwargs)
+        func = _META_STAND_INS.get(func, func)
         out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         if key is not None and self.cache.record(key, out, leaves):
             return self.cache.replay(key)  # the first call returns what every later one will

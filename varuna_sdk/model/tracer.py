@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from .cutpoint import crossing_signature, observe_cutpoints
 from .state_kept import restored
 from .hybrid import MetaAsDevice, WeightValueError
+from .loss_items import LOSS_FUNCS, LossCall, LossItems, infer_loss_items
 from .inputs import ModelInputs, as_inputs, call_model, to_device
 
 
@@ -60,6 +61,8 @@ class ModelStructure:
         random_ops: names of the functions that draw random numbers the forward (or the loss)
             called, dropout aside (``randn_like`` for noise): the pipeline draws them per (step,
             micro-batch, segment), so a plain PyTorch run of the model draws others.
+        loss_items: where a micro-batch's loss items (valid tokens) are counted, when the loss is one
+            mean cross-entropy over targets found in the data (``model.loss_items``); else None.
     """
 
     num_segments: int
@@ -74,6 +77,7 @@ class ModelStructure:
     segment_modules: list[list[str]] = field(default_factory=list)
     embeddings: list[dict] = field(default_factory=list)
     random_ops: list[str] = field(default_factory=list)
+    loss_items: LossItems | None = None
 
     def segments_of(self, name: str) -> list[int]:
         """Segments that use parameter or buffer ``name`` (``[0]`` if none was recorded)."""
@@ -143,10 +147,16 @@ class _Trace:
         self.strict_dtypes = False
         self.in_after = False  # running ``after`` (the loss): its uses are named as the loss's
         self.random_ops: set[str] = set()
+        self.loss_calls: list[LossCall | None] = []  # cross_entropy/nll_loss calls (None: unreadable)
+        self.pending_loss: LossCall | None = None     # the one about to run, for its output's id
 
     def on_mixed(self, func, args: tuple, kwargs: dict) -> None:
         """An operation about to run on meta with its real arguments: note embedding lookups
-        with real indices (how large the tables must be)."""
+        with real indices (how large the tables must be), and the targets of a loss call."""
+        if func in LOSS_FUNCS:
+            self.pending_loss = LossCall.of(func, args, kwargs)
+            self.loss_calls.append(self.pending_loss)
+            return
         if func is not F.embedding or len(args) < 2:
             return
         idx, weight = args[0], args[1]
@@ -248,6 +258,11 @@ class _TraceMode(TorchFunctionMode):
                     tr.cross_uses.add((prod, seg, op))
         if not is_get:
             out = func(*args, **kwargs)
+        if func in LOSS_FUNCS:
+            if tr.pending_loss is None:
+                tr.loss_calls.append(None)   # a loss call on_mixed did not read (no meta argument)
+            else:
+                tr.pending_loss.out_id, tr.pending_loss = id(out), None
         outs = _tensors(out)
         tr.mark([t for t in outs if id(t) not in tr.state_ids], seg)
         tr.flops[seg] += _flops(func, args, kwargs, out)
@@ -265,7 +280,7 @@ def to_meta(obj: Any) -> Any:
     return obj
 
 
-def loss_after(loss_fn: Callable[[Any, Any], Any] | None, targets: Any) -> Callable[[Any], None] | None:
+def loss_after(loss_fn: Callable[[Any, Any], Any] | None, targets: Any) -> Callable[[Any], Any] | None:
     """``trace_model``'s ``after`` that runs ``loss_fn(output, targets)`` (``targets``: one
     micro-batch's, as the engine gets them), so that the loss's uses of tensors made in earlier
     segments (an auxiliary output of the first block) are ``cross_uses`` of the last segment: the
@@ -275,18 +290,18 @@ def loss_after(loss_fn: Callable[[Any, Any], Any] | None, targets: Any) -> Calla
     if loss_fn is None:
         return None
 
-    def run(out: Any) -> None:
+    def run(out: Any) -> Any:
         try:
-            loss_fn(out, targets)
+            return loss_fn(out, targets)
         except WeightValueError:
-            pass
+            return None
 
     return run
 
 
 def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
-                device: torch.device | str = "cpu", after: Callable[[Any], None] | None = None,
-                strict_dtypes: bool = False) -> ModelStructure:
+                device: torch.device | str = "cpu", after: Callable[[Any], Any] | None = None,
+                strict_dtypes: bool = False, targets: Any = None) -> ModelStructure:
     """Dry-run ``meta_model`` (its weights on the meta device) on ``sample_inputs``.
 
     Args:
@@ -296,7 +311,10 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
             values: code that inspects them (mask helpers) sees what a real run sees.
         device: where the input-derived part runs (the workers' device; meta tensors report it).
         after: called with the model's output while the dry run's modes are still on (e.g. to run
-            the loss on it: meta where it depends on weights, real where it depends on inputs).
+            the loss on it: meta where it depends on weights, real where it depends on inputs);
+            what it returns is taken as the loss (``loss_items``).
+        targets: the micro-batch's targets that ``after`` compares with, if any (where the loss's
+            items may be counted: ``model.loss_items``).
         strict_dtypes: refuse, as a real device would, a matrix product or convolution of floating
             operands of different dtypes (float64 data, float32 weights); off under autocast.
 
@@ -319,9 +337,10 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
                 observe_cutpoints(trace), \
                 _TraceMode(trace), MetaAsDevice(device, on_mixed=trace.on_mixed):
             out = call_model(meta_model, inputs)
+            loss = out
             if after is not None:
                 trace.in_after = True
-                after(out)
+                loss = after(out)
     except WeightValueError as e:
         raise RuntimeError(f"the dry run failed in segment {trace.segment}: {e}") from None
     except (NotImplementedError, RuntimeError) as e:
@@ -364,6 +383,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         segment_modules=seg_modules,
         embeddings=list(trace.embeddings.values()),
         random_ops=sorted(trace.random_ops),
+        loss_items=infer_loss_items(trace.loss_calls, loss, inputs, targets),
     )
 
 

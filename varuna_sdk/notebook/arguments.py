@@ -45,6 +45,19 @@ SHIP_HELP = (
     "'pkg.mod:fn' by reference.")
 
 
+class GivenDataset:
+    """``Job(data=ds)`` with a dataset object: the dataset factory that returns it (shipped by value
+    with it, so keep such a dataset small — or pass a function that reads it on the worker)."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self.__qualname__ = type(dataset).__qualname__
+
+    def __call__(self) -> Any:
+        """The dataset, as it was given."""
+        return self.dataset
+
+
 def name_of(obj: Any) -> str:
     """A job name from a model: its qualified name, or the last part of an import path."""
     if isinstance(obj, str):
@@ -100,9 +113,11 @@ def apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: A
         job.data.path, job.data.corpus = str(data), None
     elif callable(data):
         objs.dataset = data
+    elif hasattr(data, "__len__") and hasattr(data, "__getitem__") and not isinstance(data, (bytes, dict)):
+        objs.dataset = GivenDataset(data)   # the dataset object itself travels with the job
     elif data is not None:
-        raise TypeError(f"Job(data=...) takes a path, a DataConfig or a function returning a Dataset; got "
-                        f"{type(data).__name__}")
+        raise TypeError(f"Job(data=...) takes a path, a DataConfig, a map-style Dataset (len and [i]) or a function "
+                        f"returning one; got {type(data).__name__}")
     return objs if (objs.model or objs.loss or objs.init or objs.dataset) else None
 
 

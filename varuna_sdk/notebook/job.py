@@ -41,8 +41,9 @@ class Job:
         loss: ``"model"``, ``"cross_entropy"``, an import path, or ``(output, targets) -> scalar``
             (shipped by value); default automatic (``model.spec.infer_call``).
         data: overriding ``config.data``: a path (text file or folder, token file, ``datasets``
-            folder, json/jsonl/parquet/csv), a ``DataConfig``, or a function returning a map-style
-            ``Dataset`` (shipped by value).
+            folder, json/jsonl/parquet/csv), a ``DataConfig``, a map-style ``Dataset`` object (a
+            ``datasets.Dataset`` too), or a function returning one (either shipped by value: a
+            function that reads the data on the worker ships less).
         init: ``init_fn(module, name)`` for a model too large to record once (shipped by value).
         ship_modules: your own modules whose code must travel by value too (not installed on
             the VMs); a module in your synced code folder needs nothing.

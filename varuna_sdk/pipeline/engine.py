@@ -86,7 +86,7 @@ class _StepState:
     """One step's bookkeeping on this stage, shared by the action methods.
 
     ``mb_in``/``mb_tg``: the replica's micro-batches (inputs, targets); ``base``: the global index
-    of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``: which received
+    of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``: micro-batch -> which received
     tensors carry a gradient; ``stash``: micro-batch -> received inputs awaiting R; ``live``:
     micro-batch -> (leaves, outputs) with a graph awaiting B; ``deferred``: micro-batch -> its
     weight-gradient work awaiting W; ``carried``: micro-batch -> the crossing tensors its forward
@@ -99,8 +99,9 @@ class _StepState:
     mb_tg: list
     base: int
     scale: float
-    recv_flags: list[bool]
     loss_sum: torch.Tensor
+    recv_flags: dict[int, list[bool]] = field(default_factory=dict)
+    sent_flags: dict[int, list[bool]] = field(default_factory=dict)   # micro-batch -> which sent outputs get a gradient
     stash: dict[int, tuple | None] = field(default_factory=dict)
     live: dict[int, tuple] = field(default_factory=dict)
     deferred: dict[int, WeightWork] = field(default_factory=dict)
@@ -111,6 +112,8 @@ class _StepState:
     grad_actions: int = 0
     peak_live: int = 0
     mb_host: list = field(default_factory=list)   # targets on the host, per micro-batch (Varuna._micro_batches)
+    items: list[int] | None = None   # last stage, counting loss items: valid items per micro-batch
+    positions: int = 0               # ... and the positions the loss compares, over the replica's micro-batches
 
 
 def _as_tuple(x) -> tuple:
@@ -189,6 +192,7 @@ class Varuna:
         timeout_s: float = 300.0,
         structure: ModelStructure | None = None,
         sample_targets: Any = None,
+        count_loss_items: bool = False,
     ):
         validate_parallel(parallel)
         if precision not in PRECISIONS:
@@ -230,6 +234,10 @@ class Varuna:
             device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self._build_stage(model_fn, sample_inputs, structure, init_fn, sample_targets)
+        #: where the last stage counts a micro-batch's loss items (valid tokens), so that the loss is
+        #: the mean over the mini-batch's items at any micro-batch size (``model.loss_items``); None:
+        #: the mean of the micro-batch means (every micro-batch holds as many items)
+        self.loss_items = self.structure.loss_items if count_loss_items else None
         self._open_channels(rank)
         # BatchNorm-like running statistics, merged over the stage's replicas after each step
         self.running_stats = RunningStats(self.model, self.replica, self.D, self.groups.dp)
@@ -249,7 +257,7 @@ class Varuna:
         if structure is None:
             targets = tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, sample_targets)
             after = loss_after(self.loss_fn, targets) if sample_targets is not None else None
-            structure = trace_model(self.model, as_inputs(sample_inputs), self.device, after=after)
+            structure = trace_model(self.model, as_inputs(sample_inputs), self.device, after=after, targets=targets)
         self.structure = structure
         n = self.structure.num_segments
         if parallel.boundaries is not None:
@@ -267,6 +275,9 @@ class Varuna:
         self._carried_uses = a > 0 and any(a <= cons < b and a - 1 in cuts
                                            for _, cons, _, cuts in self.structure.carried_uses)
         self.send_flags = [c["requires_grad"] for c in self.structure.crossings[self.end_cut]] if not self.is_last else []
+        # (floating?, rank) of each traced output: outputs of those kinds take send_flags (autocast may change a dtype)
+        self._end_kinds = [(getattr(torch, c["dtype"]).is_floating_point, len(c["shape"]))
+                           for c in self.structure.crossings[self.end_cut]] if not self.is_last else []
         canonical = dict(self.model.named_parameters())
         self.params: list[tuple[str, nn.Parameter]] = [(nm, canonical[nm]) for nm in sorted(names) if nm in canonical]
         self.prefix = StagePrefix(self.model, self.structure, a, self.device)
@@ -373,8 +384,9 @@ class Varuna:
         self._run_schedule(st)
         self._end_transfers()
         self.running_stats.merge()
-        loss_local = st.loss_sum / self.m if self.is_last else st.loss_sum
-        result = self._sync_and_step(optimizer, loss_local)
+        loss_local = st.loss_sum / self.m if self.is_last and st.items is None else st.loss_sum
+        counts = (float(sum(st.items)), float(st.positions)) if st.items is not None else (0.0, 0.0)
+        result = self._sync_and_step(optimizer, loss_local, counts)
         result.time_s = time.perf_counter() - t0
         result.compute_s = st.compute_s
         result.wait_s = st.wait_s
@@ -410,13 +422,25 @@ class Varuna:
     def _begin_train_step(self, batch: Sequence) -> _StepState:
         """Cut the batch, open the channels' step and start both receivers for ``m`` messages."""
         mb_in, mb_tg, mb_host = self._micro_batches(batch, non_blocking=True)
+        items, positions = self._item_counts(batch)
         self._begin_step()
         for rx in (self.rx_acts, self.rx_grads):
             if rx is not None:
                 rx.start(self.m)
-        recv_flags = [c["requires_grad"] for c in self.structure.crossings[self.start_cut]] if not self.is_first else []
-        return _StepState(mb_in, mb_tg, base=self.replica * self.m, scale=self.scaler.scale, recv_flags=recv_flags,
-                          loss_sum=torch.zeros((), device=self.device), mb_host=mb_host)
+        return _StepState(mb_in, mb_tg, base=self.replica * self.m, scale=self.scaler.scale, loss_sum=torch.zeros((), device=self.device), mb_host=mb_host, items=items,
+                          positions=positions)
+
+    def _item_counts(self, batch: Sequence) -> tuple[list[int] | None, int]:
+        """On the last stage of a job counting loss items: each micro-batch's valid items and the
+        positions of all (``LossItems.count``, on the batch as read: no device sync); ``(None, 0)``
+        elsewhere."""
+        if not (self.is_last and self.loss_items is not None):
+            return None, 0
+        inputs, targets = split_batch(batch, self.parallel.global_batch, self.parallel.replica_batch, self.replica)
+        b = self.parallel.micro_batch_size
+        counts = [self.loss_items.count(rows(inputs, i * b, (i + 1) * b), rows(targets, i * b, (i + 1) * b))
+                  for i in range(self.m)]
+        return [n for n, _ in counts], sum(k for _, k in counts)
 
     def _run_schedule(self, st: _StepState) -> None:
         """Ask the policy for the next action given what has arrived, run it, until the step's
@@ -448,24 +472,36 @@ class Varuna:
                 self.grad_sync.arm()
 
     @staticmethod
-    def _receive(rx: Receiver | None, mb: int) -> tuple[tuple | None, float]:
-        """Micro-batch ``mb``'s tensors from ``rx`` (``None`` without a receiver) and the seconds
-        spent blocked waiting for them."""
+    def _receive(rx: Receiver | None, mb: int) -> tuple[tuple | None, list[bool], float]:
+        """Micro-batch ``mb``'s tensors from ``rx`` (``None`` without a receiver), which of them
+        need a gradient sent back (the sender's flags), and the seconds spent blocked waiting."""
         if rx is None:
-            return None, 0.0
+            return None, [], 0.0
         t = time.perf_counter()
-        tensors, _ = rx.get(mb)
+        tensors, flags = rx.get(mb)
         waited = time.perf_counter() - t
         rx.release(mb)
-        return tuple(tensors), waited
+        return tuple(tensors), list(flags), waited
+
+    def _send_flags(self, out: tuple, grad: bool) -> list[bool]:
+        """Which of this stage's outputs the next stage sends a gradient back for: the traced
+        crossing's flags when the outputs are of its kinds (floating or not) and ranks; for other crossing tensors
+        (a micro-batch whose mask the model made, or left out, unlike the traced one) the floating
+        outputs that require a gradient — every floating one after a forward without a graph (the
+        sender drops the gradients of those that turn out to need none)."""
+        traced = self._end_kinds
+        if len(out) == len(traced) and all((t.is_floating_point(), t.dim()) == k for t, k in zip(out, traced)):
+            return self.send_flags
+        return [t.is_floating_point() and (t.requires_grad or not grad) for t in out]
 
     def _run_forward(self, st: _StepState, i: int) -> float:
         """F of micro-batch ``i``: receive, run the stage forward, send the outputs on (or take the
         loss on the last stage); without a graph when it will be recomputed, stashing the input.
         Returns the seconds spent waiting for the activation."""
-        received, waited = self._receive(self.rx_acts, i)
+        received, flags, waited = self._receive(self.rx_acts, i)
+        st.recv_flags[i] = flags
         with_grad = self.is_last or not self.recompute
-        leaves = self._leaves(received, st.recv_flags, with_grad)
+        leaves = self._leaves(received, flags, with_grad)
         with self.in_place.watch() if not with_grad else contextlib.nullcontext():
             out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad, model_s=st.model_s,
                                 carried=st.carried if with_grad else None)
@@ -474,9 +510,10 @@ class Varuna:
             loss = self._loss(out, st.mb_tg[i], st.mb_host[i])
             st.model_s["F"] += time.perf_counter() - t0
             st.live[i] = (leaves, (loss,))
-            st.loss_sum = st.loss_sum + loss.detach()
+            st.loss_sum = st.loss_sum + (loss.detach() if st.items is None else loss.detach() * st.items[i])
         else:
-            self.ch_act_out.send(out, self.send_flags)
+            st.sent_flags[i] = self._send_flags(out, with_grad)
+            self.ch_act_out.send(out, st.sent_flags[i])
             if with_grad:
                 st.live[i] = (leaves, _as_tuple(out))
             else:
@@ -488,7 +525,7 @@ class Varuna:
         forward updates in place (a BatchNorm's running statistics) keep F's update only, as in
         plain PyTorch, where each micro-batch's forward runs once."""
         received = st.stash.pop(i)
-        leaves = self._leaves(received, st.recv_flags, True)
+        leaves = self._leaves(received, st.recv_flags[i], True)
         with self.in_place.kept():  # the forward's in-place updates (running statistics) happened in F
             out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True, model_s=st.model_s, kind="R",
                                 carried=st.carried)
@@ -501,13 +538,14 @@ class Varuna:
         gradients, the weight-gradient work kept for a W. Returns the seconds spent waiting."""
         leaves, outs = st.live.pop(i)
         waited = 0.0
-        if self.is_last:
-            roots, gouts = [outs[0] * (st.scale / self.m)], [None]
+        if self.is_last:   # a micro-batch's share of the mini-batch loss: 1/m, or its items / the replica's positions
+            share = 1.0 / self.m if st.items is None else st.items[i] / max(st.positions, 1)
+            roots, gouts = [outs[0] * (st.scale * share)], [None]
         else:
-            g_tensors, waited = self._receive(self.rx_grads, i)
+            g_tensors, _, waited = self._receive(self.rx_grads, i)
             # g_tensors holds one gradient per *flagged* output, in order (see _input_grads),
             # so pair them with the flagged outputs, not positionally with all outputs.
-            flagged = [o for o, f in zip(outs, self.send_flags) if f]
+            flagged = [o for o, f in zip(outs, st.sent_flags.pop(i)) if f]
             pairs = [(o, g) for o, g in zip(flagged, g_tensors) if o.requires_grad]
             roots, gouts = [o for o, _ in pairs], [g for _, g in pairs]
         t0 = time.perf_counter()
@@ -518,7 +556,7 @@ class Varuna:
                 torch.autograd.backward(roots, gouts if not self.is_last else None)
         st.model_s["B"] += time.perf_counter() - t0
         if not self.is_first:
-            self.ch_grad_out.send(self._input_grads(leaves, st.recv_flags))
+            self.ch_grad_out.send(self._input_grads(leaves, st.recv_flags.pop(i)))
         return waited
 
     def _run_weights(self, st: _StepState, i: int) -> float:
@@ -580,10 +618,15 @@ class Varuna:
         return out
 
     # ------------------------------------------------------------------------------------------
-    def _sync_and_step(self, optimizer: torch.optim.Optimizer, loss_local: torch.Tensor) -> StepResult:
+    def _sync_and_step(self, optimizer: torch.optim.Optimizer, loss_local: torch.Tensor,
+                       counts: tuple[float, float] = (0.0, 0.0)) -> StepResult:
         """Tied-weight sum and DP all-reduce (mean over replicas; started during the last backward,
-        finished here), consensus, clipping, step."""
-        self.grad_sync.finish(1.0 / (self.scaler.scale * self.D))
+        finished here), consensus, clipping, step. Counting loss items (``loss_items``), the
+        gradients leave the backward as the replicas' item sums over their positions; the consensus
+        also sums ``counts`` (the last stages' items and positions), and one pass scales the
+        gradients to the mean over the mini-batch's items (with the clipping factor)."""
+        counting = self.loss_items is not None
+        self.grad_sync.finish(1.0 / (self.scaler.scale * (1 if counting else self.D)))
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         finite = torch.ones((), dtype=torch.float32, device=self.device)
         counted = [p.grad for name, p in self.params if p.grad is not None
@@ -591,20 +634,32 @@ class Varuna:
         if counted:
             norm_sq = torch.stack([n.float() for n in torch._foreach_norm(counted)]).pow(2).sum()
         finite = torch.isfinite(norm_sq).float()
-        stats = torch.stack([1.0 - finite, torch.nan_to_num(norm_sq, nan=0.0, posinf=0.0) / self.D,
-                             loss_local.float() / self.D])
+        parts = [1.0 - finite, torch.nan_to_num(norm_sq, nan=0.0, posinf=0.0) / self.D,
+                 loss_local.float() / (1 if counting else self.D)]
+        if counting:   # float64: a mini-batch's token count may pass float32's exact integers
+            parts = [t.double() for t in parts] + [torch.tensor(c, dtype=torch.float64, device=self.device)
+                                                   for c in counts]
+        stats = torch.stack(parts)
         if self.topo.world_size > 1:
             dist.all_reduce(stats)
         overflow = bool(stats[0].item() > 0)
-        total_norm = float(stats[1].sqrt().item()) if not overflow else float("inf")
-        loss = float(stats[2].item())
-        if not overflow and self.grad_clip is not None:
-            coef = self.grad_clip / (total_norm + 1e-6)
-            if coef < 1.0:
+        factor = 1.0
+        if counting:
+            items, positions = float(stats[3].item()), float(stats[4].item()) / self.D
+            factor = positions / items if items > 0 else 0.0
+            loss = float(stats[2].item()) / items if items > 0 else float("nan")
+            overflow = overflow or items == 0   # nothing to learn from: plain PyTorch's loss is NaN too
+        else:
+            loss = float(stats[2].item())
+        total_norm = float(stats[1].sqrt().item()) * factor if not overflow else float("inf")
+        if not overflow:
+            coef = factor
+            if self.grad_clip is not None and self.grad_clip / (total_norm + 1e-6) < 1.0:
+                coef *= self.grad_clip / (total_norm + 1e-6)
+            if coef != 1.0:
                 for _, p in self.params:
                     if p.grad is not None:
                         p.grad.mul_(coef)
-        if not overflow:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.scaler.update(overflow)
@@ -615,22 +670,23 @@ class Varuna:
     @torch.no_grad()
     def evaluate(self, batch: Sequence[torch.Tensor]) -> float:
         """Mean loss over a held-out mini-batch (forward only, no RNG effect on training;
-        collective). Dropout is off during evaluation."""
+        collective): over its items where the job counts them (``loss_items``), else the mean of
+        the micro-batch means. Dropout is off during evaluation."""
         mb_in, mb_tg, mb_host = self._micro_batches(batch)
+        items, _ = self._item_counts(batch)
         self._begin_step()
         acts = self.rx_acts
         if acts is not None:
             acts.start(self.m)
-        recv_flags = [False] * (len(self.structure.crossings[self.start_cut]) if not self.is_first else 0)
         total = torch.zeros((), device=self.device)
         self.model.eval()
         try:
             for i in range(self.m):
-                received, _ = self._receive(acts, i)
-                out = self._forward(mb_in[i], self._leaves(received, recv_flags, False),
+                received, flags, _ = self._receive(acts, i)
+                out = self._forward(mb_in[i], self._leaves(received, flags, False),
                                     self.replica * self.m + i, grad=False)
                 if self.is_last:
-                    total += self._loss(out, mb_tg[i], mb_host[i]).float()
+                    total += self._loss(out, mb_tg[i], mb_host[i]).float() * (1 if items is None else items[i])
                 else:
                     self.ch_act_out.send(out, [False] * len(out))
         finally:
@@ -639,6 +695,12 @@ class Varuna:
             acts.join()
         if self.ch_act_out:
             self.ch_act_out.wait_sends()
+        if self.loss_items is not None:   # (item sum, items) over the replicas
+            stat = torch.stack([total.double(), torch.tensor(float(sum(items or [])), dtype=torch.float64,
+                                                             device=self.device)])
+            if self.topo.world_size > 1:
+                dist.all_reduce(stat)
+            return float(stat[0].item() / stat[1].item()) if stat[1].item() > 0 else float("nan")
         stat = (total / self.m / self.D).reshape(1)
         if self.topo.world_size > 1:
             dist.all_reduce(stat)

@@ -292,7 +292,7 @@ def _bench(model_fn, loss_fn, make_batch: BatchFn, sizes: list[int], seed: int, 
     inputs0, targets0 = make_batch(sizes[0])
     # with the loss, as the workers trace it: its uses of earlier segments' tensors count too
     structure = trace_model(meta_model, as_inputs(inputs0), device,
-                            after=loss_after(loss_fn, to_device(targets0, device)))
+                            after=loss_after(loss_fn, to_device(targets0, device)), targets=targets0)
     model = build_on_meta(model_fn)
     materialize(model, [nm for nm, _ in model.named_parameters()] + [nm for nm, _ in model.named_buffers()],
                 seed=seed, device=device, init_fn=init_fn)
