@@ -903,8 +903,10 @@ def test_padded_labels_train_the_mean_over_the_mini_batchs_tokens_at_any_micro_b
     which shifts them): each micro-batch's mean loss is weighted by its predicted tokens, so the
     step's loss is the mean over the whole mini-batch's tokens — what the same mini-batch gives in
     one plain PyTorch call (computed here by hand from the initial weights), at any micro-batch size
-    and P × D. Averaging the micro-batch means (as before) was 1e-3 off and changed with the
-    micro-batch size, so a plan or morph changed the loss curve (helper-37, D1)."""
+    and P × D. Averaging the micro-batch means (as before) was 6e-4 off here and changed with the
+    micro-batch size, so a plan or morph changed the loss curve (helper-37, D1). Llama builds its
+    attention mask for a padded micro-batch only: what crosses a cut-point changes within a step (it
+    was refused: "the tensors crossing a cut-point changed within a step")."""
     from tests.thirdparty import hf_models
     from varuna_sdk.config import TrainConfig
     from varuna_sdk.model.loss_items import LossItems
@@ -922,11 +924,13 @@ def test_padded_labels_train_the_mean_over_the_mini_batchs_tokens_at_any_micro_b
     model = hf_models.llama(n_layer=2, max_positions=16)
     model.load_state_dict(handle.initial_weights())
     mbs = handle.batch(0)
+    masks = [bool(inputs["attention_mask"].all()) for step in range(3) for inputs, _ in handle.batch(step)]
+    assert any(masks) and not all(masks)   # Llama makes a mask for the padded micro-batches only
     whole = {k: torch.cat([inputs[k] for inputs, _ in mbs]) for k in mbs[0][0]}
     with torch.no_grad():
         one_call = float(model(**whole).loss)
         averaged = sum(float(model(**inputs).loss) for inputs, _ in mbs) / len(mbs)
-    assert abs(averaged - one_call) > 1e-3 * one_call   # the data makes the difference
+    assert abs(averaged - one_call) > 3e-4 * one_call   # the data makes the difference (6e-4 here)
     ref = handle.plain_pytorch_losses(3, micro_batch_size=8)
     assert ref[0] == pytest.approx(one_call, rel=1e-6)
     assert handle.plain_pytorch_losses(3, micro_batch_size=1) == pytest.approx(ref, rel=1e-5)

@@ -156,12 +156,13 @@ def padded_windows(n: int = 200, pad: int = 4):
 
 def padded_chats(n: int = 200, length: int = 16, vocab: int = 64, seed: int = 0):
     """Right-padded causal-LM examples as a chat dataset gives them: ``input_ids`` of 2..``length``
-    real tokens then id 0, ``attention_mask`` 1 on the real ones, ``labels`` the ids with -100 on the
-    padding (and on the first two, a prompt): each example has its own count of predicted tokens."""
+    real tokens then id 0 (every 3rd example unpadded), ``attention_mask`` 1 on the real ones,
+    ``labels`` the ids with -100 on the padding (and on the first two, a prompt): each example has its
+    own count of predicted tokens."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n):
-        real = int(torch.randint(2, length + 1, (1,), generator=g))
+    for i in range(n):
+        real = int(torch.randint(2, length + 1, (1,), generator=g)) if i % 3 else length
         ids = torch.zeros(length, dtype=torch.long)
         ids[:real] = torch.randint(1, vocab, (real,), generator=g)
         mask = (torch.arange(length) < real).long()

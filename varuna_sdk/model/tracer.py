@@ -46,6 +46,9 @@ class ModelStructure:
         unused: canonical names never touched by the forward (placed on segment 0).
         crossings: for crossing ``k`` (between segment ``k`` and ``k+1``) the signature of each
             tensor: ``{"dtype", "requires_grad", "shape"}`` at the traced micro-batch size.
+        input_crossings: for crossing ``k``, whether a tensor computed from the inputs alone
+            crosses it (a mask, position ids): which tensors cross may then change from one
+            micro-batch to the next (a mask a model builds for padded data only).
         segment_flops: forward FLOP estimate per segment at the traced micro-batch size.
         segment_param_bytes: bytes of parameters first used in each segment.
         cross_uses: ``(producer_segment, consumer_segment, op)`` for tensors that skip a cut-point.
@@ -70,6 +73,7 @@ class ModelStructure:
     param_names: list[str]
     unused: list[str]
     crossings: list[list[dict]]
+    input_crossings: list[bool]
     segment_flops: list[float]
     segment_param_bytes: list[int]
     cross_uses: list[tuple[int, int, str]] = field(default_factory=list)
@@ -136,6 +140,7 @@ class _Trace:
         self.producer: dict[int, int] = {}
         self.keep: list[torch.Tensor] = []
         self.crossings: list[list[dict]] = []
+        self.input_crossings: list[bool] = []
         self.flops: list[float] = [0.0]
         self.cross_uses: set[tuple[int, int, str]] = set()
         self.carried_uses: set[tuple[int, int, str, tuple[int, ...]]] = set()
@@ -195,6 +200,7 @@ class _Trace:
         for t in tensors:
             self.crossed.setdefault(id(t), set()).add(k)
         self.crossings.append(crossing_signature(tensors))
+        self.input_crossings.append(any(t.device.type != "meta" for t in tensors))
         self.segment += 1
         self.flops.append(0.0)
         out = tuple(t.detach().requires_grad_(bool(t.requires_grad and t.is_floating_point())) for t in tensors)
@@ -376,6 +382,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         param_names=list(trace.param_names),
         unused=unused,
         crossings=trace.crossings,
+        input_crossings=trace.input_crossings,
         segment_flops=[float(f) for f in trace.flops],
         segment_param_bytes=pbytes,
         cross_uses=sorted(trace.cross_uses),

@@ -83,36 +83,57 @@ def decode_header(h: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, .
 class Channel:
     """One direction of traffic to/from ``peer`` over a dedicated two-rank ``group``.
 
-    Every message is its header (``encode_header``: the tensors' dtypes, grad flags and shapes;
-    made once per signature and reused) followed by its tensors, one send each. Micro-batches of
-    one step may cross a cut-point with different tensors: a Hugging Face model builds no
-    attention mask for a micro-batch without padding and one for a padded micro-batch.
+    A message is a header (``encode_header``: the tensors' dtypes, grad flags and shapes) and its
+    tensors, one send each. Where every micro-batch of a step crosses with the same tensors (the
+    batch identity makes them equal), the header travels once per step: after ``begin_step()`` the
+    first message carries it and the rest are bare tensors. With ``header_per_message`` (a
+    cut-point crossed by tensors computed from the inputs, whose presence may change between
+    micro-batches: a Hugging Face model builds an attention mask for a padded micro-batch only)
+    every message carries its own, made once per signature. Raises ``ValueError`` if the signature
+    changes within a step without it.
     """
 
     #: signatures whose encoded header a channel keeps (a step's micro-batches use one or a few)
     HEADERS_KEPT = 64
 
-    def __init__(self, peer: int, group, device: torch.device, max_outstanding: int = 64):
+    def __init__(self, peer: int, group, device: torch.device, max_outstanding: int = 64, *,
+                 header_per_message: bool = False):
         self.peer, self.group, self.device = peer, group, device
         self.pending: list[tuple[object, list[torch.Tensor]]] = []
         self.max_outstanding = max_outstanding
+        self.header_per_message = header_per_message
+        self._send_sig: tuple | None = None
+        self._recv_sig: list[tuple[torch.dtype, bool, tuple[int, ...]]] | None = None
         self._headers: dict[tuple, torch.Tensor] = {}
 
     def begin_step(self) -> None:
-        """Start a step's traffic (nothing to reset: each message says what it holds)."""
+        """Forget the per-step signature: the next message sends (or expects) a header."""
+        self._send_sig = None
+        self._recv_sig = None
 
-    def send(self, tensors: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> None:
-        """Queue ``tensors`` (detached, contiguous) for asynchronous delivery to the peer, with
-        ``flags`` (which of them the peer must send a gradient back for; default none)."""
-        flags = list(flags) if flags is not None else [False] * len(tensors)
-        sig = tuple((t.dtype, bool(f), tuple(t.shape)) for t, f in zip(tensors, flags))
+    def _header(self, sig: tuple, tensors: Sequence[torch.Tensor], flags: list[bool]) -> torch.Tensor:
         header = self._headers.get(sig)
         if header is None:
             header = encode_header(tensors, flags, self.device)
             if len(self._headers) >= self.HEADERS_KEPT:
                 self._headers.clear()
             self._headers[sig] = header
-        payload = [header] + [t.detach().contiguous() for t in tensors]
+        return header
+
+    def send(self, tensors: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> None:
+        """Queue ``tensors`` (detached, contiguous) for asynchronous delivery to the peer, with
+        ``flags`` (which of them the peer sends a gradient back for; default none)."""
+        flags = list(flags) if flags is not None else [False] * len(tensors)
+        sig = tuple((t.dtype, bool(f), tuple(t.shape)) for t, f in zip(tensors, flags))
+        payload = [t.detach().contiguous() for t in tensors]
+        if self.header_per_message or self._send_sig is None:
+            payload.insert(0, self._header(sig, tensors, flags))
+            self._send_sig = sig
+        elif sig != self._send_sig:
+            raise ValueError(
+                f"the tensors crossing a cut-point changed within a step ({self._send_sig} -> {sig}); every "
+                "micro-batch must send the same shapes and dtypes"
+            )
         if _delivery_gate is not None:
             _delivery_gate.on_send(self.peer)
         works = [dist.isend(t, self.peer, group=self.group) for t in payload]
@@ -132,10 +153,12 @@ class Channel:
 
     def recv(self) -> tuple[list[torch.Tensor], list[bool]]:
         """Blocking receive of one message: (tensors, requires_grad flags)."""
-        h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(h, self.peer, group=self.group)
+        if self.header_per_message or self._recv_sig is None:
+            h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            dist.recv(h, self.peer, group=self.group)
+            self._recv_sig = decode_header(h)
         tensors, flags = [], []
-        for dtype, flag, shape in decode_header(h):
+        for dtype, flag, shape in self._recv_sig:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(t, self.peer, group=self.group)
             tensors.append(t)

@@ -289,10 +289,17 @@ class Varuna:
         at the pipeline's ends) and one long-lived receiving thread per incoming channel."""
         self.groups = build_groups(self.topo, rank, [tuple(s) for s in self.shared.values()])
         g, s, r = self.groups, self.stage, self.replica
-        self.ch_act_out = Channel(self.topo.rank(s + 1, r), g.act_send, self.device) if not self.is_last else None
-        self.ch_act_in = Channel(self.topo.rank(s - 1, r), g.act_recv, self.device) if not self.is_first else None
-        self.ch_grad_out = Channel(self.topo.rank(s - 1, r), g.grad_send, self.device) if not self.is_first else None
-        self.ch_grad_in = Channel(self.topo.rank(s + 1, r), g.grad_recv, self.device) if not self.is_last else None
+        # a link crossed by tensors made from the inputs (masks) may carry other tensors per micro-batch
+        out_varies = not self.is_last and self.structure.input_crossings[self.end_cut]
+        in_varies = not self.is_first and self.structure.input_crossings[self.start_cut]
+        self.ch_act_out = Channel(self.topo.rank(s + 1, r), g.act_send, self.device,
+                                  header_per_message=out_varies) if not self.is_last else None
+        self.ch_act_in = Channel(self.topo.rank(s - 1, r), g.act_recv, self.device,
+                                 header_per_message=in_varies) if not self.is_first else None
+        self.ch_grad_out = Channel(self.topo.rank(s - 1, r), g.grad_send, self.device,
+                                   header_per_message=in_varies) if not self.is_first else None
+        self.ch_grad_in = Channel(self.topo.rank(s + 1, r), g.grad_recv, self.device,
+                                  header_per_message=out_varies) if not self.is_last else None
         self.rx_acts = Receiver(self.ch_act_in, self.timeout_s) if self.ch_act_in else None
         self.rx_grads = Receiver(self.ch_grad_in, self.timeout_s) if self.ch_grad_in else None
 
