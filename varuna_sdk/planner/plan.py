@@ -52,6 +52,7 @@ def plan(
     shared_egress: bool = False,
     max_in_flight: int | None = None,
     data_prefetch: bool = True,
+    refine_cuts: bool = True,
 ) -> Plan:
     """Rank every configuration of ``gpus`` GPUs for a fixed ``global_batch`` (paper §4.4).
 
@@ -115,6 +116,10 @@ def plan(
             The read is the profile's ``data_read_s`` (seconds per example, measured by
             ``profiling.job.calibrate_job`` on the job's own data; 0: not modelled) times the
             replica's ``global_batch / D`` examples, which every rank of a replica reads.
+        refine_cuts: True (default): the split of the fastest depths' candidates is then moved a
+            cut-point at a time while the simulator predicts a faster mini-batch
+            (``planner.cuts.better_split``: the search balances compute; what crosses a cut-point
+            and the bubble can favour another split). False: the search's split as it is.
 
     Raises ``ConfigError`` for bad arguments (each checked before any work, the message saying
     what to pass instead) and ``ProfileError`` naming what the profile lacks.
@@ -126,7 +131,7 @@ def plan(
                       boundaries=boundaries, network_bandwidth_Bps=network_bandwidth_Bps, prices=prices,
                       target_examples=target_examples, max_depth=max_depth, replicas=replicas, exhaustive=exhaustive,
                       split_backward=split_backward, shared_egress=shared_egress, max_in_flight=max_in_flight,
-                      data_prefetch=data_prefetch)
+                      data_prefetch=data_prefetch, refine_cuts=refine_cuts)
     t0 = time.perf_counter()
     found = run_search(req)
     rows = plan_rows(req, found)

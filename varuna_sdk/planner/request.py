@@ -167,6 +167,7 @@ class PlanRequest:
     shared_egress: bool = False
     max_in_flight: int | None = None
     data_prefetch: bool = True
+    refine_cuts: bool = True
     limit: float | None = field(init=False, default=None)
     sizes: list[int] = field(init=False, default_factory=list)
     checked: tuple = field(init=False, default=(), repr=False)
@@ -286,6 +287,10 @@ class PlanRequest:
             raise ConfigError(f"data_prefetch={self.data_prefetch!r} must be True (the next mini-batch is read while "
                               "one trains: data.prefetch) or False (read, then train)")
         self.data_prefetch = bool(self.data_prefetch)
+        if not isinstance(self.refine_cuts, (bool, np.bool_)):
+            raise ConfigError(f"refine_cuts={self.refine_cuts!r} must be True (the fastest depths' splits moved while "
+                              "simulated faster) or False (the search's balanced split)")
+        self.refine_cuts = bool(self.refine_cuts)
         if self.max_in_flight is not None:
             self.max_in_flight = int_arg("max_in_flight", self.max_in_flight, 1,
                                          "pass the most micro-batches any stage may hold in flight, e.g. 2, or None "

@@ -11,7 +11,7 @@ or why a best-only search pruned it; and the notes under the table (extrapolated
 The inner loop itself is C++ (``csrc/search.cpp``).
 
 Units: seconds, bytes, examples/s, US dollars. Imports ``planner.request``, ``planner.rows``,
-numpy and the C++ core; must never import ``planner.plan``, torch, ``cluster`` or ``manager``.
+``planner.cuts``, numpy and the C++ core; must never import ``planner.plan``, torch, ``cluster`` or ``manager``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._native import core as _core
+from .cuts import better_split
 from .recompute import StagePlan, evaluate_with, memory_balanced_starts, refine, with_ceiling
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
 from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
+
+#: how many of the fastest depths get their split refined by simulation (``cuts.better_split``),
+#: within a budget of simulated actions: this share of the search's own, and at least the floor
+REFINED_DEPTHS = 4
+REFINE_SHARE = 0.25
+REFINE_FLOOR = 5000.0
+
 
 def _interp(ys: np.ndarray, xs: np.ndarray, b: int) -> np.ndarray:
     """``Profile.at`` for every segment at once (``ys`` is ``[segments, sizes]``): piecewise-linear
@@ -163,12 +171,22 @@ def _per_depth(results: dict[Mode, list]) -> list[tuple[object, Mode]]:
 
 def plan_rows(req: PlanRequest, found: SearchResult) -> list[PlanRow]:
     """One row per depth (``_per_depth``): times, memory and dollar costs of a feasible
-    candidate — for Varuna with recompute per stage and in-flight caps (``planner.recompute``),
-    re-ranked by the refined time —, the reason of an excluded one. Under a memory limit a Varuna
+    candidate — its split moved a cut-point at a time while simulated faster (``cuts.better_split``)
+    for the ``REFINED_DEPTHS`` fastest depths, within ``REFINE_SHARE`` of the search's simulated
+    actions (at least ``REFINE_FLOOR``), for Varuna with recompute per stage and in-flight
+    caps (``planner.recompute``), re-ranked by the refined time —, the reason of an excluded one. Under a memory limit a Varuna
     candidate without recompute that the search excluded for memory is tried with in-flight caps
     first (``_rescue``)."""
     plans = _rescue(req, found)
-    rows = [_row(req, c, mode, found.searches[mode], plans.get((mode, c.P))) for c, mode in _per_depth(found.results)]
+    rows = []
+    budget = max(REFINE_FLOOR, REFINE_SHARE * found.stats.get("actions", 0))
+    for i, (c, mode) in enumerate(_per_depth(found.results)):   # the feasible first, fastest first
+        sp = plans.get((mode, c.P))
+        if req.refine_cuts and sp is None and i < REFINED_DEPTHS and budget > 0:
+            c, spent = better_split(found.searches[mode], c, req.sizes.index(c.micro_batch_size),
+                                    req.profile.num_segments, budget)
+            budget -= spent
+        rows.append(_row(req, c, mode, found.searches[mode], sp))
     feasible = sorted((r for r in rows if r.feasible), key=lambda r: (r.time_s, r.P))
     return feasible + [r for r in rows if not r.feasible]
 
