@@ -190,24 +190,26 @@ class ManagerSupervision:
         said = failure.strip().splitlines()[-1] if failure.strip() else failure
         what = re.sub(r"^(\[[^\]]*\]\s*)+", "", said)   # the error, not which VM and rank said it
         same, self._last_failure = what == self._last_failure, what
+        # the error itself first, then the worker's traceback (varuna status shows the head)
+        detail = f"{what}\n{failure}" if what and what != failure.strip() else failure
         if res.cause == "data":
             self._pending = None
-            return self._fail(f"the data failed (not retried: the same step reads the same examples):\n{failure}")
+            return self._fail(f"the data failed (not retried: the same step reads the same examples): {detail}")
         if res.cause == "code":
             self._pending = None
             return self._fail(f"the job's code raised a programming error (not retried: the same code fails the "
-                              f"same way; fix it and launch again):\n{failure}")
+                              f"same way; fix it and launch again): {detail}")
         if res.cause == "diverged":
             self._pending = None
             return self._fail(f"training diverged (not retried: resuming replays the same steps from the same "
-                              f"weights):\n{failure}")
+                              f"weights): {detail}")
         if same:
             self._pending = None
-            return self._fail(f"the same worker error twice in a row (not retried again: it looks deterministic):"
-                              f"\n{failure}")
+            return self._fail(f"the same worker error twice in a row (not retried again: it looks deterministic): "
+                              f"{detail}")
         if self.failures > self.options.max_failures:
             self._pending = None
-            return self._fail(f"worker failure (budget of {self.options.max_failures} retries spent):\n{failure}")
+            return self._fail(f"worker failure (budget of {self.options.max_failures} retries spent): {detail}")
         self._begin_morph("failure", None, run)
         self._set(JobState.RECOVERING, f"worker failure, retry {self.failures}/{self.options.max_failures}: {said}")
         return None
