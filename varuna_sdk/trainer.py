@@ -135,10 +135,18 @@ def _log(msg: str) -> None:
 
 
 def evaluate(engine: Varuna, batches: list) -> float | None:
-    """Mean held-out loss over ``batches`` (``(inputs, targets)`` each; collective); ``None``
+    """Mean held-out loss over ``batches`` (``(inputs, targets)`` each; collective): over their
+    items where the engine counts them (``Varuna.loss_items``), else the mean of the batches'; ``None``
     without batches (``data.val_fraction: 0``: every rank has none, so none calls the collective)."""
-    losses = [engine.evaluate(b) for b in batches]
-    return sum(losses) / len(losses) if losses else None
+    losses, items = [], []
+    for b in batches:
+        losses.append(engine.evaluate(b))
+        items.append(engine.eval_items)
+    if not losses:
+        return None
+    if engine.loss_items is not None and sum(items) > 0:   # the mean over every held-out item
+        return sum(x * n for x, n in zip(losses, items) if n) / sum(items)
+    return sum(losses) / len(losses)
 
 
 @dataclass

@@ -238,6 +238,8 @@ class Varuna:
         #: the mean over the mini-batch's items at any micro-batch size (``model.loss_items``); None:
         #: the mean of the micro-batch means (every micro-batch holds as many items)
         self.loss_items = self.structure.loss_items if count_loss_items else None
+        #: the items (valid tokens) of the last ``evaluate``'s mini-batch, counting them (else None)
+        self.eval_items: float | None = None
         self._open_channels(rank)
         # BatchNorm-like running statistics, merged over the stage's replicas after each step
         self.running_stats = RunningStats(self.model, self.replica, self.D, self.groups.dp)
@@ -707,6 +709,7 @@ class Varuna:
                                                              device=self.device)])
             if self.topo.world_size > 1:
                 dist.all_reduce(stat)
+            self.eval_items = float(stat[1].item())
             return float(stat[0].item() / stat[1].item()) if stat[1].item() > 0 else float("nan")
         stat = (total / self.m / self.D).reshape(1)
         if self.topo.world_size > 1:
