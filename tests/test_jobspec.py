@@ -380,6 +380,12 @@ def test_job_takes_config_fields_by_name_and_refuses_an_unknown_or_ambiguous_one
         Job(model=_TiedLM, data=str(f), seed=1)
     with pytest.raises(ConfigError, match="seq_len"):   # the values are checked as a config's are
         Job(model=_TiedLM, data=str(f), tokenizer="byte", seq_len=-1)
+    for bad, said in [({"train_steps": 3}, r"train_steps=3: pass it as Job\(steps=...\)"),
+                      ({"dataset": "x"}, r"pass it as Job\(data=...\)"), ({"p": 2}, r"did you mean P\?"),
+                      ({"seq_len": 16, "data_seq_len": 8}, r"both seq_len= and data_seq_len=, which set the same field"),
+                      ({"n_layer": 3}, r"model.n_layer shapes the built-in GPT-2 preset, not a model you bring")]:
+        with pytest.raises(TypeError, match=said):
+            Job(model=_TiedLM, data=str(f), **bad)
 
 
 class _MaskedClassifier(nn.Module):

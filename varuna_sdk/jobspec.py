@@ -711,8 +711,26 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             spec.min_micro_batch = 2   # BatchNorm: the calibration must not measure micro-batches of one
     _check_lookups(structure, data, spec.name, T)
     _check_every_block_ran(meta, structure, spec.name)
+    if data.examples is not None and structure.loss_items is None:
+        _warn_unweighted(data, spec.name)
     d, p = job.data, job.parallel
     data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
+
+
+def _warn_unweighted(data: JobData, name: str) -> None:
+    """Warn when a dataset's integer fields hold -100 (ignored labels: padding, prompts) but the loss
+    is not one mean cross-entropy whose items the SDK can count (``model.loss_items``): each
+    micro-batch's mean then weighs the same, so the loss depends on the micro-batch size."""
+    fields = data.sample(min(len(data.examples), 8), None)   # a few: a slow dataset reads them again
+    ignored = [k for k, v in fields.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()
+               and bool((v == -100).any())]
+    if ignored:
+        warnings.warn(f"{data.source}: field(s) {ignored} hold -100 (ignored labels), but {name}'s loss is not one "
+                      "mean cross_entropy/nll_loss over them (a second term added, class weights, or its own "
+                      "normalisation), so the SDK cannot weigh micro-batches by their tokens: each micro-batch's mean "
+                      "loss counts the same, and the loss changes with the micro-batch size the plan picks (fix "
+                      "parallel.micro_batch_size to keep it), unlike one plain PyTorch call on the mini-batch",
+                      UserWarning, stacklevel=3)
 
 
 def _check_lookups(structure: ModelStructure, data: JobData, name: str, T: int) -> None:

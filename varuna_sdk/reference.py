@@ -162,6 +162,8 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
         n = sum(counts)
         total = 0.0
         for (inputs, targets), k in zip(mbs, counts):
+            if not k:
+                continue   # every label ignored: no share of the loss (its own mean is NaN)
             with amp:
                 loss = loss_fn(call_model(model, inputs), targets)
             (loss.float() / n if items is None else loss.float() * (k / n)).backward()

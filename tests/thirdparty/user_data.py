@@ -158,7 +158,8 @@ def padded_chats(n: int = 200, length: int = 16, vocab: int = 64, seed: int = 0)
     """Right-padded causal-LM examples as a chat dataset gives them: ``input_ids`` of 2..``length``
     real tokens then id 0 (every 3rd example unpadded), ``attention_mask`` 1 on the real ones,
     ``labels`` the ids with -100 on the padding (and on the first two, a prompt): each example has its
-    own count of predicted tokens."""
+    own count of predicted tokens; every 7th (the first too) predicts none (a prompt cut off before
+    its answer)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -168,6 +169,8 @@ def padded_chats(n: int = 200, length: int = 16, vocab: int = 64, seed: int = 0)
         mask = (torch.arange(length) < real).long()
         labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
         labels[:2] = -100
+        if i % 7 == 0:
+            labels[:] = -100
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 

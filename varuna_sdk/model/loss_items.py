@@ -140,6 +140,10 @@ def infer_loss_items(calls: list[LossCall], loss: Any, inputs: Any, targets: Any
         return None
     found = {LossItems(name, shift, c.ignore_index) for name, cand in _candidates(inputs, targets)
              for shift in (False, True) if _matches(c.target, cand, shift, c.ignore_index)}
+    if len({r.shift for r in found}) > 1:
+        # the sample cannot tell (every label ignored, or constant along the sequence): a model
+        # input is a model's own loss's labels, which a causal LM shifts; external targets are aligned
+        found = {r for r in found if r.shift == (r.source is not None)} or found
     if len(found) > 1:   # labels equal to input_ids in this sample: read the labels (padding differs)
         if len({r.shift for r in found}) == 1:
             return min(found, key=lambda r: (r.source is not None,

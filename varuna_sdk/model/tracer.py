@@ -154,6 +154,7 @@ class _Trace:
         self.random_ops: set[str] = set()
         self.loss_calls: list[LossCall | None] = []  # cross_entropy/nll_loss calls (None: unreadable)
         self.pending_loss: LossCall | None = None     # the one about to run, for its output's id
+        self.loss_outs: dict[int, LossCall] = {}      # id of a loss call's output -> the call
 
     def on_mixed(self, func, args: tuple, kwargs: dict) -> None:
         """An operation about to run on meta with its real arguments: note embedding lookups
@@ -227,6 +228,12 @@ def _check_same_dtype(func, args: tuple, kwargs: dict) -> None:
                            "floating fields in the dataset (e.g. torch.from_numpy(x).float(), x.astype('float32'))")
 
 
+def _in_place(func) -> bool:
+    """Whether ``func`` changes its first argument in place (``add_``, ``loss += aux``)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__"))
+
+
 class _TraceMode(TorchFunctionMode):
     def __init__(self, trace: _Trace):
         super().__init__()
@@ -262,13 +269,17 @@ class _TraceMode(TorchFunctionMode):
                     tr.carried_uses.add((prod, seg, op, tuple(sorted(cuts))))
                 else:
                     tr.cross_uses.add((prod, seg, op))
+        if tr.loss_outs and args and id(args[0]) in tr.loss_outs and _in_place(func):
+            tr.loss_outs.pop(id(args[0])).out_id = None   # loss += aux: no longer the mean it was
         if not is_get:
             out = func(*args, **kwargs)
         if func in LOSS_FUNCS:
             if tr.pending_loss is None:
                 tr.loss_calls.append(None)   # a loss call on_mixed did not read (no meta argument)
             else:
-                tr.pending_loss.out_id, tr.pending_loss = id(out), None
+                tr.pending_loss.out_id = id(out)
+                tr.loss_outs[id(out)] = tr.pending_loss
+                tr.pending_loss = None
         outs = _tensors(out)
         tr.mark([t for t in outs if id(t) not in tr.state_ids], seg)
         tr.flops[seg] += _flops(func, args, kwargs, out)

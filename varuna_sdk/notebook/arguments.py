@@ -122,44 +122,60 @@ def apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: A
 
 
 
-#: Fields ``Job(**settings)`` does not take by name: set through the Job's own arguments
-#: (``model=``, ``data=``, ``loss=``, ``init=``, ``steps=``, ``run_dir=``) or internal.
-_NOT_SETTINGS = {("model", "factory"), ("model", "loss"), ("model", "init"), ("model", "by_value"),
-                 ("data", "by_value"), ("data", "dataset"), ("train", "steps")}
+#: Fields ``Job(**settings)`` does not take by name -> the Job argument that sets them
+_NOT_SETTINGS = {("model", "factory"): "model=", ("model", "loss"): "loss=", ("model", "init"): "init=",
+                 ("model", "by_value"): "model=", ("data", "by_value"): "data=", ("data", "dataset"): "data=",
+                 ("train", "steps"): "steps="}
+#: the built-in GPT-2 preset's shape: no setting of a model the user brings
+_PRESET_ONLY = {"preset", "n_layer", "n_head", "n_embd", "dropout"}
 
 
-def _settable(job: JobConfig) -> dict[str, list[tuple[str, str]]]:
-    """Each settable field name -> the ``(section, field)`` pairs it names (two for ``seed``)."""
+def _settable(job: JobConfig) -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
+    """Each settable field name (bare, and ``<section>_<name>``) -> the ``(section, field)`` pairs it
+    names (two for ``seed``); and each name the Job takes as an argument instead -> that argument."""
     import dataclasses
 
     names: dict[str, list[tuple[str, str]]] = {}
+    elsewhere: dict[str, str] = {}
     for section in dataclasses.fields(job):
         sub = getattr(job, section.name)
         if not dataclasses.is_dataclass(sub):
             names.setdefault(section.name, []).append(("", section.name))
             continue
         for f in dataclasses.fields(sub):
-            if (section.name, f.name) not in _NOT_SETTINGS:
-                names.setdefault(f.name, []).append((section.name, f.name))
-                names.setdefault(f"{section.name}_{f.name}", []).append((section.name, f.name))
-    return names
+            arg = _NOT_SETTINGS.get((section.name, f.name))
+            if arg is not None:
+                elsewhere[f.name] = elsewhere[f"{section.name}_{f.name}"] = arg
+                continue
+            names.setdefault(f.name, []).append((section.name, f.name))
+            names.setdefault(f"{section.name}_{f.name}", []).append((section.name, f.name))
+    return names, elsewhere
 
 
-def apply_settings(job: JobConfig, settings: dict[str, Any]) -> None:
+def apply_settings(job: JobConfig, settings: dict[str, Any], own_model: bool = False) -> None:
     """Put ``Job(..., seq_len=64, global_batch=16, P=2, lr=3e-4)`` into ``job``: each keyword is a
     field of the config by its name (``seq_len`` is ``data.seq_len``), or ``<section>_<field>``
     where a name is in two sections (``data_seed``, ``train_seed``). The values are checked with
-    the whole config afterwards (``JobConfig.validate``). Raises ``TypeError`` for a keyword that
-    names no field (with the likely one) or two fields, before anything starts."""
+    the whole config afterwards (``JobConfig.validate``). ``own_model``: the job trains a model the
+    user brings (the GPT-2 preset's ``n_layer``, ``n_embd``... do not apply to it). Raises
+    ``TypeError`` for a keyword that names no field (with the likely one), two fields, a field
+    another keyword also sets, or a field a Job argument sets (naming that argument), before
+    anything starts."""
     import difflib
 
-    names = _settable(job)
+    names, elsewhere = _settable(job)
+    seen: dict[tuple[str, str], str] = {}
     for key, value in settings.items():
+        if key in elsewhere:
+            raise TypeError(f"Job() got {key}={value!r}: pass it as Job({elsewhere[key]}...)")
         where = names.get(key)
         if where is None:
-            near = difflib.get_close_matches(key, [n for n, w in names.items() if len(w) == 1 and n == w[0][1]], n=2)
+            bare = [n for n, w in names.items() if len(w) == 1 and n == w[0][1]]
+            near = [n for n in bare if n.lower() == key.lower()] or \
+                difflib.get_close_matches(key, bare + list(elsewhere), n=2)
+            near = [elsewhere.get(n, n) for n in near]
             raise TypeError(f"Job() got the setting {key}={value!r}, which is no field of the job's config"
-                            + (f" (did you mean {' or '.join(near)}?)" if near else "")
+                            + (f" (did you mean {' or '.join(dict.fromkeys(near))}?)" if near else "")
                             + "; a setting is a field's name (seq_len, global_batch, micro_batch_size, P, D, lr, "
                               "precision, checkpoint_every...) or <section>_<field> (data_seed), see "
                               "varuna_sdk.config.JobConfig")
@@ -168,4 +184,11 @@ def apply_settings(job: JobConfig, settings: dict[str, Any]) -> None:
             alts = " or ".join(f"{s}_{f}=" for s, f in where)
             raise TypeError(f"Job() got {key}={value!r}, which names both {both}; pass {alts}")
         section, field = where[0]
+        if own_model and section == "model" and field in _PRESET_ONLY:
+            raise TypeError(f"Job() got {key}={value!r}: model.{field} shapes the built-in GPT-2 preset, not a model "
+                            "you bring; build yours with its own arguments, e.g. Job(model=lambda: MyModel(n_layer=3))")
+        if (section, field) in seen:
+            raise TypeError(f"Job() got both {seen[(section, field)]}= and {key}=, which set the same field "
+                            f"{section}.{field}; pass one")
+        seen[(section, field)] = key
         setattr(getattr(job, section) if section else job, field, copy.deepcopy(value))

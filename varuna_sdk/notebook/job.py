@@ -91,7 +91,8 @@ class Job:
         objects = apply_overrides(job, model=model, loss=loss, data=data, init=init, ship_modules=ship_modules)
         if steps is not None:
             job.train.steps = steps
-        apply_settings(job, settings)
+        apply_settings(job, settings, own_model=job.model.factory is not None or (
+            objects is not None and objects.model is not None))
         bad = unshippable(job.to_dict(), "config")
         if bad:
             raise TypeError(f"{bad} cannot be sent to the workers. {SHIP_HELP}")

@@ -519,7 +519,10 @@ class Varuna:
             loss = self._loss(out, st.mb_tg[i], st.mb_host[i])
             st.model_s["F"] += time.perf_counter() - t0
             st.live[i] = (leaves, (loss,))
-            st.loss_sum = st.loss_sum + (loss.detach() if st.items is None else loss.detach() * st.items[i])
+            if st.items is None:
+                st.loss_sum = st.loss_sum + loss.detach()
+            elif st.items[i]:   # a micro-batch with no item has a NaN mean and no share of the loss
+                st.loss_sum = st.loss_sum + loss.detach() * st.items[i]
         else:
             st.sent_flags[i] = self._send_flags(out, with_grad)
             self.ch_act_out.send(out, st.sent_flags[i])
@@ -549,7 +552,8 @@ class Varuna:
         waited = 0.0
         if self.is_last:   # a micro-batch's share of the mini-batch loss: 1/m, or its items / the replica's positions
             share = 1.0 / self.m if st.items is None else st.items[i] / max(st.positions, 1)
-            roots, gouts = [outs[0] * (st.scale * share)], [None]
+            # no item (every label ignored): no gradient from it, zeros go upstream
+            roots, gouts = ([outs[0] * (st.scale * share)], [None]) if share else ([], [])
         else:
             g_tensors, _, waited = self._receive(self.rx_grads, i)
             # g_tensors holds one gradient per *flagged* output, in order (see _input_grads),
@@ -695,7 +699,8 @@ class Varuna:
                 out = self._forward(mb_in[i], self._leaves(received, flags, False),
                                     self.replica * self.m + i, grad=False)
                 if self.is_last:
-                    total += self._loss(out, mb_tg[i], mb_host[i]).float() * (1 if items is None else items[i])
+                    if items is None or items[i]:
+                        total += self._loss(out, mb_tg[i], mb_host[i]).float() * (1 if items is None else items[i])
                 else:
                     self.ch_act_out.send(out, [False] * len(out))
         finally:
