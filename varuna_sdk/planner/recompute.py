@@ -265,7 +265,10 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool,
     def bounds(rec: list[bool], caps: list[int], live: list[int]) -> list[float]:
         # a micro-batch in flight on a stage is in flight on every stage above it (their backward
         # waits for its gradient): a stage never holds more than the tightest cap above it either
-        held = [min([x for x in caps[:s + 1] if x] or [0]) for s in range(P)]
+        held, tight = [], 0
+        for x in caps:   # the tightest non-zero cap so far (0: none), in one pass
+            tight = x if x and (not tight or x < tight) else tight
+            held.append(tight)
         return [_bound(mems[s], rec[s], held[s], live[s], m) if s != last else c.stage_memory[s] for s in range(P)]
 
     def run(rec: list[bool]):
