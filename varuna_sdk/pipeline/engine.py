@@ -86,8 +86,8 @@ class _StepState:
     """One step's bookkeeping on this stage, shared by the action methods.
 
     ``mb_in``/``mb_tg``: the replica's micro-batches (inputs, targets); ``base``: the global index
-    of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``: micro-batch -> which received
-    tensors carry a gradient; ``stash``: micro-batch -> received inputs awaiting R; ``live``:
+    of its first micro-batch; ``scale``: the loss scale of the step; ``recv_flags``/``sent_flags``:
+    micro-batch -> which received tensors get a gradient sent back / which sent ones get one; ``stash``: micro-batch -> received inputs awaiting R; ``live``:
     micro-batch -> (leaves, outputs) with a graph awaiting B; ``deferred``: micro-batch -> its
     weight-gradient work awaiting W; ``carried``: micro-batch -> the crossing tensors its forward
     replaced by received ones (``StageRun.carried``), until its backward is done (a block run under
@@ -436,7 +436,8 @@ class Varuna:
         for rx in (self.rx_acts, self.rx_grads):
             if rx is not None:
                 rx.start(self.m)
-        return _StepState(mb_in, mb_tg, base=self.replica * self.m, scale=self.scaler.scale, loss_sum=torch.zeros((), device=self.device), mb_host=mb_host, items=items,
+        return _StepState(mb_in, mb_tg, base=self.replica * self.m, scale=self.scaler.scale,
+                          loss_sum=torch.zeros((), device=self.device), mb_host=mb_host, items=items,
                           positions=positions)
 
     def _item_counts(self, batch: Sequence) -> tuple[list[int] | None, int]:
@@ -494,10 +495,10 @@ class Varuna:
 
     def _send_flags(self, out: tuple, grad: bool) -> list[bool]:
         """Which of this stage's outputs the next stage sends a gradient back for: the traced
-        crossing's flags when the outputs are of its kinds (floating or not) and ranks; for other crossing tensors
-        (a micro-batch whose mask the model made, or left out, unlike the traced one) the floating
-        outputs that require a gradient — every floating one after a forward without a graph (the
-        sender drops the gradients of those that turn out to need none)."""
+        crossing's flags when the outputs are of its kinds (floating or not) and ranks; for other
+        crossing tensors (a micro-batch whose mask the model made, or left out, unlike the traced
+        one) the floating outputs that require a gradient — every floating one after a forward
+        without a graph (the sender drops the gradients of those that turn out to need none)."""
         traced = self._end_kinds
         if len(out) == len(traced) and all((t.is_floating_point(), t.dim()) == k for t, k in zip(out, traced)):
             return self.send_flags
