@@ -915,7 +915,7 @@ def test_padded_labels_train_the_mean_over_the_mini_batchs_tokens_at_any_micro_b
     from varuna_sdk.model.loss_items import LossItems
     from varuna_sdk.notebook import Job
     from varuna_sdk.runner import train_local
-    from varuna_sdk.trainer import model_structure
+    from varuna_sdk.trainer import loss_items_of, model_structure
 
     job = JobConfig(name="padded", model=ModelConfig(factory="tests.thirdparty.hf_models:llama",
                                                      kwargs={"n_layer": 2, "max_positions": 16}),
@@ -923,7 +923,8 @@ def test_padded_labels_train_the_mean_over_the_mini_batchs_tokens_at_any_micro_b
                     parallel=ParallelConfig(P=2, D=2, global_batch=8, micro_batch_size=1),
                     train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
     handle = Job(job)
-    assert model_structure(handle.config, handle.resolved).loss_items == LossItems("labels", True, -100)
+    structure = model_structure(handle.config, handle.resolved)
+    assert loss_items_of(handle.config, handle.resolved, structure) == LossItems("labels", True, -100)
     model = hf_models.llama(n_layer=2, max_positions=16)
     model.load_state_dict(handle.initial_weights())
     mbs = handle.batch(0)
@@ -974,3 +975,15 @@ def test_a_dataset_object_and_a_hugging_face_dataset_in_its_default_format_are_t
     assert inputs["x"].dtype == torch.float32 and inputs["x"].shape == (4, 16) and targets.dtype == torch.int64
     with pytest.raises(TypeError, match=r"takes a path, a DataConfig, a map-style Dataset .* got int"):
         Job(cfg, model=DictClassifier, data=3)
+
+
+def test_a_dataset_factory_named_by_import_path_is_taken_as_data():
+    """``Job(data="pkg.mod:fn")``: the dataset factory by reference (``data.dataset``), as YAML's
+    ``data.dataset`` (it was read as a text file path that does not exist: "data.tokenizer is null,
+    but the data is text")."""
+    from varuna_sdk.notebook import Job
+
+    job = Job(model="tests.thirdparty.user_data:Classifier", data="tests.thirdparty.user_data:make_dataset",
+              tokenizer=None, global_batch=8, micro_batch_size=4, P=1, D=1)
+    assert job.config.data.dataset == "tests.thirdparty.user_data:make_dataset" and job.config.data.path is None
+    assert job.batch(0)[0][0][0].shape == (4, 16)

@@ -140,3 +140,62 @@ def test_ignored_labels_without_a_rule_are_warned_about_before_anything_starts()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*ignored labels.*")
         Job(model=_LM, data=_padded_pairs, loss=_ce, **kw)
+
+
+def _shifting_loss(out, y):
+    """A user's loss written as Hugging Face's: the targets padded with -100, then shifted."""
+    shifted = F.pad(y, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), shifted.reshape(-1))
+
+
+def _first_predict_nothing(k: int):
+    ids, labels = _labels()
+    out = [(ids[i % 2], labels[i % 2]) for i in range(200)]
+    out[:k] = [(ids[0], torch.full_like(labels[0], -100))] * k
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 20])
+def test_a_sample_that_cannot_tell_the_shift_is_read_again_from_more_examples(k):
+    """A micro-batch whose labels are all ignored cannot tell whether the loss shifts them (its rule
+    is ``guessed``): ``trainer.loss_items_of`` reads the rule again off 8, then 64 examples — the
+    first 20 predicting nothing too (a dataset sorted that way) — so a user's pad-then-shift loss is
+    not weighted by unshifted counts (helper-39 D1)."""
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.trainer import loss_items_of, model_structure
+
+    job = Job(model=_LM, data=lambda: _first_predict_nothing(k), loss=_shifting_loss, tokenizer=None, global_batch=8,
+              micro_batch_size=1, P=1, D=1)
+    structure = model_structure(job.config, job.resolved)
+    assert structure.loss_items.guessed and structure.loss_items.shift is False   # the convention, from one example
+    assert loss_items_of(job.config, job.resolved, structure) == LossItems(None, True, -100)
+
+
+class _NoLabels(_LM):
+    def forward(self, input_ids, attention_mask=None):
+        return super().forward(input_ids)
+
+
+def _hf_format(shift: bool):
+    ids, labels = _labels()
+    if shift:   # y[t] = x[t + 1]: what the automatic cross-entropy compares with
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    return [{"input_ids": ids[i % 2], "labels": labels[i % 2]} for i in range(200)]
+
+
+def test_labels_in_hugging_faces_format_for_the_automatic_loss_are_warned_about():
+    """A forward without ``labels`` and dict data whose ``labels`` are the ``input_ids`` (-100 on
+    padding): the automatic cross-entropy would teach the model to copy its input (helper-39 D2:
+    the loss fell to 1.5 on random tokens, below ln 63). Targets shifted by one are not warned about."""
+    import warnings
+
+    from varuna_sdk.notebook import Job
+
+    kw = dict(tokenizer=None, global_batch=8, micro_batch_size=2, P=1, D=1)
+    with pytest.warns(UserWarning, match=r"targets equal _NoLabels's (positional input 0|input 'input_ids') wherever "
+                                         r"they are not -100"):
+        Job(model=_NoLabels, data=lambda: _hf_format(False), **kw)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*learn to copy.*")
+        Job(model=_NoLabels, data=lambda: _hf_format(True), **kw)
+

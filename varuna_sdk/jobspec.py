@@ -612,7 +612,31 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
             loss = None
         if loss is not None:
             _check_loss(loss, spec)
+    if spec.loss_fn is cross_entropy:
+        _warn_unshifted(inputs, targets, spec.name)
     return structure
+
+
+def _warn_unshifted(inputs: Any, targets: Any, name: str) -> None:
+    """Warn when the automatic cross-entropy's targets are a sequence input itself (Hugging Face's
+    ``labels`` format: the ids, -100 where nothing is predicted, shifted by the model's own loss):
+    the automatic loss compares position t with t, so the model would learn to copy its input."""
+    if not isinstance(targets, torch.Tensor) or targets.dim() < 2 or targets.is_floating_point():
+        return
+    kept = targets != -100
+    if not bool(kept.any()):
+        return
+    items = inputs.items() if isinstance(inputs, dict) else enumerate(inputs if isinstance(inputs, tuple) else ())
+    for key, x in items:
+        if isinstance(x, torch.Tensor) and x.shape == targets.shape and not x.is_floating_point() \
+                and bool((x[kept] == targets[kept]).all()):
+            where = f"input {key!r}" if isinstance(key, str) else f"positional input {key}"
+            warnings.warn(f"the targets equal {name}'s {where} wherever they are not -100: labels in Hugging "
+                          "Face's format, which a model's own loss shifts by one position; the automatic "
+                          "cross-entropy compares position t with t, so the model would learn to copy its input. "
+                          "Give targets shifted by one (y[t] = x[t + 1]), a forward that takes labels and computes "
+                          "its own loss, or a loss that shifts them", UserWarning, stacklevel=4)
+            return
 
 
 #: Words of torch's errors for what the meta device cannot run: no meta kernel, an output whose shape

@@ -135,12 +135,12 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
         raise ValueError(f"steps must be an int in 1 .. {t.steps} (train.steps), got {steps!r}")
     from .trainer import lr_at
 
-    from .trainer import model_structure
+    from .trainer import loss_items_of, model_structure
 
     amp = _autocast(t.precision)
     b = micro_batch_size_of(job, micro_batch_size)
     structure = model_structure(job, resolved)
-    items = structure.loss_items if resolved.data.examples is not None else None   # as the workers count
+    items = loss_items_of(job, resolved, structure)   # as the workers count
     if model is None:
         model = initial_model(job, resolved)
         _warn_if_random(model, structure.random_ops)
@@ -162,12 +162,14 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
         n = sum(counts)
         total = 0.0
         for (inputs, targets), k in zip(mbs, counts):
-            if not k:
-                continue   # every label ignored: no share of the loss (its own mean is NaN)
             with amp:
                 loss = loss_fn(call_model(model, inputs), targets)
-            (loss.float() / n if items is None else loss.float() * (k / n)).backward()
-            total += float(loss.detach()) * k / n
+            # every label ignored: share 0 (a mean cross-entropy over no item backpropagates zeros)
+            (loss.float() / n if items is None else loss.float() * (k / n if n else 0.0)).backward()
+            if k:
+                total += float(loss.detach()) * k / n
+        if items is not None and not n:
+            total = float("nan")   # no item in the mini-batch: plain PyTorch's mean is NaN too
         grads = [q.grad for q in params if q.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
             if grads else 0.0

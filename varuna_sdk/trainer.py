@@ -90,10 +90,11 @@ def build_engine(job: JobConfig, rank: int | None = None, resolved: ResolvedJob 
     r = resolved or resolve(job)
     p = job.parallel
     sample, targets = r.sample_inputs(p.micro_batch_size, job.data.seq_len)
-    return Varuna(r.spec.factory, r.spec.loss_fn, p, sample, seed=job.train.seed, init_fn=r.spec.init_fn,
-                  precision=job.train.precision, loss_scale=job.train.loss_scale, grad_clip=job.train.grad_clip,
-                  rank=rank, timeout_s=job.launch.timeout_s, sample_targets=targets,
-                  count_loss_items=r.data.examples is not None)
+    engine = Varuna(r.spec.factory, r.spec.loss_fn, p, sample, seed=job.train.seed, init_fn=r.spec.init_fn,
+                    precision=job.train.precision, loss_scale=job.train.loss_scale, grad_clip=job.train.grad_clip,
+                    rank=rank, timeout_s=job.launch.timeout_s, sample_targets=targets)
+    engine.loss_items = loss_items_of(job, r, engine.structure)   # from its own trace (a wider one if needed)
+    return engine
 
 
 def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
@@ -124,6 +125,33 @@ def model_structure(job: JobConfig, resolved: ResolvedJob | None = None):
     sample, targets = r.sample_inputs(job.parallel.micro_batch_size or 1, job.data.seq_len)
     return trace_model(build_on_meta(r.spec.factory), sample, after=loss_after(r.spec.loss_fn, targets),
                        targets=targets)
+
+
+#: Wider samples the loss-items rule is read from when a micro-batch's could not tell the shift
+#: (``loss_items_of``): the first examples may all predict nothing (a dataset sorted that way)
+LOSS_ITEMS_SAMPLES = (8, 64)
+
+
+def loss_items_of(job: JobConfig, resolved: ResolvedJob, structure) -> Any:
+    """Where a dataset job's loss items are counted (``model.loss_items.LossItems``): the rule the
+    model's trace ``structure`` found on its micro-batch, unless that sample could not tell whether
+    the loss shifts its labels (``LossItems.guessed``); then read again off dry runs on the first
+    ``LOSS_ITEMS_SAMPLES`` examples, until one tells. The same for every worker and for
+    ``plain_pytorch_losses``. None for token data (every example holds as many tokens) or a loss
+    that is not one mean cross-entropy."""
+    from .model.materialize import build_on_meta
+    from .model.tracer import loss_after, trace_model
+
+    rule = structure.loss_items
+    if resolved.data.examples is None or rule is None:
+        return None
+    for n in LOSS_ITEMS_SAMPLES:
+        if not rule.guessed or n > len(resolved.data.examples):
+            break
+        sample, targets = resolved.sample_inputs(n, job.data.seq_len)
+        rule = trace_model(build_on_meta(resolved.spec.factory), sample,
+                           after=loss_after(resolved.spec.loss_fn, targets), targets=targets).loss_items or rule
+    return rule
 
 
 #: Seconds a step may wait for its batch before the worker's log says so (and again every as many).

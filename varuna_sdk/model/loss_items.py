@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -68,11 +68,15 @@ class LossItems:
     """Where a micro-batch's loss items are: ``source`` is ``None`` for the targets (the loss
     function's second argument), else the name (a mapping's key) or position (a tuple's index,
     as a string) of a model input; ``shift``: the loss compares positions ``1..`` of it (a causal
-    LM shifting its labels); ``ignore_index``: the id that does not count."""
+    LM shifting its labels); ``ignore_index``: the id that does not count; ``guessed``: the traced
+    sample could not tell whether the loss shifts (every label ignored, or constant along the
+    sequence), so ``shift`` follows the convention (``infer_loss_items``) and a wider sample should
+    decide (``trainer.loss_items_of``)."""
 
     source: str | None
     shift: bool
     ignore_index: int
+    guessed: bool = field(default=False, compare=False)   # the sample could not tell the shift
 
     def _tensor(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         if self.source is None:
@@ -113,7 +117,7 @@ def _matches(target: torch.Tensor, cand: torch.Tensor, shift: bool, ignore: int)
     trailing ignored column, as Hugging Face pads before shifting)."""
     if not shift:
         return _same(target, cand)
-    if cand.dim() < 1 or cand.shape[-1] < 2:
+    if cand.dim() < 2 or cand.shape[-1] < 2:   # a shift runs along a sequence, not the batch
         return False
     tail = cand[..., 1:]
     if _same(target, tail):
@@ -127,8 +131,10 @@ def infer_loss_items(calls: list[LossCall], loss: Any, inputs: Any, targets: Any
     calls, ``loss`` the tensor the loss returned (or the model's output holding it as ``.loss`` /
     ``["loss"]``), ``inputs``/``targets`` the micro-batch. A rule
     needs exactly one call, with mean reduction and no class weights, whose output is the loss
-    itself, and one unambiguous source (a target or integer input equal to the call's target, as
-    it is or shifted by one position). None otherwise (the micro-batch means are averaged)."""
+    itself, and one source: the loss's own targets where they are the call's target as given,
+    else the target or integer input equal to it as it is or shifted by one position (a source
+    matching both ways is read by convention, ``guessed``). None otherwise (the micro-batch means
+    are averaged)."""
     if isinstance(loss, Mapping):   # the model's own output, where no loss function ran after it
         loss = loss.get("loss")
     elif not isinstance(loss, torch.Tensor):
@@ -140,10 +146,13 @@ def infer_loss_items(calls: list[LossCall], loss: Any, inputs: Any, targets: Any
         return None
     found = {LossItems(name, shift, c.ignore_index) for name, cand in _candidates(inputs, targets)
              for shift in (False, True) if _matches(c.target, cand, shift, c.ignore_index)}
+    direct = LossItems(None, False, c.ignore_index)   # the loss's own targets, as it was given them
+    if direct in found and LossItems(None, True, c.ignore_index) not in found:
+        return direct
     if len({r.shift for r in found}) > 1:
         # the sample cannot tell (every label ignored, or constant along the sequence): a model
         # input is a model's own loss's labels, which a causal LM shifts; external targets are aligned
-        found = {r for r in found if r.shift == (r.source is not None)} or found
+        found = {replace(r, guessed=True) for r in found if r.shift == (r.source is not None)} or found
     if len(found) > 1:   # labels equal to input_ids in this sample: read the labels (padding differs)
         if len({r.shift for r in found}) == 1:
             return min(found, key=lambda r: (r.source is not None,

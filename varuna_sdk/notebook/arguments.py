@@ -10,12 +10,15 @@ the manager, the cluster or the dashboard.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
 from ..config import JobConfig
 
 _PLAIN = (type(None), bool, int, float, str)
+#: ``package.module:function``: a dataset factory named by import path (``data.dataset``), not a file
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 def unshippable(value: Any, where: str) -> str | None:
@@ -109,6 +112,8 @@ def apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: A
         objs.init = init
     if isinstance(data, DataConfig):
         job.data = copy.deepcopy(data)
+    elif isinstance(data, str) and _IMPORT_PATH.fullmatch(data) and not Path(data).exists():
+        job.data.dataset, job.data.path, job.data.corpus = data, None, None   # "mypkg.data:make": a factory
     elif isinstance(data, (str, Path)):
         job.data.path, job.data.corpus = str(data), None
     elif callable(data):

@@ -43,7 +43,8 @@ class Job:
         data: overriding ``config.data``: a path (text file or folder, token file, ``datasets``
             folder, json/jsonl/parquet/csv), a ``DataConfig``, a map-style ``Dataset`` object (a
             ``datasets.Dataset`` too), or a function returning one (either shipped by value: a
-            function that reads the data on the worker ships less).
+            function that reads the data on the worker ships less), or its import path
+            ``"mypkg.data:make"`` (``data.dataset``, by reference).
         init: ``init_fn(module, name)`` for a model too large to record once (shipped by value).
         ship_modules: your own modules whose code must travel by value too (not installed on
             the VMs); a module in your synced code folder needs nothing.

@@ -36,6 +36,7 @@ from ..config import PRECISIONS, ParallelConfig, validate_parallel
 from ..model.cutpoint import observe_cutpoints
 from ..model.hybrid import MetaAsDevice
 from ..model.inputs import ModelInputs, as_inputs, call_model, leading_dim, rows, to_device
+from ..model.loss_items import LossItems
 from ..model.materialize import build_on_meta, materialize
 from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names, unsplittable_cuts
 from ..model.rng import forked_rng, seed_segment
@@ -170,6 +171,11 @@ class Varuna:
         rank: this process's global rank (default ``dist.get_rank()`` or 0).
         device: default CUDA device ``rank % n_gpus`` with NCCL, else CPU.
         timeout_s: how long a stage waits for a neighbour before raising ``PeerLost``.
+        loss_items: where the loss's items (valid tokens) are counted in a micro-batch
+            (``model.loss_items``, ``trainer.loss_items_of``): each micro-batch's mean loss is then
+            weighted by its items, and the step's loss and gradients are the mean over the
+            mini-batch's items at any micro-batch size; None (default): the mean of the micro-batch
+            means.
 
     Raises ``ConfigError``/``PartitionError`` (both ``ValueError``) for an invalid split before
     any tensor is allocated.
@@ -192,7 +198,7 @@ class Varuna:
         timeout_s: float = 300.0,
         structure: ModelStructure | None = None,
         sample_targets: Any = None,
-        count_loss_items: bool = False,
+        loss_items: LossItems | None = None,
     ):
         validate_parallel(parallel)
         if precision not in PRECISIONS:
@@ -237,7 +243,7 @@ class Varuna:
         #: where the last stage counts a micro-batch's loss items (valid tokens), so that the loss is
         #: the mean over the mini-batch's items at any micro-batch size (``model.loss_items``); None:
         #: the mean of the micro-batch means (every micro-batch holds as many items)
-        self.loss_items = self.structure.loss_items if count_loss_items else None
+        self.loss_items = loss_items
         #: the items (valid tokens) of the last ``evaluate``'s mini-batch, counting them (else None)
         self.eval_items: float | None = None
         self._open_channels(rank)
@@ -553,8 +559,9 @@ class Varuna:
         waited = 0.0
         if self.is_last:   # a micro-batch's share of the mini-batch loss: 1/m, or its items / the replica's positions
             share = 1.0 / self.m if st.items is None else st.items[i] / max(st.positions, 1)
-            # no item (every label ignored): no gradient from it, zeros go upstream
-            roots, gouts = ([outs[0] * (st.scale * share)], [None]) if share else ([], [])
+            # no item (every label ignored): share 0, and a mean cross-entropy over no item
+            # backpropagates zeros (its NaN value times 0 seeds none), as in plain PyTorch
+            roots, gouts = [outs[0] * (st.scale * share)], [None]
         else:
             g_tensors, _, waited = self._receive(self.rx_grads, i)
             # g_tensors holds one gradient per *flagged* output, in order (see _input_grads),
@@ -660,9 +667,10 @@ class Varuna:
         factor = 1.0
         if counting:
             items, positions = float(stats[3].item()), float(stats[4].item()) / self.D
+            # no item in the whole mini-batch: zero gradients and a NaN loss, as plain PyTorch gives
+            # (AdamW still steps: momentum and weight decay)
             factor = positions / items if items > 0 else 0.0
             loss = float(stats[2].item()) / items if items > 0 else float("nan")
-            overflow = overflow or items == 0   # nothing to learn from: plain PyTorch's loss is NaN too
         else:
             loss = float(stats[2].item())
         total_norm = float(stats[1].sqrt().item()) * factor if not overflow else float("inf")
