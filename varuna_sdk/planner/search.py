@@ -198,6 +198,13 @@ def _rescue(req: PlanRequest, found: SearchResult) -> dict:
     plans = {}
     if req.policy != "varuna" or not req.limit:
         return plans
+    # per depth, the fastest feasible recompute candidate: a capped one is never faster than its
+    # uncapped simulation, so a depth whose uncapped time is no faster needs no rescue
+    recompute_best: dict[int, float] = {}
+    for mode, cands in found.results.items():
+        for c in cands if mode[0] else ():
+            if c.feasible:
+                recompute_best[c.P] = min(recompute_best.get(c.P, math.inf), c.minibatch_time)
     for mode, cands in found.results.items():
         if mode[0]:
             continue
@@ -212,6 +219,8 @@ def _rescue(req: PlanRequest, found: SearchResult) -> dict:
                 c = _core.evaluate(free, c.P, c.D, ti)
                 if not c.starts or not c.peak_live:
                     continue
+            if c.minibatch_time >= recompute_best.get(c.P, math.inf):
+                continue
             sp = refine(inp, c, ti, limit=req.limit, recompute=False, auto=req.auto_recompute,
                         ceiling=req.max_in_flight or 0)
             if sp is None and not req.boundaries:
