@@ -188,10 +188,11 @@ class ManagerSupervision:
         self.failures += 1
         failure = res.failure or f"generation ended with status {res.status}"
         said = failure.strip().splitlines()[-1] if failure.strip() else failure
-        what = re.sub(r"^(\[[^\]]*\]\s*)+", "", said)   # the error, not which VM and rank said it
+        what = re.sub(r"^(\[[^\]]*\]\s*)+:?\s*", "", said)   # the error, not which VM and rank said it
         same, self._last_failure = what == self._last_failure, what
-        # the error itself first, then the worker's traceback (varuna status shows the head)
-        detail = f"{what}\n{failure}" if what and what != failure.strip() else failure
+        # the error itself first, then the worker's traceback above it (varuna status shows the head)
+        lines = failure.strip().splitlines()
+        detail = "\n".join([what] + lines[:-1]) if what and len(lines) > 1 else failure
         if res.cause == "data":
             self._pending = None
             return self._fail(f"the data failed (not retried: the same step reads the same examples): {detail}")
