@@ -114,6 +114,16 @@ def test_a_loss_that_is_not_one_plain_mean_gets_no_rule(loss_fn):
     assert _rule(_LM, (ids,), loss_fn, labels) is None
 
 
+def test_a_loss_call_whose_target_could_not_be_read_gets_no_rule():
+    """Soft targets (class probabilities, floating point) are no ids to count: no rule, no error."""
+    from varuna_sdk.model.loss_items import infer_loss_items
+
+    ids, _ = _labels()
+    soft = torch.softmax(torch.randn(2, 8, 32), -1)
+    assert _rule(_LM, (ids,), lambda out, y: F.cross_entropy(out.transpose(1, 2), y.transpose(1, 2)), soft) is None
+    assert infer_loss_items([None], torch.zeros(()), (ids,), None) is None
+
+
 def test_an_in_place_added_term_gets_no_rule():
     """``loss += aux`` keeps the cross-entropy's tensor object but not its meaning (Mixtral's router
     balance loss): no rule (it was read as the plain mean)."""

@@ -142,8 +142,8 @@ def infer_loss_items(calls: list[LossCall], loss: Any, inputs: Any, targets: Any
     if len(calls) != 1 or not isinstance(loss, torch.Tensor):
         return None
     c = calls[0]
-    if c.reduction != "mean" or c.weighted or c.out_id != id(loss):
-        return None
+    if c is None or c.reduction != "mean" or c.weighted or c.out_id != id(loss):
+        return None   # None: a loss call whose target was not a real integer tensor
     found = {LossItems(name, shift, c.ignore_index) for name, cand in _candidates(inputs, targets)
              for shift in (False, True) if _matches(c.target, cand, shift, c.ignore_index)}
     direct = LossItems(None, False, c.ignore_index)   # the loss's own targets, as it was given them
