@@ -276,9 +276,11 @@ void bind_search(py::module_& m) {
         "Bytes per GPU of a stage holding segments [first, end) with `stashed` stashed inputs and `live` live "
         "graphs (weights, gradients, optimizer state and activations), as the search counts them.");
     m.def("candidate_lower_bound", &varuna::candidate_lower_bound, py::arg("input"), py::arg("P"), py::arg("D"),
-          py::arg("table_index"), py::arg("split_free") = false, py::call_guard<py::gil_scoped_release>(),
+          py::arg("table_index"), py::arg("split_free") = false, py::arg("any_recompute") = false,
+          py::call_guard<py::gil_scoped_release>(),
           "search()'s lower bound (seconds) on evaluate()'s mini-batch time (inf when no split fits memory); "
-          "split_free: the bound used before splitting, valid for every split.");
+          "split_free: the bound used before splitting, valid for every split; any_recompute: valid for every "
+          "per-stage recompute setting and in-flight caps.");
     m.def("simulate_candidate", &varuna::simulate_candidate, py::arg("input"), py::arg("P"), py::arg("D"),
           py::arg("table_index"), py::arg("starts"), py::arg("rank_scale"), py::arg("record_timeline"),
           py::call_guard<py::gil_scoped_release>(),

@@ -937,7 +937,24 @@ Candidate evaluate(const SearchInput& in, int P, int D, int ti) {
     return run_candidate(in, std::move(c), std::move(cfg), t, nullptr);
 }
 
-double candidate_lower_bound(const SearchInput& in, int P, int D, int ti, bool split_free) {
+double candidate_lower_bound(const SearchInput& in, int P, int D, int ti, bool split_free, bool any_recompute) {
+    if (any_recompute) {
+        // recompute on: every stage but the last forwards without autograd (the cheaper forward);
+        // for the split-free sums recompute off (u takes the cheaper forward, w = v the least work)
+        SearchInput x = in;
+        x.recompute = !split_free;
+        x.stage_recompute.clear();
+        x.max_in_flight.clear();
+        if (split_free) return candidate_lower_bound(x, P, D, ti, true, false);
+        const SegmentTable& t = x.tables.at(static_cast<std::size_t>(ti));
+        Candidate c = new_candidate(x, P, D, ti);
+        c.starts = !x.fixed_starts.empty() ? x.fixed_starts : balance(x, t, P, c.m);
+        if (c.starts.empty()) return std::numeric_limits<double>::infinity();
+        SimConfig cfg = candidate_config(x, c, t);
+        cfg.recompute = false;  // ... and no recompute action: a stage's busy time is its forward and backward
+        cfg.stage_recompute.assign(static_cast<std::size_t>(P), false);
+        return time_lower_bound(cfg);
+    }
     const SegmentTable& t = in.tables.at(static_cast<std::size_t>(ti));
     Candidate c = new_candidate(in, P, D, ti);
     if (split_free)

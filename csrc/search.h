@@ -140,8 +140,12 @@ Candidate evaluate(const SearchInput& in, int P, int D, int table_index);
 
 // A lower bound (seconds) on evaluate(in, P, D, table_index).minibatch_time, computed without
 // simulating (same split, same costs; +infinity when no split fits memory), or with split_free
-// the cruder one search() uses before splitting, valid for every split into P stages.
-double candidate_lower_bound(const SearchInput& in, int P, int D, int table_index, bool split_free = false);
+// the cruder one search() uses before splitting, valid for every split into P stages. With
+// any_recompute the bound holds for every per-stage recompute setting and in-flight caps (what a
+// refinement of the candidate may choose): each stage's forward costs the cheaper of its two
+// forwards, no recompute action, the busy time of a stage that keeps its activations.
+double candidate_lower_bound(const SearchInput& in, int P, int D, int table_index, bool split_free = false,
+                             bool any_recompute = false);
 
 // What one search() did (counts over all depths).
 struct SearchStats {

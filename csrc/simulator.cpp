@@ -214,7 +214,7 @@ private:
     double half_normal(double sigma) { return sigma > 0.0 ? std::fabs(rng_.normal()) * sigma : 0.0; }
     // fast engine
     bool try_advance(int r);
-    double next_arrival_lb(int u, int r, int depth) const;
+    double next_arrival_lb(int u, int r, int depth, double t) const;
     void collect(PipelineRun& out);
 
     const SimConfig& c_;
@@ -591,33 +591,42 @@ void Engine::send(int src, int dst, int kind, int mb, double t) {
 // ------------------------------------------------------------------ fast engine
 
 // Lower bound on the arrival time of the next message rank u sends to its neighbour
-// r (r = u+1: activation, r = u-1: gradient), from u's current state.
-double Engine::next_arrival_lb(int u, int r, int depth) const {
+// r (r = u+1: activation, r = u-1: gradient), from u's current state. Exact where it is <= t;
+// clearly above t it may stop early at a partial bound that already exceeds t (the callers only ask
+// "can a message arrive by t?", and the bound is non-decreasing in every term it maxes and adds,
+// so a sender's partial bound above its own threshold decides its receiver's test the same way).
+double Engine::next_arrival_lb(int u, int r, int depth, double t) const {
     const auto& k = ranks_[static_cast<std::size_t>(u)];
     const auto& kr = ranks_[static_cast<std::size_t>(r)];
     const bool down = r == u + 1;
     if (k.finished || (down ? kr.acts_sent : kr.grads_sent) >= m_) return kInf;
     const double dsend = down ? k.dur[0] : k.dur[2];
+    const double lat = down ? k.lat_act : k.lat_grad;
+    const double link = down || c_.shared_egress ? k.act_link_free : k.grad_link_free;
     double end_lb;
     if (k.waiting_kind < 0) {
         end_lb = k.t_free + dsend;
     } else {
         if (depth > P_) throw std::logic_error("circular wait between stages (internal error)");
-        // the awaited input: its arrival if already sent, else a bound from its sender
         const bool act = k.waiting_kind == 0;
+        const double dcur = k.dur[static_cast<int>(k.cur.kind)];
+        const bool sends_to_r = down ? k.cur.kind == ActionKind::Forward : k.cur.kind == ActionKind::Backward;
+        const double after = dcur + (sends_to_r ? 0.0 : dsend);  // from the awaited input to the send
+        // without the awaited input's arrival: already above t (by a margin far above rounding, so
+        // that the receivers' sums with it stay above their thresholds), so the test is decided
+        const double partial = std::max(k.t_free + after, link) + lat;
+        if (partial > t + 1e-9 * std::max(1.0, std::abs(t))) return partial;
+        // the awaited input: its arrival if already sent, else a bound from its sender
         double in;
         if (k.waiting_mb < (act ? k.acts_sent : k.grads_sent)) {
             in = (act ? act_arr_ : grad_arr_)[static_cast<std::size_t>(u) * static_cast<std::size_t>(m_) +
                                               static_cast<std::size_t>(k.waiting_mb)];
         } else {
-            in = next_arrival_lb(act ? u - 1 : u + 1, u, depth + 1);
+            in = next_arrival_lb(act ? u - 1 : u + 1, u, depth + 1, t - after - lat);
         }
-        const double e = std::max(k.t_free, in) + k.dur[static_cast<int>(k.cur.kind)];
-        const bool sends_to_r = down ? k.cur.kind == ActionKind::Forward : k.cur.kind == ActionKind::Backward;
-        end_lb = sends_to_r ? e : e + dsend;
+        end_lb = std::max(k.t_free, in) + after;
     }
-    return std::max(end_lb, down || c_.shared_egress ? k.act_link_free : k.grad_link_free) +
-           (down ? k.lat_act : k.lat_grad);
+    return std::max(end_lb, link) + lat;
 }
 
 bool Engine::try_advance(int r) {
@@ -645,14 +654,14 @@ bool Engine::try_advance(int r) {
         if (s > 0) {
             while (k.acts_seen < k.acts_sent && act_arr_[row + static_cast<std::size_t>(k.acts_seen)] <= t)
                 ++k.acts_seen;
-            if (!(k.acts_seen < k.acts_sent || k.acts_sent >= m_ || next_arrival_lb(r - 1, r, 0) > t))
+            if (!(k.acts_seen < k.acts_sent || k.acts_sent >= m_ || next_arrival_lb(r - 1, r, 0, t) > t))
                 return progressed;
             acts = k.acts_seen;
         }
         if (s < P_ - 1) {
             while (k.grads_seen < k.grads_sent && grad_arr_[row + static_cast<std::size_t>(k.grads_seen)] <= t)
                 ++k.grads_seen;
-            if (!(k.grads_seen < k.grads_sent || k.grads_sent >= m_ || next_arrival_lb(r + 1, r, 0) > t))
+            if (!(k.grads_seen < k.grads_sent || k.grads_sent >= m_ || next_arrival_lb(r + 1, r, 0, t) > t))
                 return progressed;
             grads = k.grads_seen;
         }

@@ -7,6 +7,7 @@ checked against single-process training in ``test_engine.py`` (``cap_*`` jobs)."
 
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -380,3 +381,48 @@ def test_plan_for_job_keeps_a_users_int_cap_and_chooses_a_per_stage_list_afresh(
     for bad in (-1, 2.5, "2", True, [1, -1, 0, 0]):   # refused, never read as "no ceiling"
         with pytest.raises(ConfigError, match="parallel.max_in_flight="):
             plan_for_job(job(bad), prof, **one_per_vm)
+
+
+def test_depths_that_cannot_win_are_left_as_searched_and_refined_on_demand(monkeypatch):
+    """Branch and bound over depths: a Varuna depth whose lower bound for any per-stage recompute
+    and caps is no faster than the best refined row keeps the search's candidate (``refined``
+    False, its bound in ``lower_bound_s``, marked in the table); ``Plan.refine(P)`` refines it to
+    exactly the row a plan that refines every depth gives, never faster than its bound or the best
+    row; ``plan_for_job`` with that depth fixed gets the refined row."""
+    import varuna_sdk.planner.search as search
+
+    prof = synthetic_profile([1, 2, 1, 1, 3, 1, 1, 2, 1, 1, 1, 2], act_factor=8.0, param_bytes=[4e6] * 11 + [2e7])
+    kw = dict(memory_limit_bytes=1.5e8, refine_cuts=False)
+    pl = plan(prof, 12, 48, **kw)
+    best = pl.best
+    raw = [r for r in pl.feasible if not r.refined]
+    assert best.refined and len(raw) >= 3, [(r.P, r.refined) for r in pl.feasible]
+    table = pl.table(top=len(pl.feasible))
+    assert "plan.refine(P) refines one" in table and ("none*" in table or "all*" in table)
+    for r in raw:
+        assert r.lower_bound_s >= best.time_s and r.max_in_flight == [0] * r.P
+        assert "not refined per stage" in r.recompute_why[0] and f"Plan.refine({r.P})" in r.recompute_why[0]
+        assert pl.simulate(r).minibatch_time == pytest.approx(r.time_s, rel=1e-9)  # as searched: what it says
+    with monkeypatch.context() as mp:   # every depth refined: the reference
+        mp.setattr(search.DepthRefiner, "bound", lambda self, P, split_fixed=True: -math.inf)
+        every = {r.P: r for r in plan(prof, 12, 48, **kw).rows}
+    assert all(r.refined for r in every.values())
+    for r in raw:
+        got = pl.refine(r.P)
+        ref = every[r.P]
+        assert got.refined and (got.D, got.micro_batch_size, got.stages, got.time_s, got.stage_recompute,
+                                got.max_in_flight) == (ref.D, ref.micro_batch_size, ref.stages, ref.time_s,
+                                                       ref.stage_recompute, ref.max_in_flight)
+        assert not got.feasible or got.time_s >= max(r.lower_bound_s, best.time_s)
+        assert pl.refine(r.P) is got  # refined once
+    assert pl.best is best and [r.P for r in pl.feasible] == [r.P for r in sorted(
+        pl.feasible, key=lambda r: (r.time_s, r.P))] and all(r.refined for r in pl.feasible)
+    with pytest.raises(ValueError, match="no row of depth P=99"):
+        pl.refine(99)
+    # a job that fixes one of those depths runs it refined per stage
+    P = raw[0].P
+    job = JobConfig(parallel=ParallelConfig(P=P, global_batch=48), launch=LaunchConfig(gpus=12))
+    planned, jpl = plan_for_job(job, prof, memory_limit_bytes=1.5e8, micro_batch_sizes=[1, 2, 4, 8])
+    row = next(r for r in jpl.feasible if r.P == P)
+    assert jpl.best.P != P and row.refined and planned.parallel.P == P
+    assert planned.parallel.recompute == row.stage_recompute and planned.parallel.micro_batch_size == row.micro_batch_size

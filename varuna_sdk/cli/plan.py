@@ -135,6 +135,8 @@ def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
     except ConfigError as e:
         print(f"varuna: {what} from the config cannot be kept with --gpus {G}: {e}", file=sys.stderr)
         return 1
+    if par.P is not None and any(r.P == par.P for r in kept.rows):
+        kept.refine(par.P)  # the depth the config keeps: refined per stage even when it is not the best
     rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)
             and (par.micro_batch_size is None or r.micro_batch_size == par.micro_batch_size)]
     if not rows:

@@ -91,7 +91,10 @@ def plan(
             <= ``gpus``); only depths P <= gpus / D are offered. Default: chosen per P.
         exhaustive: True (default): every depth's row is its fastest candidate, simulated; the
             cost grows about quadratically in G below the segment count (each depth P simulates a
-            pipeline of P stages). False (best only, for re-planning under a morph): candidates of
+            pipeline of P stages). A Varuna row is refined per stage (recompute, caps) only where
+            it could be the best: a depth whose lower bound for any refinement is no faster than
+            the best row keeps the search's candidate (``PlanRow.refined`` False; ``Plan.refine(P)``
+            refines it; ``plan_for_job`` does so for a depth the job fixes). False (best only, for re-planning under a morph): candidates of
             all depths are taken best first by lower bound and the search stops when none can
             beat the fastest found, so it costs about linearly in G; the best row is the same,
             other rows are the fastest candidate simulated for their depth (not necessarily its
@@ -134,7 +137,7 @@ def plan(
                       data_prefetch=data_prefetch, refine_cuts=refine_cuts)
     t0 = time.perf_counter()
     found = run_search(req)
-    rows = plan_rows(req, found)
+    rows, refiner = plan_rows(req, found)
     modes = req.split_modes
     base = req.rec_modes[0]  # Plan.simulate overrides recompute per row
     return Plan(gpus=req.gpus, global_batch=req.global_batch, policy=req.policy,
@@ -144,7 +147,7 @@ def plan(
                 split_backward=None if len(modes) == 2 else modes[0],
                 _search=found.searches.get((base, False)) or found.searches[(base, True)],
                 _search_split=found.searches.get((base, True)), _searches=dict(found.searches),
-                _sizes=list(req.sizes))
+                _sizes=list(req.sizes), _refiner=refiner)
 
 
 def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, gpus_per_vm: int | None = None,
@@ -218,6 +221,8 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
               prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress,
               max_in_flight=ceiling, data_prefetch=data_prefetch_for(job, profile))
+    if fixed_P is not None and any(r.P == fixed_P for r in pl.rows):
+        pl.refine(fixed_P)  # the job runs this depth: its row refined per stage even when it is not the best
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
         offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"

@@ -55,8 +55,8 @@ class PlanRow:
     ``micro_batch_size`` are those of the candidate its ``reason`` describes. ``pruned`` is True
     only for the excluded row of a depth that a best-only search (``plan(exhaustive=False)``)
     ruled out without simulating or checking memory; its ``lower_bound_s`` (seconds per
-    mini-batch, NaN on every other row) is the smallest lower bound of its candidates, at least
-    the best row's time. ``split_backward``: the row runs the zero-bubble split (B and W apart;
+    mini-batch) is the smallest lower bound of its candidates, at least the best row's time; a
+    row left unrefined (``refined`` below) has one too, NaN on every other row. ``split_backward``: the row runs the zero-bubble split (B and W apart;
     ``pipeline.split_backward``) because the simulator found it faster there.
 
     Memory per stage (``planner.recompute``; empty lists on an excluded row): ``stage_recompute``
@@ -90,6 +90,11 @@ class PlanRow:
     data_wait_s: float = 0.0
     """Seconds of ``time_s`` spent waiting for data: the read of the replica's examples beyond
     the compute it overlaps (``data.prefetch``), or all of it without prefetch."""
+    refined: bool = True
+    """False for a Varuna row left as the search simulated it (one recompute setting on every stage
+    but the last, no in-flight caps, the search's split) because its ``lower_bound_s`` — what no
+    refinement of its depth can beat — is no faster than the best row: ``Plan.refine(P)`` refines
+    it (recompute per stage, caps; ``plan_for_job`` does so for a depth the job fixes)."""
 
     @property
     def recompute_label(self) -> str:
@@ -149,6 +154,7 @@ class Plan:
     _search_split: object = field(default=None, repr=False, compare=False)
     _searches: dict = field(default_factory=dict, repr=False, compare=False)
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
+    _refiner: object = field(default=None, repr=False, compare=False)
 
     @property
     def feasible(self) -> list[PlanRow]:
@@ -170,6 +176,25 @@ class Plan:
             raise ValueError(f"no configuration fits {self.gpus} GPUs and global batch {self.global_batch}: {why}")
         return self.feasible[0]
 
+    def refine(self, P: int) -> PlanRow:
+        """The row of depth ``P`` refined per stage — recompute only where memory needs it, in-flight
+        caps (``planner.recompute``) — when the search left it as searched (``PlanRow.refined``
+        False: it could not be the best row); it replaces that row and the rows are re-ranked.
+        A refined row is returned as it is. Raises ``ValueError`` when no row has depth ``P``."""
+        i = next((k for k, r in enumerate(self.rows) if r.P == P), None)
+        if i is None:
+            raise ValueError(f"this plan has no row of depth P={P}; its depths are "
+                             f"{_ranges(sorted(r.P for r in self.rows))}")
+        row = self.rows[i]
+        if row.refined or self._refiner is None:
+            return row
+        row = self._refiner.refine(P)
+        rest = self.rows[:i] + self.rows[i + 1:]
+        feasible = sorted([r for r in rest if r.feasible] + ([row] if row.feasible else []),
+                          key=lambda r: (r.time_s, r.P))
+        self.rows = feasible + [r for r in rest if not r.feasible] + ([] if row.feasible else [row])
+        return row
+
     def parallel_config(self) -> ParallelConfig:
         """The best row as a ``ParallelConfig`` with this plan's batch and policy, and the row's
         recompute per stage and in-flight caps; raises ``ValueError`` as ``best`` does when no row fits."""
@@ -187,7 +212,7 @@ class Plan:
         rows = []
         for i, r in enumerate(self.feasible[:top]):
             cells = [str(i + 1), str(r.P), str(r.D), str(r.micro_batch_size), str(r.m), str(r.idle_gpus),
-                     "B|W" if r.split_backward else "whole", r.recompute_label,
+                     "B|W" if r.split_backward else "whole", r.recompute_label + ("" if r.refined else "*"),
                      format_duration(r.time_s), f"{r.examples_per_s:.2f}", f"{r.bubble_fraction:.1%}",
                      format_bytes(max(r.stage_memory_bytes)), f"{r.cost_per_1k_spot:.4f}",
                      f"{r.cost_per_1k_on_demand:.4f}"]
@@ -199,6 +224,11 @@ class Plan:
             more = len(self.feasible) - top
             notes.append(f"... {more} more feasible configuration{'s' if more > 1 else ''} "
                          f"(table(top={len(self.feasible)}) shows all)")
+        raw = [r.P for r in self.feasible[:top] if not r.refined]
+        if raw:
+            notes.append(f"* P={_ranges(sorted(raw))}: as searched (one recompute setting, no in-flight caps), not "
+                         "refined per stage: no refinement of these depths can beat the best row (their lower "
+                         "bounds); plan.refine(P) refines one")
         best = self.feasible[0] if self.feasible else None
         if best is not None and self.policy == "varuna" and best.recompute_why:
             notes += [f"rank 1, stage {s}: {w}" for s, w in enumerate(best.recompute_why)]

@@ -169,49 +169,142 @@ def _per_depth(results: dict[Mode, list]) -> list[tuple[object, Mode]]:
     excluded = sorted((x for x in by_p.values() if not x[0].feasible), key=lambda x: order.get(x[0].P, 0))
     return feasible + excluded
 
-def plan_rows(req: PlanRequest, found: SearchResult) -> list[PlanRow]:
+def plan_rows(req: PlanRequest, found: SearchResult) -> tuple[list[PlanRow], "DepthRefiner"]:
     """One row per depth (``_per_depth``): times, memory and dollar costs of a feasible
     candidate — its split moved a cut-point at a time while simulated faster (``cuts.better_split``)
     for the ``REFINED_DEPTHS`` fastest depths, within ``REFINE_SHARE`` of the search's simulated
     actions (at least ``REFINE_FLOOR``), for Varuna with recompute per stage and in-flight
     caps (``planner.recompute``), re-ranked by the refined time —, the reason of an excluded one. Under a memory limit a Varuna
     candidate without recompute that the search excluded for memory is tried with in-flight caps
-    first (``_rescue``)."""
-    plans = _rescue(req, found)
-    rows = []
-    budget = max(REFINE_FLOOR, REFINE_SHARE * found.stats.get("actions", 0))
+    first (``_rescue``).
+
+    Branch and bound: depths are refined in the search's order, and a Varuna depth whose lower
+    bound (``DepthRefiner.bound``: any per-stage recompute and caps, its split or any where cut-points may move — what no refinement can beat)
+    is no faster than the fastest refined row is left as searched (``PlanRow.refined`` False; its
+    ``lower_bound_s`` is that bound): refining it costs simulations (deep pipelines, thousands of
+    micro-batches) and cannot change the best row. ``DepthRefiner.refine`` refines one later
+    (``Plan.refine``). Returns the rows (feasible fastest first, then excluded) and the refiner."""
+    refiner = DepthRefiner(req, found)
+    rows: list[PlanRow] = []
+    best = math.inf
     for i, (c, mode) in enumerate(_per_depth(found.results)):   # the feasible first, fastest first
-        sp = plans.get((mode, c.P))
-        if req.refine_cuts and sp is None and i < REFINED_DEPTHS and budget > 0:
-            c, spent = better_split(found.searches[mode], c, req.sizes.index(c.micro_batch_size),
-                                    req.profile.num_segments, budget)
-            budget -= spent
-        rows.append(_row(req, c, mode, found.searches[mode], sp))
+        cuts = req.refine_cuts and i < REFINED_DEPTHS
+        bound = refiner.bound(c.P, split_fixed=not cuts)
+        if req.policy == "varuna" and c.simulated and bound >= best:
+            rows.append(refiner.as_searched(c, mode, bound, best))
+            continue
+        row = refiner.refine(c.P, cuts=cuts)
+        rows.append(row)
+        if row.feasible:
+            best = min(best, row.time_s)
+    return rank_rows(rows), refiner
+
+
+def rank_rows(rows: list[PlanRow]) -> list[PlanRow]:
+    """Feasible rows by time (then the shallower pipeline), then the excluded in their order."""
     feasible = sorted((r for r in rows if r.feasible), key=lambda r: (r.time_s, r.P))
     return feasible + [r for r in rows if not r.feasible]
 
 
-def _rescue(req: PlanRequest, found: SearchResult) -> dict:
-    """Varuna without recompute under a memory limit: each simulated candidate the search excluded
-    for memory (its uncapped peaks) re-simulated with the in-flight caps that fit; one that then
-    fits replaces it in ``found.results``. Returns the ``StagePlan`` per (mode, P)."""
-    plans = {}
-    if req.policy != "varuna" or not req.limit:
-        return plans
-    # per depth, the fastest feasible recompute candidate: a capped one is never faster than its
-    # uncapped simulation, so a depth whose uncapped time is no faster needs no rescue
-    recompute_best: dict[int, float] = {}
-    for mode, cands in found.results.items():
-        for c in cands if mode[0] else ():
-            if c.feasible:
-                recompute_best[c.P] = min(recompute_best.get(c.P, math.inf), c.minibatch_time)
-    for mode, cands in found.results.items():
-        if mode[0]:
-            continue
-        inp = found.searches[mode]
-        for i, c in enumerate(cands):
-            if c.feasible or not c.simulated or not c.micro_batch_size or c.micro_batch_size not in req.sizes:
+class DepthRefiner:
+    """Refines the search's candidate of one depth into its row (``_rescue`` under a memory limit,
+    the choice between modes, ``cuts.better_split`` within the budget, ``_row``), or leaves it as
+    searched. Holds the request and the search's results (``found.results`` is updated where a
+    rescue replaces a candidate)."""
+
+    def __init__(self, req: PlanRequest, found: SearchResult):
+        self.req, self.found = req, found
+        self.budget = max(REFINE_FLOOR, REFINE_SHARE * found.stats.get("actions", 0))
+        self.by_depth: dict[int, list[tuple[Mode, int]]] = {}
+        for mode, cands in found.results.items():
+            for i, c in enumerate(cands):
+                self.by_depth.setdefault(c.P, []).append((mode, i))
+        # per depth, the fastest feasible recompute candidate (a capped no-recompute one that is no
+        # faster needs no rescue: a capped one is never faster than its uncapped simulation)
+        self.recompute_best: dict[int, float] = {}
+        for mode, cands in found.results.items():
+            for c in cands if mode[0] else ():
+                if c.feasible:
+                    self.recompute_best[c.P] = min(self.recompute_best.get(c.P, math.inf), c.minibatch_time)
+
+    def bound(self, P: int, split_fixed: bool = True) -> float:
+        """Seconds per mini-batch that no row of depth ``P`` can beat, however refined: the least,
+        over its simulated candidates, of the search's lower bound for any per-stage recompute and
+        caps (``_core.candidate_lower_bound(any_recompute=True)``: each stage's cheaper forward, no
+        recompute action; a recomputing stage's forward runs without autograd, so recompute can
+        shorten the pipeline's fill) — on
+        the candidate's own split where refinement keeps it (``split_fixed``: a feasible candidate
+        whose cut-points will not be moved), else over every split (``split_free``). -inf where a
+        candidate has no micro-batch table (nothing to bound it with)."""
+        out = math.inf
+        for mode, i in self.by_depth.get(P, ()):
+            c = self.found.results[mode][i]
+            if not c.simulated:
                 continue
+            if c.micro_batch_size not in self.req.sizes:
+                return -math.inf
+            inp = self.found.searches[mode]
+            ti = self.req.sizes.index(c.micro_batch_size)
+            if split_fixed and c.feasible and c.starts:
+                inp = copy.copy(inp)
+                inp.fixed_starts = list(c.starts)
+                out = min(out, _core.candidate_lower_bound(inp, c.P, c.D, ti, any_recompute=True))
+            else:
+                out = min(out, _core.candidate_lower_bound(inp, c.P, c.D, ti, split_free=True, any_recompute=True))
+        return out
+
+    def as_searched(self, c, mode: Mode, bound: float, best: float) -> PlanRow:
+        """Candidate ``c`` (depth ``c.P``) as the search simulated it — one recompute setting on every
+        stage but the last, no caps — marked unrefined, with ``bound`` as its lower bound and why."""
+        inp = self.found.searches[mode]
+        if not c.feasible:
+            row = _row(self.req, c, mode, inp)
+            if self.req.limit and self.req.policy == "varuna":
+                row.reason += (f"; in-flight caps not tried: no configuration of this depth can beat the best row "
+                               f"(lower bound {format_duration(bound)} >= {format_duration(best)} per mini-batch; "
+                               f"Plan.refine({c.P}) tries them)")
+            row.refined, row.lower_bound_s = False, bound
+            return row
+        P = c.P
+        flags = [mode[0] and s < P - 1 for s in range(P)]
+        tail = (f" (as searched, uncapped): not refined per stage, since no refinement of this depth can beat the "
+                f"best row (lower bound {format_duration(bound)} >= {format_duration(best)} per mini-batch); "
+                f"Plan.refine({P}) refines it")
+        said = {f: ("recomputes" if f else "keeps activations") + tail for f in (False, True)}
+        why = [said[f] for f in flags]
+        row = _row(self.req, c, mode, inp, StagePlan(c, flags, [0] * P, list(c.stage_memory), why))
+        row.refined, row.lower_bound_s = False, bound
+        return row
+
+    def refine(self, P: int, cuts: bool = False) -> PlanRow:
+        """The row of depth ``P``: rescued with caps where that helps, the fastest mode's candidate,
+        its split moved while simulated faster (``cuts`` and ``req.refine_cuts``, within the
+        budget), refined per stage."""
+        req, found = self.req, self.found
+        plans = self._rescue(P)
+        mine = {mode: [found.results[mode][i] for m2, i in self.by_depth[P] if m2 == mode] for mode in found.results}
+        c, mode = _per_depth({k: v for k, v in mine.items() if v})[0]
+        sp = plans.get(mode)
+        if req.refine_cuts and cuts and sp is None and self.budget > 0:
+            c, spent = better_split(found.searches[mode], c, req.sizes.index(c.micro_batch_size),
+                                    req.profile.num_segments, self.budget)
+            self.budget -= spent
+        return _row(req, c, mode, found.searches[mode], sp)
+
+    def _rescue(self, P: int) -> dict[Mode, StagePlan]:
+        """Varuna without recompute under a memory limit: each simulated candidate of depth ``P``
+        the search excluded for memory (its uncapped peaks) re-simulated with the in-flight caps that
+        fit; one that then fits replaces it in ``found.results``. Returns the ``StagePlan`` per mode."""
+        req, found = self.req, self.found
+        plans: dict[Mode, StagePlan] = {}
+        if req.policy != "varuna" or not req.limit:
+            return plans
+        for mode, i in self.by_depth.get(P, ()):
+            c = found.results[mode][i]
+            if mode[0] or c.feasible or not c.simulated or not c.micro_batch_size or \
+                    c.micro_batch_size not in req.sizes:
+                continue
+            inp = found.searches[mode]
             ti = req.sizes.index(c.micro_batch_size)
             if not c.starts:  # no split fit the search's uncapped in-flight bounds: split without the limit
                 free = copy.copy(inp)
@@ -219,16 +312,16 @@ def _rescue(req: PlanRequest, found: SearchResult) -> dict:
                 c = _core.evaluate(free, c.P, c.D, ti)
                 if not c.starts or not c.peak_live:
                     continue
-            if c.minibatch_time >= recompute_best.get(c.P, math.inf):
+            if c.minibatch_time >= self.recompute_best.get(P, math.inf):
                 continue
             sp = refine(inp, c, ti, limit=req.limit, recompute=False, auto=req.auto_recompute,
                         ceiling=req.max_in_flight or 0)
             if sp is None and not req.boundaries:
                 sp = _memory_balanced(req, inp, c, ti)
             if sp is not None:
-                cands[i] = sp.candidate
-                plans[(mode, c.P)] = sp
-    return plans
+                found.results[mode][i] = sp.candidate
+                plans[mode] = sp
+        return plans
 
 
 def _memory_balanced(req: PlanRequest, inp, c, ti: int) -> StagePlan | None:
