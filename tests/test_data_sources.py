@@ -656,6 +656,34 @@ def test_a_datasets_held_out_part_is_drawn_at_random_and_a_tiny_training_part_is
         resolve_job(job).data.loaders(16, 16, 0, 0.2, 1)
 
 
+def test_a_small_dataset_holds_out_one_mini_batch_rather_than_refusing():
+    """A held-out share smaller than one mini-batch (256 examples x 5 % = 13 < 16) held out one
+    mini-batch instead (it was refused: "13 held-out examples are fewer than one batch of 16", the
+    first thing a user with a small dataset met); the same for a short text (one batch of
+    sequences); still refused where the rest would not hold a mini-batch to train on; a larger
+    share is the share, as before."""
+    from varuna_sdk.data.loader import split_examples, train_val_split
+
+    def dataset_job(n, frac=0.05):
+        return JobConfig(name="small", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": n},
+                                         val_fraction=frac),
+                         parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4))
+
+    r = resolve_job(dataset_job(256))
+    loader, val = r.data.loaders(16, 16, 0, 0.05, 8)
+    assert len(val) == 1 and all(len(v) == 16 for v in val[0].values())
+    train, held = split_examples(256, 0.05, 0, min_held=16)
+    assert len(held) == 16 and len(train) == 240 and not set(train) & set(held)
+    assert len(split_examples(256, 0.05, 0)[1]) == 13 and len(split_examples(1000, 0.05, 0, min_held=16)[1]) == 50
+    with pytest.raises(DataError, match="fewer than one batch of 16"):   # 24 examples: no room for both
+        resolve_job(dataset_job(24, 0.2)).data.loaders(16, 16, 0, 0.2, 1)
+    tokens = np.arange(5000) % 251
+    tr, va = train_val_split(tokens, 0.05, min_val=16 * 64 + 1)
+    assert len(va) == 16 * 64 + 1 and len(tr) == 5000 - len(va) and (np.concatenate([tr, va]) == tokens).all()
+    assert len(train_val_split(tokens, 0.0, min_val=100)[1]) == 0 and len(train_val_split(tokens, 0.5, 10)[1]) == 2500
+
+
 def test_val_fraction_zero_trains_on_every_example_and_measures_no_held_out_loss(tmp_path, capfd):
     """``data.val_fraction: 0``: a dataset's every example and a text's every token train (no
     held-out part), the run logs that it measures no held-out loss and its summary has none; the

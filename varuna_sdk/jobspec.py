@@ -406,12 +406,16 @@ class JobData:
     def loaders(self, seq_len: int, global_batch: int, seed: int, val_fraction: float, eval_batches_max: int):
         """``(train loader, held-out batches)``: the loader's ``replica_batch(step, replica, D)``
         gives a replica's fields of a step; held-out batches are lists of fields (the text's last
-        ``val_fraction``, a dataset's seeded random ``val_fraction``; none when it is 0: the job then
+        ``val_fraction``, a dataset's seeded random ``val_fraction``, at least one mini-batch of
+        ``global_batch`` where the rest still holds one to train on; none when it is 0: the job then
         trains on all the data and measures no held-out loss). Raises ``DataError`` when either part
         is too small."""
         held_out = float(val_fraction) > 0
         if self.tokens is not None:
-            train, val = train_val_split(self.tokens.tokens, val_fraction)
+            # at least one held-out batch where the rest still holds one for training
+            one = global_batch * seq_len + 1
+            train, val = train_val_split(self.tokens.tokens, val_fraction,
+                                         min_val=one if len(self.tokens.tokens) - one >= one else 0)
             try:
                 loader = BatchLoader(train, seq_len, global_batch, seed=seed)
                 val_b = [_lm(x, y, self.mlm, [(HELD_OUT, b, k) for k in range(len(x))])
@@ -421,7 +425,9 @@ class JobData:
                 raise DataError(f"{self.source}: {e}") from None
             return _LMLoader(loader, self.mlm), val_b
         try:
-            train, held = split_examples(len(self.examples), val_fraction, seed)
+            n = len(self.examples)
+            train, held = split_examples(n, val_fraction, seed,
+                                         min_held=global_batch if n - global_batch >= global_batch else 1)
         except ValueError as e:
             raise DataError(f"{self.source}: {e}") from None
         if len(train) < global_batch:

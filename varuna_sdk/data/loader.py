@@ -123,29 +123,32 @@ def save_array(path: Path, arr: np.ndarray) -> None:
 
 
 def train_val_split(
-    tokens: np.ndarray, val_fraction: float = 0.05
+    tokens: np.ndarray, val_fraction: float = 0.05, min_val: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Split ``tokens`` into contiguous (train, val); val is the last ``val_fraction``.
 
-    Returns views (no copy). ``len(val) == round(len(tokens) * val_fraction)``.
+    Returns views (no copy). ``len(val) == max(min_val, round(len(tokens) * val_fraction))``
+    tokens when ``val_fraction`` > 0 (``min_val``: the tokens of one held-out batch, so that a
+    short text still measures a held-out loss), none when it is 0.
     """
     if not 0.0 <= float(val_fraction) < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
     n = len(tokens)
-    n_val = int(round(n * float(val_fraction)))
+    n_val = max(int(min_val), int(round(n * float(val_fraction)))) if float(val_fraction) > 0 else 0
     return tokens[: n - n_val], tokens[n - n_val :]
 
 
-def split_examples(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split_examples(n: int, val_fraction: float, seed: int, min_held: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """``(train, held-out)`` dataset indices (sorted int64 arrays) of a dataset of ``n`` examples:
-    the held-out part is ``max(1, round(n * val_fraction))`` examples drawn at random from ``seed``
+    the held-out part is ``max(min_held, round(n * val_fraction))`` examples (``min_held``: one
+    held-out batch, so that a small dataset still measures a held-out loss) drawn at random from ``seed``
     (the data seed), none when ``val_fraction`` is 0 (no held-out evaluation), not the dataset's tail, which for a dataset stored in class order (an image
     folder) would be whole classes never trained on. The same for any P, D and morph.
 
     Raises ``ValueError`` when ``val_fraction`` is outside ``[0, 1)`` or nothing is left to train on."""
     if not 0.0 <= float(val_fraction) < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
-    n_val = max(1, int(round(n * float(val_fraction)))) if float(val_fraction) > 0 else 0
+    n_val = max(int(min_held), 1, int(round(n * float(val_fraction)))) if float(val_fraction) > 0 else 0
     if n - n_val < 1:
         raise ValueError(f"{n} examples are too few to hold out {float(val_fraction):.0%} and train on the rest")
     perm = np.random.default_rng([int(seed), 0x5EED]).permutation(n)   # a stream apart from the epoch orders

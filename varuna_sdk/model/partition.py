@@ -219,7 +219,7 @@ def check_tensor_flow(structure: ModelStructure, stage_map: StageMap) -> None:
         sp, sc = stage_map.stage_of_segment(prod), stage_map.stage_of_segment(cons)
         if sp != sc:
             raise PartitionError(
-                f"a tensor made in {describe_segment(structure, prod)} on stage {sp} is used by {op!r} in "
+                f"a tensor made in {describe_segment(structure, prod)} on stage {sp} is used by {op} in "
                 f"{describe_segment(structure, cons)} on stage {sc} without passing through the cut-points in "
                 "between, so that stage would not have it. Keep those segments on one stage (other "
                 "parallel.boundaries, or a smaller P), pass the tensor through every cut-point in between (as "

@@ -51,7 +51,9 @@ class ModelStructure:
             micro-batch to the next (a mask a model builds for padded data only).
         segment_flops: forward FLOP estimate per segment at the traced micro-batch size.
         segment_param_bytes: bytes of parameters first used in each segment.
-        cross_uses: ``(producer_segment, consumer_segment, op)`` for tensors that skip a cut-point.
+        cross_uses: ``(producer_segment, consumer_segment, op)`` for tensors that skip a cut-point
+            (``op``: the operation that used it and the tensor, for messages: ``'to' on a [64, 4]
+            float32 tensor made by 'linear'``, or the cut-point it crossed without being carried).
         carried_uses: ``(producer_segment, consumer_segment, op, cuts)`` for a tensor used by its
             object from before the cut-points ``cuts`` it crossed (a residual added outside the
             block, ``h = h + layer(h)``): a stage whose first cut-point is one of ``cuts`` has it,
@@ -138,6 +140,7 @@ class _Trace:
             self.state_ids.setdefault(id(b), name)
         self.uses: dict[str, set[int]] = {}
         self.producer: dict[int, int] = {}
+        self.made_by: dict[int, str] = {}  # id of a produced tensor -> the operation that made it
         self.keep: list[torch.Tensor] = []
         self.crossings: list[list[dict]] = []
         self.input_crossings: list[bool] = []
@@ -174,13 +177,21 @@ class _Trace:
         e["max_index"] = max(e["max_index"], int(idx.max()))
         e["from_input"] = e["from_input"] or idx.untyped_storage().data_ptr() in self.input_storages
 
-    def mark(self, tensors: Sequence[torch.Tensor], segment: int) -> None:
-        """Record ``segment`` as the producer of the weight-derived (meta) ``tensors``; real ones
-        depend on the inputs alone and every stage recomputes them."""
+    def mark(self, tensors: Sequence[torch.Tensor], segment: int, op: str = "") -> None:
+        """Record ``segment`` as the producer of the weight-derived (meta) ``tensors`` (made by
+        ``op``, for messages); real ones depend on the inputs alone and every stage recomputes them."""
         for t in tensors:
             if t.device.type == "meta":
                 self.producer[id(t)] = segment
+                self.made_by[id(t)] = op
                 self.keep.append(t)
+
+    def describe(self, t: torch.Tensor) -> str:
+        """``a [64, 4] float32 tensor made by 'linear'``: what a message says of a tensor that
+        skips a cut-point, so that the user can tell which one it is."""
+        by = self.made_by.get(id(t))
+        return (f"a {list(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
+                + (f" made by {by!r}" if by else ""))
 
     def at_cutpoint(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         self.in_cut = True
@@ -262,8 +273,8 @@ class _TraceMode(TorchFunctionMode):
                 continue
             prod = tr.producer.get(id(t))
             if prod is not None and prod != seg:
-                op = getattr(func, "__name__", str(func))
-                op = f"{op} (in the loss)" if tr.in_after else op
+                op = repr(getattr(func, "__name__", str(func)))
+                op = f"{op}{' (in the loss)' if tr.in_after else ''} on {tr.describe(t)}"
                 cuts = tr.crossed.get(id(t))
                 if cuts:  # it crossed cut-points: a stage starting at one of them has it (received)
                     tr.carried_uses.add((prod, seg, op, tuple(sorted(cuts))))
@@ -281,7 +292,7 @@ class _TraceMode(TorchFunctionMode):
                 tr.loss_outs[id(out)] = tr.pending_loss
                 tr.pending_loss = None
         outs = _tensors(out)
-        tr.mark([t for t in outs if id(t) not in tr.state_ids], seg)
+        tr.mark([t for t in outs if id(t) not in tr.state_ids], seg, getattr(func, "__name__", ""))
         tr.flops[seg] += _flops(func, args, kwargs, out)
         return out
 
