@@ -403,6 +403,13 @@ def test_depths_that_cannot_win_are_left_as_searched_and_refined_on_demand(monke
         assert r.lower_bound_s >= best.time_s and r.max_in_flight == [0] * r.P
         assert "not refined per stage" in r.recompute_why[0] and f"Plan.refine({r.P})" in r.recompute_why[0]
         assert pl.simulate(r).minibatch_time == pytest.approx(r.time_s, rel=1e-9)  # as searched: what it says
+    import copy
+    import pickle
+    for kept in (pickle.loads(pickle.dumps(pl)), copy.deepcopy(pl)):   # the rows travel, the search does not
+        assert [(r.P, r.D, r.refined) for r in kept.rows] == [(r.P, r.D, r.refined) for r in pl.rows]
+        assert [r.time_s for r in kept.feasible] == [r.time_s for r in pl.feasible]
+        with pytest.raises(ValueError, match="no search kept .*call plan\\(\\) again"):
+            kept.refine(raw[0].P)
     with monkeypatch.context() as mp:   # every depth refined: the reference
         mp.setattr(search.DepthRefiner, "bound", lambda self, P, split_fixed=True: -math.inf)
         every = {r.P: r for r in plan(prof, 12, 48, **kw).rows}

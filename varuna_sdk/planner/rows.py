@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Sequence
 
 from .._native import core as _core
@@ -186,8 +186,11 @@ class Plan:
             raise ValueError(f"this plan has no row of depth P={P}; its depths are "
                              f"{_ranges(sorted(r.P for r in self.rows))}")
         row = self.rows[i]
-        if row.refined or self._refiner is None:
+        if row.refined:
             return row
+        if self._refiner is None:
+            raise ValueError(f"this Plan has no search kept (copied, unpickled, or not made by plan()), so its "
+                             f"row P={P} cannot be refined; call plan() again")
         row = self._refiner.refine(P)
         rest = self.rows[:i] + self.rows[i + 1:]
         feasible = sorted([r for r in rest if r.feasible] + ([row] if row.feasible else []),
@@ -280,6 +283,15 @@ class Plan:
         return (f"<div><b>{html.escape(self._title())}</b><table style='border-collapse:collapse'><tr>"
                 + "".join(f"<th style='{td}'>{html.escape(h)}</th>" for h in head) + f"</tr>{cells}</table>"
                 + "".join(f"<div style='font-size:90%;color:#555'>{html.escape(n)}</div>" for n in notes) + "</div>")
+
+    def __getstate__(self) -> dict:
+        """Pickling and ``copy.deepcopy`` keep the public fields (rows, prices, notes...) and drop the
+        search kept for ``simulate`` and ``refine`` (C++ objects): a copy says so if asked to."""
+        state = dict(self.__dict__)
+        for f in fields(self):
+            if f.name.startswith("_"):
+                state[f.name] = f.default_factory() if f.default_factory is not MISSING else f.default
+        return state
 
     def to_dict(self) -> dict:
         """Plain data, JSON-able in strict JSON (``json.dumps(..., allow_nan=False)``): every public
