@@ -285,6 +285,17 @@ def _random_search_input(rng: random.Random, big: bool = False):
     return inp, n
 
 
+def _every_candidate(inp, n: int, first_depth: int = 1):
+    """Every ``(P, D, table index)`` of a search input of ``n`` segments: P from ``first_depth`` to
+    min(G, n), D dividing the global batch, a micro-batch size dividing the replica batch."""
+    G, B = inp.gpus, inp.global_batch
+    for P in range(first_depth, min(G, n) + 1):
+        for D in (d for d in range(1, G // P + 1) if B % d == 0):
+            for ti, t in enumerate(inp.tables):
+                if (B // D) % t.micro_batch_size == 0:
+                    yield P, D, ti
+
+
 def test_the_any_recompute_bound_holds_for_every_per_stage_recompute_and_caps():
     """``candidate_lower_bound(any_recompute=True)`` (what the planner leaves a depth unrefined by)
     is <= the simulated time of the same (P, D, micro-batch) on its split under random per-stage
@@ -297,28 +308,23 @@ def test_the_any_recompute_bound_holds_for_every_per_stage_recompute_and_caps():
         inp, n = _random_search_input(rng)
         if inp.policy != "varuna":
             continue
-        G, B = inp.gpus, inp.global_batch
-        for P in range(2, min(G, n) + 1):
-            for D in (d for d in range(1, G // P + 1) if B % d == 0):
-                for ti, t in enumerate(inp.tables):
-                    if (B // D) % t.micro_batch_size:
-                        continue
-                    c = _core.evaluate(inp, P, D, ti)
-                    if not c.starts:
-                        continue
-                    x = copy.copy(inp)
-                    x.fixed_starts = list(c.starts)
-                    lb = _core.candidate_lower_bound(x, P, D, ti, any_recompute=True)
-                    lb0 = _core.candidate_lower_bound(inp, P, D, ti, split_free=True, any_recompute=True)
-                    x.memory_limit = 0.0
-                    x.stage_recompute = [rng.random() < 0.5 for _ in range(P - 1)] + [False]
-                    x.max_in_flight = [rng.choice([0, 0, 1, 2, 3]) for _ in range(P)]
-                    got = _core.evaluate(x, P, D, ti)
-                    assert lb <= got.minibatch_time and lb0 <= got.minibatch_time, (P, D, lb, lb0, got.minibatch_time)
-                    x.stage_recompute, x.max_in_flight = [], []
-                    x.recompute = False
-                    below_norec += _core.candidate_lower_bound(x, P, D, ti) > got.minibatch_time
-                    checked += 1
+        for P, D, ti in _every_candidate(inp, n, first_depth=2):
+            c = _core.evaluate(inp, P, D, ti)
+            if not c.starts:
+                continue
+            x = copy.copy(inp)
+            x.fixed_starts = list(c.starts)
+            lb = _core.candidate_lower_bound(x, P, D, ti, any_recompute=True)
+            lb0 = _core.candidate_lower_bound(inp, P, D, ti, split_free=True, any_recompute=True)
+            x.memory_limit = 0.0
+            x.stage_recompute = [rng.random() < 0.5 for _ in range(P - 1)] + [False]
+            x.max_in_flight = [rng.choice([0, 0, 1, 2, 3]) for _ in range(P)]
+            got = _core.evaluate(x, P, D, ti)
+            assert lb <= got.minibatch_time and lb0 <= got.minibatch_time, (P, D, lb, lb0, got.minibatch_time)
+            x.stage_recompute, x.max_in_flight = [], []
+            x.recompute = False
+            below_norec += _core.candidate_lower_bound(x, P, D, ti) > got.minibatch_time
+            checked += 1
     assert below_norec > 0  # recompute did beat the no-recompute bound somewhere: the case this guards
 
 
@@ -331,23 +337,19 @@ def test_lower_bounds_never_exceed_the_simulated_time():
     ratios, checked, split_checked = [], 0, 0
     for _ in range(250):
         inp, n = _random_search_input(rng)
-        G, B = inp.gpus, inp.global_batch
-        for P in range(1, min(G, n) + 1):
-            for D in (d for d in range(1, G // P + 1) if B % d == 0):
-                for ti, t in enumerate(inp.tables):
-                    if (B // D) % t.micro_batch_size:
-                        continue
-                    c = _core.evaluate(inp, P, D, ti)
-                    lb = _core.candidate_lower_bound(inp, P, D, ti)
-                    lb0 = _core.candidate_lower_bound(inp, P, D, ti, split_free=True)
-                    if not c.starts:  # no split fits memory: nothing to bound
-                        assert lb == math.inf and not c.feasible
-                        continue
-                    assert 0 < lb <= c.minibatch_time, (P, D, t.micro_batch_size, lb, c.minibatch_time)
-                    assert 0 < lb0 <= c.minibatch_time, (P, D, t.micro_batch_size, lb0, c.minibatch_time)
-                    ratios.append(lb / c.minibatch_time)
-                    checked += 1
-                    split_checked += inp.split_backward
+        for P, D, ti in _every_candidate(inp, n):
+            t = inp.tables[ti]
+            c = _core.evaluate(inp, P, D, ti)
+            lb = _core.candidate_lower_bound(inp, P, D, ti)
+            lb0 = _core.candidate_lower_bound(inp, P, D, ti, split_free=True)
+            if not c.starts:  # no split fits memory: nothing to bound
+                assert lb == math.inf and not c.feasible
+                continue
+            assert 0 < lb <= c.minibatch_time, (P, D, t.micro_batch_size, lb, c.minibatch_time)
+            assert 0 < lb0 <= c.minibatch_time, (P, D, t.micro_batch_size, lb0, c.minibatch_time)
+            ratios.append(lb / c.minibatch_time)
+            checked += 1
+            split_checked += inp.split_backward
     assert checked > 3000 and split_checked > 500, (checked, split_checked)
     ratios.sort()
     assert ratios[len(ratios) // 2] >= 0.99, ratios[len(ratios) // 2]
