@@ -153,3 +153,25 @@ def test_plan_checks_the_config_as_train_does(tmp_path):
     cfg.write_text(text.replace("max_in_flight: null", "max_in_flight: [-1, 0]"))
     out = _cli("plan", str(cfg), "--gpus", "4", "--profile", str(path))
     assert out.returncode == 2 and "parallel.max_in_flight" in out.stderr, (out.returncode, out.stderr[-500:])
+
+
+def test_a_configs_in_flight_ceiling_and_split_are_planned_as_train_plans_them(tmp_path):
+    """``parallel.max_in_flight: 2`` (the user's ceiling) and ``split_backward`` in the config: the
+    row printed for the kept P is the one ``plan_for_job`` (what ``varuna train`` runs) gives, caps
+    and all; before, ``varuna plan`` dropped both (5012.0 ms as train plans it, 4988.2 ms printed)."""
+    from varuna_sdk.planner.plan import plan_for_job
+
+    prof = synthetic_profile(HEAVY)
+    path = tmp_path / "profile.json"
+    prof.to_json(path)
+    job = _job(P=4, gpus=8)
+    job.parallel.recompute, job.parallel.max_in_flight, job.parallel.split_backward = None, 2, False
+    cfg = tmp_path / "job.yaml"
+    job.to_yaml(cfg)
+    _, pl = plan_for_job(job, prof, micro_batch_sizes=[1])
+    row = next(r for r in pl.feasible if r.P == 4)
+    assert row.max_in_flight and max(row.max_in_flight) <= 2 and not row.split_backward
+    out = _cli("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--local")
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=4"))
+    assert f"P=4 D={row.D} micro-batch 1 (m={row.m}), {row.time_s * 1e3:.1f} ms per mini-batch" in line, line

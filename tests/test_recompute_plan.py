@@ -405,11 +405,17 @@ def test_depths_that_cannot_win_are_left_as_searched_and_refined_on_demand(monke
         assert pl.simulate(r).minibatch_time == pytest.approx(r.time_s, rel=1e-9)  # as searched: what it says
     import copy
     import pickle
-    for kept in (pickle.loads(pickle.dumps(pl)), copy.deepcopy(pl)):   # the rows travel, the search does not
-        assert [(r.P, r.D, r.refined) for r in kept.rows] == [(r.P, r.D, r.refined) for r in pl.rows]
-        assert [r.time_s for r in kept.feasible] == [r.time_s for r in pl.feasible]
-        with pytest.raises(ValueError, match="no search kept .*call plan\\(\\) again"):
-            kept.refine(raw[0].P)
+    kept = pickle.loads(pickle.dumps(pl))   # the rows travel, the search (C++ objects) does not
+    assert [(r.P, r.D, r.refined) for r in kept.rows] == [(r.P, r.D, r.refined) for r in pl.rows]
+    assert [r.time_s for r in kept.feasible] == [r.time_s for r in pl.feasible]
+    with pytest.raises(ValueError, match="no search kept .*call plan\\(\\) again"):
+        kept.refine(raw[0].P)
+    for bad in (True, 7.0, "7"):
+        with pytest.raises(ValueError, match="must be an integer pipeline depth"):
+            pl.refine(bad)
+    twin = copy.deepcopy(pl)   # copies share the search and refine alike, each its own rows
+    got = twin.refine(raw[-1].P)
+    assert got.refined and not next(r for r in pl.rows if r.P == raw[-1].P).refined
     with monkeypatch.context() as mp:   # every depth refined: the reference
         mp.setattr(search.DepthRefiner, "bound", lambda self, P, split_fixed=True: -math.inf)
         every = {r.P: r for r in plan(prof, 12, 48, **kw).rows}
@@ -422,10 +428,28 @@ def test_depths_that_cannot_win_are_left_as_searched_and_refined_on_demand(monke
                                                        ref.stage_recompute, ref.max_in_flight)
         assert not got.feasible or got.time_s >= max(r.lower_bound_s, best.time_s)
         assert pl.refine(r.P) is got  # refined once
+        if r.P == raw[-1].P:
+            assert (got.time_s, got.stage_recompute, got.max_in_flight) == (
+                twin.refine(r.P).time_s, twin.refine(r.P).stage_recompute, twin.refine(r.P).max_in_flight)
     assert pl.best is best and [r.P for r in pl.feasible] == [r.P for r in sorted(
         pl.feasible, key=lambda r: (r.time_s, r.P))] and all(r.refined for r in pl.feasible)
     with pytest.raises(ValueError, match="no row of depth P=99"):
         pl.refine(99)
+    # a user's ceiling binds every row as simulated: no row stays as searched (uncapped)
+    assert all(r.refined and max(r.max_in_flight) <= 2 for r in plan(prof, 12, 48, max_in_flight=2, **kw).feasible)
+    fast = plan(prof, 12, 48, exhaustive=False, recompute=True, **kw)
+    pruned = next(r for r in fast.rows if r.pruned)
+    with pytest.raises(ValueError, match=f"P={pruned.P} was pruned by the best-only search"):
+        fast.refine(pruned.P)
+    # with cut-point moves on (the default), a depth refined on demand gets them as the search would
+    cut_kw = dict(memory_limit_bytes=1.5e8)
+    moved = plan(prof, 12, 48, **cut_kw)
+    with monkeypatch.context() as mp:
+        mp.setattr(search.DepthRefiner, "bound", lambda self, P, split_fixed=True: -math.inf)
+        every = {r.P: r for r in plan(prof, 12, 48, **cut_kw).rows}
+    for r in [r for r in moved.feasible if not r.refined]:
+        got = moved.refine(r.P)
+        assert (got.stages, got.time_s) == (every[r.P].stages, every[r.P].time_s), r.P
     # a job that fixes one of those depths runs it refined per stage
     P = raw[0].P
     job = JobConfig(parallel=ParallelConfig(P=P, global_batch=48), launch=LaunchConfig(gpus=12))

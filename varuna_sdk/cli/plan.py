@@ -37,7 +37,7 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
         print(f"[varuna] calibrated {prof.num_segments} segments at micro-batch sizes {prof.micro_batch_sizes} "
               f"in {prof.calibration_s:.1f} s" + (f"; wrote {args.output}" if args.output else ""))
         return 0
-    from ..planner.plan import data_prefetch_for, plan
+    from ..planner.plan import config_settings, data_prefetch_for, plan
     from ..profiling.profile import Profile
 
     prof = Profile.load(args.profile) if args.profile else calibrate_job(job)
@@ -45,8 +45,8 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     G, B = args.gpus, args.global_batch or job.parallel.global_batch
     par = job.parallel
     placement, where = _placement(args, G)
-    # a per-stage list is an earlier plan's choice for its own P: plan per stage again
-    common = dict(policy=args.policy or par.policy, recompute=par.recompute if isinstance(par.recompute, bool) else None,
+    # the config's recompute, split backward and in-flight ceiling, as `varuna train` plans them
+    common = dict(**config_settings(par, args.policy),
                   network_bandwidth_Bps=args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else None,
                   memory_limit_bytes=args.memory_gib * 2**30 if args.memory_gib is not None else None,
                   prices=_prices(args), target_examples=args.target_examples, data_prefetch=data_prefetch_for(job, prof),

@@ -23,7 +23,7 @@ import os
 import time
 from typing import Sequence
 
-from ..config import ConfigError, JobConfig
+from ..config import ConfigError, JobConfig, ParallelConfig
 from ..profiling.profile import Profile
 from .request import PlanRequest, check_boundaries, int_arg, largest_divisor
 from .rows import Plan, Prices
@@ -207,20 +207,13 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
                               f"{largest_divisor(p.global_batch, G // len(bnd))} (or null), or change boundaries")
         fixed_P = len(bnd)
     # boundaries fix P and the split; a fixed P caps the depths tried; a fixed D is the only replica count tried
-    # a per-stage list was a plan's choice for its own P: plan again per stage
-    rec = p.recompute if isinstance(p.recompute, bool) else None
-    # the job's split backward when it sets one (Varuna only), else the planner's choice per row
-    split = p.split_backward if p.policy == "varuna" else None
-    # one int is the user's ceiling on every stage (0: none); a per-stage list was a plan's choice.
-    # Checked first (each cap an integer >= 0), so that a bad value is refused, not read as "no ceiling"
-    caps = p.max_in_flight
-    p.stage_caps(len(caps) if isinstance(caps, list) and caps else 1)
-    ceiling = caps if isinstance(caps, int) and not isinstance(caps, bool) and caps > 0 else None
-    pl = plan(profile, G, p.global_batch, policy=p.policy, recompute=rec, split_backward=split, gpus_per_vm=min(per_vm, G),
+    settings = config_settings(p)
+    rec = settings["recompute"]
+    pl = plan(profile, G, p.global_batch, gpus_per_vm=min(per_vm, G),
               compute_slots_per_vm=slots, max_depth=None if bnd is not None else fixed_P, replicas=fixed_D,
               boundaries=bnd, exhaustive=exhaustive or fixed_P is not None, micro_batch_sizes=micro_batch_sizes,
               prices=prices, memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress,
-              max_in_flight=ceiling, data_prefetch=data_prefetch_for(job, profile))
+              data_prefetch=data_prefetch_for(job, profile), **settings)
     if fixed_P is not None and any(r.P == fixed_P for r in pl.rows):
         pl.refine(fixed_P)  # the job runs this depth: its row refined per stage even when it is not the best
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
@@ -251,6 +244,22 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
         job.parallel.split_backward = bool(best.split_backward)
     job.launch.gpus = G
     return job.validate(), pl
+
+
+def config_settings(p: ParallelConfig, policy: str | None = None) -> dict:
+    """``plan()``'s keyword arguments that a job's ``parallel`` section fixes, for ``policy``
+    (default the section's): ``policy``; ``recompute`` True/False as set (a per-stage list was an
+    earlier plan's choice for its own P: None, chosen per stage again); ``split_backward`` as set
+    (Varuna only; None: the planner's choice per row); ``max_in_flight`` one int >= 1 as the user's
+    ceiling on every stage (0, None or a per-stage list: the planner's caps). Raises
+    ``ConfigError`` for a cap that is not an integer >= 0 (checked, so that a bad value is refused,
+    not read as "no ceiling")."""
+    policy = policy or p.policy
+    caps = p.max_in_flight
+    p.stage_caps(len(caps) if isinstance(caps, list) and caps else 1)
+    return dict(policy=policy, recompute=p.recompute if isinstance(p.recompute, bool) else None,
+                split_backward=p.split_backward if policy == "varuna" else None,
+                max_in_flight=caps if isinstance(caps, int) and not isinstance(caps, bool) and caps > 0 else None)
 
 
 def data_prefetch_for(job: JobConfig, profile: Profile) -> bool:

@@ -232,6 +232,21 @@ def _ceiling_why(why: str, cap: int, ceiling: int) -> str:
     return f"{why}; max_in_flight={ceiling} asked" if ceiling and cap == ceiling else why
 
 
+def memory_bounds(mems: list[StageMemory], rec: list[bool], caps: list[int], live: list[int], m: int,
+                  last_memory: float) -> list[float]:
+    """Bytes each stage may hold at most, whatever the timing: its cap (0: none, so all ``m``)
+    micro-batches in flight — ``live`` of them as graphs on a recomputing stage, the rest stashed
+    inputs — and never more than the tightest cap above it (a micro-batch in flight on a stage is
+    in flight on every stage above it: their backward waits for its gradient). The last stage,
+    which runs each backward right after its forward, holds ``last_memory`` (simulated)."""
+    held, tight = [], 0
+    for x in caps:   # the tightest non-zero cap so far (0: none), in one pass
+        tight = x if x and (not tight or x < tight) else tight
+        held.append(tight)
+    last = len(mems) - 1
+    return [_bound(mems[s], rec[s], held[s], live[s], m) if s != last else last_memory for s in range(len(mems))]
+
+
 def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool,
            ceiling: int = 0) -> StagePlan | None:
     """Per-stage recompute, in-flight caps and memory bounds for the Varuna candidate ``c`` that
@@ -263,13 +278,7 @@ def refine(inp, c, ti: int, *, limit: float | None, recompute: bool, auto: bool,
         return [max(1, x) for x in src.peak_live]
 
     def bounds(rec: list[bool], caps: list[int], live: list[int]) -> list[float]:
-        # a micro-batch in flight on a stage is in flight on every stage above it (their backward
-        # waits for its gradient): a stage never holds more than the tightest cap above it either
-        held, tight = [], 0
-        for x in caps:   # the tightest non-zero cap so far (0: none), in one pass
-            tight = x if x and (not tight or x < tight) else tight
-            held.append(tight)
-        return [_bound(mems[s], rec[s], held[s], live[s], m) if s != last else c.stage_memory[s] for s in range(P)]
+        return memory_bounds(mems, rec, caps, live, m, c.stage_memory[last])
 
     def run(rec: list[bool]):
         """The faster of the caps that fit (none without a limit) and those caps cascaded."""

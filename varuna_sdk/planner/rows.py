@@ -181,16 +181,23 @@ class Plan:
         caps (``planner.recompute``) — when the search left it as searched (``PlanRow.refined``
         False: it could not be the best row); it replaces that row and the rows are re-ranked.
         A refined row is returned as it is. Raises ``ValueError`` when no row has depth ``P``."""
+        if isinstance(P, bool) or not isinstance(P, numbers.Integral):
+            raise ValueError(f"P={P!r} must be an integer pipeline depth, one of this plan's rows' (e.g. "
+                             f"plan.refine({self.rows[0].P if self.rows else 1}))")
+        P = int(P)
         i = next((k for k, r in enumerate(self.rows) if r.P == P), None)
         if i is None:
             raise ValueError(f"this plan has no row of depth P={P}; its depths are "
                              f"{_ranges(sorted(r.P for r in self.rows))}")
         row = self.rows[i]
+        if row.pruned:
+            raise ValueError(f"P={P} was pruned by the best-only search (never simulated, nothing to refine); "
+                             f"plan(..., exhaustive=True) gives every depth's row")
         if row.refined:
             return row
         if self._refiner is None:
-            raise ValueError(f"this Plan has no search kept (copied, unpickled, or not made by plan()), so its "
-                             f"row P={P} cannot be refined; call plan() again")
+            raise ValueError(f"this Plan has no search kept (unpickled, or not made by plan()), so its row P={P} "
+                             "cannot be refined; call plan() again")
         row = self._refiner.refine(P)
         rest = self.rows[:i] + self.rows[i + 1:]
         feasible = sorted([r for r in rest if r.feasible] + ([row] if row.feasible else []),
@@ -285,13 +292,28 @@ class Plan:
                 + "".join(f"<div style='font-size:90%;color:#555'>{html.escape(n)}</div>" for n in notes) + "</div>")
 
     def __getstate__(self) -> dict:
-        """Pickling and ``copy.deepcopy`` keep the public fields (rows, prices, notes...) and drop the
-        search kept for ``simulate`` and ``refine`` (C++ objects): a copy says so if asked to."""
+        """Pickling keeps the public fields (rows, prices, notes...) and drops the search kept for
+        ``simulate`` and ``refine`` (C++ objects, not picklable): an unpickled plan says so if asked."""
         state = dict(self.__dict__)
         for f in fields(self):
             if f.name.startswith("_"):
                 state[f.name] = f.default_factory() if f.default_factory is not MISSING else f.default
         return state
+
+    def __copy__(self) -> Plan:
+        """A shallow copy that still simulates and refines (the search is shared, never changed)."""
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> Plan:
+        """Public fields copied deeply; the search kept for ``simulate``/``refine`` shared (it is
+        only ever copied before a change), so the copy still simulates and refines — its own rows."""
+        out = object.__new__(type(self))
+        memo[id(self)] = out
+        for k, v in self.__dict__.items():
+            out.__dict__[k] = v if k.startswith("_") else copy.deepcopy(v, memo)
+        return out
 
     def to_dict(self) -> dict:
         """Plain data, JSON-able in strict JSON (``json.dumps(..., allow_nan=False)``): every public
@@ -319,7 +341,7 @@ class Plan:
         if not row.feasible or not row.stages:
             raise ValueError(f"P={row.P} D={row.D} is not feasible ({row.reason}); simulate a feasible row")
         if self._search is None or row.micro_batch_size not in self._sizes:
-            raise ValueError("this Plan was not made by plan() (no search input kept); call plan() again")
+            raise ValueError("this Plan has no search input kept (unpickled, or not made by plan()); call plan() again")
         scale = [float(x) for x in rank_scale] if rank_scale is not None else []
         if scale and len(scale) != row.P * row.D:
             raise ValueError(f"rank_scale has {len(scale)} entries; P*D = {row.P * row.D} needed")

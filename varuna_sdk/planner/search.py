@@ -24,7 +24,8 @@ import numpy as np
 
 from .._native import core as _core
 from .cuts import better_split
-from .recompute import StagePlan, evaluate_with, memory_balanced_starts, refine, with_ceiling
+from .recompute import (StagePlan, evaluate_with, memory_balanced_starts, memory_bounds, refine, stage_memories,
+                        with_ceiling)
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
 from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
 
@@ -187,13 +188,16 @@ def plan_rows(req: PlanRequest, found: SearchResult) -> tuple[list[PlanRow], "De
     refiner = DepthRefiner(req, found)
     rows: list[PlanRow] = []
     best = math.inf
+    # a user's max_in_flight is a ceiling every row is simulated with: no row stays as searched
+    prune = req.policy == "varuna" and not req.max_in_flight
     for i, (c, mode) in enumerate(_per_depth(found.results)):   # the feasible first, fastest first
         cuts = req.refine_cuts and i < REFINED_DEPTHS
+        refiner.cuts[c.P] = cuts
         bound = refiner.bound(c.P, split_fixed=not cuts)
-        if req.policy == "varuna" and c.simulated and bound >= best:
+        if prune and c.simulated and bound >= best:
             rows.append(refiner.as_searched(c, mode, bound, best))
             continue
-        row = refiner.refine(c.P, cuts=cuts)
+        row = refiner.refine(c.P)
         rows.append(row)
         if row.feasible:
             best = min(best, row.time_s)
@@ -215,6 +219,8 @@ class DepthRefiner:
     def __init__(self, req: PlanRequest, found: SearchResult):
         self.req, self.found = req, found
         self.budget = max(REFINE_FLOOR, REFINE_SHARE * found.stats.get("actions", 0))
+        self.cuts: dict[int, bool] = {}  # per depth: whether its split is moved (one of the fastest)
+        self.done: dict[int, PlanRow] = {}  # per depth: its refined row (rescues change found.results)
         self.by_depth: dict[int, list[tuple[Mode, int]]] = {}
         for mode, cands in found.results.items():
             for i, c in enumerate(cands):
@@ -267,19 +273,29 @@ class DepthRefiner:
             return row
         P = c.P
         flags = [mode[0] and s < P - 1 for s in range(P)]
-        tail = (f" (as searched, uncapped): not refined per stage, since no refinement of this depth can beat the "
+        # without a limit its memory whatever the timing (uncapped: up to all m in flight), as a
+        # refined row says it; under one the simulated peak the search fitted (a refinement caps it)
+        memory = list(c.stage_memory)
+        if not self.req.limit:
+            memory = memory_bounds(stage_memories(inp, c, self.req.sizes.index(c.micro_batch_size)), flags, [0] * P,
+                                   [max(1, x) for x in c.peak_live], c.m, c.stage_memory[P - 1])
+        tail = (f" (as searched, uncapped{'; memory as simulated' if self.req.limit else ''}): not refined per "
+                f"stage, since no refinement of this depth can beat the "
                 f"best row (lower bound {format_duration(bound)} >= {format_duration(best)} per mini-batch); "
                 f"Plan.refine({P}) refines it")
         said = {f: ("recomputes" if f else "keeps activations") + tail for f in (False, True)}
         why = [said[f] for f in flags]
-        row = _row(self.req, c, mode, inp, StagePlan(c, flags, [0] * P, list(c.stage_memory), why))
+        row = _row(self.req, c, mode, inp, StagePlan(c, flags, [0] * P, memory, why))
         row.refined, row.lower_bound_s = False, bound
         return row
 
-    def refine(self, P: int, cuts: bool = False) -> PlanRow:
+    def refine(self, P: int) -> PlanRow:
         """The row of depth ``P``: rescued with caps where that helps, the fastest mode's candidate,
-        its split moved while simulated faster (``cuts`` and ``req.refine_cuts``, within the
-        budget), refined per stage."""
+        its split moved while simulated faster where it is one of the ``REFINED_DEPTHS`` fastest
+        as searched (``req.refine_cuts``, within the budget), refined per stage."""
+        if P in self.done:   # refined once (a copy of the plan asking again): the same figures
+            return copy.deepcopy(self.done[P])
+        cuts = self.cuts.get(P, False)
         req, found = self.req, self.found
         plans = self._rescue(P)
         mine = {mode: [found.results[mode][i] for m2, i in self.by_depth[P] if m2 == mode] for mode in found.results}
@@ -289,7 +305,9 @@ class DepthRefiner:
             c, spent = better_split(found.searches[mode], c, req.sizes.index(c.micro_batch_size),
                                     req.profile.num_segments, self.budget)
             self.budget -= spent
-        return _row(req, c, mode, found.searches[mode], sp)
+        row = _row(req, c, mode, found.searches[mode], sp)
+        self.done[P] = copy.deepcopy(row)
+        return row
 
     def _rescue(self, P: int) -> dict[Mode, StagePlan]:
         """Varuna without recompute under a memory limit: each simulated candidate of depth ``P``
