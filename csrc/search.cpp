@@ -526,6 +526,12 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
     // per micro-batch, a link's transfer time, a host's compute divided by its slots, or what
     // the schedule's order imposes on top (flow_rate(): GPipe's two waves, 1F1B's round trips).
     const int m_sim = std::min(c.m, in.sim_cap > 0 ? in.sim_cap : std::max(P + 8, 64));
+    // In-flight caps (max_in_flight): the steady state a cap lets through can be slower than any
+    // one resource or flow_rate()'s round trips say (2x on a 56-stage pipeline capped at 3), so
+    // a second, longer run measures it: the rate is at least what the window's tail took.
+    const bool capped = std::any_of(cfg.max_in_flight.begin(), cfg.max_in_flight.end(), [](int k) { return k > 0; });
+    const int tail = 12 * ((std::max(24, P) + 11) / 12);  // whole periods of 1, 2, 3, 4, 6 or 12
+    const int m_tail = capped && m_sim < c.m ? std::min(c.m, m_sim + tail) : 0;
     double rate = 0.0;
     if (m_sim < c.m) {
         std::vector<double> host_work;
@@ -574,8 +580,19 @@ Candidate run_candidate(const SearchInput& in, Candidate c, SimConfig cfg, const
         acts += r.events;
         if (m_sim < c.m) rate *= *std::max_element(scales.begin(), scales.end());
     }
+    double base = r.minibatch_time;  // the simulated part; the rest at the steady-state rate
+    int simulated = m_sim;
+    if (m_tail > m_sim) {
+        SimConfig longer = cfg;
+        longer.m = m_tail;
+        const SimResult r2 = simulate(longer);
+        acts += r2.events;
+        rate = std::max(rate, (r2.minibatch_time - r.minibatch_time) / (m_tail - m_sim));
+        base = r2.minibatch_time;
+        simulated = m_tail;
+    }
     if (actions) *actions += acts;
-    const double compute = r.minibatch_time + (c.m - m_sim) * rate;
+    const double compute = base + (c.m - simulated) * rate;
     c.minibatch_time = with_data_read(compute, read, cfg.data_prefetch);
     c.data_wait = c.minibatch_time - compute;
     c.bubble_fraction = r.bubble_fraction;
