@@ -684,6 +684,39 @@ def test_a_small_dataset_holds_out_one_mini_batch_rather_than_refusing():
     assert len(train_val_split(tokens, 0.0, min_val=100)[1]) == 0 and len(train_val_split(tokens, 0.5, 10)[1]) == 2500
 
 
+def test_a_stock_transformer_encoder_with_a_padding_mask_trains_and_is_evaluated_at_p2(tmp_path):
+    """``nn.TransformerEncoder`` with ``src_key_padding_mask``: in eval mode (the held-out loss) its
+    nested-tensor fast path handed the layers a nested tensor, which failed to cross the cut-point
+    ("NestedTensorImpl doesn't support sizes") and the job failed before step 0 (helper-40). It is
+    off in the pipeline: the run trains as plain PyTorch does, and its held-out loss at the start is
+    a plain eval of the initial weights (fast path on) over the same held-out batches."""
+    import json
+
+    from tests.thirdparty.user_data import EncoderClassifier
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="enc", model=ModelConfig(factory="tests.thirdparty.user_data:EncoderClassifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:padded_sentences", tokenizer=None,
+                                    val_fraction=0.25),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=2, lr=1e-2, warmup_steps=1, eval_batches=2, run_dir=str(tmp_path / "runs")))
+    run = train_local(job, run_dir=tmp_path / "run")
+    got = [m["loss"] for m in run.metrics()]
+    ref_job = Job(job)
+    assert got == pytest.approx(ref_job.plain_pytorch_losses(2), rel=1e-5)
+    plain = EncoderClassifier()
+    plain.load_state_dict(ref_job.initial_weights())
+    plain.eval()
+    _, held = resolve_job(job).data.loaders(16, 8, job.data.seed, 0.25, 2)
+    with torch.no_grad():
+        start = sum(float(torch.nn.functional.cross_entropy(plain(b["tokens"], b["pad_mask"]), b["labels"]))
+                    for b in held) / len(held)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["loss_start"] == pytest.approx(start, rel=1e-5)
+
+
 def test_val_fraction_zero_trains_on_every_example_and_measures_no_held_out_loss(tmp_path, capfd):
     """``data.val_fraction: 0``: a dataset's every example and a text's every token train (no
     held-out part), the run logs that it measures no held-out loss and its summary has none; the

@@ -306,3 +306,35 @@ class NpyExamples(torch.utils.data.Dataset):
         if self.rng is not None:
             x = x + torch.from_numpy(self.rng.normal(0, 0.01, x.shape).astype(x.numpy().dtype))
         return x, x[:4].argmax()
+
+
+def padded_sentences(n: int = 64, length: int = 12, vocab: int = 20, classes: int = 3, seed: int = 1) -> list:
+    """Dict examples of a sentence classifier: ``tokens`` (3..``length`` real ids, then 0),
+    ``pad_mask`` True on the padding (``nn.TransformerEncoder``'s ``src_key_padding_mask``) and a
+    class id ``labels``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        real = int(torch.randint(3, length + 1, (1,), generator=g))
+        mask = torch.arange(length) >= real
+        ids = torch.randint(1, vocab, (length,), generator=g).masked_fill(mask, 0)
+        out.append({"tokens": ids, "pad_mask": mask, "labels": torch.randint(0, classes, (), generator=g)})
+    return out
+
+
+class EncoderClassifier(nn.Module):
+    """PyTorch's stock ``nn.TransformerEncoder`` over embeddings, mean-pooled over the real tokens:
+    in eval mode (the held-out loss) with a padding mask its nested-tensor fast path would hand the
+    layers a nested tensor."""
+
+    def __init__(self, vocab: int = 20, d: int = 16, layers: int = 3, classes: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=32, dropout=0.0,
+                                                                    batch_first=True), layers)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens, pad_mask):
+        x = self.enc(self.emb(tokens), src_key_padding_mask=pad_mask)
+        keep = (~pad_mask).unsqueeze(-1).float()
+        return self.head((x * keep).sum(1) / keep.sum(1))

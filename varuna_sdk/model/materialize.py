@@ -33,9 +33,18 @@ def build_on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module:
     """Call ``model_fn()`` with every tensor made on the ``meta`` device (no memory, no compute),
     recording its constructor's tensor operations for ``materialize`` (``deferred.build_recorded``).
 
+    ``nn.TransformerEncoder``'s nested-tensor fast path is turned off (``use_nested_tensor``): in
+    eval mode with a padding mask it hands its layers a nested tensor, which cannot cross a
+    cut-point; without it padded positions' outputs are computed instead of zeroed, which a loss or
+    pooling that masks them does not see.
+
     Raises ``TypeError`` if ``model_fn`` does not return an ``nn.Module``.
     """
-    return build_recorded(model_fn)
+    model = build_recorded(model_fn)
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder):
+            m.use_nested_tensor = False
+    return model
 
 
 def default_init(module: nn.Module, name: str) -> None:
