@@ -492,6 +492,23 @@ def test_the_same_notebook_cell_run_again_ships_the_same_model_and_a_changed_one
     assert code_sha256(a.payloads["factory"]) == code_sha256(b.payloads["factory"])
 
 
+def test_a_dataset_of_tensors_has_one_digest_in_every_process():
+    """A dataset of tensors passed by value (``Job(data=TensorDataset(...))``): its tensors' storages
+    pickle with their memory addresses, so each process packed other bytes and another digest, and
+    re-running the same script on a finished run folder was refused as "changed" (helper-40). Two
+    processes now give one digest; other data another."""
+    import subprocess
+    import sys
+
+    prog = ("import torch\nfrom varuna_sdk.shipping import pack_objects\n"
+            "g = torch.Generator().manual_seed(0); x = torch.randn(50, 3, generator=g)\n"
+            "ds = torch.utils.data.TensorDataset(x, x.flip(-1), x[:, :2] + {add})\n"
+            "print(pack_objects({{'dataset': ds}})[0])\n")
+    digests = [subprocess.run([sys.executable, "-c", prog.format(add=a)], capture_output=True, text=True,
+                              timeout=120, check=True).stdout.strip() for a in (0, 0, 1)]
+    assert digests[0] == digests[1] != digests[2] and len(digests[0]) == 24
+
+
 def test_layerdrop_is_refused_before_anything_runs(tmp_path):
     """LayerDrop skips blocks at random in training, so stages would see different blocks from one
     micro-batch to the next (calibration failed with an IndexError, workers on meta tensors): refused

@@ -135,15 +135,27 @@ def _header(versions: Mapping[str, str], names: Mapping[str, str], payloads: Map
 #: what cloudpickle writes for a class defined in a notebook or script: a random ``uuid4().hex``
 #: tracker id per class *object*, so the same cell run twice pickles to different bytes
 _TRACKER_ID = re.compile(rb"[0-9a-f]{32}")
+#: what a tensor's storage pickles with (torch's legacy ``torch.save`` inside ``_load_from_bytes``):
+#: its key, the storage's address in decimal, as a protocol-2 string (``X``, 4-byte length, digits,
+#: then a memo ``q``): another address in every process, so the same data pickles to other bytes
+_STORAGE_KEY = re.compile(rb"X([\x01-\x20])\x00\x00\x00(\d{1,32})(?=q)")
 
 
 def code_sha256(payload: bytes) -> str:
-    """SHA-256 of a cloudpickle payload with its class tracker ids numbered in order of appearance:
-    equal for the same code and captured values however many times the defining cell ran (a
-    class re-defined by re-running its cell, or after a kernel restart, is the same model)."""
+    """SHA-256 of a cloudpickle payload with its class tracker ids and its tensors' storage keys
+    numbered in order of appearance: equal for the same code and captured values however many
+    times the defining cell ran (a class re-defined by re-running its cell, or after a kernel
+    restart, is the same model; a dataset of tensors passed by value is the same data)."""
     ids: dict[bytes, int] = {}
-    return hashlib.sha256(_TRACKER_ID.sub(lambda m: b"<%d>" % ids.setdefault(m.group(0), len(ids)),
-                                          payload)).hexdigest()
+    keys: dict[bytes, int] = {}
+
+    def storage_key(m: re.Match) -> bytes:
+        if m.group(1)[0] != len(m.group(2)):  # not a length-prefixed string of exactly these digits
+            return m.group(0)
+        return b"X<key %d>" % keys.setdefault(m.group(2), len(keys))
+
+    out = _TRACKER_ID.sub(lambda m: b"<%d>" % ids.setdefault(m.group(0), len(ids)), payload)
+    return hashlib.sha256(_STORAGE_KEY.sub(storage_key, out)).hexdigest()
 
 
 def objects_digest(versions: Mapping[str, str], names: Mapping[str, str], payloads: Mapping[str, bytes]) -> str:
