@@ -648,12 +648,12 @@ def test_a_datasets_held_out_part_is_drawn_at_random_and_a_tiny_training_part_is
     assert held.tolist() != list(range(380, 400))          # not the tail
     assert (split_examples(400, 0.05, seed=0)[1] == held).all() and (split_examples(400, 0.05, seed=1)[1] != held).any()
     job = JobConfig(name="tiny", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
-                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 10},
-                                    val_fraction=0.2),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 40},
+                                    val_fraction=0.7),
                     parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4))
-    with pytest.raises(DataError, match=r"leaves 8 examples to train on \(of 10; 2 held out by data.val_fraction "
-                                        r"0.2\), fewer than one mini-batch of 16"):
-        resolve_job(job).data.loaders(16, 16, 0, 0.2, 1)
+    with pytest.raises(DataError, match=r"leaves 12 examples to train on \(of 40; 28 held out by data.val_fraction "
+                                        r"0.7\), fewer than one mini-batch of 16"):
+        resolve_job(job).data.loaders(16, 16, 0, 0.7, 1)
 
 
 def test_a_small_dataset_holds_out_one_mini_batch_rather_than_refusing():
@@ -676,8 +676,11 @@ def test_a_small_dataset_holds_out_one_mini_batch_rather_than_refusing():
     train, held = split_examples(256, 0.05, 0, min_held=16)
     assert len(held) == 16 and len(train) == 240 and not set(train) & set(held)
     assert len(split_examples(256, 0.05, 0)[1]) == 13 and len(split_examples(1000, 0.05, 0, min_held=16)[1]) == 50
-    with pytest.raises(DataError, match="fewer than one batch of 16"):   # 24 examples: no room for both
-        resolve_job(dataset_job(24, 0.2)).data.loaders(16, 16, 0, 0.2, 1)
+    # 24 examples: no val_fraction gives both (its advice was a larger one, then a smaller one)
+    for frac in (0.05, 0.5, 0.95):
+        with pytest.raises(DataError, match=r"has 24 examples: too few to hold out a mini-batch of 16 .*"
+                                            r"data.val_fraction: 0 .* global batch of at most 12"):
+            resolve_job(dataset_job(24, frac)).data.loaders(16, 16, 0, frac, 1)
     tokens = np.arange(5000) % 251
     tr, va = train_val_split(tokens, 0.05, min_val=16 * 64 + 1)
     assert len(va) == 16 * 64 + 1 and len(tr) == 5000 - len(va) and (np.concatenate([tr, va]) == tokens).all()

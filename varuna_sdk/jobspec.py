@@ -430,6 +430,10 @@ class JobData:
                                          min_held=global_batch if n - global_batch >= global_batch else 1)
         except ValueError as e:
             raise DataError(f"{self.source}: {e}") from None
+        if held_out and n < 2 * global_batch:   # no val_fraction gives both a held-out and a training mini-batch
+            raise DataError(f"{self.source} has {n} examples: too few to hold out a mini-batch of {global_batch} for "
+                            f"the held-out loss and train on another; set data.val_fraction: 0 (train on all {n}, no "
+                            f"held-out loss) or a global batch of at most {n // 2} (parallel.global_batch)")
         if len(train) < global_batch:
             raise DataError(f"{self.source} leaves {len(train)} examples to train on (of {len(self.examples)}; "
                             f"{len(held)} held out by data.val_fraction {val_fraction:g}), fewer than one mini-batch of "
