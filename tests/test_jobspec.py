@@ -492,6 +492,18 @@ def test_the_same_notebook_cell_run_again_ships_the_same_model_and_a_changed_one
     assert code_sha256(a.payloads["factory"]) == code_sha256(b.payloads["factory"])
 
 
+def test_data_whose_shape_the_model_cannot_take_is_said_so_not_blamed_on_the_meta_device(tmp_path):
+    """16 features into a model built for 7: torch's meta kernel makes the real kernel's shape check,
+    and the message called it "a limit of the meta device ... cannot be split into pipeline stages
+    yet" (helper-40); it now says the data's and the layers' shapes differ."""
+    job = _job(tmp_path, ModelConfig(factory="tests.thirdparty.user_data:Classifier", kwargs={"features": 7}))
+    job.data = DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None)
+    with pytest.raises(ModelSpecError, match=r"same reduction dim.*shapes of the data and the model's layers do not "
+                                             r"match") as e:
+        resolve_job(job)
+    assert "limit of the meta device" not in str(e.value)
+
+
 def test_a_dataset_of_tensors_has_one_digest_in_every_process():
     """A dataset of tensors passed by value (``Job(data=TensorDataset(...))``): its tensors' storages
     pickle with their memory addresses, so each process packed other bytes and another digest, and

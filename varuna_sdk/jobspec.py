@@ -44,6 +44,7 @@ import hashlib
 import importlib
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -654,6 +655,10 @@ def _warn_unshifted(inputs: Any, targets: Any, name: str) -> None:
 #: real one (``grouped_mm`` asks for bf16)
 _META_LIMITS = ("meta", "fake impl", "data-dependent", "dynamicoutputshape", "nonzero", "grouped_mm",
                 "cannot be converted to a python scalar")
+#: a shape check's message (torch's meta kernels make the checks its real kernels make)
+_SHAPE_MISMATCH = re.compile(r"same reduction dim|shapes cannot be multiplied|size mismatch|must match the size|"
+                             r"size of tensor a \(\d+\) must match|expected input.*to have \d+ channels|"
+                             r"but got \[[\d, ]+\] x \[[\d, ]+\]")
 
 
 def _unnamed_fields(model: nn.Module, inputs: Any) -> str:
@@ -694,6 +699,10 @@ def _on_meta(e: BaseException) -> str:
         frames.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
     in_torch_meta = any(("_meta_registrations" in f or "fake_impl" in f or "_subclasses/fake" in f) for f in frames)
+    if _SHAPE_MISMATCH.search(text) and not any(w in text for w in _META_LIMITS[2:]):
+        # torch's meta kernels check shapes as its real ones do: the model's own error
+        return (". The shapes of the data and the model's layers do not match (the same error as a plain PyTorch "
+                "run of this model gives): check the data's field shapes against what the model's forward expects")
     if not in_torch_meta and not any(w in text for w in _META_LIMITS):
         return ""
     return (". This is a limit of the meta device the SDK traces the model on (weights without memory): an "
