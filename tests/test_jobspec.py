@@ -504,6 +504,29 @@ def test_data_whose_shape_the_model_cannot_take_is_said_so_not_blamed_on_the_met
     assert "limit of the meta device" not in str(e.value)
 
 
+def test_a_named_targets_field_is_the_losss_not_passed_to_a_kwargs_forward():
+    """A Hugging Face-style forward (``input_ids``, ``attention_mask``, ``**kwargs``) and dict data
+    whose targets field is ``y``: without ``targets=`` the error names ``y`` (it named
+    ``input_ids``), and with ``targets="y"`` the loss gets ``y`` and the forward does not (every
+    field reached its ``**kwargs``, the targets too) (helper-40)."""
+    from varuna_sdk.model.spec import infer_call
+
+    class KwargsForward(nn.Module):
+        def forward(self, input_ids, attention_mask=None, **kwargs):
+            return input_ids
+
+    def loss(out, y):
+        return out.float().mean()
+
+    fields = ["input_ids", "attention_mask", "y"]
+    with pytest.raises(ModelSpecError, match=r"model.targets: 'y' \(the field\(s\) \['y'\] reach the forward only "
+                                             r"through its \*\*kwargs\)"):
+        infer_call(KwargsForward(), fields, loss)
+    call, fn = infer_call(KwargsForward(), fields, loss, targets="y")
+    assert fn is loss and call.targets == "y"
+    assert dict(call.kwargs) == {"input_ids": "input_ids", "attention_mask": "attention_mask"}
+
+
 def test_a_dataset_of_tensors_has_one_digest_in_every_process():
     """A dataset of tensors passed by value (``Job(data=TensorDataset(...))``): its tensors' storages
     pickle with their memory addresses, so each process packed other bytes and another digest, and

@@ -287,7 +287,9 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
         call = (CallSpec(kwargs=tuple(dict(inputs).items())) if isinstance(inputs, Mapping)
                 else CallSpec(args=tuple(inputs)))
     elif "input_ids" in fields:  # language-model data (and a dataset's dicts with input_ids)
-        extra = _extra_fields(model, fields, params, names, exclude=("input_ids", "labels", "targets"))
+        # the named targets field is the loss's, not the forward's (a **kwargs forward takes any field)
+        extra = _extra_fields(model, fields, params, names,
+                              exclude=("input_ids", "labels", "targets") + ((targets,) if targets else ()))
         first = names[0] if names else "input_ids"
         if "labels" in names and (loss is None or own):
             call, own = CallSpec(kwargs=(("input_ids", "input_ids"), *extra, ("labels", "labels"))), True
@@ -333,9 +335,13 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
         if tgt is None and all(f.isdigit() for f in fields) and len(fields) > len(call.args):
             tgt = fields[len(call.args)]
     if tgt is None:
+        # a field the forward takes only through its **kwargs is likely the targets (Hugging Face's)
+        loose = [f for f in fields if f not in names and not f.isdigit() and f != "input_ids"]
+        guess = (f"model.targets: {loose[0]!r} (the field(s) {loose} reach the forward only through its **kwargs)"
+                 if loose else f"model.targets: {fields[0]!r} to compare the output with an input, as an "
+                 "autoencoder does")
         raise ModelSpecError(f"the loss needs targets but the data's fields {fields} hold none the model does not "
-                             f"already take; name the targets field (model.targets: {fields[0]!r} to compare the "
-                             "output with an input, as an autoencoder does; Job(..., targets=...) in a notebook), "
+                             f"already take; name the targets field ({guess}; Job(..., targets=...) in a notebook), "
                              "or use loss='model'")
     return CallSpec(call.args, call.kwargs, tgt), fn
 
