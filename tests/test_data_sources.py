@@ -764,8 +764,9 @@ def test_class_ids_outside_the_models_outputs_fail_the_job_at_once_naming_id_and
                                              r"output has 4 classes.*out_features=8.*labels to 0\.\.3") as e:
         cross_entropy(logits, torch.tensor([0, 7, 2, -100]))
     assert failure_cause(e.value) == "code" and e.value.__cause__ is None
-    with pytest.raises(ModelSpecError, match=r"class id -3"):
+    with pytest.raises(ModelSpecError, match=r"class id -3.*labels to 0\.\.3, and padding .* -100.*ignore_index=-3") as e:
         cross_entropy(logits, torch.tensor([0, -3, 2, 1], dtype=torch.int32))
+    assert "out_features" not in str(e.value)   # no width helps a negative id (it advised the width it had)
     ignored = torch.tensor([0, -100, 2, 1])
     assert cross_entropy(logits, ignored) == torch.nn.functional.cross_entropy(logits, ignored)
     job = JobConfig(name="badids", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),

@@ -109,11 +109,16 @@ def _class_id_error(ids: torch.Tensor, classes: int) -> ModelSpecError | None:
     bad = ids[((ids < 0) | (ids >= classes)) & (ids != -100)]
     if bad.numel():
         lo, hi = int(ids[ids != -100].min()), int(ids[ids != -100].max())
-        return ModelSpecError(
-            f"the targets hold class id {int(bad[0])} (ids from {lo} to {hi} in this micro-batch) but the model's "
-            f"output has {classes} classes (logits [..., {classes}]): cross-entropy takes ids in [0, {classes}) "
-            f"(-100: ignored). Make the model's output as wide as the number of classes (e.g. its last "
-            f"nn.Linear with out_features={max(hi + 1, classes)}), or map the dataset's labels to 0..{classes - 1}")
+        said = (f"the targets hold class id {int(bad[0])} (ids from {lo} to {hi} in this micro-batch) but the model's "
+                f"output has {classes} classes (logits [..., {classes}]): cross-entropy takes ids in [0, {classes}) "
+                f"(-100: ignored). ")
+        if lo < 0:   # no width helps a negative id: the labels are the thing to change
+            return ModelSpecError(said + f"Map the dataset's labels to 0..{classes - 1}, and padding or unlabelled "
+                                  f"examples to -100 (a loss of your own can ignore another id: "
+                                  f"cross_entropy(..., ignore_index={lo}))")
+        return ModelSpecError(said + f"Make the model's output as wide as the number of classes (e.g. its last "
+                              f"nn.Linear with out_features={max(hi + 1, classes)}), or map the dataset's labels to "
+                              f"0..{classes - 1}")
     return None
 
 
