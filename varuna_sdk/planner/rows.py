@@ -199,10 +199,7 @@ class Plan:
             raise ValueError(f"this Plan has no search kept (unpickled, or not made by plan()), so its row P={P} "
                              "cannot be refined; call plan() again")
         row = self._refiner.refine(P)
-        rest = self.rows[:i] + self.rows[i + 1:]
-        feasible = sorted([r for r in rest if r.feasible] + ([row] if row.feasible else []),
-                          key=lambda r: (r.time_s, r.P))
-        self.rows = feasible + [r for r in rest if not r.feasible] + ([] if row.feasible else [row])
+        self.rows = rank_rows(self.rows[:i] + [row] + self.rows[i + 1:])
         return row
 
     def parallel_config(self) -> ParallelConfig:
@@ -352,6 +349,12 @@ class Plan:
         r = _core.simulate_candidate(search, row.P, row.D, self._sizes.index(row.micro_batch_size),
                                      [st[0] for st in row.stages], scale, bool(record_timeline))
         return SimOutput.from_core(r, bool(record_timeline))
+
+
+def rank_rows(rows: list[PlanRow]) -> list[PlanRow]:
+    """Feasible rows by time (then the shallower pipeline), then the excluded in their order."""
+    feasible = sorted((r for r in rows if r.feasible), key=lambda r: (r.time_s, r.P))
+    return feasible + [r for r in rows if not r.feasible]
 
 
 def _split_title(splits: list[bool]) -> str:

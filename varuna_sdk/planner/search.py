@@ -27,7 +27,7 @@ from .cuts import better_split
 from .recompute import (StagePlan, evaluate_with, memory_balanced_starts, memory_bounds, refine, stage_memories,
                         with_ceiling)
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
-from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration
+from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration, rank_rows
 
 #: how many of the fastest depths get their split refined by simulation (``cuts.better_split``),
 #: within a budget of simulated actions: this share of the search's own, and at least the floor
@@ -170,6 +170,7 @@ def _per_depth(results: dict[Mode, list]) -> list[tuple[object, Mode]]:
     excluded = sorted((x for x in by_p.values() if not x[0].feasible), key=lambda x: order.get(x[0].P, 0))
     return feasible + excluded
 
+
 def plan_rows(req: PlanRequest, found: SearchResult) -> tuple[list[PlanRow], "DepthRefiner"]:
     """One row per depth (``_per_depth``): times, memory and dollar costs of a feasible
     candidate — its split moved a cut-point at a time while simulated faster (``cuts.better_split``)
@@ -180,8 +181,9 @@ def plan_rows(req: PlanRequest, found: SearchResult) -> tuple[list[PlanRow], "De
     first (``_rescue``).
 
     Branch and bound: depths are refined in the search's order, and a Varuna depth whose lower
-    bound (``DepthRefiner.bound``: any per-stage recompute and caps, its split or any where cut-points may move — what no refinement can beat)
-    is no faster than the fastest refined row is left as searched (``PlanRow.refined`` False; its
+    bound (``DepthRefiner.bound``: for any per-stage recompute and caps, on its split or on any
+    where its cut-points may move: what no refinement can beat) is no faster than the fastest
+    refined row is left as searched (``PlanRow.refined`` False; its
     ``lower_bound_s`` is that bound): refining it costs simulations (deep pipelines, thousands of
     micro-batches) and cannot change the best row. ``DepthRefiner.refine`` refines one later
     (``Plan.refine``). Returns the rows (feasible fastest first, then excluded) and the refiner."""
@@ -202,12 +204,6 @@ def plan_rows(req: PlanRequest, found: SearchResult) -> tuple[list[PlanRow], "De
         if row.feasible:
             best = min(best, row.time_s)
     return rank_rows(rows), refiner
-
-
-def rank_rows(rows: list[PlanRow]) -> list[PlanRow]:
-    """Feasible rows by time (then the shallower pipeline), then the excluded in their order."""
-    feasible = sorted((r for r in rows if r.feasible), key=lambda r: (r.time_s, r.P))
-    return feasible + [r for r in rows if not r.feasible]
 
 
 class DepthRefiner:
