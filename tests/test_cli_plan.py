@@ -175,3 +175,23 @@ def test_a_configs_in_flight_ceiling_and_split_are_planned_as_train_plans_them(t
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=4"))
     assert f"P=4 D={row.D} micro-batch 1 (m={row.m}), {row.time_s * 1e3:.1f} ms per mini-batch" in line, line
+
+
+def test_a_kept_micro_batch_that_cannot_divide_the_batch_is_said_so_not_a_crash(tmp_path):
+    """``--global-batch 15`` with the config's micro-batch 4: the search's candidates have no
+    micro-batch, and the cut-point refinement looked theirs up ("varuna: 0 is not in list", rc 2,
+    helper-42); now the kept row is refused with the reason; so is a P beyond the segments."""
+    prof = synthetic_profile(HEAVY)
+    path = tmp_path / "profile.json"
+    prof.to_json(path)
+    job = _job(P=2, D=1, gpus=2)
+    job.parallel.micro_batch_size = 4
+    cfg = tmp_path / "job.yaml"
+    job.to_yaml(cfg)
+    out = _cli("plan", str(cfg), "--gpus", "2", "--profile", str(path), "--global-batch", "15")
+    assert out.returncode == 1 and "not in list" not in out.stderr, out.stderr[-2000:]
+    assert "no feasible plan keeps parallel.P=2" in out.stderr and "divides the replica batch 15" in out.stderr
+    job.parallel.P = 9
+    job.to_yaml(cfg)
+    out = _cli("plan", str(cfg), "--gpus", "9", "--profile", str(path))
+    assert out.returncode in (1, 2) and "at most 8" in out.stderr, out.stderr[-2000:]

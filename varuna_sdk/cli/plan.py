@@ -140,8 +140,13 @@ def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
     rows = [r for r in kept.feasible if (par.P is None or r.P == par.P) and (par.D is None or r.D == par.D)
             and (par.micro_batch_size is None or r.micro_batch_size == par.micro_batch_size)]
     if not rows:
-        print(f"varuna: no feasible plan keeps {what} from the config; set them to null to let the planner "
-              "choose", file=sys.stderr)
+        why = "; ".join(dict.fromkeys(f"P={r.P}: {r.reason}" for r in kept.excluded
+                                      if (par.P is None or r.P == par.P) and r.reason))
+        if par.P is not None and par.P > prof.num_segments:
+            why = (f"the model has {prof.num_segments} segments (cut-points + 1), so P is at most "
+                   f"{prof.num_segments}" + (f"; {why}" if why else ""))
+        print(f"varuna: no feasible plan keeps {what} from the config" + (f" ({why})" if why else "")
+              + "; set them to null to let the planner choose, or change them", file=sys.stderr)
         return 1
     r = rows[0]
     print(f"with {what} from the config: P={r.P} D={r.D} micro-batch {r.micro_batch_size} (m={r.m}), "

@@ -297,7 +297,8 @@ class DepthRefiner:
         mine = {mode: [found.results[mode][i] for m2, i in self.by_depth[P] if m2 == mode] for mode in found.results}
         c, mode = _per_depth({k: v for k, v in mine.items() if v})[0]
         sp = plans.get(mode)
-        if req.refine_cuts and cuts and sp is None and self.budget > 0:
+        if req.refine_cuts and cuts and sp is None and self.budget > 0 and c.feasible and \
+                c.micro_batch_size in req.sizes:
             c, spent = better_split(found.searches[mode], c, req.sizes.index(c.micro_batch_size),
                                     req.profile.num_segments, self.budget)
             self.budget -= spent
