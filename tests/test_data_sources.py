@@ -761,7 +761,7 @@ def test_class_ids_outside_the_models_outputs_fail_the_job_at_once_naming_id_and
 
     logits = torch.randn(4, 4)
     with pytest.raises(ModelSpecError, match=r"class id 7 \(ids from 0 to 7 in this micro-batch\) but the model's "
-                                             r"output has 4 classes.*out_features=8.*labels to 0\.\.3") as e:
+                                             r"output has 4 classes.*largest class id \+ 1, at least 8 .*labels to 0\.\.3") as e:
         cross_entropy(logits, torch.tensor([0, 7, 2, -100]))
     assert failure_cause(e.value) == "code" and e.value.__cause__ is None
     with pytest.raises(ModelSpecError, match=r"class id -3.*labels to 0\.\.3, and padding .* -100.*ignore_index=-3") as e:

@@ -527,6 +527,27 @@ def test_a_named_targets_field_is_the_losss_not_passed_to_a_kwargs_forward():
     assert dict(call.kwargs) == {"input_ids": "input_ids", "attention_mask": "attention_mask"}
 
 
+def test_a_users_module_that_fails_to_import_says_why_in_one_line(tmp_path, monkeypatch):
+    """A user's module with a syntax error, one that raises while importing, and one that imports a
+    package that is not installed: each is one ``ConfigError`` saying which (the first two were a
+    raw traceback, the third said the module itself was not importable) (helper-42)."""
+    from varuna_sdk.jobspec import import_object
+
+    (tmp_path / "broken_syntax.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('settings.toml not found')\n")
+    (tmp_path / "needs_a_package.py").write_text("import nonexistent_pkg_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"importing 'broken_syntax' .* raised SyntaxError: .*broken_syntax.py"):
+        import_object("broken_syntax:f")
+    with pytest.raises(ConfigError, match=r"raised RuntimeError: settings.toml not found \(.*raises_at_import.py, "
+                                          r"line 1\)"):
+        import_object("raises_at_import:f")
+    with pytest.raises(ConfigError, match=r"it imports 'nonexistent_pkg_xyz', which is not installed"):
+        import_object("needs_a_package:f")
+    with pytest.raises(ConfigError, match=r"cannot import 'no_such_module_here'.*importable from the working folder"):
+        import_object("no_such_module_here:f")
+
+
 def test_a_dataset_of_tensors_has_one_digest_in_every_process():
     """A dataset of tensors passed by value (``Job(data=TensorDataset(...))``): its tensors' storages
     pickle with their memory addresses, so each process packed other bytes and another digest, and

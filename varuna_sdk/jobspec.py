@@ -86,9 +86,24 @@ def import_object(ref: str) -> Any:
     try:
         obj: Any = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing and not (mod_name == missing or mod_name.startswith(missing + ".")):
+            # the module was found; something it imports is not installed
+            raise ConfigError(f"importing {mod_name!r} for {ref!r} failed: it imports {missing!r}, which is not "
+                              f"installed here ({e}); install it (on VMs too), or remove the import") from None
         raise ConfigError(f"cannot import {mod_name!r} for {ref!r}: {e}. The module must be importable from the "
                           f"working folder ({os.getcwd()}) or an installed package; on VMs the job's code folder "
                           "is synced and is the workers' working folder") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing: say where, once
+        where = ""
+        if not isinstance(e, SyntaxError):   # a SyntaxError says its file and line itself
+            tb = e.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            if tb is not None:
+                where = f" ({tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})"
+        raise ConfigError(f"importing {mod_name!r} for {ref!r} raised {type(e).__name__}: {e}{where}; fix the "
+                          "module (python -c 'import " + mod_name + "' shows the whole traceback)") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             have = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))[:20]
@@ -658,7 +673,7 @@ _META_LIMITS = ("meta", "fake impl", "data-dependent", "dynamicoutputshape", "no
 #: a shape check's message (torch's meta kernels make the checks its real kernels make)
 _SHAPE_MISMATCH = re.compile(r"same reduction dim|shapes cannot be multiplied|size mismatch|must match the size|"
                              r"size of tensor a \(\d+\) must match|expected input.*to have \d+ channels|"
-                             r"but got \[[\d, ]+\] x \[[\d, ]+\]")
+                             r"invalid channel dimensions|but got \[[\d, ]+\] x \[[\d, ]+\]")
 
 
 def _unnamed_fields(model: nn.Module, inputs: Any) -> str:

@@ -16,6 +16,7 @@ the planner) stays inside the function that needs it, so ``varuna --help`` start
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -91,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     saved, warnings.formatwarning = warnings.formatwarning, _plain_warning
     try:
         return _main(argv)
+    except BrokenPipeError:   # `varuna logs RUN | head`: the reader left; say nothing more
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes stdout at exit
+        except OSError:
+            pass
+        return 0
     finally:
         warnings.formatwarning = saved
 

@@ -116,9 +116,10 @@ def _class_id_error(ids: torch.Tensor, classes: int) -> ModelSpecError | None:
             return ModelSpecError(said + f"Map the dataset's labels to 0..{classes - 1}, and padding or unlabelled "
                                   f"examples to -100 (a loss of your own can ignore another id: "
                                   f"cross_entropy(..., ignore_index={lo}))")
-        return ModelSpecError(said + f"Make the model's output as wide as the number of classes (e.g. its last "
-                              f"nn.Linear with out_features={max(hi + 1, classes)}), or map the dataset's labels to "
-                              f"0..{classes - 1}")
+        return ModelSpecError(said + f"Make the model's output as wide as the number of classes: its last "
+                              f"nn.Linear's out_features the dataset's largest class id + 1, at least {hi + 1} "
+                              f"(this micro-batch's largest id is {hi}; others may hold larger ones), or map the "
+                              f"dataset's labels to 0..{classes - 1}")
     return None
 
 
