@@ -31,11 +31,18 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     # every field checked, as `varuna train` does, before a calibration or a plan
     job = (JobConfig.from_yaml(Path(args.config)) if args.config else demo_config()).validate()
     if args.cmd == "calibrate":
+        import time
+
+        t0 = time.time()
         prof = calibrate_job(job, refresh=args.refresh)
         if args.output:
             prof.to_json(args.output)
-        print(f"[varuna] calibrated {prof.num_segments} segments at micro-batch sizes {prof.micro_batch_sizes} "
-              f"in {prof.calibration_s:.1f} s" + (f"; wrote {args.output}" if args.output else ""))
+        cached = bool(prof.calibrated_at) and prof.calibrated_at < t0
+        when = (f"the cached calibration of {time.strftime('%Y-%m-%d %H:%M', time.localtime(prof.calibrated_at))} "
+                f"(it took {prof.calibration_s:.1f} s; --refresh measures again)" if cached
+                else f"calibrated in {prof.calibration_s:.1f} s")
+        print(f"[varuna] {prof.num_segments} segments at micro-batch sizes {prof.micro_batch_sizes}: {when}"
+              + (f"; wrote {args.output}" if args.output else ""))
         return 0
     from ..planner.plan import config_settings, data_prefetch_for, plan
     from ..profiling.profile import Profile
