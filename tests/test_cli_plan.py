@@ -155,7 +155,16 @@ def test_plan_checks_the_config_as_train_does(tmp_path):
     assert out.returncode == 2 and "parallel.max_in_flight" in out.stderr, (out.returncode, out.stderr[-500:])
 
 
-def test_a_configs_in_flight_ceiling_and_split_are_planned_as_train_plans_them(tmp_path):
+def _cli_here(capsys, *argv: str):
+    """``varuna ARGV`` run in this process (the planner needs no worker): (exit code, stdout, stderr)."""
+    from varuna_sdk.cli import main
+
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_a_configs_in_flight_ceiling_and_split_are_planned_as_train_plans_them(tmp_path, capsys):
     """``parallel.max_in_flight: 2`` (the user's ceiling) and ``split_backward`` in the config: the
     row printed for the kept P is the one ``plan_for_job`` (what ``varuna train`` runs) gives, caps
     and all; before, ``varuna plan`` dropped both (5012.0 ms as train plans it, 4988.2 ms printed)."""
@@ -171,13 +180,13 @@ def test_a_configs_in_flight_ceiling_and_split_are_planned_as_train_plans_them(t
     _, pl = plan_for_job(job, prof, micro_batch_sizes=[1])
     row = next(r for r in pl.feasible if r.P == 4)
     assert row.max_in_flight and max(row.max_in_flight) <= 2 and not row.split_backward
-    out = _cli("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--local")
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=4"))
+    rc, stdout, stderr = _cli_here(capsys, "plan", str(cfg), "--gpus", "8", "--profile", str(path), "--local")
+    assert rc == 0, stderr[-2000:]
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("with parallel.P=4"))
     assert f"P=4 D={row.D} micro-batch 1 (m={row.m}), {row.time_s * 1e3:.1f} ms per mini-batch" in line, line
 
 
-def test_a_kept_micro_batch_that_cannot_divide_the_batch_is_said_so_not_a_crash(tmp_path):
+def test_a_kept_micro_batch_that_cannot_divide_the_batch_is_said_so_not_a_crash(tmp_path, capsys):
     """``--global-batch 15`` with the config's micro-batch 4: the search's candidates have no
     micro-batch, and the cut-point refinement looked theirs up ("varuna: 0 is not in list", rc 2,
     helper-42); now the kept row is refused with the reason; so is a P beyond the segments."""
@@ -188,10 +197,10 @@ def test_a_kept_micro_batch_that_cannot_divide_the_batch_is_said_so_not_a_crash(
     job.parallel.micro_batch_size = 4
     cfg = tmp_path / "job.yaml"
     job.to_yaml(cfg)
-    out = _cli("plan", str(cfg), "--gpus", "2", "--profile", str(path), "--global-batch", "15")
-    assert out.returncode == 1 and "not in list" not in out.stderr, out.stderr[-2000:]
-    assert "no feasible plan keeps parallel.P=2" in out.stderr and "divides the replica batch 15" in out.stderr
+    rc, _, stderr = _cli_here(capsys, "plan", str(cfg), "--gpus", "2", "--profile", str(path), "--global-batch", "15")
+    assert rc == 1 and "not in list" not in stderr, stderr[-2000:]
+    assert "no feasible plan keeps parallel.P=2" in stderr and "divides the replica batch 15" in stderr
     job.parallel.P = 9
     job.to_yaml(cfg)
-    out = _cli("plan", str(cfg), "--gpus", "9", "--profile", str(path))
-    assert out.returncode in (1, 2) and "at most 8" in out.stderr, out.stderr[-2000:]
+    rc, _, stderr = _cli_here(capsys, "plan", str(cfg), "--gpus", "9", "--profile", str(path))
+    assert rc in (1, 2) and "at most 8" in stderr, stderr[-2000:]
