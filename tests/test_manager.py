@@ -299,6 +299,33 @@ def test_steps_a_sudden_loss_lost_are_not_lost_again_by_the_next_morph(tmp_path)
     assert advance_lineage((2, 5), 1, 9) == ((2, 5), False) and advance_lineage((2, 5), 3, 1) == ((3, 1), True)
 
 
+def test_a_loss_met_while_a_grow_restarts_the_job_is_folded_into_its_record_and_said(tmp_path):
+    """VMs lost while a grow is still restarting the job (its new generation has not finished a
+    step) do not open a morph of their own: the grow's record keeps its cause and time and lists
+    the loss in ``also``, once per (cause, VM), and the morph's sentence says it (seen on a slow
+    CI machine in the trace replay: three VMs went 7 s after one came back)."""
+    from varuna_sdk.manager.runs import morph_sentence
+
+    mgr = Manager(tiny_job(), SpotEmulator(capacity=2, backend="local", notice_s=None), run_dir=tmp_path / "run")
+    try:
+        mgr._begin_morph("grow", None, None, at=100.0)
+        mgr._begin_morph("loss", "vm1", None, at=107.0)
+        mgr._begin_morph("loss", "vm1", None, at=108.0)   # the same VM said twice: once
+        mgr._begin_morph("loss", "vm3", None, at=107.5)
+        rec = mgr._pending
+        assert (rec.cause, rec.time, rec.host) == ("grow", 100.0, None)
+        assert rec.also == [{"cause": "loss", "host": "vm1", "time": 107.0}, {"cause": "loss", "host": "vm3", "time": 107.5}]
+        d = rec.to_dict()
+        assert d["also"] == rec.also
+        assert morph_sentence(d).endswith("; meanwhile VM vm1 was lost without notice, VM vm3 was lost without notice "
+                                          "(folded into this morph)"), morph_sentence(d)
+        mgr._pending = None
+        mgr._begin_morph("loss", "vm1", None, at=200.0)   # nothing pending: a morph of its own
+        assert mgr._pending.cause == "loss" and mgr._pending.also == []
+    finally:
+        mgr.log.close()
+
+
 def _worker_pids(run: Path) -> list[int]:
     """Live worker processes of the job in ``run`` (their command line names its run folder)."""
     return sorted(set(procs_mentioning(str(run))) & set(procs_mentioning("varuna_sdk.worker")))

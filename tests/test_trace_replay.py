@@ -146,15 +146,21 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog, request):
     # ... and the job survived each: a morph per event that hit a VM in use
     causes = [m["cause"] for m in morphs]
     # the loss's recovery may still be starting when the last VM comes back: then that VM joins it;
-    # the VM back before the loss is grown onto first when the planner finds 4 VMs >= 1.1x faster
+    # the VM back before the loss is grown onto first when the planner finds 4 VMs >= 1.1x faster,
+    # and a grow still restarting the job (before its first step) when the 3 VMs go takes the loss
+    # into its record (``also``) rather than a morph of its own (a slow machine: seen on CI)
     assert causes in (["notice", "loss", "grow"], ["notice", "loss"], ["notice", "grow", "loss", "grow"],
-                      ["notice", "grow", "loss"]), morphs
-    notice, loss = morphs[0], morphs[causes.index("loss")]
+                      ["notice", "grow", "loss"], ["notice", "grow", "grow"], ["notice", "grow"]), morphs
+    met = [i for i, m in enumerate(morphs) if m["cause"] == "loss" or any(a["cause"] == "loss" for a in m["also"])]
+    assert met, morphs
+    notice, loss = morphs[0], morphs[met[0]]
     assert notice["host"] == "vm2" and notice["steps_lost"] == 0 and notice["old"]["gpus"] == 4
     assert "vm2" not in notice["new"]["hosts"]
-    assert loss["host"] in ("vm1", "vm3", "vm2") and set(loss["old"]["hosts"]) & {"vm1", "vm2", "vm3"}
+    lost_on = loss["host"] if loss["cause"] == "loss" else next(a["host"] for a in loss["also"] if a["cause"] == "loss")
+    assert lost_on in ("vm1", "vm3", "vm2")
+    assert loss["cause"] != "loss" or set(loss["old"]["hosts"]) & {"vm1", "vm2", "vm3"}
     assert 0 <= loss["steps_lost"] <= EVERY
-    earlier = {m["resume_step"] for m in morphs[:causes.index("loss")]}  # checkpointed at those morphs
+    earlier = {m["resume_step"] for m in morphs[:met[0]]}  # checkpointed at those morphs
     assert loss["resume_step"] % EVERY == 0 or loss["resume_step"] in earlier
     assert morphs[-1]["new"]["hosts"] == ["vm0", "vm1"]   # grown back onto the returned VM
     for m in morphs:

@@ -176,9 +176,7 @@ def morph_sentence(m: dict, t0: float | None = None) -> str:
     phases (``manager.MORPH_PHASES``), steps lost and why (the checkpoint it resumed from).
     ``m``: a ``MorphRecord.to_dict()`` (the MORPH event's payload); ``t0``: the job's start (Unix
     s) to say when, relative. Missing or malformed fields are left out, never raised."""
-    what = {"notice": "got a pre-emption notice", "loss": "was lost without notice", "grow": "came back",
-            "straggler": "was a straggler", "failure": "had a worker fail", "stop_timeout": "did not stop when asked",
-            "manager_restart": "had its manager restarted"}.get(m.get("cause", ""), m.get("cause", "changed"))
+    what = _CAUSE_WORDS.get(m.get("cause", ""), m.get("cause", "changed"))
     who = f"VM {m['host']}" if m.get("host") else "the job"
     if m.get("cause") == "grow" and not m.get("host"):
         who, what = "VMs", "were free again"
@@ -196,7 +194,20 @@ def morph_sentence(m: dict, t0: float | None = None) -> str:
         why = f"nothing lost: resumed at step {resume}"
     else:
         why = ""
-    return f"{when}{who} {what}; {moved}{_downtime_text(m)}" + (f"; {why}" if why else "")
+    return f"{when}{who} {what}; {moved}{_downtime_text(m)}" + (f"; {why}" if why else "") + _also_text(m)
+
+
+_CAUSE_WORDS = {"notice": "got a pre-emption notice", "loss": "was lost without notice", "grow": "came back",
+                "straggler": "was a straggler", "failure": "had a worker fail",
+                "stop_timeout": "did not stop when asked", "manager_restart": "had its manager restarted"}
+
+
+def _also_text(m: dict) -> str:
+    """The causes folded into the morph while it was under way (``MorphRecord.also``), in words."""
+    parts = [f"{'VM ' + a['host'] if a.get('host') else 'the job'} "
+             f"{_CAUSE_WORDS.get(a.get('cause', ''), a.get('cause', 'changed'))}"
+             for a in m.get("also") or [] if isinstance(a, dict)]
+    return f"; meanwhile {', '.join(parts)} (folded into this morph)" if parts else ""
 
 
 def _ago(s: float) -> str:

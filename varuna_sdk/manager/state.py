@@ -71,7 +71,10 @@ class MorphRecord:
     "examples_per_s", "time_s"}``, fastest first, the chosen one marked ``"chosen": True``) and
     ``feasible_plans`` how many it compared (paper §4.2: the planner simulates each); ``kept``:
     the config's fixed ``parallel.P``/``D`` the plan kept (``{"D": 1}``; a restarted or continued
-    job's first plan keeps them), None when the planner chose freely."""
+    job's first plan keeps them), None when the planner chose freely. ``also``: the causes met
+    while this morph was under way, before its new generation's first step (``{"cause", "host",
+    "time"}`` each, in order): they are folded into this morph, not recorded as morphs of their
+    own (e.g. VMs lost while a grow was restarting the job)."""
 
     time: float
     cause: MorphCause
@@ -86,6 +89,7 @@ class MorphRecord:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     feasible_plans: int | None = None
     kept: dict[str, int] | None = None
+    also: list[dict[str, Any]] = field(default_factory=list)
     marks: dict[str, float] = field(default_factory=dict, repr=False)
 
     def mark(self, phase_end: str, at: float | None = None, *, first_only: bool = False) -> None:

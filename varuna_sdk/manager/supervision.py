@@ -228,8 +228,13 @@ class ManagerSupervision:
     def _begin_morph(self, cause: MorphCause, host: str | None, run: RunningGeneration | None,
                      at: float | None = None) -> None:
         """Open a morph record (``_pending``) for ``cause`` seen at ``at`` (Unix s; None: now);
-        an earlier morph that never reached a first step keeps its cause and time."""
+        an earlier morph that never reached a first step keeps its cause and time, and notes this
+        one in its ``also``."""
         if self._pending is not None:
+            seen = {"cause": cause, "host": host, "time": at or time.time()}
+            if (cause, host) != (self._pending.cause, self._pending.host) and \
+                    not any((a["cause"], a["host"]) == (cause, host) for a in self._pending.also):
+                self._pending.also.append(seen)
             return
         old = plan_summary(run.job, run.hosts) if run is not None else {}
         self._pending = MorphRecord(time=at or time.time(), cause=cause, old=old, host=host, from_step=self._lineage[1])
