@@ -478,3 +478,29 @@ def test_a_capped_rows_time_is_what_its_whole_mini_batch_simulates():
     for r in long_rows:
         full = pl.simulate(r, record_timeline=False).minibatch_time
         assert full == pytest.approx(r.time_s, rel=0.02), (r.P, r.m, full, r.time_s)
+
+
+def test_the_planners_caps_are_no_slower_than_every_stage_held_to_a_tighter_level_of_them():
+    """Under a memory limit the caps that fit differ per stage; a stage allowed more micro-batches
+    than those below it runs forwards that then wait, so holding every stage to a tighter level of
+    the caps can simulate faster while holding less (helper-41's case: caps [4, 3, 3, 3, 3, 1, 1, 1,
+    0] planned 9.63 s at P=9 where the user's max_in_flight=3 gave 9.29 s). The planner simulates
+    those levels (``cap_variants``) and keeps the fastest: its row is no slower than the ceiling's,
+    and no stage holds more than its limit allows."""
+    from varuna_sdk.planner.recompute import cap_variants
+
+    prof = synthetic_profile([1, 2, 1, 1, 3, 1, 1, 2, 1, 1, 1, 2], act_factor=8.0, param_bytes=[4e6] * 11 + [2e7])
+    kw = dict(memory_limit_bytes=1.5e8, micro_batch_sizes=[1, 2, 4, 8], gpus_per_vm=12, compute_slots_per_vm=2)
+    own = plan(prof, 12, 48, max_depth=9, **kw).refine(9)
+    ceiling = plan(prof, 12, 48, max_depth=9, max_in_flight=3, **kw).refine(9)
+    assert own.micro_batch_size == ceiling.micro_batch_size == 4
+    assert own.time_s <= ceiling.time_s * (1 + 1e-9) and own.time_s < 9.5, (own.time_s, ceiling.time_s)
+    assert own.max_in_flight[0] == 3 and max(own.stage_memory_bytes) <= 1.5e8
+    # every variant is no looser than the caps that fit, stage by stage (0 = none, so m)
+    caps, m = [4, 3, 3, 3, 3, 1, 1, 1, 0], 12
+    groups = cap_variants(caps, m)
+    variants = [v for g in groups for v in g]
+    assert groups[0][0] == caps and [3, 3, 3, 3, 3, 1, 1, 1, 0] in groups[1] and [1] * 8 + [0] in groups[2]
+    assert all((v or m) <= (c or m) for vs in variants for v, c in zip(vs, caps)) and len(variants) == len(
+        {tuple(v) for v in variants})
+    assert cap_variants([0, 0, 0], 8) == [[[0, 0, 0]]]   # no limit: nothing capped, nothing more simulated
