@@ -204,3 +204,108 @@ def test_a_kept_micro_batch_that_cannot_divide_the_batch_is_said_so_not_a_crash(
     job.to_yaml(cfg)
     rc, _, stderr = _cli_here(capsys, "plan", str(cfg), "--gpus", "9", "--profile", str(path))
     assert rc in (1, 2) and "at most 8" in stderr, stderr[-2000:]
+
+
+def _profile_measured_on(job, **settings):
+    """A synthetic profile (8 segments: the tiny GPT-2 of ``_job``) that records what a calibration
+    of ``job`` records of its model (identity) and inputs (per-example shapes, precision), then
+    ``settings`` over the profile's fields (``data_read_s``)."""
+    import json
+
+    from varuna_sdk.profiling.job import profile_inputs
+    from varuna_sdk.trainer import resolve
+
+    r = resolve(job.validate())
+    prof = synthetic_profile(HEAVY, param_bytes=4e8)
+    prof.model.update(identity=json.loads(json.dumps(r.spec.identity, default=str)), **profile_inputs(job, r))
+    for k, v in settings.items():
+        setattr(prof, k, v)
+    return prof
+
+
+@pytest.mark.timeout(120)
+def test_a_profile_of_other_inputs_is_refused_and_one_of_the_same_inputs_reused(tmp_path, capsys):
+    """A profile saved from a job of the same model but another sequence length (or precision) was
+    accepted: its times are for other micro-batches (the tester's plan said 9.1 ms per step for a
+    job that takes 330 ms). Now refused, naming what differs and the calibration to run; a profile
+    of the same model and input shapes is reused."""
+    path = tmp_path / "profile.json"
+    _profile_measured_on(_job()).to_json(path)          # seq_len 32, fp32
+    longer = _job()
+    longer.data.seq_len = 64                             # the same model (block_size 64): other inputs
+    cfg = tmp_path / "longer.yaml"
+    longer.to_yaml(cfg)
+    rc, out, err = _cli_here(capsys, "plan", str(cfg), "--gpus", "4", "--profile", str(path))
+    assert rc == 2 and "Traceback" not in err and not out, err[-2000:]
+    assert "was measured on other inputs than this job's" in err, err
+    assert ("input 'input_ids': torch.int64 of shape [32] per example in the profile, torch.int64 of shape [64] "
+            "per example in the job") in err, err
+    assert f"calibrate this job with `varuna calibrate {cfg} -o PROFILE.json`" in err, err
+    assert "another model" not in err, err
+    bf16 = _job()
+    bf16.train.precision = "bf16"
+    bf16.to_yaml(cfg)
+    rc, _, err = _cli_here(capsys, "plan", str(cfg), "--gpus", "4", "--profile", str(path))
+    assert rc == 2 and "precision fp32 in the profile, bf16 in the job" in err, err
+    # the same model and inputs (another global batch, another P: not inputs): reused
+    same = _job(P=2)
+    same.parallel.global_batch = 64
+    same.to_yaml(cfg)
+    rc, out, err = _cli_here(capsys, "plan", str(cfg), "--gpus", "4", "--profile", str(path))
+    assert rc == 0 and "plan for G=4 GPUs, global batch 64" in out, err[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_reused_profile_times_this_jobs_data_reads(tmp_path, capsys):
+    """A profile file holds the data read time of the job it was made from (a fast dataset, or a slow
+    one); planning another job of the same model and shapes from it timed the other job's reads
+    with it. Now they are timed again on this job's data, as a cached calibration's are: a profile
+    saying 2 s per example (a slow store) plans this job's in-memory tokens as one saying 0 does."""
+    job = _job()
+    cfg = tmp_path / "job.yaml"
+    job.to_yaml(cfg)
+    path = tmp_path / "profile.json"
+    rows = {}
+    for read_s in (2.0, 0.0):
+        _profile_measured_on(job, data_read_s=read_s).to_json(path)
+        rc, out, err = _cli_here(capsys, "plan", str(cfg), "--gpus", "4", "--profile", str(path))
+        assert rc == 0, err[-2000:]
+        rows[read_s] = out.splitlines()[2]
+    assert rows[2.0] == rows[0.0], rows
+    # the test means something: planned with the reads it holds, the profile's best plan is 6x slower
+    slow, fast = (plan(_profile_measured_on(job, data_read_s=s), 4, 32, shared_egress=True).best.time_s
+                  for s in (2.0, 0.0))
+    assert slow > 5 * fast and f"{fast:.2f} s" in rows[0.0], (slow, fast, rows)
+
+
+@pytest.mark.timeout(120)
+def test_a_profile_without_recorded_inputs_is_reused_with_a_warning(tmp_path, capsys):
+    """A calibration saved before the inputs were recorded cannot be checked: it is used (as
+    before), with a warning saying so and how to calibrate this job."""
+    job = _job()
+    cfg = tmp_path / "job.yaml"
+    job.to_yaml(cfg)
+    old = _profile_measured_on(job)
+    del old.model["inputs"], old.model["precision"]
+    path = tmp_path / "old.json"
+    old.to_json(path)
+    with pytest.warns(UserWarning, match=r"does not record the input shapes it was measured on .* `varuna calibrate "):
+        rc, _, err = _cli_here(capsys, "plan", str(cfg), "--gpus", "4", "--profile", str(path))
+    assert rc == 0, err[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_saved_calibration_records_the_inputs_it_was_measured_on(tmp_path):
+    """``calibrate_job`` records the per-example input shapes and the precision in the profile's
+    ``model`` (what ``varuna plan --profile`` checks); a cached calibration from before they were
+    recorded gets them from its cache key, which holds them."""
+    from varuna_sdk.profiling.job import calibrate_job, profile_inputs, profile_key
+    from varuna_sdk.trainer import resolve
+
+    job = _job().validate()
+    r = resolve(job)
+    cached = synthetic_profile(HEAVY, param_bytes=4e8)   # a cache file without them
+    cached.to_json(tmp_path / f"{profile_key(job, r)}.json")
+    prof = calibrate_job(job, cache_dir=tmp_path, resolved=r)
+    assert {k: prof.model.get(k) for k in ("inputs", "precision")} == profile_inputs(job, r)
+    assert prof.model["inputs"]["input_ids"] == [[32], "torch.int64"] and prof.model["precision"] == "fp32"

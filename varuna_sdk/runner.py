@@ -135,18 +135,19 @@ def job_labels(resolved) -> dict[str, str]:
 
 
 def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
-                files: dict[str, bytes] | None = None) -> tuple[JobConfig, Path, Any]:
+                files: dict[str, bytes] | None = None, command: str = "varuna launch") -> tuple[JobConfig, Path, Any]:
     """Check everything about ``job`` that can fail before a process starts, then make its run
     folder (``run_dir``, or a fresh ``new_run_dir``) holding ``config.yaml`` and the objects
     files (``objects`` packed here, or ``files`` packed already by ``JobObjects.pack``). Returns
     ``(the job as it will run, run folder, its jobspec.ResolvedJob)``. Raises ``ConfigError``, ``DataError``,
     ``ModelSpecError``, ``PartitionError`` (all ``ValueError``), ``ShippingError`` or
-    ``TypeError`` — leaving no folder behind."""
+    ``TypeError`` — leaving no folder behind. ``command``: the command that runs the job (``varuna
+    train``, ``varuna launch``), named in the way to continue a run folder this config cannot."""
     from .trainer import check_partition, resolve
 
     job = copy.deepcopy(job).validate()
     # a run folder this config cannot continue is refused first: no model is built, no data read
-    changed = check_continuation(job, Path(run_dir)) if run_dir is not None else []
+    changed = check_continuation(job, Path(run_dir), command) if run_dir is not None else []
     files = dict(files or {})
     if objects is not None:
         files.update(objects.pack(job))
@@ -230,16 +231,21 @@ CONTINUED_FIELDS = ("model", "data.tokenizer", "data.seq_len", "data.corpus", "d
                     "train.seed", "train.precision")
 
 
-def check_continuation(job: JobConfig, run_dir: Path) -> list[tuple[str, Any, Any]]:
+def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna launch") -> list[tuple[str, Any, Any]]:
     """A run folder that holds a started job (``events.db`` and ``config.yaml``) is continued: the
     config given must train the same model on the same examples (``CONTINUED_FIELDS``), or its
     checkpoint cannot be loaded — found now, not after a calibration and a failed generation that
-    would mark the run FAILED. Other fields (steps, lr, checkpointing, launch) may change: they are
+    would mark the run FAILED. The arguments of a factory named by import path
+    (``data.dataset_kwargs``, ``model.kwargs``) are compared as the call sees them
+    (``same_call_arguments``): a default spelled out (``seed: 0`` where the function's default
+    seed is 0) is the same call. Other fields (steps, lr, checkpointing, launch) may change: they are
     returned as ``(dotted field, old, new)`` for ``continue_with_changes`` ([] when nothing changes
     or the folder holds no started job). A job that already ended (SUCCEEDED, FAILED) is not run
     again, so a changed config for it is refused, as is ``train.steps`` below the steps it has
-    done. Reads the folder only (no torch). Raises ``ConfigError`` naming each differing field
-    with both values."""
+    done. Reads the folder only (no torch; the factory's module is imported only when its
+    arguments differ as written and nothing else does). Raises ``ConfigError`` naming each
+    differing field with both values and ``command`` (``varuna train``, ``varuna launch``) as the
+    way to continue the run as it was."""
     old_path = Path(run_dir) / "config.yaml"
     if not (Path(run_dir) / "events.db").is_file() or not old_path.is_file():
         return []
@@ -254,23 +260,43 @@ def check_continuation(job: JobConfig, run_dir: Path) -> list[tuple[str, Any, An
             d = d.get(k) if isinstance(d, dict) else None
         return d
 
-    diffs = []
+    diffs, calls = [], []
     for f in CONTINUED_FIELDS:
         a, b = get(old, f), get(new, f)
         if a == b:
             continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"{f}.{k}: {a.get(k)!r} in the run, {b.get(k)!r} here" for k in sorted(set(a) | set(b))
-                      if a.get(k) != b.get(k)]
+        if f in _CALL_ARGUMENTS and isinstance(a, dict) and isinstance(b, dict):
+            calls.append((f, a, b))   # compared as the call sees them: below
+        elif isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                if not _differs(a, b, k):
+                    continue
+                if f"{f}.{k}" in _CALL_ARGUMENTS and isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+                    calls.append((f"{f}.{k}", a[k], b[k]))
+                else:
+                    diffs.append(f"{f}.{k}: {_given(a, k)} in the run, {_given(b, k)} here")
         else:
             diffs.append(f"{f}: {a!r} in the run, {b!r} here")
+    same_calls = set()
+    for f, a, b in calls:
+        factory = get(new, _CALL_ARGUMENTS[f])
+        # the factory's module is imported only when the arguments alone differ (a refusal for another
+        # field is said without importing the user's code); the same factory in both, by import path
+        if not diffs and factory is not None and factory == get(old, _CALL_ARGUMENTS[f]) \
+                and same_call_arguments(factory, a, b):
+            same_calls.add(f)
+            continue
+        diffs += [f"{f}.{k}: {_given(a, k)} in the run, {_given(b, k)} here" for k in sorted(set(a) | set(b))
+                  if _differs(a, b, k)]
     if diffs:
         raise ConfigError(f"{run_dir} holds a job that trains another model or other examples than this config "
                           f"({'; '.join(diffs[:6])}{'; ...' if len(diffs) > 6 else ''}); its checkpoints cannot "
-                          f"continue this one. Continue it as it was: `varuna launch {old_path} --run-dir {run_dir}`; "
+                          f"continue this one. Continue it as it was: `{command} {old_path} --run-dir {run_dir}`; "
                           "or run this config in another --run-dir (in a notebook: Job(..., run_dir=...) naming "
                           "another folder, or the model and data the run was made with)")
-    changed = _changed_fields(old, new)
+    # arguments that differ as written only (a default spelled out): the same job, not a change
+    changed = [c for c in _changed_fields(old, new) if not any(c[0] == f or c[0].startswith(f + ".")
+                                                                for f in same_calls)]
     state, done = _run_progress(run_dir)
     what = _changes_text(changed)
     if state in ("SUCCEEDED", "FAILED"):
@@ -287,6 +313,52 @@ def check_continuation(job: JobConfig, run_dir: Path) -> list[tuple[str, Any, An
                           f"so continuing it would train nothing. Give train.steps > {done} (or --steps) to train on, "
                           "or another --run-dir to start again")
     return changed
+
+
+def _differs(a: dict, b: dict, k: str) -> bool:
+    """Key ``k`` is in one of ``a``, ``b`` only (``seed: null`` spelled out is not left out), or differs."""
+    return (k in a) != (k in b) or a.get(k) != b.get(k)
+
+
+def _given(d: dict, k: str) -> str:
+    return repr(d[k]) if k in d else "not given"
+
+
+#: the factory arguments a continued run compares as the call sees them -> the field naming the factory
+_CALL_ARGUMENTS = {"data.dataset_kwargs": "data.dataset", "model.kwargs": "model.factory"}
+
+
+def same_call_arguments(ref: str, a: dict, b: dict) -> bool:
+    """Whether ``f(**a)`` and ``f(**b)`` are the same call for the function or class ``f`` at import
+    path ``ref`` (``package.module:function``): each bound to its signature with the defaults
+    applied (``seed: 0`` spelled out where the default seed is 0 = left out), then compared. False
+    whenever that cannot be told: ``ref`` is no import path (a registered model's name) or cannot be
+    imported, the signature cannot be read, either set of arguments does not fit it, or comparing
+    raises. Imports ``ref``'s module."""
+    import inspect
+
+    if not isinstance(ref, str) or ref.count(":") != 1:
+        return False
+    from .jobspec import import_object
+
+    try:
+        sig = inspect.signature(import_object(ref))
+
+        def bound(kw: dict) -> dict:
+            args = sig.bind(**kw)
+            args.apply_defaults()
+            out = dict(args.arguments)
+            for name, p in sig.parameters.items():
+                if p.kind is inspect.Parameter.VAR_KEYWORD:
+                    out.update(out.pop(name, {}))   # **kwargs: as given, no defaults to apply
+                elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+                    out.pop(name, None)
+            return out
+
+        x, y = bound(a), bound(b)
+        return set(x) == set(y) and all(type(x[k]) is type(y[k]) and bool(x[k] == y[k]) for k in x)
+    except Exception:  # noqa: BLE001 - not importable, no signature, arguments that do not fit: not shown the same
+        return False
 
 
 def continue_with_changes(job: JobConfig, run_dir: Path, changed: list[tuple[str, Any, Any]]) -> None:
@@ -379,7 +451,8 @@ def stop_on_signals(mgr) -> Iterator[None]:
 
 
 def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=None, job_id: str | None = None,
-               objects: JobObjects | None = None, signals: bool = False, **manager_options) -> dict:
+               objects: JobObjects | None = None, signals: bool = False, command: str = "varuna launch",
+               **manager_options) -> dict:
     """Run ``job`` under the morph manager in the foreground until it ends, on ``provider``'s
     VMs (default: ``job.launch.gpus`` local worker slots); returns ``Manager.summary()``.
 
@@ -391,7 +464,8 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     (``prepare_run``) before anything starts when the job cannot run. The provider is closed at
     the end (no worker left running) when this function made it. ``signals``: SIGINT/SIGTERM stop
     the job at a boundary with a checkpoint (``stop_on_signals``; the CLI's way). Raises
-    ``manager.ManagerError`` at once when another manager runs ``run_dir`` now.
+    ``manager.ManagerError`` at once when another manager runs ``run_dir`` now. ``command``: the
+    command that runs it, named when ``run_dir`` holds a job this config cannot continue.
     """
     from .cluster.provider import LocalProvider
     from .manager.manager import Manager
@@ -403,7 +477,7 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
             check_run_free(run_dir)   # before any work: a live run is never taken over
         except RunBusy as e:
             raise ManagerError(str(e)) from None
-    job, out, resolved = prepare_run(job, run_dir, objects)
+    job, out, resolved = prepare_run(job, run_dir, objects, command=command)
     own = provider is None
     provider = provider or LocalProvider(job.launch.gpus)
     try:
@@ -474,7 +548,8 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
                       "each step is slower than the plan for that many GPUs. Set launch.gpus to the workers "
                       "this machine should run, or P and D null to plan for launch.gpus", stacklevel=2)
     opts = {"calibrate_first": False, "max_failures": 0, "grow": None, "straggler": None,
-            "generation_options": {"start_timeout_s": max(180.0, job.launch.timeout_s)}, **manager_options}
+            "generation_options": {"start_timeout_s": max(180.0, job.launch.timeout_s)}, "command": "varuna train",
+            **manager_options}
     provider = LocalProvider(slots)
     try:
         summary = launch_job(job, run_dir=run_dir, provider=provider, objects=objects, **opts)

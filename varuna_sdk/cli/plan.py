@@ -1,6 +1,6 @@
 """``varuna calibrate [CONFIG]`` and ``varuna plan [CONFIG] --gpus G``: measure the job's model
 once (``profiling.job.calibrate_job``) and rank every (P, D, micro-batch) for G GPUs with the
-simulator (``planner.plan``), refusing a profile measured on another model.
+simulator (``planner.plan``), refusing a profile measured on another model or other inputs.
 
 Imports ``config`` and ``demo`` at the top; ``profiling``, ``planner`` and ``trainer`` only inside
 the commands (``varuna --help`` stays fast). Never imports the dashboard.
@@ -23,7 +23,7 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     """``varuna calibrate`` (writes the profile) or ``varuna plan`` (prints the ranked table, and the
     best plan that keeps the config's P, D or stages when it fixes them). Returns the exit code:
     0, or 1 when no configuration fits. Raises ``ConfigError`` for a bad flag or a profile that is
-    missing or was measured on another model."""
+    missing or was measured on another model or other inputs."""
     if args.cmd == "plan":
         _check_plan_flags(args)   # before torch is imported: a bad flag is answered at once
     from ..profiling.job import calibrate_job
@@ -163,8 +163,14 @@ def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
 
 
 def _check_profile_matches(prof, job: JobConfig, path: str | None, config: str | None) -> None:
-    """A profile measured on another model would plan the wrong thing: refuse it, naming the
-    difference. Raises ``ConfigError``."""
+    """A profile measured on another model, or on other inputs (another sequence length, image size,
+    dtype or precision: ``profiling.job.profile_misfit``), would plan the wrong thing: refuse it,
+    naming the difference and the calibration to run. A profile file (``path``) of the same model and
+    inputs is reused, its data reads timed again on this job's data (another dataset of the same
+    shapes may read slower), as a cached calibration's are. Raises ``ConfigError``."""
+    import warnings
+
+    from ..profiling.job import measure_data_read, profile_misfit
     from ..trainer import model_structure, resolve
 
     r = resolve(job)
@@ -181,3 +187,17 @@ def _check_profile_matches(prof, job: JobConfig, path: str | None, config: str |
     elif prof.num_segments != (n := model_structure(job, r).num_segments):
         raise ConfigError(f"profile {path or ''} has {prof.num_segments} cut-point segments but the job's model "
                           f"({r.spec.name}) has {n}{fix}")
+    misfit = profile_misfit(prof, job, r)
+    if misfit:
+        raise ConfigError(f"profile {path or ''} was measured on other inputs than this job's: " + "; ".join(misfit)
+                          + "; its compute and memory figures are not this job's (the plan's times would be off)"
+                          + fix)
+    if not path:
+        return
+    if isinstance(measured, dict) and "inputs" not in prof.model:
+        warnings.warn(f"profile {path} does not record the input shapes it was measured on (an older calibration), "
+                      "so they cannot be checked: if it was made from a job with other inputs (another sequence "
+                      "length, image size or precision), its times are not this job's; calibrate this job with "
+                      f"`varuna calibrate {config + ' ' if config else ''}-o PROFILE.json`", stacklevel=2)
+    if isinstance(measured, dict) or prof.data_read_s:
+        prof.data_read_s, prof.data_draws_random = measure_data_read(r, job.data.seq_len)

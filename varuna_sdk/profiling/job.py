@@ -62,11 +62,48 @@ def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
     jobs of the same model and data shapes share one calibration. ``resolved``: the job's model
     spec and data if already resolved (``jobspec.resolve_job``); raises what resolving raises."""
     r = resolved or resolve_job(job)
-    example = {k: [list(v.shape[1:]), str(v.dtype)] if isinstance(v, torch.Tensor) else type(v).__name__
-               for k, v in r.data.sample(1, job.data.seq_len).items()}
+    return _key(job, r, input_shapes(r, job.data.seq_len))
+
+
+def _key(job: JobConfig, r: ResolvedJob, example: dict) -> str:
     text = json.dumps([r.spec.identity, example, job.data.seq_len, job.train.precision, torch.__version__,
                        job.launch.threads_per_worker, AUTO_CUTPOINTS_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def input_shapes(r: ResolvedJob, seq_len: int) -> dict:
+    """The shape of one example of each batch field (the batch dimension left out) and its dtype,
+    ``{field: [shape, dtype]}`` (a field that is no tensor: its type's name): what a calibration's
+    times depend on besides the model and precision. Reads one example of the job's data."""
+    return {k: [list(v.shape[1:]), str(v.dtype)] if isinstance(v, torch.Tensor) else type(v).__name__
+            for k, v in r.data.sample(1, seq_len).items()}
+
+
+def profile_inputs(job: JobConfig, r: ResolvedJob) -> dict:
+    """What a profile records of the job's inputs (``Profile.model``'s ``inputs`` and
+    ``precision``): the per-example shapes and dtypes of its batch fields (``input_shapes``) and
+    the numeric precision — what ``profile_misfit`` compares with another job's."""
+    return {"inputs": json.loads(json.dumps(input_shapes(r, job.data.seq_len))), "precision": job.train.precision}
+
+
+def profile_misfit(prof: Profile, job: JobConfig, r: ResolvedJob) -> list[str]:
+    """How the inputs ``prof`` was measured on differ from ``job``'s (``profile_inputs``): each
+    batch field whose per-example shape or dtype differs (another sequence length, image size or
+    dtype), a field only one of them has, another precision — ``[]`` when they are the same (the
+    micro-batch size may differ: the planner interpolates over it) or the profile records none of
+    them (one calibrated before they were recorded, or synthetic)."""
+    measured, mine = prof.model or {}, profile_inputs(job, r)
+    out = []
+    had, have = measured.get("inputs"), mine["inputs"]
+    if isinstance(had, dict) and had != have:
+        def said(x):
+            return "absent" if x is None else (f"{x[1]} of shape {x[0]} per example"
+                                               if isinstance(x, list) and len(x) == 2 else repr(x))
+        out += [f"input {k!r}: {said(had.get(k))} in the profile, {said(have.get(k))} in the job"
+                for k in sorted(set(had) | set(have)) if had.get(k) != have.get(k)]
+    if measured.get("precision") not in (None, mine["precision"]):
+        out.append(f"precision {measured['precision']} in the profile, {mine['precision']} in the job")
+    return out
 
 
 def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: bool = False,
@@ -87,13 +124,16 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
         micro_batch_sizes = tuple(r.spec.min_micro_batch * k for k in (1, 2, 4))
     cache = Path(cache_dir) if cache_dir else default_cache_dir() / "profiles"
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{profile_key(job, r)}.json"
+    inputs = profile_inputs(job, r)
+    path = cache / f"{_key(job, r, inputs['inputs'])}.json"
     busy = busy_fraction()
     stale = False
     if path.exists() and not refresh:
         prof = Profile.load(path)
         if not prof.calibrated_at:   # a cache file from before the time was recorded: its own time
             prof.calibrated_at = path.stat().st_mtime
+        for k, v in inputs.items():   # a cache file from before they were recorded: the key holds them
+            prof.model.setdefault(k, v)
         if not measured_under_load(prof.busy_at_calibration, busy, time.time() - prof.calibrated_at):
             # measured afresh: the key holds the data's shapes, not the dataset (another with the
             # same shapes may read slower)
@@ -110,7 +150,7 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     prof = calibrate(r.spec.factory, r.spec.loss_fn, lambda b: r.sample_inputs(b, T), micro_batch_sizes,
                      seed=job.train.seed, init_fn=r.spec.init_fn, precision=job.train.precision,
                      threads=threads, network=known or True,
-                     model_info={"name": job.name, "model": r.spec.name, "identity": r.spec.identity})
+                     model_info={"name": job.name, "model": r.spec.name, "identity": r.spec.identity, **inputs})
     if known is None and prof.network is not None:
         store_host_network(hosts, threads, prof.network)
     prof.data_read_s, prof.data_draws_random = measure_data_read(r, T)
