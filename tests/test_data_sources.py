@@ -864,17 +864,100 @@ def test_class_ids_are_checked_on_the_host_copy_against_the_outputs_shape_alone(
     """On CUDA the last stage checks the targets' host copy before the loss (a class id beyond the
     logits is otherwise a device-side assert): ``check_class_ids`` reads only the output's shape —
     here a meta tensor, whose values cannot be read at all, as a GPU tensor's cannot without a
-    sync — and names the id; ids in range, -100 and floating-point targets pass."""
-    from varuna_sdk.model.spec import ModelSpecError, check_class_ids, cross_entropy
+    sync — and names the id; ids in range, -100 and class probabilities pass; float targets that are
+    no probabilities (a regression's) and ids of another shape (``[B, 1]``) are refused there too."""
+    from varuna_sdk.model.spec import ModelSpecError, check_class_ids, check_targets, cross_entropy
 
     logits = torch.empty(4, 5, device="meta")
     with pytest.raises(ModelSpecError, match=r"class id 5 \(ids from 0 to 5 in this micro-batch\) but the model's "
                                              r"output has 5 classes"):
         check_class_ids(logits, torch.tensor([0, 5, 1, -100]))
     check_class_ids(logits, torch.tensor([0, 4, -100, 2], dtype=torch.int32))
-    check_class_ids(logits, torch.randn(4))
+    check_targets(logits, torch.nn.functional.one_hot(torch.tensor([0, 4, 1, 2]), 5).float())
+    with pytest.raises(ModelSpecError, match=r"float32 \[4\] \(a regression's\?\)"):
+        check_targets(logits, torch.randn(4))
+    with pytest.raises(ModelSpecError, match=r"int64 \[4, 1\] and the logits \[4, 5\].*y\.squeeze\(-1\)"):
+        check_targets(logits, torch.tensor([[0], [4], [1], [2]]))
     check_class_ids((torch.empty(2, 3, 7, device="meta"),), torch.tensor([[6, 0, 1], [2, 3, 4]]))
-    assert cross_entropy.check_targets is check_class_ids   # the hook the engine's last stage calls
+    assert cross_entropy.check_targets is check_targets is check_class_ids   # the hook the engine's last stage calls
+
+
+def _classify(tmp_path, dataset: str, P: int = 2, factory: str = "Classifier", **kwargs) -> JobConfig:
+    from varuna_sdk.config import TrainConfig
+
+    return JobConfig(name=dataset, model=ModelConfig(factory=f"tests.thirdparty.user_data:{factory}"),
+                     data=DataConfig(dataset=f"tests.thirdparty.user_data:{dataset}", dataset_kwargs=kwargs),
+                     parallel=ParallelConfig(P=P, D=1, global_batch=16, micro_batch_size=4),
+                     train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("factory, dataset, kwargs", [
+    ("Classifier", "class_probabilities", {}),
+    ("Classifier", "class_probabilities", {"soft": True}),
+    ("ConvTagger", "tagged_sequences", {}),
+    ("ConvTagger", "tagged_sequences", {"probabilities": False}),
+], ids=["one-hot", "soft", "one-hot-BCL", "ids-BL"])
+def test_class_probabilities_train_with_the_automatic_cross_entropy_as_plain_pytorch(tmp_path, factory, dataset,
+                                                                                      kwargs):
+    """Float class probabilities of the logits' shape (one-hot ``[B, C]``, label-smoothed ``[B, C]``,
+    one-hot ``[B, C, L]`` in PyTorch's layout, classes in dimension 1), and ``[B, L]`` class ids for
+    ``[B, C, L]`` logits, with the automatic loss: trained at P=2 (they were refused as "a
+    regression's" targets; ``[B, L]`` ids failed on a reshape) with the losses of plain PyTorch, and
+    the first step's loss is ``F.cross_entropy`` of the user's own copy of the model, by hand."""
+    from tests.thirdparty import user_data
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    job = _classify(tmp_path, dataset, factory=factory, **kwargs)
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    handle = Job(job)
+    assert len(got) == 3 and got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5, abs=1e-5)
+    mine = getattr(user_data, factory)()
+    mine.load_state_dict(handle.initial_weights())
+    mbs = handle.batch(0)
+    assert mbs[0][1].is_floating_point() == kwargs.get("probabilities", True)   # probabilities, or ids
+    first = sum(torch.nn.functional.cross_entropy(mine(x[0]), y).item() for x, y in mbs) / len(mbs)
+    assert first == pytest.approx(got[0], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_class_ids_of_shape_b_1_are_refused_before_any_step_saying_to_squeeze_them(tmp_path):
+    """Class ids ``[B, 1]`` (``y.unsqueeze(1)``) with ``[B, C]`` logits: plain PyTorch's
+    ``F.cross_entropy`` refuses them, and the automatic loss trained on them flattened, with no word.
+    Now refused when the job is resolved (the notebook's ``Job(...)`` and ``varuna train``), before any
+    worker starts or any step runs, naming both shapes and the fix (``y.squeeze(-1)``); float
+    targets that are no class probabilities say what they are not."""
+    from torch.utils.data import TensorDataset
+
+    from tests.thirdparty.user_data import Classifier, make_dataset
+    from varuna_sdk.model.spec import ModelSpecError
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.cross_entropy(torch.randn(4, 4), torch.zeros(4, 1, dtype=torch.long))
+    said = (r"the targets are int64 \[4, 1\] and the logits \[4, 4\]: cross-entropy \(the automatic loss\) takes "
+            r"class ids of shape \[4\] .*it refuses these shapes too\)\. To train, drop the targets' dimension of size "
+            r"1: y\.squeeze\(-1\) \(in the dataset, e\.g\. TensorDataset\(x, y\.squeeze\(-1\)\)\), or give a loss of "
+            r"your own")
+    job = _classify(tmp_path, "column_labels", P=2)
+    with pytest.raises(ModelSpecError, match=said):
+        train_local(job, run_dir=tmp_path / "run")
+    assert not list(tmp_path.rglob("metrics.jsonl"))   # no step ran
+    x, y = make_dataset(64).tensors
+    with pytest.raises(ModelSpecError, match=said):
+        Job(model=Classifier, data=TensorDataset(x, y.unsqueeze(1)), steps=2, P=1, D=1, global_batch=8,
+            micro_batch_size=4, run_dir=str(tmp_path / "nb"))
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+    with pytest.raises(ModelSpecError, match=r"class ids stored as floats\? Give them as integers "
+                                             r"\(y\.long\(\)\.squeeze\(-1\)\)"):
+        Job(model=Classifier, data=TensorDataset(x, y.unsqueeze(1).float()), steps=2, P=1, D=1, global_batch=8,
+            micro_batch_size=4, run_dir=str(tmp_path / "nb"))
+    with pytest.raises(ModelSpecError, match=r"as class probabilities, but .* rows along dimension -1 sum to 2 "
+                                             r"\(multi-hot.*binary_cross_entropy_with_logits"):
+        Job(model=Classifier, data=TensorDataset(x, torch.tensor([1., 1, 0, 0]).repeat(64, 1)),
+            steps=2, P=1, D=1, global_batch=8, micro_batch_size=4, run_dir=str(tmp_path / "nb"))
 
 
 @pytest.mark.timeout(180)

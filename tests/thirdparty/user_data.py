@@ -338,3 +338,60 @@ class EncoderClassifier(nn.Module):
         x = self.enc(self.emb(tokens), src_key_padding_mask=pad_mask)
         keep = (~pad_mask).unsqueeze(-1).float()
         return self.head((x * keep).sum(1) / keep.sum(1))
+
+
+def class_probabilities(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0, soft: bool = False):
+    """``make_dataset`` with its labels as float class probabilities ``[classes]``: one-hot, or
+    (``soft``) label-smoothed towards a seeded random distribution (each row sums to 1)."""
+    x, y = make_dataset(n, features, classes, seed).tensors
+    p = torch.nn.functional.one_hot(y, classes).float()
+    if soft:
+        noise = torch.rand(n, classes, generator=torch.Generator().manual_seed(seed + 1))
+        p = 0.7 * p + 0.3 * noise / noise.sum(-1, keepdim=True)
+    return torch.utils.data.TensorDataset(x, p)
+
+
+def column_labels(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
+    """``make_dataset`` with its class ids as a column, ``[n, 1]`` (``y.unsqueeze(1)``): a batch of
+    them is ``[B, 1]``, which cross-entropy with ``[B, C]`` logits does not take."""
+    x, y = make_dataset(n, features, classes, seed).tensors
+    return torch.utils.data.TensorDataset(x, y.unsqueeze(1))
+
+
+def tagged_sequences(n: int = 200, length: int = 12, channels: int = 3, classes: int = 4, seed: int = 0,
+                     probabilities: bool = True):
+    """Per-position tagging in PyTorch's ``[C, L]`` layout: ``x`` ``[channels, length]`` and, per
+    position, the class of its largest channel (ids mod ``classes``) as one-hot probabilities
+    ``[classes, length]`` (classes in dimension 0 of an example: a batch's dimension 1), or as ids
+    ``[length]``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, channels, length, generator=g)
+    y = (x.argmax(1) + (x[:, 0] > 0).long()) % classes
+    t = torch.nn.functional.one_hot(y, classes).movedim(-1, 1).float() if probabilities else y
+    return torch.utils.data.TensorDataset(x, t)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.conv = nn.Conv1d(d, d, 3, padding=1)
+
+    def forward(self, h):
+        return h + torch.relu(self.conv(h))
+
+
+class ConvTagger(nn.Module):
+    """1-D convolutions whose logits are ``[B, classes, length]`` (PyTorch's ``[B, C, d1]`` layout,
+    as a segmentation model's)."""
+
+    def __init__(self, channels: int = 3, hidden: int = 8, depth: int = 3, classes: int = 4):
+        super().__init__()
+        self.inp = nn.Conv1d(channels, hidden, 1)
+        self.body = nn.ModuleList([ConvBlock(hidden) for _ in range(depth)])
+        self.out = nn.Conv1d(hidden, classes, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.body:
+            h = block(h)
+        return self.out(h)

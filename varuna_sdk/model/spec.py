@@ -78,26 +78,148 @@ def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
     return loss
 
 
-def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of the output's logits ``[B, T, V]`` (or ``[B, V]``) against
-    ``targets`` ``[B, T]`` (or ``[B]``) class ids of any integer dtype (int32 ids from NumPy are
-    taken as int64); fp32 whatever the autocast dtype. Raises ``ModelSpecError`` for floating-point
-    targets (a regression's: cross-entropy needs class ids), and for class ids outside
-    ``[0, V)`` (other than -100, ignored), naming the id and ``V`` (checked when torch refuses them;
-    on CUDA the pipeline's last stage checks the targets' host copy first, ``check_class_ids``,
-    since torch's device-side assert would come first there)."""
-    if isinstance(targets, torch.Tensor) and targets.is_floating_point():
+#: how far a class-probability target's row may be from summing to 1 (or its values from [0, 1]),
+#: by dtype: one-hot rows are exact; softmax rows stored in 16 bits are not
+_PROB_TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+#: how to give a loss of one's own, the end of every targets error of the automatic cross-entropy
+_OWN_LOSS = ("give a loss of your own (model.loss: 'mypkg.losses:my_loss' with def my_loss(output, targets), or "
+             "Job(..., loss=my_loss) in a notebook)")
+
+
+def _shown(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+def _probability_error(targets: torch.Tensor, dim: int) -> str | None:
+    """Why ``targets`` (floating, read on the host) are not class probabilities along ``dim``
+    (values in [0, 1], each row summing to 1), or None when they are."""
+    tol = _PROB_TOL.get(targets.dtype, 1e-3)
+    t = targets.detach().float()
+    lo, hi = float(t.min()), float(t.max())
+    if lo < -tol or hi > 1 + tol:
+        return f"they hold values from {lo:.4g} to {hi:.4g}, outside [0, 1]"
+    sums = t.sum(dim)
+    off = (sums - 1).abs()
+    if float(off.max()) <= tol:
+        return None
+    worst = float(sums.flatten()[int(off.argmax())])
+    if bool(((t == 0) | (t == 1)).all()):
+        return (f"their rows along dimension {dim} sum to {worst:g} (multi-hot: several classes per example?): "
+                "several true classes are a multi-label task, whose loss is "
+                "F.binary_cross_entropy_with_logits(output, targets); ")
+    return f"a row along dimension {dim} sums to {worst:.4g}, not 1 (normalise: y / y.sum({dim}, keepdim=True)); "
+
+
+def _squeezed_hint(targets: torch.Tensor, accepted: list[torch.Size]) -> str | None:
+    """``y.squeeze(d)`` where dropping a size-1 dimension ``d`` of ``targets`` gives an accepted shape."""
+    for d in range(targets.dim() - 1, -1, -1):
+        if targets.shape[d] == 1 and targets.squeeze(d).shape in accepted:
+            return f"y.squeeze({d - targets.dim() if d == targets.dim() - 1 else d})"
+    return None
+
+
+def _class_dim(logits: torch.Tensor, targets: torch.Tensor, values: bool) -> int:
+    """The dimension of ``logits`` that holds the classes for these ``targets`` (-1, or 1 for
+    PyTorch's ``[B, C, d1, ...]`` layout), or a ``ModelSpecError`` saying what is wrong with the
+    targets and what to change. Class ids (integers) have the logits' shape without their class
+    dimension: ``[B, ..., C]`` logits take ``[B, ...]`` ids; ``[B, C, d1, ...]`` logits also take
+    ``[B, d1, ...]`` (read as PyTorch's layout where the shapes say so: the classes last wins a
+    tie). Class probabilities (floating) have the logits' shape, values in [0, 1] and rows summing
+    to 1 along the class dimension — the last, or dimension 1 where only that one sums to 1. Only
+    the shapes are read unless ``values`` (targets on the host): then the probabilities and the
+    whole numbers of float targets are read too; floating targets of ``[B, C, d1, ...]`` logits are
+    read whatever ``values`` says (a device sync), since only their values tell the layout."""
+    shape = logits.shape
+    if logits.dim() < 2:
+        raise ModelSpecError(
+            f"cross-entropy (the automatic loss) needs logits with a class dimension, [B, C] or [B, ..., C], but the "
+            f"model's output is {_shown(logits)} (a regression's?), the targets {_shown(targets)}: {_OWN_LOSS}, e.g. "
+            "def mse(output, targets): return F.mse_loss(output, targets)")
+    C = shape[-1]
+    ids_last = shape[:-1]
+    ids_first = torch.Size(shape[:1] + shape[2:]) if logits.dim() >= 3 else None
+    accepted = [ids_last] + ([ids_first] if ids_first is not None and ids_first != ids_last else [])
+    said = f"the targets are {_shown(targets)} and the logits {list(shape)}"
+    layouts = f"class ids of shape {list(ids_last)} (the logits' shape without their last, class dimension)"
+    if len(accepted) > 1:
+        layouts += f" or {list(ids_first)} (PyTorch's [B, C, d1, ...] layout, classes in dimension 1)"
+    if targets.is_floating_point():
+        if targets.shape == shape and C >= 2:
+            dims = [-1] + ([1] if logits.dim() >= 3 and shape[1] >= 2 else [])
+            if values or len(dims) > 1:
+                why = [_probability_error(targets, d) for d in dims]
+                for d, w in zip(dims, why):
+                    if w is None:
+                        return d
+                raise ModelSpecError(
+                    f"cross-entropy (the automatic loss) reads float targets of the logits' shape as class "
+                    f"probabilities, but {said}, and {why[0].rstrip('; ')}. Give class probabilities (values in [0, 1], "
+                    f"each row summing to 1 along the class dimension), {layouts}, or {_OWN_LOSS}")
+            return -1
+        hint = ""
+        if values and targets.shape in accepted + [s + (1,) for s in accepted]:
+            t = targets.detach()
+            kept = t[t != -100]
+            if kept.numel() and bool((kept == kept.round()).all()) and float(kept.min()) >= 0:
+                squeeze = _squeezed_hint(targets, accepted)
+                hint = (f" They hold whole numbers from {int(kept.min())} to {int(kept.max())}: class ids stored as "
+                        f"floats? Give them as integers (y.long(){squeeze[1:] if squeeze else ''}).")
+        single = (" (over the logits' 1 class cross-entropy is 0 whatever the model outputs)" if C == 1 else "")
         raise ModelSpecError(
             f"cross-entropy (the automatic loss) compares the logits with class ids, but the targets are "
-            f"{str(targets.dtype).replace('torch.', '')} {list(targets.shape)} (a regression's?): give the loss, e.g. "
+            f"{_shown(targets)}{single} (a regression's?) with the logits {list(shape)}: it takes {layouts}, or float "
+            f"class probabilities of the logits' shape.{hint} For other targets give the loss, e.g. "
             "model.loss: 'mypkg.losses:mse' with def mse(output, targets): return F.mse_loss(output.squeeze(-1), "
             "targets), or Job(..., loss=my_loss) in a notebook")
+    if targets.shape == ids_last:
+        return -1
+    if len(accepted) > 1 and targets.shape == ids_first:
+        return 1
+    squeeze = _squeezed_hint(targets, accepted)
+    if squeeze is not None:
+        fix = f"drop the targets' dimension of size 1: {squeeze} (in the dataset, e.g. TensorDataset(x, {squeeze}))"
+    elif targets.shape == shape:
+        fix = ("integer targets of the logits' shape look one-hot: give the class ids, y.argmax(-1), or class "
+               "probabilities, y.float()")
+    else:
+        fix = "give targets of that shape"
+    raise ModelSpecError(
+        f"{said}: cross-entropy (the automatic loss) takes {layouts}, as PyTorch's F.cross_entropy "
+        f"does (it refuses these shapes too). To train, {fix}, or {_OWN_LOSS}")
+
+
+def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the output's logits (a tensor, ``.logits`` or a tuple's first; fp32
+    whatever the autocast dtype) against ``targets``, as ``F.cross_entropy`` computes it:
+
+    - class ids of any integer dtype (int32 ids from NumPy are taken as int64) of the logits'
+      shape without the class dimension: ``[B, T]`` for ``[B, T, V]`` logits, ``[B]`` for
+      ``[B, C]``; for ``[B, C, d1, ...]`` logits also ``[B, d1, ...]`` (PyTorch's layout, e.g. a
+      segmentation's); -100 ignored;
+    - float class probabilities (one-hot or soft labels) of the logits' shape, each row summing to
+      1 along the class dimension (the last; dimension 1 where only that one sums to 1).
+
+    Raises ``ModelSpecError`` saying what to change for targets of another shape (``[B, 1]`` ids
+    for ``[B, C]`` logits, which PyTorch refuses too: squeeze them), for float targets that are no
+    probabilities (a regression's: give a loss), and for class ids outside ``[0, C)`` (other than
+    -100), naming the id and ``C`` (checked when torch refuses them; on CUDA the pipeline's last
+    stage checks the targets' host copy first, ``check_targets``, since torch's device-side assert
+    would come first there, and the probabilities' values are read there too)."""
     logits = output_logits(output)
+    if not isinstance(targets, torch.Tensor):
+        raise ModelSpecError(f"cross-entropy (the automatic loss) compares the logits with class ids, but the targets "
+                             f"are a {type(targets).__name__}, not a tensor: {_OWN_LOSS}")
+    dim = _class_dim(logits, targets, values=targets.device.type == "cpu")
+    C = logits.shape[dim]
+    flat = logits.float().movedim(dim, -1).reshape(-1, C)
+    if targets.is_floating_point():
+        return F.cross_entropy(flat, targets.float().movedim(dim, -1).reshape(-1, C))
     ids = targets.reshape(-1).long()
     try:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids)
+        return F.cross_entropy(flat, ids)
     except (IndexError, RuntimeError):
-        wrong = _class_id_error(ids, logits.shape[-1])
+        wrong = _class_id_error(ids, C)
         if wrong is None:
             raise
     raise wrong from None
@@ -123,20 +245,25 @@ def _class_id_error(ids: torch.Tensor, classes: int) -> ModelSpecError | None:
     return None
 
 
-def check_class_ids(output: Any, targets: Any) -> None:
-    """``cross_entropy``'s check of the targets' host copy against the output's width (read from
-    its shape: no device sync), run by the pipeline's last stage before a loss on another device
-    (``pipeline.engine.Varuna._loss``). Raises the ``ModelSpecError`` of ``cross_entropy`` for a
-    class id outside ``[0, V)`` (other than -100); floating-point or non-tensor targets are left
-    to the loss."""
-    if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+def check_targets(output: Any, targets: Any) -> None:
+    """``cross_entropy``'s checks of the targets' host copy against the output (only its shape is
+    read: no device sync), run by the pipeline's last stage before a loss on another device
+    (``pipeline.engine.Varuna._loss``). Raises the ``ModelSpecError`` of ``cross_entropy`` for
+    targets of a shape it does not take, float targets that are no class probabilities, and a class
+    id outside ``[0, C)`` (other than -100); non-tensor targets are left to the loss."""
+    if not isinstance(targets, torch.Tensor):
         return
-    wrong = _class_id_error(targets.reshape(-1).long(), output_logits(output).shape[-1])
-    if wrong is not None:
-        raise wrong
+    logits = output_logits(output)
+    dim = _class_dim(logits, targets, values=True)
+    if not targets.is_floating_point():
+        wrong = _class_id_error(targets.reshape(-1).long(), logits.shape[dim])
+        if wrong is not None:
+            raise wrong
 
 
-cross_entropy.check_targets = check_class_ids   # type: ignore[attr-defined]
+#: the former name of ``check_targets`` (it checked class ids only)
+check_class_ids = check_targets
+cross_entropy.check_targets = check_targets   # type: ignore[attr-defined]
 
 LOSSES: dict[str, LossFn] = {"model": model_loss, "cross_entropy": cross_entropy}
 
