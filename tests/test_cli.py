@@ -106,7 +106,8 @@ def _wait_steps(run, n, proc, timeout_s=120):
 def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tmp_path, capsys):
     """``varuna launch`` interrupted by Ctrl-C (SIGINT) stops at a mini-batch boundary with a
     checkpoint (exit 130, not a traceback, no worker left); the same command continues the job with
-    no step redone; ``varuna stop RUN`` stops it again the same way, and so does SIGTERM; ``varuna status`` and ``varuna
+    no step redone; ``varuna stop RUN`` stops it again the same way (exit 0: a clean stop asked for,
+    not an interrupt), and so does SIGTERM (exit 130); ``varuna status`` and ``varuna
     logs`` show the run, its progress and its workers' output."""
     import signal
 
@@ -178,7 +179,7 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
         out = second.communicate(timeout=60)[0]
     finally:
         second.kill()
-    assert second.returncode == 130, out
+    assert second.returncode == 0, out   # a clean stop asked by `varuna stop`: not an interrupt (130)
     assert "with changes: train.lr 0.001 -> 0.002" in out, out
     assert "lr: 0.002" in (run / "config.yaml").read_text()
     stopped_again = read_run(run).steps_done

@@ -26,7 +26,7 @@ from ..shipping import ShippingError
 from .launch import launch_command
 from .parser import add_commands, again_command
 from .plan import calibrate_or_plan
-from .runs import run_folder_command
+from .runs import run_folder_command, stopped_exit_code
 from .serve import dashboard_command
 
 
@@ -86,7 +86,8 @@ def _plain_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``varuna ARGS``; returns the exit code: 0 done, 1 the job failed, 2 bad input, 130 interrupted."""
+    """``varuna ARGS``; returns the exit code (``cli.parser.EXIT_STATUS``): 0 done (or stopped by
+    ``varuna stop``), 1 the job failed, 2 bad input, 130 interrupted (Ctrl-C, SIGTERM)."""
     import warnings
 
     saved, warnings.formatwarning = warnings.formatwarning, _plain_warning
@@ -145,7 +146,7 @@ def _main(argv: list[str] | None) -> int:
         except JobStopped as e:
             print(f"[varuna] {e.sentence}; `{again_command(args.argv, e.run_dir)}` continues the job",
                   file=sys.stderr)
-            return 130
+            return stopped_exit_code(e.run_dir)
         except ManagerError as e:   # another manager runs the folder (as `varuna launch` says it)
             print(f"varuna: {e}", file=sys.stderr)
             return 2
@@ -164,6 +165,11 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, ValueError, ShippingError) as e:
         print(f"varuna: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("varuna: interrupted; all workers stopped", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        run_dir = getattr(e, "run_dir", None)   # ``manager.state.JobInterrupted``: the job was recorded STOPPED
+        if run_dir is not None:
+            print(f"varuna: {e}; all workers stopped; `{again_command(args.argv, run_dir)}` continues the job",
+                  file=sys.stderr)
+        else:
+            print("varuna: interrupted; all workers stopped", file=sys.stderr)
         return 130

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..config import ClusterConfig, ConfigError, JobConfig
 from .aws import aws_provider
 from .parser import again_command
+from .runs import stopped_exit_code
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -30,7 +31,8 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 def launch_command(args: argparse.Namespace) -> int:
     """``varuna launch CONFIG``: the job under the morph manager until it ends; returns the exit code
-    (0 succeeded, 1 failed, 2 bad input or the run folder is busy, 130 stopped with a checkpoint)."""
+    (``cli.parser.EXIT_STATUS``: 0 succeeded or stopped by ``varuna stop``, 1 failed, 2 bad input or
+    the run folder is busy, 130 stopped by Ctrl-C or SIGTERM)."""
     from ..runner import launch_job
 
     job = JobConfig.from_yaml(Path(args.config)).validate()
@@ -87,5 +89,5 @@ def launch_command(args: argparse.Namespace) -> int:
 
         said = stopped_sentence(summary["run_dir"], summary.get("last_step"), summary.get("checkpoint_steps"))
         print(f"[varuna] {said}; `{again}` continues the job", flush=True)
-        return 130
+        return stopped_exit_code(summary["run_dir"])
     return 0 if summary["state"] == "SUCCEEDED" else 1

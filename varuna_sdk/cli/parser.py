@@ -34,10 +34,23 @@ _EXAMPLES = {
 }
 
 
-def _subcommand(sub, name: str, help_: str, description: str) -> argparse.ArgumentParser:
-    """A subcommand with its one-line help, its description and its examples (``_EXAMPLES``)."""
+#: The exit status of ``varuna train`` and ``varuna launch`` (their ``--help`` ends with it).
+EXIT_STATUS = """exit status:
+  0    the job finished; or it was stopped by `varuna stop` from another shell, at a mini-batch
+       boundary with a checkpoint (the command it prints continues the job)
+  1    the job failed
+  2    bad input (config, flags), or another manager runs the --run-dir
+  130  stopped by Ctrl-C (SIGINT) or SIGTERM: at the next mini-batch boundary with a checkpoint;
+       a second Ctrl-C a second or more later kills the workers at once and the job continues
+       from its last complete checkpoint (`varuna status RUN` says which step)"""
+
+
+def _subcommand(sub, name: str, help_: str, description: str, more: str = "") -> argparse.ArgumentParser:
+    """A subcommand with its one-line help, its description and its examples (``_EXAMPLES``),
+    then ``more`` (e.g. ``EXIT_STATUS``)."""
     return sub.add_parser(name, help=help_, description=description,
-                          epilog="examples:\n  " + _EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter)
+                          epilog="examples:\n  " + _EXAMPLES[name] + (f"\n\n{more}" if more else ""),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _parallel_overrides(sp: argparse.ArgumentParser) -> None:
@@ -61,7 +74,7 @@ def _add_train_demo_config(sub) -> None:
                      "under the manager; with P or D null the planner chooses them first. With P and D fixed it "
                      "starts at once, without a calibration: stage boundaries balance estimated costs and recompute "
                      "is parallel.recompute or the policy's default (Varuna: on but on the last stage), where "
-                     "`varuna launch` calibrates and plans both from measured times and memory.")
+                     "`varuna launch` calibrates and plans both from measured times and memory.", EXIT_STATUS)
     sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
     _parallel_overrides(sp)
     sp = _subcommand(sub, "demo", "train the demo GPT-2 on Shakespeare on emulated spot VMs",
@@ -139,7 +152,7 @@ def _add_launch(sub) -> None:
                      "Run a job under the morph manager on local slots, the SSH VMs of a watched host file, or AWS "
                      "spot instances (--provider aws); "
                      "it re-plans and morphs when VMs are pre-empted or return. Run it again on the same --run-dir "
-                     "to continue the job.")
+                     "to continue the job.", EXIT_STATUS)
     sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
     sp.add_argument("--run-dir", dest="run_dir", help="the job's folder (an existing one is continued)")
     where = sp.add_mutually_exclusive_group()
@@ -162,7 +175,12 @@ def _add_run_folder_commands(sub) -> None:
     sp.add_argument("run", nargs="?", default="runs", help="a run folder, or a folder of runs (default: runs)")
     sp = _subcommand(sub, "stop", "stop a running job at the next mini-batch boundary, with a checkpoint",
                      "Ask the manager of a run to stop the job at the next mini-batch boundary with a checkpoint "
-                     "(as job.stop() does); `varuna launch` on the same folder continues it.")
+                     "(as job.stop() does); `varuna launch` (or `varuna train`) on the same folder continues it. The "
+                     "request goes through the run folder: the manager looks for it every 0.1 s and passes it on to "
+                     "the workers at once, and they stop at the first boundary after it reaches them. A step is not "
+                     "cut short: the step under way when you ask is completed (and checkpointed) first; only a "
+                     "request that reaches the workers in that step's last moments (~0.1 s) also lets the next step "
+                     "finish. The `varuna train`/`launch` running the job then exits 0.")
     sp.add_argument("run", help="the job's run folder")
     sp.add_argument("--wait", type=float, default=0.0,
                     help="wait up to this many seconds for the job to reach STOPPED (default: do not wait)")

@@ -1,6 +1,7 @@
 """The run-folder commands: ``varuna status [RUN]``, ``varuna stop RUN`` and ``varuna logs RUN``,
 read from a run folder's event log and worker logs (``manager.runs``) — they never talk to a
-running manager except through the folder (``runs.request_stop``).
+running manager except through the folder (``runs.request_stop``) — and ``stopped_exit_code``, the
+exit code of a ``train``/``launch`` whose job was stopped, from who asked for the stop.
 
 Imports ``manager.runs``/``manager.events`` only inside the commands (``varuna --help`` stays
 fast). Never imports the dashboard.
@@ -68,6 +69,20 @@ def run_folder_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:   # (``logs --follow``, ``stop --wait``): the job itself goes on
         print("varuna: interrupted (the job, if any, goes on)", file=sys.stderr)
         return 130
+
+
+def stopped_exit_code(run_dir: str | Path) -> int:
+    """The exit code of ``varuna train``/``launch`` whose job was stopped on request (``cli.parser.EXIT_STATUS``):
+    130 when Ctrl-C (SIGINT) or SIGTERM asked for the stop, 0 for a stop asked by ``varuna stop``
+    from another shell (a clean stop at a boundary, with a checkpoint)."""
+    from ..manager.runs import stopped_by
+
+    try:
+        by = stopped_by(run_dir)
+    except Exception:  # noqa: BLE001 - an unreadable event log: the stop itself was clean
+        by = None
+    return 130 if by in ("SIGINT", "SIGTERM") else 0
+
 
 
 FOLLOW_START_WAIT_S = 600.0   # how long ``logs --follow`` waits for a job to start in a new folder

@@ -62,8 +62,8 @@ from .events import Event, EventLog, Kind
 from .options import ManagerOptions
 from .planning import ManagerPlanning
 from .runs import RunBusy, acquire_run_lock, clear_stop, watch_stop_requests
-from .state import (CalibrationFailed, CancelRequested, HostChanged, JobState, ManagerError, MorphRecord,
-                    RunningGeneration, WorkersLost, plan_candidates, plan_summary)
+from .state import (CalibrationFailed, CancelRequested, HostChanged, JobInterrupted, JobState, ManagerError,
+                    MorphRecord, RunningGeneration, WorkersLost, interrupted_reason, plan_candidates, plan_summary)
 from .supervision import ManagerSupervision
 from .telemetry import ManagerTelemetry
 
@@ -342,11 +342,27 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         watch_stop_requests(self.run_dir, self._stop_requested, done)
         try:
             return self._run_generations()
+        except KeyboardInterrupt as e:   # a second Ctrl-C (``runner.stop_on_signals``): the workers are killed
+            if isinstance(e, JobInterrupted) or self.state.terminal:
+                raise
+            raise self._interrupted() from None
         finally:
             done.set()
             fd, self._lock_fd = self._lock_fd, None
             if fd is not None:
                 os.close(fd)   # releases the run folder
+
+    def _interrupted(self) -> JobInterrupted:
+        """The manager is ending on a ``KeyboardInterrupt`` (a second Ctrl-C; ``_supervise`` killed
+        the generation's workers): record STOPPED — not left RUNNING with no manager — with the
+        steps the last complete checkpoint holds, where launching the job again continues it."""
+        try:
+            kept = self._resume_step()
+        except Exception:  # noqa: BLE001 - an unreadable store: said so, the state is recorded anyway
+            kept = None
+        self._pending = None
+        self._set(JobState.STOPPED, interrupted_reason(kept))
+        return JobInterrupted(self.run_dir, kept)
 
     def _stop_requested(self, req: dict) -> None:
         """``varuna stop`` (a stop request file in the run folder, ``manager.runs``): as ``cancel``."""

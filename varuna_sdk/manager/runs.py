@@ -12,9 +12,11 @@ the recent step times, morphs, the last event. ``event_sentence`` says an event 
 in its phases, steps lost and why; ``drift_sentence`` an estimate that no longer holds).
 
 **Stopping from outside.** ``request_stop(run_dir)`` writes ``RUN_DIR/stop-request.json``
-(atomically; who asked and when); the manager of that run polls ``stop_requested`` and stops the
-job at the next mini-batch boundary with a checkpoint, as ``Job.stop()`` does, then removes it
-(``clear_stop``). Anyone who can write the run folder can stop the job — the same people who could
+(atomically; who asked and when); the manager of that run polls ``stop_requested`` (every
+``STOP_POLL_S``), removes it (``clear_stop``) and relays it to the workers at once (a signed
+``stop`` on their heartbeat channel); they stop at the first mini-batch boundary after it reaches
+them — the end of the step under way — with a checkpoint, as ``Job.stop()`` does.
+``stopped_by`` says who asked for the stop that ended a run. Anyone who can write the run folder can stop the job — the same people who could
 edit its checkpoints.
 
 Imports ``config``, ``manager.events``, ``manager.billing`` and the standard library (never torch).
@@ -38,7 +40,7 @@ from .events import Event, EventLog, Kind
 
 __all__ = ["LOCK_FILE", "RunBusy", "RunInfo", "STOP_FILE", "TERMINAL", "acquire_run_lock", "check_run_free", "clear_stop", "clip", "jobs_alive_beside",
            "drift_sentence", "event_sentence", "find_runs", "format_runs", "log_label", "log_tail", "morph_sentence",
-           "read_run", "request_stop", "run_lock_holder", "stop_requested", "watch_stop_requests", "worker_logs"]
+           "read_run", "request_stop", "run_lock_holder", "stop_requested", "stopped_by", "watch_stop_requests", "worker_logs"]
 
 STOP_FILE = "stop-request.json"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -563,6 +565,21 @@ def request_stop(run_dir: str | Path, by: str = "varuna stop") -> Path:
     return run / STOP_FILE
 
 
+def stopped_by(run_dir: str | Path) -> str | None:
+    """Who asked for the stop that ended the run's latest launch (the last STOPPED state): the
+    ``by`` of the first stop request received since the previous one — ``"SIGINT"``, ``"SIGTERM"``
+    (``runner.stop_on_signals``), ``"varuna stop"`` (``request_stop``) — or None (not recorded)."""
+    with EventLog.reader(Path(run_dir) / "events.db") as log:
+        evs = log.events(kind=(Kind.JOB_STATE, Kind.STOP_REQUEST_RECEIVED))
+    first = found = None
+    for e in evs:
+        if e.kind == Kind.STOP_REQUEST_RECEIVED and first is None:
+            first = str(e.payload.get("by") or "?")
+        elif e.kind == Kind.JOB_STATE and e.payload.get("state") == "STOPPED":
+            found, first = first, None
+    return found
+
+
 def stop_requested(run_dir: str | Path) -> dict | None:
     """The pending stop request of ``run_dir`` (who and when), or None."""
     p = Path(run_dir) / STOP_FILE
@@ -581,9 +598,14 @@ def clear_stop(run_dir: str | Path) -> None:
         pass
 
 
-def watch_stop_requests(run_dir: str | Path, on_request, done, interval_s: float = 0.5):
+STOP_POLL_S = 0.1   # how often a manager looks for a stop request: a small part of a step (one failed open)
+
+
+def watch_stop_requests(run_dir: str | Path, on_request, done, interval_s: float = STOP_POLL_S):
     """Start a daemon thread that calls ``on_request(request)`` once for each stop request of
-    ``run_dir`` (removing it first) until the ``threading.Event`` ``done`` is set; returns it."""
+    ``run_dir`` (removing it first) until the ``threading.Event`` ``done`` is set; returns it.
+    ``interval_s``: how often it looks (``STOP_POLL_S``: a request reaches the workers well within
+    a step, so they stop at the boundary that ends the step under way when it was made)."""
     import threading
 
     def loop() -> None:

@@ -52,6 +52,26 @@ class ManagerError(RuntimeError):
     """The job could not go on (no VMs left, failure budget spent, bad configuration)."""
 
 
+class JobInterrupted(KeyboardInterrupt):
+    """A second Ctrl-C (``KeyboardInterrupt``) ended the manager while the job ran: its workers
+    were killed before a mini-batch boundary and the job was recorded STOPPED, to continue from
+    its last complete checkpoint. ``run_dir``: the job's folder; ``kept``: the steps that
+    checkpoint holds (where launching again resumes; None: not known)."""
+
+    def __init__(self, run_dir, kept: int | None):
+        self.run_dir, self.kept = run_dir, kept
+        super().__init__(interrupted_reason(kept))
+
+
+def interrupted_reason(kept: int | None) -> str:
+    """Why a job whose manager a second Ctrl-C ended is STOPPED, and where it continues (``kept``:
+    the steps its last complete checkpoint holds; None: not known)."""
+    where = ("its last complete checkpoint could not be read" if kept is None else
+             "no checkpoint was complete yet: the job continues from step 0" if kept == 0 else
+             f"the last complete checkpoint holds {kept} step(s): the job continues at step {kept}")
+    return f"interrupted (a second Ctrl-C or SIGTERM): the workers were killed before a mini-batch boundary; {where}"
+
+
 MorphCause = Literal["notice", "loss", "grow", "straggler", "failure", "stop_timeout", "manager_restart", "user"]
 """Why a morph (or a stop) began: a pre-emption ``notice``; a sudden ``loss`` of a VM; ``grow`` onto
 returned VMs; a ``straggler`` excluded; a worker ``failure``; workers that missed the
@@ -212,6 +232,6 @@ ManagerMessage = Union[CancelRequested, HostChanged, WorkersLost]
 """What the manager's queue carries (provider and heartbeat threads put, the manager's loop takes)."""
 
 
-__all__ = ["JobState", "ManagerError", "CalibrationFailed", "MorphCause", "MorphRecord", "MORPH_PHASES",
+__all__ = ["JobState", "ManagerError", "JobInterrupted", "interrupted_reason", "CalibrationFailed", "MorphCause", "MorphRecord", "MORPH_PHASES",
            "morph_phases", "plan_candidates", "plan_summary", "RunningGeneration", "CancelRequested",
            "HostChanged", "WorkersLost", "ManagerMessage"]

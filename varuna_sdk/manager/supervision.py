@@ -1,15 +1,17 @@
 """The supervision loop of the morph manager: watching one running generation until it ends or
 must end, and deciding what follows (paper §4.2, §4.6).
 
-``_supervise(run)`` runs ``_watch`` — every 0.2 s: the generation's metrics, its result if it
-ended, one message from the manager's queue (``_on_message``: a user's cancel, a provider's VM
-event, a host the heartbeats declared lost), the periodic checks (``_periodic_checks``: grow onto
-free VMs, stragglers, the estimate's drift) and the stop deadline — and then turns the outcome
-into the next step: ``_after_loss`` for a VM lost without notice (stop the survivors, resume
-from the last complete checkpoint), ``_after_result`` for a generation that ended (completed,
-stopped at a boundary for a morph or the user, lost, failed: retried up to the failure budget
-unless the failure is deterministic). It returns a terminal ``JobState``, or None: plan and
-launch the next generation.
+``_supervise(run)`` runs ``_watch`` — every 0.2 s, and at once on a message: the generation's
+metrics, its result if it ended, one message from the manager's queue (``_on_message``: a user's
+cancel, a provider's VM event, a host the heartbeats declared lost), the periodic checks
+(``_periodic_checks``: grow onto free VMs, stragglers, the estimate's drift) and the stop
+deadline — and then turns the outcome into the next step: ``_after_loss`` for a VM lost without
+notice (stop the survivors, resume from the last complete checkpoint), ``_after_result`` for a
+generation that ended (completed, stopped at a boundary for a morph or the user, lost, failed:
+retried up to the failure budget unless the failure is deterministic). A ``KeyboardInterrupt`` (a
+second Ctrl-C) kills the generation's workers at once and goes on up (``Manager._interrupted``
+records the job STOPPED at its last complete checkpoint). It returns a terminal ``JobState``, or
+None: plan and launch the next generation.
 
 The rules themselves live in ``manager.decisions``; this module only applies them.
 ``ManagerSupervision`` is that part of ``Manager`` (a mixin: it uses the manager's ``options``,
@@ -33,7 +35,7 @@ from .results import GenerationResult, GenerationStatus
 from .state import (CalibrationFailed, CancelRequested, HostChanged, JobState, ManagerMessage, MorphCause, MorphRecord,
                     RunningGeneration, WorkersLost, plan_summary)
 
-POLL_S = 0.2          # the loop's period: how long it waits for the generation, then for a message
+POLL_S = 0.2          # the loop's period: how long it waits for a message before looking at the generation again
 GROW_CHECK_S = 5.0    # how often free VMs are considered for a grow (besides on every VM added)
 
 
@@ -43,7 +45,11 @@ class ManagerSupervision:
     # ------------------------------------------------------------------------------- watching
     def _supervise(self, run: RunningGeneration) -> JobState | None:
         """Watch one generation; returns a terminal state, or None to start the next one."""
-        res, lost = self._watch(run)
+        try:
+            res, lost = self._watch(run)
+        except KeyboardInterrupt:   # a second Ctrl-C: kill the workers at once (then ``Manager._interrupted``)
+            run.gen.stop(grace_s=1.0)
+            raise
         if lost is not None:
             return self._after_loss(run, *lost)
         self._poll_metrics(run)
@@ -57,10 +63,10 @@ class ManagerSupervision:
         run.next_grow_check = time.time() + GROW_CHECK_S
         while True:
             self._poll_metrics(run)
-            res = run.gen.wait(timeout_s=POLL_S)
+            res = run.gen.wait(timeout_s=0)
             if res is not None:
                 return res, None
-            try:
+            try:   # waits here, so a message (a user's stop) is acted on at once, not after a wait
                 msg = self._q.get(timeout=POLL_S)
             except queue.Empty:
                 msg = None
