@@ -92,10 +92,11 @@ def test_varuna_stop_lands_at_the_boundary_of_the_step_under_way_and_train_exits
     seen = sum(r["wall_time"] <= relayed_at for r in rows)          # ... when the workers were told
     # never past the first boundary after the workers were told; and they are told within a step
     assert done == seen + 1, (done, seen, under_way, relayed_at - requested_at, step_s)
-    assert relayed_at - requested_at < min(0.3, step_s), (relayed_at - requested_at, step_s)   # (~0.05 s here)
-    # so a request made well before the step's end stops the job at that step's end, not later
+    # within a step (~0.05 s of a 0.65 s step here; no tighter bound: a loaded machine stretches it)
+    assert relayed_at - requested_at < step_s, (relayed_at - requested_at, step_s)
+    # so a request the workers got before the step under way ended stops the job at that step's end
     ended = next(r["wall_time"] for r in rows if r["wall_time"] > requested_at)
-    if ended - requested_at > 0.3:
+    if relayed_at < ended:
         assert done == under_way + 1, (done, under_way, ended - requested_at)
     assert under_way + 1 <= done <= under_way + 2, (done, under_way)
     assert list((run / "checkpoints").glob(f"step-{done:08d}-*")), "no checkpoint at the stop"
