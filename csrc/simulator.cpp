@@ -164,6 +164,8 @@ private:
         int acts_seen = 0, grads_seen = 0;  // arrived by the last decision time
         // outbound links: free again at
         double act_link_free = 0.0, grad_link_free = 0.0;
+        // inbound channels: when the last message on each landed (delivery stays in order)
+        double last_act_arrival = 0.0, last_grad_arrival = 0.0;
         // time-shared slots: work left in the running action, and its current end
         double remaining = 0.0, expected_end = -1.0;
     };
@@ -570,8 +572,13 @@ void Engine::send(int src, int dst, int kind, int mb, double t) {
     double& link_free = kind == 0 || c_.shared_egress ? ks.act_link_free : ks.grad_link_free;
     const double lat = kind == 0 ? ks.lat_act : ks.lat_grad;
     const double start = std::max(t, link_free);
-    const double arrival = start + lat + half_normal(c_.p2p_jitter_sigma);
-    link_free = arrival;
+    // the link carries the transfer (alpha + bytes/beta); jitter delays its delivery only, in order
+    // on the channel (a message never lands before the one sent before it): without jitter the
+    // arrival is start + lat, which is never before the previous arrival (start >= link_free)
+    double& last = kind == 0 ? kd.last_act_arrival : kd.last_grad_arrival;
+    const double arrival = std::max(start + lat + half_normal(c_.p2p_jitter_sigma), last);
+    last = arrival;
+    link_free = start + lat;
     ks.last_send_arrival = std::max(ks.last_send_arrival, arrival);
     int& sent = kind == 0 ? kd.acts_sent : kd.grads_sent;
     if (mb != sent)

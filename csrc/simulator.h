@@ -34,10 +34,12 @@
 //   same replica; after B(i) on stage s > 0 the gradient goes to stage s-1.  Each
 //   link direction carries one transfer at a time, FIFO:
 //     start = max(end of the sending action, link free),
-//     arrival = start + alpha + bytes / beta + |N(0, p2p_jitter_sigma)|,
+//     arrival = max(start + alpha + bytes / beta + |N(0, p2p_jitter_sigma)|,
+//                   the arrival of the message sent before it on that channel),
 //   with (local_alpha, local_beta) when both ranks are on one host, else
-//   (p2p_alpha, p2p_beta).  The link is busy until the arrival.  With shared_egress a rank's
-//   two outgoing directions are one link.
+//   (p2p_alpha, p2p_beta).  The link is busy for alpha + bytes / beta; jitter delays a
+//   message's delivery, not the link (the next transfer starts meanwhile), and delivery on a
+//   channel stays in order.  With shared_egress a rank's two outgoing directions are one link.
 // Event order.  Events are processed in time order; at equal times: action ends
 //   (which send messages) before input-ready slot requests before decisions, then by
 //   rank.  So a rank decides only after every message arriving at or before t is in.

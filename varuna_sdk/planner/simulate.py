@@ -182,7 +182,8 @@ class SimInput:
     send_overhead: float = 0.0
     """Sender-side cost added to an action that sends a message, seconds."""
     p2p_jitter_sigma: float = 0.0
-    """Half-normal extra delay on each p2p transfer: |N(0, sigma)| seconds."""
+    """Half-normal extra delay on each p2p transfer's delivery: |N(0, sigma)| seconds (the link is
+    not held meanwhile; a channel's messages still land in order)."""
     compute_jitter_rel: float = 0.0
     """Relative noise on each action's compute time: x max(0, 1 + N(0, sigma))."""
     seed: int = 0
