@@ -107,7 +107,7 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     """``varuna launch`` interrupted by Ctrl-C (SIGINT) stops at a mini-batch boundary with a
     checkpoint (exit 130, not a traceback, no worker left); the same command continues the job with
     no step redone; ``varuna stop RUN`` stops it again the same way (exit 0: a clean stop asked for,
-    not an interrupt), and so does SIGTERM (exit 130); ``varuna status`` and ``varuna
+    not an interrupt), and so does SIGTERM (exit 143, 128 + its number, as a shell says); ``varuna status`` and ``varuna
     logs`` show the run, its progress and its workers' output."""
     import signal
 
@@ -243,7 +243,7 @@ def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_
         out = first.communicate(timeout=60)[0]
     finally:
         first.kill()
-    assert first.returncode == 130 and "SIGTERM: stopping at the next mini-batch boundary" in out, out
+    assert first.returncode == 143 and "SIGTERM: stopping at the next mini-batch boundary" in out, out
     assert "Traceback" not in out, out
     assert f"`varuna train {cfg} --steps 800 --run-dir {run}` continues the job" in out, out   # the flags too
     stopped_at = read_run(run).steps_done

@@ -400,7 +400,7 @@ def test_a_replica_whose_data_fails_mid_mini_batch_is_named_at_once_and_not_retr
     with pytest.raises(WorkerFailure) as err:
         train_local(job, run_dir=tmp_path / "run", max_failures=2)
     text = str(err.value)
-    assert "rank 1]" in text and "DataError" in text and "IndexError: record" in text, text
+    assert "[rank 1 on local1;" in text and "DataError" in text and "IndexError: record" in text, text
     assert f"example {bad} (step {step_bad}, replica 1 of 2" in text, text
     assert "not retried" in text and "Connection closed" not in text, text
     log = EventLog.reader(tmp_path / "run" / "events.db")
@@ -442,6 +442,11 @@ def test_a_dataset_or_loss_the_model_cannot_take_is_refused_before_anything_star
     with pytest.raises(DataError, match=r"an example holds token id 149, beyond the model's vocabulary of 100 ids "
                                         r"\(tok.weight\)"):
         resolve_job(job(max_id=150))
+    from varuna_sdk.config import ConfigError   # a misspelt dataset_kwargs key: the key, the near one, the signature
+    with pytest.raises(ConfigError, match=r"data.dataset_kwargs gives data.dataset 'tests.thirdparty.user_data:"
+                                          r"TokenWindows' the keyword\(s\) 'max_idd' \(did you mean 'max_id'\?\), "
+                                          r"which it does not take; it takes \(n=.*max_id="):
+        resolve_job(job(max_idd=100))
     j = job()
     j.data.dataset = "tests.thirdparty.user_data:long_windows"
     with pytest.raises(DataError, match=r"its examples make _Bare look up row 39 of pos.weight, which has 32 rows "
@@ -754,6 +759,7 @@ def test_class_ids_outside_the_models_outputs_fail_the_job_at_once_naming_id_and
     names the id and the output width, and the job fails without a retry (torch's own error was
     "Target 7 is out of bounds", retried as if transient); -100 stays the ignored id."""
     from varuna_sdk.config import TrainConfig
+    from varuna_sdk.data.loader import split_examples
     from varuna_sdk.model.spec import ModelSpecError, cross_entropy
     from varuna_sdk.pipeline.spawn import WorkerFailure
     from varuna_sdk.runner import train_local
@@ -773,6 +779,12 @@ def test_class_ids_outside_the_models_outputs_fail_the_job_at_once_naming_id_and
                     data=DataConfig(dataset="tests.thirdparty.user_data:out_of_range_labels"),
                     parallel=ParallelConfig(P=1, D=1, global_batch=16, micro_batch_size=4),
                     train=TrainConfig(steps=2, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    # in the examples the dry run reads (its micro-batch, the first held-out batch): refused before any worker
+    with pytest.raises(DataError, match=r"examples 0\.\.3 \(read before any worker starts\): the targets hold class id 7 "):
+        resolve_job(job)
+    # only in examples it does not read: the workers' loss names them, and the job is not retried
+    held = split_examples(400, job.data.val_fraction, job.data.seed, min_held=16)[1][:16]
+    job.data.dataset_kwargs = {"valid": sorted({0, 1, 2, 3} | {int(i) for i in held})}
     with pytest.raises(WorkerFailure, match=r"(?s)not retried.*class id 7 .*output has 4 classes"):
         train_local(job, run_dir=tmp_path / "run")
 
@@ -793,7 +805,7 @@ def test_int32_class_ids_train_with_the_automatic_cross_entropy(tmp_path):
 
 
 def test_nested_and_text_fields_are_refused_with_the_shape_to_give_instead():
-    """An example ``((x_cat, x_num), y)`` or one holding text: refused naming the field, with the
+    """An example ``((x_cat, x_num), y)``, ``({"x": ...}, y)`` or one holding text: refused naming the field, with the
     flat tuple or dict to give instead, or where the text must be tokenized."""
     from varuna_sdk.data.sources import open_examples
 
@@ -801,6 +813,11 @@ def test_nested_and_text_fields_are_refused_with_the_shape_to_give_instead():
         open_examples([((torch.zeros(2), torch.ones(3)), torch.tensor(1))], "ds")
     with pytest.raises(DataError, match=r"at \['text'\].*text must be token ids: tokenize it in __getitem__"):
         open_examples([{"text": "hello", "labels": 1}], "ds")
+    with pytest.raises(DataError, match=r"at \['0'\].*a dict inside an example \(at \['0'\]\) is not taken: return one "
+                                        r"flat dict of tensors instead, e.g. \{'x': ..., 'mask': ..., 'labels': y\}"):
+        open_examples([({"x": torch.zeros(2), "mask": torch.ones(2)}, torch.tensor(1))], "ds")
+    with pytest.raises(DataError, match=r"e.g. \{'x': ..., 'label': ..., 'score': ...\}"):   # targets of two fields
+        open_examples([({"x": torch.zeros(2)}, {"label": torch.tensor(1), "score": torch.tensor(0.5)})], "ds")
 
 
 def test_dict_examples_with_other_keys_name_the_odd_example():
@@ -1135,3 +1152,41 @@ def test_a_dataset_factory_named_by_import_path_is_taken_as_data():
               tokenizer=None, global_batch=8, micro_batch_size=4, P=1, D=1)
     assert job.config.data.dataset == "tests.thirdparty.user_data:make_dataset" and job.config.data.path is None
     assert job.batch(0)[0][0][0].shape == (4, 16)
+
+
+@pytest.mark.timeout(240)
+def test_a_loss_of_several_targets_gets_them_as_a_dict_and_trains_as_plain_pytorch(tmp_path):
+    """``model.targets: [label, score]`` (a multi-task loss: cross-entropy of a class plus MSE of a
+    score): the loss gets ``{"label": ..., "score": ...}``, the forward the other field, and P=2
+    trains with the losses of plain PyTorch, the first one equal to the loss by hand on the user's
+    own copy of the model. It was refused (``model.targets`` must be a string) and one target alone
+    reached the loss. The automatic loss with several targets is refused, naming what to give."""
+    from tests.thirdparty import user_data
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.model.spec import ModelSpecError
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="multitask", model=ModelConfig(factory="tests.thirdparty.user_data:TwoHeads",
+                                                        loss="tests.thirdparty.user_data:multi_task_loss",
+                                                        targets=["label", "score"]),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:multi_task", tokenizer=None),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    job = JobConfig.from_yaml_text(job.to_yaml())   # as a config file says it
+    handle = Job(job)
+    assert handle.resolved.spec.call.describe() == "model(x=x), loss(output, {'label': label, 'score': score})"
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    assert len(got) == 3 and got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5, abs=1e-6)
+    mine = user_data.TwoHeads()
+    mine.load_state_dict(handle.initial_weights())
+    mbs = handle.batch(0)
+    first = sum(user_data.multi_task_loss(mine(**x), y).item() for x, y in mbs) / len(mbs)
+    assert first == pytest.approx(got[0], rel=1e-5)
+    auto = JobConfig(model=ModelConfig(factory="tests.thirdparty.user_data:TwoHeads", targets=["label", "score"]),
+                     data=job.data, parallel=job.parallel)
+    with pytest.raises(ModelSpecError, match=r"model.targets=\['label', 'score'\] names 2 fields, and the automatic "
+                                             r"loss compares the output with one: give a loss function"):
+        Job(auto)
+    with pytest.raises(ConfigError, match=r"model.targets=\['label', 'label'\] must be the name .* a list of distinct"):
+        JobConfig(model=ModelConfig(targets=["label", "label"])).validate()

@@ -120,7 +120,9 @@ def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
     with pytest.raises(ModelSpecError, match=r"model.init raised on module layers.1 \(Linear\): ZeroDivisionError"):
         resolve_job(job)
     job = _job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models:gpt2", kwargs={"n_lyer": 2}))
-    with pytest.raises(ModelSpecError, match=r"building the model .* failed: TypeError: .*'n_lyer'"):
+    with pytest.raises(ConfigError, match=r"model.kwargs gives the model factory tests.thirdparty.hf_models:gpt2 the "
+                                          r"keyword\(s\) 'n_lyer' \(did you mean 'n_layer'\?\), which it does not take; "
+                                          r"it takes \(n_layer=3, n_embd=32"):
         resolve_job(job)
     job = _job(tmp_path, ModelConfig(factory="hf-causal-lm", kwargs={"model_type": "llama", "num_layers": 2}))
     with pytest.raises(ConfigError, match=r"LlamaConfig has no field\(s\) \['num_layers'\]; num_layers: did you mean "
@@ -443,6 +445,17 @@ def test_dict_examples_pass_only_the_fields_the_forward_takes_and_warn_about_the
         warnings.simplefilter("error")
         call, _ = infer_call(TwoInputs(), ["x", "mask", "target"], "cross_entropy", targets="target")
     assert call.describe() == "model(x=x, mask=mask), loss(output, target)"
+    # a targets field not named: the refusal says why the field is the likely one, as the forward has it
+    from varuna_sdk.model.spec import ModelSpecError
+
+    class Keywords(nn.Module):
+        def forward(self, x, **kw):
+            return x
+    with pytest.raises(ModelSpecError, match=r"model.targets: 'y' \(the field\(s\) \['y'\] are not parameters of "
+                                             r"the forward\)"):
+        infer_call(TwoInputs(), ["x", "mask", "y"], torch.nn.functional.mse_loss)
+    with pytest.raises(ModelSpecError, match=r"\['y'\] reach the forward only through its \*\*kwargs"):
+        infer_call(Keywords(), ["x", "y"], torch.nn.functional.mse_loss)
 
 
 CELL = '''

@@ -132,3 +132,31 @@ def test_notebook_model_survives_notice_and_sudden_loss_with_the_same_losses(ker
     for s in ref:
         assert got[s] == pytest.approx(ref[s], rel=1e-5), (s, got[s], ref[s])
     assert k.value("ref.summary['ppl_end'] < ref.summary['ppl_start']")
+
+
+def test_a_notebook_jobs_fixed_p_by_d_beyond_launch_gpus_runs_as_given_as_varuna_train_does(tmp_path):
+    """``Job(P=1, D=3)`` with ``launch.gpus=2`` and no provider: it starts the 3 local workers its
+    fixed shape needs (warning that they share the machine), as ``varuna train`` does, and trains
+    P=1 x D=3 with the losses of plain PyTorch. It launched 2 slots before, and its manager replanned
+    for them (calibrating though ``calibrate_first`` was off), ignoring the shape asked for; here it
+    starts at once, uncalibrated, as configured."""
+    import pytest
+    import warnings
+
+    from varuna_sdk.notebook import Job
+
+    job = Job(model="tests.thirdparty.user_data:Classifier", data="tests.thirdparty.user_data:make_dataset",
+              tokenizer=None, P=1, D=3, global_batch=12, micro_batch_size=2, steps=3, warmup_steps=1,
+              eval_batches=1, checkpoint_every=0, gpus=2, run_dir=tmp_path / "run",
+              manager_options={"calibrate_first": False})
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            job.launch(progress=False)
+        assert any("P=1 x D=3 starts 3 local workers, more than launch.gpus=2" in str(w.message) for w in said), \
+            [str(w.message) for w in said]
+        st = job.wait(240)
+        assert st.state == "SUCCEEDED" and (st.P, st.D) == (1, 3), st
+        assert job.metrics["loss"].tolist() == pytest.approx(job.plain_pytorch_losses(steps=3), rel=1e-5)
+    finally:
+        job.close()

@@ -63,8 +63,8 @@ from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
-from .model.spec import (ModelSpec, ModelSpecError, cross_entropy, infer_call, model_limits, positive_settings, prepare_model,
-                         warn_if_causal_with_masking)
+from .model.spec import (ModelSpec, ModelSpecError, check_target_ids, check_targets, cross_entropy, infer_call,
+                         model_limits, positive_settings, prepare_model, warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
 from .shipping import ByValue, ShippingError, code_sha256, find_objects
@@ -303,6 +303,18 @@ def _by_value_ref(value: str | None) -> str | None:
 
 
 # ---- resolution ------------------------------------------------------------------------------
+def _factory_keyword_problem(factory: Any, kwargs: dict, what: str, field: str = "model.kwargs") -> str | None:
+    """A factory's ``TypeError`` said as a key of ``field`` (``model.kwargs``, ``data.dataset_kwargs``)
+    it does not take (with the likely one and the parameters it takes:
+    ``config.checks.keyword_problem``); ``None`` when the keywords fit its signature (the error is
+    the factory's own). ``factory``: ``Imported``, or shipped by value (``ByValue``, loaded by the
+    failed call); ``what`` names it."""
+    from .config.checks import keyword_problem
+
+    fn = import_object(factory.ref) if isinstance(factory, Imported) else getattr(factory, "_obj", None)
+    return keyword_problem(fn, kwargs, what, field) if fn is not None else None
+
+
 def _short(text: str, limit: int = 600) -> str:
     """``text`` cut to ``limit`` characters (a library's message can list hundreds of names)."""
     text = " ".join(text.split())
@@ -373,6 +385,9 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer | None, fields: Sequence[
     except (ModelSpecError, ConfigError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's constructor failed: say where, keep its words
+        wrong = _factory_keyword_problem(factory, kwargs, f"the model factory {name}") if isinstance(e, TypeError) and kwargs else None
+        if wrong is not None:
+            raise ConfigError(wrong) from None
         raise ModelSpecError(f"building the model ({name}{'(**' + repr(kwargs) + ')' if kwargs else '()'}) failed: "
                              f"{type(e).__name__}: {_short(str(e))}") from e
     call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets, masked=job.data.mlm_probability is not None,
@@ -419,6 +434,15 @@ class JobData:
         ids = [i % len(self.examples) for i in range(n)]
         return collate([self.examples.dataset[i] for i in ids], ids)
 
+    def split_examples(self, global_batch: int, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+        """``(train, held-out)`` indices of a dataset's examples (``loaders``: the held-out batches
+        are the held-out indices in order). Raises ``DataError`` when nothing is left to train on."""
+        n = len(self.examples)
+        try:
+            return split_examples(n, val_fraction, seed, min_held=global_batch if n - global_batch >= global_batch else 1)
+        except ValueError as e:
+            raise DataError(f"{self.source}: {e}") from None
+
     def loaders(self, seq_len: int, global_batch: int, seed: int, val_fraction: float, eval_batches_max: int):
         """``(train loader, held-out batches)``: the loader's ``replica_batch(step, replica, D)``
         gives a replica's fields of a step; held-out batches are lists of fields (the text's last
@@ -440,12 +464,8 @@ class JobData:
             except ValueError as e:
                 raise DataError(f"{self.source}: {e}") from None
             return _LMLoader(loader, self.mlm), val_b
-        try:
-            n = len(self.examples)
-            train, held = split_examples(n, val_fraction, seed,
-                                         min_held=global_batch if n - global_batch >= global_batch else 1)
-        except ValueError as e:
-            raise DataError(f"{self.source}: {e}") from None
+        n = len(self.examples)
+        train, held = self.split_examples(global_batch, seed, val_fraction)
         if held_out and n < 2 * global_batch:   # no val_fraction gives both a held-out and a training mini-batch
             raise DataError(f"{self.source} has {n} examples: too few to hold out a mini-batch of {global_batch} for "
                             f"the held-out loss and train on another; set data.val_fraction: 0 (train on all {n}, no "
@@ -532,11 +552,16 @@ def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> Jo
             where = f"dataset factory {shipped.names.get('dataset', '')} (shipped with the job)"
         else:
             make, where = Imported(d.dataset), f"data.dataset {d.dataset!r}"
+        kwargs = dict(d.dataset_kwargs or {})
         try:
-            ds = make(**dict(d.dataset_kwargs or {}))
+            ds = make(**kwargs)
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's factory failed: say which, keep its message
+            wrong = _factory_keyword_problem(make, kwargs, where, "data.dataset_kwargs") \
+                if isinstance(e, TypeError) and kwargs else None
+            if wrong is not None:
+                raise ConfigError(wrong) from None
             raise DataError(f"{where} raised {type(e).__name__}: {e}") from e
         if d.mlm_probability is not None:
             raise DataError(f"data.mlm_probability masks token data (text or token files), and {where} gives "
@@ -590,12 +615,22 @@ def _warn_first_of_several(out: Any, name: str) -> None:
                       "F.cross_entropy(output[1], targets) (Job(..., loss=ce) in a notebook)", stacklevel=2)
 
 
-def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, precision: str) -> ModelStructure:
+def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, precision: str,
+             seen: dict | None = None) -> ModelStructure:
     """One dry run (weights on meta, ``b`` real examples): the forward, the loss on its output, and
-    every embedding lookup (token tables bound the ids, position tables the length). Raises
-    ``_ForwardFailed`` when the forward itself fails, the checks' errors otherwise."""
+    every embedding lookup (token tables bound the ids, position tables the length); the automatic
+    cross-entropy's class ids checked against the output's classes (``check_targets``, as the
+    workers' last stage does). ``seen``: filled with the micro-batch's ``"fields"``, ``"ids"``
+    (dataset indices; ``None`` for token data), the output's ``"classes"`` (the automatic
+    cross-entropy's; else ``None``) and ``"class_error"``, the ``DataError`` to raise for ids beyond
+    them (``None``: none). Raises ``_ForwardFailed`` when the forward itself fails, the
+    checks' errors otherwise."""
+    fields = data.sample(b, T)
+    ids = [i % len(data.examples) for i in range(b)] if data.examples is not None else None
+    if seen is not None:
+        seen.update(fields=fields, ids=ids, classes=None, class_error=None)
     try:
-        inputs, targets = spec.call.split(data.sample(b, T))
+        inputs, targets = spec.call.split(fields)
     except ModelSpecError as e:
         raise DataError(f"{data.source}: {e}") from None
 
@@ -613,6 +648,11 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
             raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
                                  f"output, a {type(out).__name__}, as {spec.call.describe()})") from e
         _check_loss(loss, spec)
+        if spec.loss_fn is cross_entropy and seen is not None:   # ids beyond the classes: the meta loss cannot tell
+            try:
+                seen["classes"] = check_targets(out, targets)
+            except ModelSpecError as e:   # raised after the lookups' checks (a token id beyond the vocabulary)
+                seen["class_error"] = DataError(f"{data.source}, {_examples(ids)} (read before any worker starts): {e}")
         return loss
 
     reads_values: list = []
@@ -622,7 +662,7 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
     except (ModelSpecError, DataError, ConfigError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's forward failed on real data: say which data
-        shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in data.sample(b, T).items()
+        shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in fields.items()
                            if isinstance(v, torch.Tensor))
         err = ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
                              f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}" + _on_meta(e)
@@ -753,8 +793,9 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     if spec.init_fn is not None:
         _check_init(meta, spec.init_fn)
     b, precision = job.parallel.micro_batch_size, job.train.precision
+    seen: dict = {}
     try:
-        structure = _dry_run(spec, data, meta, b, T, precision)
+        structure = _dry_run(spec, data, meta, b, T, precision, seen)
     except _ForwardFailed as e:
         if b > 1 or not _runs_on(spec, data, meta, 2, T, precision):
             raise e.error from e.error.__cause__
@@ -763,16 +804,88 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                                  "but runs on two (a layer such as BatchNorm needs more than one example per "
                                  "micro-batch in training): set parallel.micro_batch_size to 2 or more") from None
         spec.min_micro_batch = 2   # the planner and the calibration then try 2 and up
-        structure = _dry_run(spec, data, meta, 2, T, precision)
+        structure = _dry_run(spec, data, meta, 2, T, precision, seen)
     else:
         if b > 1 and not _runs_on(spec, data, meta, 1, T, precision):
             spec.min_micro_batch = 2   # BatchNorm: the calibration must not measure micro-batches of one
     _check_lookups(structure, data, spec.name, T)
     _check_every_block_ran(meta, structure, spec.name)
+    if seen["class_error"] is not None:
+        raise seen["class_error"]
+    if data.examples is not None:
+        check_finite(seen["fields"], seen["ids"], spec, data.source, structure.nonfinite_checks)
     if data.examples is not None and structure.loss_items is None:
         _warn_unweighted(data, spec.name)
     d, p = job.data, job.parallel
-    data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
+    _, val = data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, 1)  # enough to train and to hold out
+    if data.examples is not None and val:   # the first held-out batch, read just now: checked too
+        ids = [int(i) for i in data.split_examples(p.global_batch, d.seed, d.val_fraction)[1][:p.global_batch]]
+        if seen["classes"] is not None:
+            try:
+                check_target_ids(spec.call.split(val[0])[1], seen["classes"])
+            except ModelSpecError as e:
+                raise DataError(f"{data.source}, {_examples(ids, 'held-out ')} (read before any worker starts): {e}") \
+                    from None
+        check_finite(val[0], ids, spec, data.source, structure.nonfinite_checks, "held-out ")
+
+
+def _examples(ids: Sequence[int] | None, kind: str = "") -> str:
+    """``examples 0..3`` (``ids``: dataset indices of a batch), what a message says it read."""
+    if ids is None:
+        return "its first sequences"
+    if list(ids) == list(range(ids[0], ids[0] + len(ids))):
+        shown = f"{ids[0]}..{ids[-1]}" if len(ids) > 1 else f"{ids[0]}"
+    else:
+        shown = ", ".join(str(i) for i in ids[:8]) + (", …" if len(ids) > 8 else "")
+    return f"{kind}example{'s' if len(ids) > 1 else ''} {shown}"
+
+
+def _additive_mask(name: str, values: torch.Tensor) -> bool:
+    """Whether a floating input field may hold -inf: an additive attention mask or bias (its name
+    says mask/bias, or none of its values is positive: 0 where attended, -inf where not)."""
+    low = name.lower()
+    return "mask" in low or "bias" in low or not bool((values > 0).any())
+
+
+def check_finite(fields: Mapping[str, Any], ids: Sequence[int], spec: ModelSpec, source: str,
+                 handled: Sequence[str] = (), kind: str = "") -> None:
+    """Refuse a batch of examples (``ids``: their dataset indices) holding NaN or inf where it would
+    make the loss NaN, before any worker starts (the job would otherwise skip steps and stop).
+
+    The rule: only floating tensor fields the model or the loss reads (``spec.call``) are looked
+    at (integer and bool fields cannot hold NaN; fields nothing reads are left alone). NaN and
+    +inf are refused in each; -inf in the targets, and in an input except an additive attention
+    mask or bias (a field whose name says mask/bias, or with no positive value: 0 and -inf). Nothing
+    is refused when the forward or the loss itself tested the data for NaN/inf in the dry run
+    (``handled``: ``torch.isnan``, ``nan_to_num``... called on the data: a model that handles
+    missing values). ``kind``: what the examples are (``"held-out "``), for the message. Raises
+    ``DataError`` naming the example, the field, the value and the fix."""
+    if handled:
+        return
+    targets = spec.call.target_fields()
+    for name in spec.call.fields():
+        v = fields.get(name)
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dim() == 0 or not v.numel():
+            continue
+        flat = v.detach().reshape(len(v), -1)
+        bad = torch.isnan(flat) | (flat == float("inf"))
+        if name in targets or not _additive_mask(name, flat):
+            bad |= flat == float("-inf")
+        rows = bad.any(dim=1).nonzero().flatten().tolist()
+        if not rows:
+            continue
+        row = flat[rows[0]]
+        what = "NaN" if bool(torch.isnan(row).any()) else "inf" if bool((row == float("inf")).any()) else "-inf"
+        field = f"field {name!r}" + (f" (example[{name}])" if name.isdigit() else "")
+        role = "the loss's targets" if name in targets else "the model's inputs"
+        raise DataError(
+            f"{source}: {kind}example {ids[rows[0]]}'s {field} holds {what} ({int(bad[rows[0]].sum())} of its "
+            f"{row.numel()} values; {len(rows)} of {_examples(ids, kind)}, read before any worker starts, hold NaN "
+            f"or inf there). NaN or inf in {role} makes the loss and the gradients NaN: every step would be "
+            "skipped and the job would stop. Clean the data (replace or impute the missing values in the dataset, e.g. "
+            "torch.nan_to_num(x) or a column mean) or filter those examples out (keep the examples whose tensors "
+            "are all finite: torch.isfinite(x).all()); a forward that handles NaN itself (torch.isnan or "
+            "nan_to_num on its inputs) is not refused")
 
 
 def _warn_unweighted(data: JobData, name: str) -> None:

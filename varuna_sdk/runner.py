@@ -113,6 +113,53 @@ def make_run_folder(path: Path, what: str) -> None:
                           "write") from None
 
 
+def run_folders_inside(path: str | Path) -> list[Path]:
+    """The run folders (each holding ``events.db``) directly inside ``path``, by name; [] when
+    ``path`` is not a folder or cannot be listed."""
+    try:
+        return sorted((d for d in Path(path).iterdir() if d.is_dir() and (d / "events.db").is_file()),
+                      key=lambda d: d.name)
+    except OSError:
+        return []
+
+
+def check_run_dir(run_dir: str | Path | None, name: str | None = None) -> None:
+    """Refuse, before any work, a ``run_dir`` that is a folder *of* runs rather than one job's run
+    folder: a folder that is no run itself (no ``events.db``, no ``config.yaml``) but holds run
+    folders. Made the job's folder, it would hide those runs from ``varuna status`` and refuse the
+    next job there. Raises ``ConfigError`` naming the runs inside and what to pass instead: a new
+    folder inside it, or no run folder and ``train.run_dir`` set to it (each run then gets a new
+    ``NAME-TIME`` folder inside it, ``new_run_dir``)."""
+    if run_dir is None:
+        return
+    p = Path(run_dir)
+    if not p.is_dir() or (p / "events.db").is_file() or (p / "config.yaml").is_file():
+        return
+    inner = run_folders_inside(p)
+    if not inner:
+        return
+    shown = ", ".join(d.name for d in inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+    new = p / (name or "NAME")
+    raise ConfigError(
+        f"run folder {str(p)!r} is a folder of runs, not a job's own run folder: it holds {len(inner)} run "
+        f"folder(s) ({shown}), and a run folder holds one job. Give a new folder inside it (--run-dir {new}; in "
+        f"a notebook Job(..., run_dir={str(new)!r})), or leave the run folder out and set train.run_dir: {p} "
+        f"(--run-dir left out; in a notebook Job(..., train_run_dir={str(p)!r})): each run then gets a new "
+        f"NAME-TIME folder inside it. `varuna status {p}` lists the runs there")
+
+
+def _note_runs_inside(e: ConfigError, run_dir: Path) -> ConfigError:
+    """``e`` (a run folder this config cannot continue) with a note when that run folder holds other
+    run folders too: it was given as the run folder of a job while it held other runs."""
+    inner = run_folders_inside(run_dir)
+    if not inner:
+        return e
+    return ConfigError(f"{e}. Note: {run_dir} also holds {len(inner)} run folder(s) of other jobs inside it "
+                       f"({', '.join(d.name for d in inner[:3])}{' ...' if len(inner) > 3 else ''}): to start a "
+                       f"new job beside them, give a new folder inside it (--run-dir {run_dir}/NAME) or set "
+                       f"train.run_dir: {run_dir} and leave the run folder out")
+
+
 def check_store_url(job: JobConfig) -> None:
     """A remote ``train.checkpoint_url`` (``s3://``, ``gs://``, ``ftp://`` ...) must open from the
     launcher before anything starts; raises ``ConfigError`` with the driver's reason."""
@@ -146,8 +193,13 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     from .trainer import check_partition, resolve
 
     job = copy.deepcopy(job).validate()
-    # a run folder this config cannot continue is refused first: no model is built, no data read
-    changed = check_continuation(job, Path(run_dir), command) if run_dir is not None else []
+    # a folder of runs, or a run folder this config cannot continue, is refused first: no model is
+    # built, no data read
+    check_run_dir(run_dir, job.name)
+    try:
+        changed = check_continuation(job, Path(run_dir), command) if run_dir is not None else []
+    except ConfigError as e:
+        raise _note_runs_inside(e, Path(run_dir)) from None
     files = dict(files or {})
     if objects is not None:
         files.update(objects.pack(job))
@@ -452,7 +504,7 @@ def stop_on_signals(mgr) -> Iterator[None]:
 
 def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=None, job_id: str | None = None,
                objects: JobObjects | None = None, signals: bool = False, command: str = "varuna launch",
-               **manager_options) -> dict:
+               warnings_if_accepted: Sequence[str] = (), **manager_options) -> dict:
     """Run ``job`` under the morph manager in the foreground until it ends, on ``provider``'s
     VMs (default: ``job.launch.gpus`` local worker slots); returns ``Manager.summary()``.
 
@@ -466,6 +518,8 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     the job at a boundary with a checkpoint (``stop_on_signals``; the CLI's way). Raises
     ``manager.ManagerError`` at once when another manager runs ``run_dir`` now. ``command``: the
     command that runs it, named when ``run_dir`` holds a job this config cannot continue.
+    ``warnings_if_accepted``: warnings (``UserWarning``) to give once ``prepare_run`` has accepted
+    the job, so that a job refused says its real error alone.
     """
     from .cluster.provider import LocalProvider
     from .manager.manager import Manager
@@ -473,11 +527,14 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     from .manager.runs import RunBusy, check_run_free
 
     if run_dir is not None:
+        check_run_dir(run_dir, job.name)   # a folder of runs is no job's run folder
         try:
             check_run_free(run_dir)   # before any work: a live run is never taken over
         except RunBusy as e:
             raise ManagerError(str(e)) from None
     job, out, resolved = prepare_run(job, run_dir, objects, command=command)
+    for text in warnings_if_accepted:
+        warnings.warn(text, stacklevel=3)
     own = provider is None
     provider = provider or LocalProvider(job.launch.gpus)
     try:
@@ -526,6 +583,20 @@ def _devices_here() -> str:
     return f"{n} GPU(s)" if n else f"{os.cpu_count()} CPU core(s)"
 
 
+def local_slots(job: JobConfig) -> tuple[int, list[str]]:
+    """``(worker slots, warnings)`` of a job run on this machine's own worker processes: P × D when
+    both are fixed (the configured shape runs as given, as many workers as it needs), else
+    ``launch.gpus`` (the planner chooses for them); a warning when that is more workers than
+    ``launch.gpus`` (they share this machine's devices)."""
+    slots = job.parallel.world_size if not job.parallel.planned else job.launch.gpus
+    if slots <= job.launch.gpus:
+        return slots, []
+    return slots, [f"P={job.parallel.P} x D={job.parallel.D} starts {slots} local workers, more than "
+                   f"launch.gpus={job.launch.gpus}; they share this machine's devices ({_devices_here()}), so "
+                   "each step is slower than the plan for that many GPUs. Set launch.gpus to the workers "
+                   "this machine should run, or P and D null to plan for launch.gpus"]
+
+
 def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobObjects | None = None,
                 **manager_options) -> RunResult:
     """``varuna train``: the job on P × D local worker processes (gloo on CPU, NCCL with GPUs),
@@ -541,13 +612,9 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     from .cluster.provider import LocalProvider
 
     job = copy.deepcopy(job).validate()
-    slots = job.parallel.world_size if not job.parallel.planned else job.launch.gpus
-    if slots > job.launch.gpus:
-        warnings.warn(f"P={job.parallel.P} x D={job.parallel.D} starts {slots} local workers, more than "
-                      f"launch.gpus={job.launch.gpus}; they share this machine's devices ({_devices_here()}), so "
-                      "each step is slower than the plan for that many GPUs. Set launch.gpus to the workers "
-                      "this machine should run, or P and D null to plan for launch.gpus", stacklevel=2)
-    opts = {"calibrate_first": False, "max_failures": 0, "grow": None, "straggler": None,
+    check_run_dir(run_dir, job.name)
+    slots, shared = local_slots(job)   # ``shared``: said once the job is accepted (``launch_job``)
+    opts = {"warnings_if_accepted": shared, "calibrate_first": False, "max_failures": 0, "grow": None, "straggler": None,
             "generation_options": {"start_timeout_s": max(180.0, job.launch.timeout_s)}, "command": "varuna train",
             **manager_options}
     provider = LocalProvider(slots)
@@ -566,6 +633,6 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
                      trained=not summary.get("ended_before", False))
 
 
-__all__ = ["JobObjects", "JobStopped", "stopped_sentence", "RunResult", "launch_job", "new_run_dir", "plan_job", "prepare_run", "stop_on_signals",
+__all__ = ["JobObjects", "JobStopped", "local_slots", "stopped_sentence", "RunResult", "launch_job", "new_run_dir", "check_run_dir", "plan_job", "prepare_run", "stop_on_signals",
            "train_local",
            "ConfigError"]

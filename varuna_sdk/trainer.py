@@ -564,7 +564,8 @@ def _resume(run: _WorkerRun) -> None:
             _log(f"[varuna] held-out {what} at start: {v0}")
             if not math.isfinite(run.loss0):
                 _log(f"[varuna] warning: the held-out loss is {run.loss0} before any step: the held-out examples "
-                     "(the data's last data.val_fraction) or the loss give values that are not finite, so the "
+                     "(data.val_fraction of the data: a dataset's examples drawn at random from data.seed, a text's "
+                     "last tokens) or the loss give values that are not finite, so the "
                      "held-out figures of this run mean nothing; check those examples for NaN or inf")
 
 

@@ -14,7 +14,11 @@ compute times and memory every interval; rank 0 also hands it every step's metri
 ``metrics.jsonl`` line) for the manager's metrics table. The training loop polls the client's
 ``stop_requested`` at every mini-batch boundary (the manager's ``stop`` command: the workers agree,
 checkpoint and return "stopped"). At the end the worker says goodbye — "ok", "stopped", or
-"failed" with the exception's last line — so a crash is never taken for a lost VM.
+"failed" with the exception's last line — so a crash is never taken for a lost VM. A worker that
+says goodbye writes its traceback with every line marked ``manager.results.LOG_ONLY`` (the manager
+keeps it in ``gen<g>/workers.log`` and tells the failure once itself, instead of streaming every
+rank's traceback) and exits 1 at once (``_exit_now``: no interpreter teardown, whose C++ threads may
+abort with ``terminate called without an active exception`` after the real error).
 
 Pre-emption notices: on the worker the launcher marks (``VARUNA_NOTICE_WATCH=1``, the first on each
 VM reached over SSH) a ``cluster.notice.NoticeWatcher`` thread polls the cloud's metadata service
@@ -34,6 +38,7 @@ from pathlib import Path
 
 from .cluster.notice import NoticeWatcher
 from .manager.heartbeat_client import HeartbeatClient
+from .manager.results import LOG_ONLY
 from .manager.wire import ENV_TOKEN, STOPPED
 from .shipping import OBJECTS_DIR_ENV
 
@@ -58,7 +63,7 @@ class _OutputThatSurvives:
             except (BrokenPipeError, OSError, ValueError):
                 self._fallback.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self._fallback, "a", buffering=1)
-        return self._file.write(text)
+        return self._file.write(text.replace(LOG_ONLY, ""))   # (no manager reads this file: no marks)
 
     def flush(self) -> None:
         try:
@@ -71,9 +76,10 @@ class _OutputThatSurvives:
 
 
 def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None) -> int:
-    """Run one worker; returns the process exit code (0: completed or stopped on request, 2:
-    bad usage). ``heartbeat``: an already started client (else one from the environment, or
-    none); main feeds it after every step and closes it."""
+    """Run one worker; returns the process exit code (0: completed or stopped on request, 1:
+    failed, told to the manager, 2: bad usage). ``heartbeat``: an already started client (else one
+    from the environment, or none); main feeds it after every step and closes it. Without a
+    heartbeat client (no manager) an exception propagates as usual."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m varuna_sdk.worker CONFIG.yaml RUN_DIR", file=sys.stderr)
@@ -88,16 +94,30 @@ def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None
     try:
         status = _train(argv, hb)
     except BaseException as e:
+        told = hb is not None and isinstance(e, Exception)
+        if told:   # before the goodbye: the manager reads the traceback once the goodbye came
+            _write_traceback(e)
         if hb is not None:
             hb.close(status="failed", error="".join(traceback.format_exception_only(e)).strip(),
                      cause=failure_cause(e))
-        raise
+        if not told:
+            raise
+        return 1
     finally:
         if watcher is not None:
             watcher.close(timeout_s=0.0)
     if hb is not None:
         hb.close(status=STOPPED if status == STOPPED else "ok")
     return 0
+
+
+def _write_traceback(e: BaseException) -> None:
+    """``e``'s traceback on stderr, each line marked ``LOG_ONLY``: for the workers' log, not the
+    live output (the manager tells the failure itself: the root rank's error once, not every rank's
+    traceback nor a peer's consequent "connection closed")."""
+    text = "".join(traceback.format_exception(e))
+    sys.stderr.write("".join(f"{LOG_ONLY}{line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
 
 
 def _start_notice_watcher(hb: HeartbeatClient | None) -> NoticeWatcher | None:
@@ -194,8 +214,9 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
 def _exit_now(code: int) -> None:
     """End the process at once with ``code``, skipping the interpreter's teardown (unloading
     torch, freeing the model and optimizer state, joining library threads: 1-2 s measured on a
-    shared 2-core machine, spent while the manager waits to start the next generation). Only
-    after ``main`` returned normally: the checkpoint is published, the process group destroyed,
+    shared 2-core machine, spent while the manager waits to start the next generation; after a
+    failure, a C++ thread's ``terminate called without an active exception``). Only after ``main``
+    returned: the checkpoint is published (or the failure told), the process group destroyed,
     the goodbye delivered; the streams are flushed here."""
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -17,11 +17,14 @@ def int32_labels(n: int = 400, features: int = 16, classes: int = 4, seed: int =
     return [(x, y.int()) for x, y in make_dataset(n, features, classes, seed)]
 
 
-def out_of_range_labels(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0):
-    """``make_dataset`` with every 10th label set to ``classes + 3``: a class id the model has no output for."""
+def out_of_range_labels(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0, valid=()):
+    """``make_dataset`` with every 10th label set to ``classes + 3``: a class id the model has no output for
+    (but the examples ``valid``: those the dry run reads, for a job that fails in its workers)."""
     x, y = make_dataset(n, features, classes, seed).tensors
     y = y.clone()
+    keep = y[list(valid)].clone()
     y[::10] = classes + 3
+    y[list(valid)] = keep
     return torch.utils.data.TensorDataset(x, y)
 
 
@@ -395,3 +398,33 @@ class ConvTagger(nn.Module):
         for block in self.body:
             h = block(h)
         return self.out(h)
+
+
+def multi_task(n: int = 200, features: int = 16, classes: int = 4, seed: int = 0) -> list:
+    """Dict examples for a multi-task loss: ``x`` ``[features]``, a class ``label`` (int64) and a
+    regression ``score`` (float), e.g. a review's sentiment and its rating."""
+    x, y = make_dataset(n, features, classes, seed).tensors
+    score = x[:, :4].sum(-1) / 4
+    return [{"x": x[i], "label": y[i], "score": score[i]} for i in range(n)]
+
+
+class TwoHeads(Classifier):
+    """``Classifier`` with a second head: returns ``(class logits [B, C], score [B])``."""
+
+    def __init__(self, features: int = 16, hidden: int = 32, depth: int = 3, classes: int = 4):
+        super().__init__(features, hidden, depth, classes)
+        self.score = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.body:
+            h = block(h)
+        return self.out(h), self.score(h).squeeze(-1)
+
+
+def multi_task_loss(output, targets):
+    """Cross-entropy of the class plus half the MSE of the score: ``targets`` is the dict
+    ``{"label": [B], "score": [B]}`` (``model.targets: [label, score]``)."""
+    logits, score = output
+    return (torch.nn.functional.cross_entropy(logits, targets["label"])
+            + 0.5 * torch.nn.functional.mse_loss(score, targets["score"]))

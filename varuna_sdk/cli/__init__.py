@@ -87,7 +87,7 @@ def _plain_warning(message, category, filename, lineno, line=None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``varuna ARGS``; returns the exit code (``cli.parser.EXIT_STATUS``): 0 done (or stopped by
-    ``varuna stop``), 1 the job failed, 2 bad input, 130 interrupted (Ctrl-C, SIGTERM)."""
+    ``varuna stop``), 1 the job failed, 2 bad input, 130 interrupted by Ctrl-C (SIGINT), 143 by SIGTERM."""
     import warnings
 
     saved, warnings.formatwarning = warnings.formatwarning, _plain_warning
@@ -114,7 +114,7 @@ def _main(argv: list[str] | None) -> int:
         if args.cmd in ("status", "stop", "logs"):
             return run_folder_command(args)
         if args.cmd == "config":
-            print(demo_config().to_yaml(), end="")
+            print(demo_config().to_yaml_beside_defaults("the demo's"), end="")   # its own values marked
             return 0
         if args.cmd in ("calibrate", "plan"):
             return calibrate_or_plan(args)

@@ -32,7 +32,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 def launch_command(args: argparse.Namespace) -> int:
     """``varuna launch CONFIG``: the job under the morph manager until it ends; returns the exit code
     (``cli.parser.EXIT_STATUS``: 0 succeeded or stopped by ``varuna stop``, 1 failed, 2 bad input or
-    the run folder is busy, 130 stopped by Ctrl-C or SIGTERM)."""
+    the run folder is busy, 130 stopped by Ctrl-C, 143 by SIGTERM)."""
     from ..runner import launch_job
 
     job = JobConfig.from_yaml(Path(args.config)).validate()

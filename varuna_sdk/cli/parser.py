@@ -40,9 +40,10 @@ EXIT_STATUS = """exit status:
        boundary with a checkpoint (the command it prints continues the job)
   1    the job failed
   2    bad input (config, flags), or another manager runs the --run-dir
-  130  stopped by Ctrl-C (SIGINT) or SIGTERM: at the next mini-batch boundary with a checkpoint;
-       a second Ctrl-C a second or more later kills the workers at once and the job continues
-       from its last complete checkpoint (`varuna status RUN` says which step)"""
+  130  stopped by Ctrl-C (SIGINT): at the next mini-batch boundary with a checkpoint; a second
+       Ctrl-C a second or more later kills the workers at once and the job continues from its
+       last complete checkpoint (`varuna status RUN` says which step)
+  143  stopped by SIGTERM (e.g. `kill`, a scheduler's time limit), as the first Ctrl-C"""
 
 
 def _subcommand(sub, name: str, help_: str, description: str, more: str = "") -> argparse.ArgumentParser:
@@ -84,7 +85,9 @@ def _add_train_demo_config(sub) -> None:
     sp.add_argument("--no-spot", dest="no_spot", action="store_true",
                     help="train on a fixed set of local workers (no spot emulator, no morphs)")
     _subcommand(sub, "config", "print the demo job's YAML (a starting point for your own)",
-                "Print the demo job's YAML with every field: copy it and change the model, the data and the sizes.")
+                "Print the demo job's YAML with every field: copy it and change the model, the data and the sizes. "
+                "Where the demo sets a field to its own value (lr, min_lr, steps...), the line says so and names the "
+                "default that a config leaving the field out gets.")
 
 
 def _add_calibrate_plan(sub) -> None:

@@ -73,15 +73,16 @@ def run_folder_command(args: argparse.Namespace) -> int:
 
 def stopped_exit_code(run_dir: str | Path) -> int:
     """The exit code of ``varuna train``/``launch`` whose job was stopped on request (``cli.parser.EXIT_STATUS``):
-    130 when Ctrl-C (SIGINT) or SIGTERM asked for the stop, 0 for a stop asked by ``varuna stop``
-    from another shell (a clean stop at a boundary, with a checkpoint)."""
+    128 + the signal's number when a signal asked for the stop (130: Ctrl-C, SIGINT; 143: SIGTERM,
+    as a shell reports a process that signal ended), 0 for a stop asked by ``varuna stop`` from
+    another shell (a clean stop at a boundary, with a checkpoint)."""
     from ..manager.runs import stopped_by
 
     try:
         by = stopped_by(run_dir)
     except Exception:  # noqa: BLE001 - an unreadable event log: the stop itself was clean
         by = None
-    return 130 if by in ("SIGINT", "SIGTERM") else 0
+    return {"SIGINT": 130, "SIGTERM": 143}.get(by or "", 0)
 
 
 

@@ -152,6 +152,31 @@ class JobConfig:
             Path(path).write_text(text)
         return text
 
+    def to_yaml_beside_defaults(self, whose: str = "this job's") -> str:
+        """``to_yaml()`` with every field whose value is not the default marked on its line,
+        ``# <whose>; left out: <default>`` (``varuna config`` prints the demo's job so: its lr is the
+        demo's, and a config that leaves lr out gets the default), under one header line saying so."""
+        defaults = JobConfig().to_dict()
+        mine = self.to_dict()
+
+        def shown(v: Any) -> str:
+            return yaml.safe_dump(v, default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
+
+        out = [f"# values marked `{whose}` are {whose} own; a config that leaves such a field out gets the default "
+               "named after `left out:`"]
+        section = None
+        for line in self.to_yaml().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if not line.startswith(" "):
+                section = key if isinstance(mine.get(key), dict) else None
+            elif section is not None and line.startswith("  ") and not line.startswith("   ") \
+                    and not line.lstrip().startswith("- ") and key in mine[section]:
+                new, default = mine[section][key], defaults.get(section, {}).get(key)
+                if new != default:
+                    line = f"{line}   # {whose}; left out: {shown(default)}"
+            out.append(line)
+        return "\n".join(out) + "\n"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
         """Build from plain data; unknown keys raise ``ConfigError`` naming the valid keys."""

@@ -47,6 +47,36 @@ def validate_model(m: ModelConfig) -> None:
                           "'package.module:function' of init_fn(module, name)")
 
 
+def keyword_problem(fn: Any, kwargs: dict, what: str, field: str) -> str | None:
+    """Why calling ``fn(**kwargs)`` cannot work, from ``fn``'s signature, or ``None`` when the
+    keywords fit (or the signature cannot be read, or takes ``**kwargs``): each keyword it does not
+    take, with the likely one, and the parameters it takes with their defaults. ``what`` names the
+    callable (``mypkg.models:build``), ``field`` the config field holding ``kwargs``
+    (``model.kwargs``). Imports nothing (``inspect`` and ``difflib`` only)."""
+    import difflib
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = [q for q in sig.parameters.values() if q.name != "self"]
+    if any(q.kind is q.VAR_KEYWORD for q in params):
+        return None
+    named = [q for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)]
+    names = [q.name for q in named]
+    unknown = [k for k in kwargs if k not in names]
+    if not unknown:
+        return None
+    parts = []
+    for k in unknown:
+        near = difflib.get_close_matches(str(k), [n for n in names if n not in kwargs] or names, n=1, cutoff=0.6)
+        parts.append(f"{k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    takes = ", ".join(q.name if q.default is q.empty else f"{q.name}={q.default!r}" for q in named)
+    return (f"{field} gives {what} the keyword(s) {', '.join(parts)}, which it does not take; it takes "
+            + (f"({takes})" if takes else "no keywords") + f": fix or remove the key in {field}")
+
+
 def validate_data(d: DataConfig) -> None:
     """Check the data section's values; raise ``ConfigError`` saying what would work. (Whether
     the files exist and hold usable data is checked by ``jobspec`` before workers start.)"""
@@ -88,6 +118,11 @@ def validate_parallel(p: ParallelConfig) -> None:
     Rules: P >= 1, D >= 1, micro_batch_size >= 1, policy known, and ``global_batch`` divisible
     by ``micro_batch_size × D`` (so m is a whole number; P plays no part).
     """
+    if p.micro_batch_size is None:   # said with what null would have meant, before the field's own rule
+        raise ConfigError("parallel.micro_batch_size=None must be an integer >= 1" + (
+            ": with P or D null the first plan chooses the micro-batch size itself and this one only sizes "
+            "the dry run, so any size the global batch allows will do (e.g. 1)" if p.planned else
+            " (the examples of each micro-batch); null would let the planner choose only with P or D null"))
     check_fields("parallel", p)   # P and D may be null: chosen by the planner
     if p.split_backward and p.policy != "varuna":
         raise ConfigError(

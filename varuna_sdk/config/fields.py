@@ -141,7 +141,8 @@ class Flag:
 @dataclass(frozen=True)
 class Plain:
     """Plain data: a mapping (``kind="map"``), a list of names (``"names"``), a list of lists of
-    integers (``"index_lists"``), names-or-mapping (``"inputs"``), one flag or a list of flags per
+    integers (``"index_lists"``), names-or-mapping (``"inputs"``), a name or a list of distinct names
+    (``"targets"``), one flag or a list of flags per
     stage (``"stage_flags"``) or an integer >= 0, or a list of them per stage (``"stage_counts"``); bounded in
     size and depth, floats finite, keys strings."""
 
@@ -177,6 +178,14 @@ class Plain:
             if not (count(v) or (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(count(x) for x in v))):
                 raise ConfigError(f"{where}={_show(v)} must be one integer >= 0 and < {1 << 20} per stage (e.g. "
                                   "[4, 2, 0]; 0 = no cap), one for every stage (e.g. 4), or null")
+        elif self.kind == "targets":
+            one = isinstance(v, str) and 0 < len(v.strip()) and len(v) <= MAX_TEXT
+            several = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and len(set(map(str, v))) == len(v)
+                       and all(isinstance(x, str) and 0 < len(x.strip()) and len(x) <= MAX_TEXT for x in v))
+            if not (one or several):
+                raise ConfigError(f"{where}={_show(v)} must be the name of the batch field the loss compares the "
+                                  "output with, a list of distinct names (the loss then gets a dict name -> tensor, "
+                                  "e.g. [label, score]), or null")
         elif self.kind == "inputs":
             ok = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(isinstance(x, str) for x in v)) or (
                 isinstance(v, dict) and 0 < len(v) <= MAX_ITEMS

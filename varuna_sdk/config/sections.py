@@ -36,7 +36,8 @@ class ModelConfig:
     ``targets``, else cross-entropy of its logits), ``model``, ``cross_entropy`` or an import path
     of ``(output, targets) -> scalar``. ``inputs``: which batch fields feed the forward — a list
     (positional) or a mapping argument → field; ``targets``: the field the loss compares with
-    (``null``: automatic; see ``model.spec.infer_call``). ``blocks``: the dotted name of the
+    (``null``: automatic; see ``model.spec.infer_call``), or a list of fields for a loss of several
+    targets (a multi-task loss: it gets a dict field → tensor). ``blocks``: the dotted name of the
     model's list of layers where cut-points go (``null``: its largest ``ModuleList``). ``init``:
     ``null`` (the model's own constructor, replayed per stage) or an import path of
     ``init_fn(module, name)`` for a model too large to record once."""
@@ -50,7 +51,7 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     loss: str | None = None
     inputs: list[str] | dict[str, str] | None = None
-    targets: str | None = None
+    targets: str | list[str] | None = None
     blocks: str | None = None
     init: str | None = None
     by_value: str | None = None
@@ -115,8 +116,8 @@ class ParallelConfig:
     the input gradient (B, sent upstream at once) and the weight gradients (W, deferred into the
     stage's waits; the zero-bubble split); ``None`` = the policy's default. ``P``/``D`` ``None`` =
     let the planner choose for ``launch.gpus`` workers from a calibration (paper §4.4); it then
-    chooses ``micro_batch_size`` too (the configured one is replaced by the plan's; ``varuna plan``
-    keeps it only where P or D is fixed)."""
+    chooses ``micro_batch_size`` too (the configured one, still an integer >= 1 that sizes the dry run,
+    is replaced by the plan's; ``varuna plan`` keeps it only where P or D is fixed)."""
 
     P: int | None = 1
     D: int | None = 1
@@ -225,7 +226,7 @@ RULES: dict[type, dict[str, Any]] = {
     ModelConfig: {"preset": _OPT, "n_layer": Int(1, 4096, True), "n_head": Int(1, 4096, True),
                   "n_embd": Int(1, 1 << 17, True), "dropout": Num(0.0, 1.0, hi_open=True, unit="a probability"),
                   "factory": _OPT, "kwargs": Plain("map", optional=False), "loss": _OPT,
-                  "inputs": Plain("inputs"), "targets": _OPT, "blocks": _OPT, "init": _OPT, "by_value": _OPT},
+                  "inputs": Plain("inputs"), "targets": Plain("targets"), "blocks": _OPT, "init": _OPT, "by_value": _OPT},
     DataConfig: {"corpus": _OPT, "path": _OPT,
                  "format": Text(("auto", "text", "tokens", "hf", "json", "jsonl", "parquet", "csv")),
                  "text_column": Text(), "token_dtype": Text(("uint16", "uint32"), optional=True), "dataset": _OPT,

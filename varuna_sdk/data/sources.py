@@ -383,6 +383,14 @@ def open_examples(dataset: Any, source: str) -> ExampleData:
             hints.append("a nested tuple such as ((x_cat, x_num), y) can be flattened to (x_cat, x_num, y), or give "
                          "a dict {'x_cat': ..., 'x_num': ..., 'labels': ...}; a list of numbers can be "
                          "torch.tensor(values)")
+        nested = [k for k in bad if isinstance(what.get(k), dict)]
+        if nested:
+            keys = [str(x) for k in nested for x in what[k]]
+            hints.append(f"a dict inside an example (at {nested}) is not taken: return one flat dict of tensors "
+                         f"instead, e.g. {{{', '.join(repr(x) + ': ...' for x in keys[:4])}"
+                         + (", 'labels': y" if isinstance(first, (tuple, list)) and len(first) > len(nested) else "")
+                         + "} (the forward gets the fields its parameters name; model.targets names the loss's "
+                         "targets field, Job(..., targets=...) in a notebook)")
         if any(isinstance(what.get(k), str) for k in bad):
             hints.append("text must be token ids: tokenize it in __getitem__ (or use data.path with a tokenizer), or "
                          "drop the column (datasets: .remove_columns([...]))")

@@ -22,8 +22,8 @@ supervises one. ``Generation(job, hosts, run_dir, events=..., job_id=..., genera
 - **wait(timeout_s)**: None while running; else a ``GenerationResult`` (``manager.results``) whose
   ``status`` is a ``GenerationStatus``: ``COMPLETED``, ``STOPPED`` (on request, at a boundary),
   ``LOST`` (a host lost: pre-empted, network cut, process killed, heartbeats stopped — within 2
-  heartbeat intervals), ``FAILED`` (a worker raised: its traceback, prefixed by VM and rank, is in
-  ``failure``), ``KILLED`` (``stop()`` ended workers that had not finished). On ``LOST``/``FAILED``
+  heartbeat intervals), ``FAILED`` (a worker raised: its own error in ``error``, its traceback ending
+  with that exception line, prefixed by VM and rank, in ``failure``), ``KILLED`` (``stop()`` ended workers that had not finished). On ``LOST``/``FAILED``
   the surviving workers are stopped before it returns (``stop_on_failure``).
 - **stop(grace_s, gone=())**: SIGTERM then SIGKILL every worker's whole session on every host in
   parallel (``gone``: hosts known to be unreachable, skipped); True when nothing survived.
@@ -57,7 +57,7 @@ from ..config import JobConfig
 from .events import Event, EventLog, Kind
 from .heartbeat_server import HeartbeatServer
 from .options import GenerationOptions
-from .results import GenerationResult, GenerationStatus
+from .results import LOG_ONLY, GenerationResult, GenerationStatus, failure_excerpt
 from .startup import WorkerStartup, route_source
 from .wire import STOPPED
 
@@ -324,13 +324,19 @@ class Generation(WorkerStartup):
 
     # -------------------------------------------------------------------------- watching
     def _sink(self, stream: str, worker: RemoteWorker, line: str) -> None:
+        """A worker's line: to ``workers.log``, and to ``options.sink`` unless the worker marked it
+        ``LOG_ONLY`` (its failure's traceback: the manager tells the failure once, not every rank)."""
+        mark = f"{worker.prefix} {LOG_ONLY}"
+        log_only = line.startswith(mark)
+        if log_only:
+            line = f"{worker.prefix} {line[len(mark):]}"
         f = self._log_file
         if f is not None:
             try:
                 f.write(line + "\n")
             except (OSError, ValueError):
                 pass
-        if self.options.sink is not None:
+        if self.options.sink is not None and not log_only:
             self.options.sink(stream, worker, line)
 
     def _on_exit(self, w: RemoteWorker) -> None:
@@ -414,18 +420,23 @@ class Generation(WorkerStartup):
         rank = (roots or self._failed_ranks)[0]
         return rank, said.get(rank, {})
 
-    def _failure_text(self) -> str | None:
+    def _failure_report(self) -> dict:
+        """The ``GenerationResult`` fields that tell the failure: ``failure`` (the root rank's
+        traceback ending with its exception line, each line prefixed ``[vm rank r]``; or the start
+        failure), ``error`` (that rank's own exception as its goodbye said it, else its traceback's
+        exception line), ``rank`` and ``host``. Never a line written after the exception (a C++
+        ``terminate called...`` of a process dying while its peers fail): ``failure_excerpt``."""
         if self._start_failure is not None:
-            return self._start_failure
+            return {"failure": self._start_failure}
         root = self._root_failure()
         if self.remote is None or root is None:
-            return None
+            return {"failure": None}
         w = self.remote.workers[root[0]]
-        lines = [x for x in list(w.stderr_tail) if x.strip()]
-        if not lines:
-            lines = [root[1]["error"]] if root[1].get("error") else [
-                f"exited with {w.exit_code} and wrote nothing to stderr"]
-        return "\n".join(f"{w.prefix} {x}" for x in lines)
+        said = str(root[1].get("error") or "").strip() or None
+        lines = failure_excerpt(list(w.stderr_tail), said) or [
+            f"exited with {w.exit_code} and wrote nothing to stderr"]
+        return {"failure": "\n".join(f"{w.prefix} {x}" for x in lines), "error": said or lines[-1].strip(),
+                "rank": w.rank, "host": w.host.name}
 
     def _exits_reported(self) -> bool:
         """Every ended worker's exit has been reported (its ``worker_exited`` recorded before
@@ -457,7 +468,7 @@ class Generation(WorkerStartup):
         base = dict(exit_codes=self._exit_codes(), last_step=self._last_step(),
                     stop_reason=self._stop_reason)
         if lost:
-            return GenerationResult(GenerationStatus.LOST, lost_hosts=lost, failure=self._failure_text(), **base)
+            return GenerationResult(GenerationStatus.LOST, lost_hosts=lost, **self._failure_report(), **base)
         if start_failure is not None:
             return GenerationResult(GenerationStatus.FAILED, failure=start_failure, **base)
         if failed:
@@ -465,7 +476,7 @@ class Generation(WorkerStartup):
             pending = any(s.status == "disconnected" for s in senders.values())
             if (time.monotonic() - (first_problem or 0.0) < self.options.heartbeat_interval_s or pending) and not stopping:
                 return None
-            return GenerationResult(GenerationStatus.FAILED, failure=self._failure_text(), cause=self._failure_cause(), **base)
+            return GenerationResult(GenerationStatus.FAILED, cause=self._failure_cause(), **self._failure_report(), **base)
         if self.remote is None:
             return GenerationResult(GenerationStatus.KILLED, **base) if stopping else None
         if not self.remote.done() or not self._exits_reported():

@@ -5,7 +5,8 @@ sentences — for ``varuna status``, ``varuna logs``, ``varuna stop`` and the no
 A **run folder** is where one job keeps its state: ``config.yaml`` (the job as it runs),
 ``events.db`` (the event log, ``manager.events``), ``gen<g>/workers.log`` (every worker's output
 of generation g) and, once done, ``summary.json``. ``find_runs(path)`` is the run folder itself, or
-the run folders directly inside ``path`` (a ``runs/`` parent), newest first. ``read_run`` turns one
+the run folders directly inside ``path`` (a ``runs/`` parent), newest first (both, when a run folder
+holds runs of its own). ``read_run`` turns one
 into a ``RunInfo``: state and its reason, plan, steps done of the total, elapsed time, an ETA from
 the recent step times, morphs, the last event. ``event_sentence`` says an event in words
 (``morph_sentence`` a morph: which VM, what happened, the plan before and after and why, downtime
@@ -104,19 +105,25 @@ class RunInfo:
 
 
 def find_runs(path: str | Path) -> list[Path]:
-    """``path`` when it is a run folder (holds ``events.db``), else the run folders directly inside
-    it, newest first. Raises ``FileNotFoundError`` naming ``path`` when it does not exist."""
+    """``path`` when it is a run folder (holds ``events.db``), followed by any run folders directly
+    inside it (a folder of runs once given as a job's own run folder: its runs stay listed), else
+    the run folders directly inside it; those inside newest first. Raises ``FileNotFoundError``
+    naming ``path`` when it does not exist."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{str(p)!r} does not exist; give a run folder (holding events.db) or the folder "
                                 "of runs (by default runs/ where you launched)")
-    if (p / "events.db").is_file():
-        return [p]
     if not p.is_dir():
         raise FileNotFoundError(f"{str(p)!r} is a file, not a folder; give a run folder (holding events.db) or "
                                 "the folder of runs")
-    runs = [d for d in p.iterdir() if d.is_dir() and (d / "events.db").is_file()]
-    return sorted(runs, key=lambda d: (d / "events.db").stat().st_mtime, reverse=True)
+
+    def mtime(d: Path) -> float:
+        try:
+            return (d / "events.db").stat().st_mtime
+        except OSError:   # removed meanwhile
+            return 0.0
+    runs = sorted((d for d in p.iterdir() if d.is_dir() and (d / "events.db").is_file()), key=mtime, reverse=True)
+    return [p, *runs] if (p / "events.db").is_file() else runs
 
 
 def _fmt_s(s: float | None) -> str:
@@ -250,13 +257,21 @@ def drift_sentence(p: dict, now: float | None = None) -> str:
     return head + (f" — {'; '.join(why)}" if why else "") + tail
 
 
+def _first_line(reason) -> str:
+    """A state's reason as one line: a failure's traceback (the lines after its first) is left to
+    ``varuna status`` and the workers' log."""
+    lines = str(reason or "").strip().splitlines()
+    return lines[0] + (f" (+ a traceback of {len(lines) - 1} lines: `varuna status`)" if len(lines) > 1 else "") \
+        if lines else ""
+
+
 def event_sentence(e: Event, t0: float | None = None) -> str:
     """An event of the log in words (the kinds a user cares about; others as ``kind: payload``)."""
     p, k = e.payload, e.kind
     at = f"{e.time - t0:7.1f} s  " if t0 is not None else ""
     vm = e.host or "?"
     text = {
-        Kind.JOB_STATE: lambda: f"job {p.get('state')}: {p.get('reason', '')}".rstrip(": "),
+        Kind.JOB_STATE: lambda: f"job {p.get('state')}: {_first_line(p.get('reason'))}".rstrip(": "),
         Kind.PLAN: lambda: (f"plan for generation {p.get('generation')}: {_plan_text(p)}, micro-batch "
                             f"{p.get('micro_batch_size')} x {p.get('num_micro_batches')}"
                             + (f", predicted {p['predicted_step_s']:.3f} s per step" if isinstance(
@@ -269,7 +284,9 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
         Kind.HOST_REMOVED: lambda: f"VM {vm} left the pool",
         Kind.PREEMPTION_NOTICE: lambda: f"VM {vm} will be pre-empted in {p.get('lead_s', '?')} s",
         Kind.HOST_LOST: lambda: f"VM {vm} lost ({p.get('reason', '?')})",
-        Kind.WORKER_FAILED: lambda: f"rank {e.rank} on {vm} failed: {str(p.get('error') or '?').splitlines()[-1][:300]}",
+        Kind.WORKER_FAILED: lambda: (f"rank {e.rank} on {vm} failed: {str(p.get('error') or '?').splitlines()[-1][:300]}"
+                                     if p.get("cause") != "peer" else
+                                     f"rank {e.rank} on {vm} stopped: a peer failed first (its collective failed)"),
         Kind.CHECKPOINT: lambda: f"checkpoint after step {p.get('step')} published",
         Kind.WORKER_JOINED: lambda: f"rank {e.rank} on {vm} joined (pid {p.get('pid', '?')})",
         Kind.WORKER_FINISHED: lambda: f"rank {e.rank} on {vm} finished ({p.get('status')}, {_steps_done(p)})",

@@ -31,7 +31,7 @@ import time
 from ..config import ConfigError
 from .decisions import pool_slots
 from .events import Kind
-from .results import GenerationResult, GenerationStatus
+from .results import GenerationResult, GenerationStatus, explained, short_error
 from .state import (CalibrationFailed, CancelRequested, HostChanged, JobState, ManagerMessage, MorphCause, MorphRecord,
                     RunningGeneration, WorkersLost, plan_summary)
 
@@ -192,13 +192,8 @@ class ManagerSupervision:
         error, a loss that stayed non-finite, the same error twice in a row) or the failure budget is spent; else retry from the
         last checkpoint (None)."""
         self.failures += 1
-        failure = res.failure or f"generation ended with status {res.status}"
-        said = failure.strip().splitlines()[-1] if failure.strip() else failure
-        what = re.sub(r"^(\[[^\]]*\]\s*)+:?\s*", "", said)   # the error, not which VM and rank said it
+        detail, what = self._failure_detail(res)
         same, self._last_failure = what == self._last_failure, what
-        # the error itself first, then the worker's traceback above it (varuna status shows the head)
-        lines = failure.strip().splitlines()
-        detail = "\n".join([what] + lines[:-1]) if what and len(lines) > 1 else failure
         if res.cause == "data":
             self._pending = None
             return self._fail(f"the data failed (not retried: the same step reads the same examples): {detail}")
@@ -218,8 +213,28 @@ class ManagerSupervision:
             self._pending = None
             return self._fail(f"worker failure (budget of {self.options.max_failures} retries spent): {detail}")
         self._begin_morph("failure", None, run)
-        self._set(JobState.RECOVERING, f"worker failure, retry {self.failures}/{self.options.max_failures}: {said}")
+        self._set(JobState.RECOVERING, f"worker failure, retry {self.failures}/{self.options.max_failures}: {what}")
         return None
+
+    def _failure_detail(self, res: GenerationResult) -> tuple[str, str]:
+        """``(detail, error)`` of a failed generation: ``error`` is the failed rank's own exception
+        (``res.error``, as its worker reported it; else the last line of ``res.failure``) without its
+        class's module path; ``detail`` says it first, then which rank and where every worker's output
+        is (``varuna logs RUN``) — for one of the SDK's explained errors (``results.explained``)
+        nothing more; for any other, that rank's traceback after it, ending with the exception line."""
+        failure = (res.failure or "").strip()
+        if res.error:
+            what = short_error(res.error)
+        else:
+            said = failure.splitlines()[-1] if failure else f"generation ended with status {res.status}"
+            what = re.sub(r"^(\[[^\]]*\]\s*)+:?\s*", "", said)   # the error, not which VM and rank said it
+        if res.rank is None:
+            lines = failure.splitlines()
+            return ("\n".join([what] + lines[:-1]) if what and len(lines) > 1 else (failure or what)), what
+        where = f"rank {res.rank} on {res.host}; every worker's output: `varuna logs {self.run_dir}`"
+        if explained(res.error) or len(failure.splitlines()) <= 1:
+            return f"{what} [{where}]", what
+        return f"{what} [{where}]\n{failure}", what
 
     # ------------------------------------------------------------------------------- actions
     def _note_host_event(self, msg: HostChanged) -> None:

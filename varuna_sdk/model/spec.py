@@ -245,18 +245,28 @@ def _class_id_error(ids: torch.Tensor, classes: int) -> ModelSpecError | None:
     return None
 
 
-def check_targets(output: Any, targets: Any) -> None:
+def check_targets(output: Any, targets: Any) -> int | None:
     """``cross_entropy``'s checks of the targets' host copy against the output (only its shape is
     read: no device sync), run by the pipeline's last stage before a loss on another device
-    (``pipeline.engine.Varuna._loss``). Raises the ``ModelSpecError`` of ``cross_entropy`` for
+    (``pipeline.engine.Varuna._loss``) and by the dry run on the examples it reads (the output on
+    the meta device). Raises the ``ModelSpecError`` of ``cross_entropy`` for
     targets of a shape it does not take, float targets that are no class probabilities, and a class
-    id outside ``[0, C)`` (other than -100); non-tensor targets are left to the loss."""
+    id outside ``[0, C)`` (other than -100); non-tensor targets are left to the loss. Returns the
+    output's number of classes ``C`` (``None`` for non-tensor targets), to check other examples'
+    ids with (``check_target_ids``)."""
     if not isinstance(targets, torch.Tensor):
-        return
+        return None
     logits = output_logits(output)
     dim = _class_dim(logits, targets, values=True)
-    if not targets.is_floating_point():
-        wrong = _class_id_error(targets.reshape(-1).long(), logits.shape[dim])
+    check_target_ids(targets, logits.shape[dim])
+    return int(logits.shape[dim])
+
+
+def check_target_ids(targets: Any, classes: int) -> None:
+    """Raise ``cross_entropy``'s ``ModelSpecError`` when integer ``targets`` hold a class id outside
+    ``[0, classes)`` other than -100 (float or non-tensor targets: nothing is checked)."""
+    if isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.numel():
+        wrong = _class_id_error(targets.reshape(-1).long(), classes)
         if wrong is not None:
             raise wrong
 
@@ -283,17 +293,24 @@ class CallSpec:
     """How the named fields of a batch feed the model and the loss.
 
     ``args``: field names passed positionally, in order; ``kwargs``: (argument name, field name)
-    pairs passed by keyword; ``targets``: the field handed to the loss function (``None``: the
-    model computes its own loss). Tensor shapes are the data's (batch first)."""
+    pairs passed by keyword; ``targets``: the field handed to the loss function, or a tuple of
+    fields handed to it as one dict field → tensor (a loss of several targets); ``None``: the model
+    computes its own loss. Tensor shapes are the data's (batch first)."""
 
     args: tuple[str, ...] = ()
     kwargs: tuple[tuple[str, str], ...] = ()
-    targets: str | None = None
+    targets: str | tuple[str, ...] | None = None
+
+    def target_fields(self) -> list[str]:
+        """The fields the loss's targets are made of (none, one, or several)."""
+        if self.targets is None:
+            return []
+        return [self.targets] if isinstance(self.targets, str) else list(self.targets)
 
     def fields(self) -> list[str]:
         """Every field the call reads."""
         names = list(self.args) + [f for _, f in self.kwargs]
-        return names + ([self.targets] if self.targets and self.targets not in names else [])
+        return names + [t for t in self.target_fields() if t not in names]
 
     def split(self, batch: Mapping[str, Any]) -> tuple[ModelInputs, Any]:
         """``(inputs, targets)`` of a batch of named fields (integer ``labels``/``targets`` handed to
@@ -307,6 +324,8 @@ class CallSpec:
                                if self.kwargs and not self.args else tuple(batch[f] for f in self.args))
         if self.kwargs and self.args:
             raise ModelSpecError("a model call takes positional or keyword fields, not both")
+        if isinstance(self.targets, tuple):
+            return inputs, {t: batch[t] for t in self.targets}
         return inputs, (batch[self.targets] if self.targets else None)
 
     def describe(self) -> str:
@@ -315,6 +334,8 @@ class CallSpec:
             return f"example[{field}]" if field.isdigit() else field
 
         parts = [show(f) for f in self.args] + [f"{a}={show(f)}" for a, f in self.kwargs]
+        if isinstance(self.targets, tuple):
+            return f"model({', '.join(parts)}), loss(output, {{{', '.join(f'{t!r}: {show(t)}' for t in self.targets)}}})"
         return f"model({', '.join(parts)})" + (f", loss(output, {show(self.targets)})" if self.targets
                                                else ", its own loss")
 
@@ -381,8 +402,43 @@ def _extra_fields(model: nn.Module, fields: Sequence[str], params: Sequence[insp
     return tuple((f, f) for f in taken)
 
 
+def _several_targets(model: nn.Module, fields: Sequence[str], loss: str | LossFn | None,
+                     inputs: Sequence[str] | Mapping[str, str] | None, targets: Sequence[str]) -> tuple[CallSpec, LossFn]:
+    """``infer_call`` for a loss of several targets (``targets``: their fields, two or more): the
+    loss gets ``{field: tensor}`` of them; the forward gets ``inputs`` when given, else the other
+    fields (positionally for a tuple example; by name for a dict one: those its parameters name, every
+    one when it names none, as ``infer_call`` passes them)."""
+    targets = tuple(str(t) for t in targets)
+    if loss is None or loss in ("cross_entropy", "model"):
+        said = "the automatic loss" if loss is None else f"model.loss={loss!r}"
+        raise ModelSpecError(f"model.targets={list(targets)} names {len(targets)} fields, and {said} compares the output "
+                             "with one: give a loss function (output, targets) -> scalar, which gets targets as a dict "
+                             f"{{{', '.join(repr(t) + ': tensor' for t in targets)}}} (Job(..., loss=fn) in a notebook; "
+                             "model.loss: 'package.module:fn' in a config), or name one field")
+    missing = [t for t in targets if t not in fields]
+    if missing:
+        raise ModelSpecError(f"model.targets names field(s) {missing} that the data does not give; its fields are "
+                             f"{list(fields)}")
+    fn = LOSSES[loss] if isinstance(loss, str) else loss
+    if not callable(fn):
+        raise ModelSpecError(f"model.loss={loss!r} is not callable")
+    if inputs is not None:
+        call = (CallSpec(kwargs=tuple(dict(inputs).items())) if isinstance(inputs, Mapping)
+                else CallSpec(args=tuple(inputs)))
+        return CallSpec(call.args, call.kwargs, targets), fn
+    rest = [f for f in fields if f not in targets]
+    if all(f.isdigit() for f in fields):
+        return CallSpec(args=tuple(rest), targets=targets), fn
+    params = _forward_params(model)
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    keep = (_extra_fields(model, fields, params, names, exclude=targets) if any(f in names for f in rest)
+            else tuple((f, f) for f in rest))
+    return CallSpec(kwargs=keep, targets=targets), fn
+
+
 def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | None,
-               inputs: Sequence[str] | Mapping[str, str] | None = None, targets: str | None = None,
+               inputs: Sequence[str] | Mapping[str, str] | None = None,
+               targets: str | Sequence[str] | None = None,
                masked: bool = False, from_text: bool = True) -> tuple[CallSpec, LossFn]:
     """Choose how to call ``model`` and which loss to use from the forward's signature and the
     fields the data gives (``fields``), unless ``inputs``/``targets``/``loss`` say it.
@@ -399,7 +455,8 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     name and no loss is given, ``model(x=x, targets=y)`` and its own loss; dict examples are passed by keyword (the fields the forward
     takes by name; the others are warned about, not passed), and when the
     forward takes their targets field (``labels``) by name it gets it and its own loss is used
-    (a Hugging Face classifier's: cross-entropy, or MSE for one label).
+    (a Hugging Face classifier's: cross-entropy, or MSE for one label). ``targets`` naming several
+    fields (a multi-task loss): the loss gets them as one dict field → tensor (``_several_targets``).
 
     ``masked``: the language-model fields are masked-LM ones (``data.mlm_probability``), so a
     model that is not causal is not warned about. ``from_text``: the fields were made from text
@@ -413,6 +470,10 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     if isinstance(loss, str) and loss not in LOSSES:
         raise ModelSpecError(f"model.loss={loss!r}; use 'model' (the model computes it), 'cross_entropy', an import "
                              "path 'pkg.mod:fn', or pass a function (output, targets) -> scalar")
+    if targets is not None and not isinstance(targets, str):
+        if len(targets) > 1:
+            return _several_targets(model, fields, loss, inputs, targets)
+        targets = str(targets[0])   # a list of one: that field
     params = _forward_params(model)
     names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     own = loss == "model"
@@ -470,7 +531,9 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     if tgt is None:
         # a field the forward takes only through its **kwargs is likely the targets (Hugging Face's)
         loose = [f for f in fields if f not in names and not f.isdigit() and f != "input_ids"]
-        guess = (f"model.targets: {loose[0]!r} (the field(s) {loose} reach the forward only through its **kwargs)"
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+        how = "reach the forward only through its **kwargs" if var_kw else "are not parameters of the forward"
+        guess = (f"model.targets: {loose[0]!r} (the field(s) {loose} {how})"
                  if loose else f"model.targets: {fields[0]!r} to compare the output with an input, as an "
                  "autoencoder does")
         raise ModelSpecError(f"the loss needs targets but the data's fields {fields} hold none the model does not "

@@ -68,6 +68,9 @@ class ModelStructure:
             micro-batch, segment), so a plain PyTorch run of the model draws others.
         loss_items: where a micro-batch's loss items (valid tokens) are counted, when the loss is one
             mean cross-entropy over targets found in the data (``model.loss_items``); else None.
+        nonfinite_checks: names of the functions that test for NaN/inf (``isnan``, ``nan_to_num``...)
+            the forward (or the loss) called on tensors computed from the data alone: a model that
+            handles missing values itself, whose data may then hold NaN (``jobspec.check_finite``).
     """
 
     num_segments: int
@@ -84,6 +87,7 @@ class ModelStructure:
     embeddings: list[dict] = field(default_factory=list)
     random_ops: list[str] = field(default_factory=list)
     loss_items: LossItems | None = None
+    nonfinite_checks: list[str] = field(default_factory=list)
 
     def segments_of(self, name: str) -> list[int]:
         """Segments that use parameter or buffer ``name`` (``[0]`` if none was recorded)."""
@@ -155,6 +159,7 @@ class _Trace:
         self.strict_dtypes = False
         self.in_after = False  # running ``after`` (the loss): its uses are named as the loss's
         self.random_ops: set[str] = set()
+        self.nonfinite_checks: set[str] = set()
         self.loss_calls: list[LossCall | None] = []  # cross_entropy/nll_loss calls (None: unreadable)
         self.pending_loss: LossCall | None = None     # the one about to run, for its output's id
         self.loss_outs: dict[int, LossCall] = {}      # id of a loss call's output -> the call
@@ -229,6 +234,11 @@ _SAME_DTYPE = frozenset({F.linear, F.bilinear, torch.matmul, torch.Tensor.matmul
                          F.conv_transpose2d, F.conv_transpose3d})
 
 
+#: functions that test for (or replace) NaN/inf: called on the data, the model handles such values itself
+_NONFINITE_FUNCS = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isneginf", "nan_to_num", "nan_to_num_",
+                              "nanmean", "nansum", "nanmedian", "nanquantile"})
+
+
 def _check_same_dtype(func, args: tuple, kwargs: dict) -> None:
     """Raise the ``RuntimeError`` the real device would, when floating operands differ in dtype."""
     floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
@@ -260,6 +270,9 @@ class _TraceMode(TorchFunctionMode):
             _check_same_dtype(func, args, kwargs)
         if getattr(func, "__name__", "") in _RANDOM_FUNCS:
             tr.random_ops.add(func.__name__)
+        if getattr(func, "__name__", "") in _NONFINITE_FUNCS and \
+                any(t.device.type != "meta" for t in _tensors((args, kwargs))):
+            tr.nonfinite_checks.add(func.__name__)   # on data (weights and activations are meta)
         is_get = getattr(func, "__name__", "") == "__get__"
         if is_get:
             out = func(*args, **kwargs)
@@ -412,6 +425,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         segment_modules=seg_modules,
         embeddings=list(trace.embeddings.values()),
         random_ops=sorted(trace.random_ops),
+        nonfinite_checks=sorted(trace.nonfinite_checks),
         loss_items=infer_loss_items(trace.loss_calls, loss, inputs, targets),
     )
 

@@ -54,10 +54,13 @@ class Job:
             planner), ``lr=3e-4``, ``precision="bf16"``; ``data_seed=``/``train_seed=`` for the two
             seeds. An unknown name raises ``TypeError`` with the likely one.
         provider: where workers run (``cluster.provider``: ``LocalProvider``, ``cluster.hostfile.HostFileProvider``,
-            ``cluster.spot.SpotEmulator``...); default ``LocalProvider(config.launch.gpus)``,
-            local worker processes, closed by ``close()``. A provider you pass stays yours to close
+            ``cluster.spot.SpotEmulator``...); default local worker processes, closed by ``close()``:
+            ``LocalProvider(P × D)`` when both are fixed (a warning when that is more than
+            ``launch.gpus``), else ``LocalProvider(config.launch.gpus)``. A provider you pass stays yours to close
             (at interpreter exit it is closed too, if a job of this kernel still runs on it).
-        run_dir: the job's folder (default ``<train.run_dir>/<name>-<time>``, made at launch).
+        run_dir: the job's own folder (default ``<train.run_dir>/<name>-<time>``, made at launch);
+            one holding this job's run is continued. A folder of other runs is refused
+            (``ConfigError``): give a new folder inside it, or ``train_run_dir=`` that folder.
         replace: allow launching while another ``Job`` of the same name runs in this kernel.
         manager_options: keyword arguments for ``manager.Manager`` (``heartbeat_interval_s``,
             ``grow``, ``straggler``, ``stop_timeout_s``, ``generation_options``...). Worker output
@@ -98,6 +101,9 @@ class Job:
         if bad:
             raise TypeError(f"{bad} cannot be sent to the workers. {SHIP_HELP}")
         job.validate()
+        from ..runner import check_run_dir
+
+        check_run_dir(run_dir, job.name)   # a folder of runs is no job's folder: said before any work
         self._files = objects.pack(job) if objects is not None else {}
         from ..trainer import resolve
 
@@ -299,10 +305,16 @@ class Job:
                       f"({self.run_dir}); make a new Job to train again")
                 return self
             provider = self.provider
-            if provider is None:
-                from ..cluster.provider import LocalProvider
+            if provider is None:   # this machine's worker processes: as many as a fixed P x D needs
+                import warnings
 
-                provider = LocalProvider(self.config.launch.gpus)
+                from ..cluster.provider import LocalProvider
+                from ..runner import local_slots
+
+                slots, said = local_slots(self.config)
+                for text in said:
+                    warnings.warn(text, stacklevel=2)
+                provider = LocalProvider(slots)
                 self._own_provider = True
                 self.provider = provider
             from ..runner import prepare_run
