@@ -97,7 +97,7 @@ def read_runs(root: str | Path) -> list[RunInfo]:
 
 def build_jobs_app(root: str | Path, *, refresh_s: float = 2.0, start: bool = True) -> pn.viewable.Viewable:
     """The jobs page of the folder of runs ``root`` (see the module docstring). Raises
-    ``FileNotFoundError`` when ``root`` does not exist."""
+    ``FileNotFoundError`` when ``root`` does not exist, ``NotADirectoryError`` when it is a file."""
     root = Path(root)
     find_runs(root)  # raises for a missing folder
     header = pn.pane.HTML("", stylesheets=[JOBS_CSS], sizing_mode="stretch_width", margin=(4, 8))

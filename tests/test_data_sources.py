@@ -1190,3 +1190,31 @@ def test_a_loss_of_several_targets_gets_them_as_a_dict_and_trains_as_plain_pytor
         Job(auto)
     with pytest.raises(ConfigError, match=r"model.targets=\['label', 'label'\] must be the name .* a list of distinct"):
         JobConfig(model=ModelConfig(targets=["label", "label"])).validate()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("P", [1, 2])
+def test_an_lstm_on_packed_sequences_of_the_datas_lengths_trains_as_plain_pytorch(tmp_path, P):
+    """Each block packs its input with ``pack_padded_sequence(x, lengths.cpu(), enforce_sorted=False)``,
+    ``lengths`` a field of dict examples: the dry run (weights on meta) moved that data tensor to
+    meta with the activations, and torch's packing refused it ("'lengths' argument should be a 1D CPU
+    int64 tensor, but got 1D meta Long tensor"): the model was refused at every P (helper trial). The
+    sizes of a packed sequence stay real (they come from the data); the job trains with the losses of
+    plain PyTorch at P=1 and split into two stages."""
+    from tests.thirdparty import user_data
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="packed", model=ModelConfig(factory="tests.thirdparty.user_data:PackedLSTM"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:variable_length_sentences", tokenizer=None),
+                    parallel=ParallelConfig(P=P, D=1, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    handle = Job(job)
+    assert len(got) == 3 and got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5, abs=1e-5)
+    mine = user_data.PackedLSTM()   # ... and the first step is the user's own model's, by hand
+    mine.load_state_dict(handle.initial_weights())
+    mbs = handle.batch(0)
+    first = sum(torch.nn.functional.cross_entropy(mine(**x), y).item() for x, y in mbs) / len(mbs)
+    assert first == pytest.approx(got[0], rel=1e-5, abs=1e-5)

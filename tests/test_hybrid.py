@@ -126,3 +126,48 @@ def test_a_grouped_product_of_meta_experts_has_the_real_kernels_shape(a_shape, b
     with MetaAsDevice("cpu"):
         out = torch._grouped_mm(a, weight, o)
     assert out.is_meta and out.shape == real.shape and out.dtype == real.dtype and out.requires_grad
+
+
+def test_a_packed_sequence_keeps_the_datas_lengths_real_and_its_shape_follows_them():
+    """``pack_padded_sequence(x, lengths)`` with ``x`` on meta (activations) and ``lengths`` real (the
+    data's): the lengths stay on the CPU, as torch's packing requires (they were moved to meta:
+    "'lengths' argument should be a 1D CPU int64 tensor, but got 1D meta Long tensor"), the packed
+    data has one row per real token, the LSTM and the unpacking run on it, and a shape cache never
+    replays them: other lengths of the same shape give other shapes."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    rnn = torch.nn.LSTM(4, 4, batch_first=True).to("meta")
+    cache = MetaShapeCache()
+    for lengths in ([5, 2, 3], [1, 1, 4]):
+        with MetaAsDevice("cpu", cache=cache):
+            packed = pack_padded_sequence(_meta(3, 5, 4), torch.tensor(lengths), batch_first=True,
+                                          enforce_sorted=False)
+            y, _ = rnn(packed)
+            out, got = pad_packed_sequence(y, batch_first=True, total_length=5)
+        assert packed.data.device.type == "meta" and tuple(packed.data.shape) == (sum(lengths), 4)
+        assert packed.batch_sizes.device.type == "cpu" and y.data.shape == packed.data.shape
+        assert out.device.type == "meta" and tuple(out.shape) == (3, 5, 4) and got.tolist() == lengths
+
+
+def test_an_operation_that_needs_a_data_tensors_values_on_meta_is_named_with_that_tensor():
+    """An operation given a data tensor beside activations runs on meta with it; when its kernel then
+    needs the data's values (``repeat_interleave`` by counts from the data), the dry run's error names
+    the operation and that tensor as computed from the data — not "the forward must not depend on
+    values computed from its weights", which was untrue of it."""
+    from torch import nn
+
+    from varuna_sdk.model.tracer import trace_model
+
+    class Repeat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, counts):
+            return torch.repeat_interleave(self.lin(x), counts, dim=0)
+
+    with pytest.raises(RuntimeError) as e:
+        trace_model(Repeat().to("meta"), {"x": torch.randn(3, 4), "counts": torch.tensor([1, 2, 3])})
+    msg = str(e.value)
+    assert "'repeat_interleave' got a [3] int64 tensor computed from the data alone" in msg, msg
+    assert "values computed from its weights" not in msg, msg

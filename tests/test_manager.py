@@ -344,7 +344,7 @@ def test_manager_killed_and_restarted_continues_the_same_job(tmp_path, reference
 
     cfg = tmp_path / "job.yaml"
     tiny_job().to_yaml(cfg)
-    run = tmp_path / "run"
+    run = tmp_path / "restart-me"   # (--job-id is the run folder's name)
     cmd = [sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run), "--local", "2",
            "--job-id", "restart-me", "--heartbeat", "0.5", "--orphan-after", "1.5"]
     out = open(tmp_path / "first-manager.log", "w")
@@ -735,3 +735,76 @@ def test_a_stop_while_a_step_hangs_on_its_data_says_what_was_kept(tmp_path):
     assert "did not reach a mini-batch boundary within 6 s" in text and f"holds {kept} step(s)" in text, said
     msg = str(JobStopped(run, summary["last_step"], kept))
     assert f"holds {kept} step(s), and {done - kept} step(s) will be trained again" in msg
+
+
+@pytest.mark.timeout(240)
+def test_status_and_logs_of_a_job_whose_orphaned_workers_stopped_by_themselves(tmp_path):
+    """The manager process alone is SIGKILLed mid-job (``launch_job`` in a subprocess, as ``varuna
+    launch`` runs it, without calibrating first); its workers stop by themselves at a boundary with
+    a checkpoint after ``orphan_after_s``. ``varuna status`` then says STOPPED (no manager) at that
+    step with the command that continues the job and no ETA (it said "RUNNING (no manager) ... ETA"
+    for ever), ``varuna stop`` has nothing to stop, ``varuna logs`` shows what the workers wrote
+    after the manager died right after that generation's log, up to their last step and the stop,
+    and ``logs --follow`` ends by itself (helper trial)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from varuna_sdk.manager.runs import read_run
+
+    job = tiny_job(2000, every=0, P=2, D=1)
+    job.launch.gpus = 2
+    cfg, run = tmp_path / "job.yaml", tmp_path / "run"
+    job.to_yaml(cfg)
+    manager = ("from varuna_sdk.config import JobConfig; from varuna_sdk.runner import launch_job; "
+               f"launch_job(JobConfig.from_yaml({str(cfg)!r}), run_dir={str(run)!r}, calibrate_first=False, "
+               "heartbeat_interval_s=0.5, generation_options={'orphan_after_s': 1.5})")
+    first = subprocess.Popen([sys.executable, "-c", manager], stdout=open(tmp_path / "first.log", "w"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            wait_step(run, 4, 150)
+        except AssertionError:
+            raise AssertionError((tmp_path / "first.log").read_text()[-3000:]) from None
+        os.kill(first.pid, signal.SIGKILL)          # the manager alone dies; its workers run on
+        first.wait(10)
+        deadline = time.time() + 60
+        while (_worker_pids(run) or not (run / "outcome.json").exists()) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _worker_pids(run), "the orphaned workers should have stopped by themselves"
+    finally:
+        for pid in _worker_pids(run):
+            os.kill(pid, signal.SIGKILL)
+    outcome = json.loads((run / "outcome.json").read_text())
+    n = outcome["step"]
+    assert outcome["status"] == "stopped" and n >= 5 and outcome["checkpoint"], outcome
+    info = read_run(run)
+    assert (info.state, info.steps_done, info.eta_s) == ("STOPPED", n, None), info
+    cli = [sys.executable, "-m", "varuna_sdk.cli"]
+    st = subprocess.run([*cli, "status", str(run)], capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0 and "RUNNING" not in st.stdout, st.stdout + st.stderr
+    assert f"STOPPED (no manager): its workers stopped by themselves after step {n} with a checkpoint " \
+           f"({outcome['checkpoint']})" in st.stdout, st.stdout
+    assert f"`varuna launch {run / 'config.yaml'} --run-dir {run}`" in st.stdout, st.stdout
+    stop = subprocess.run([*cli, "stop", str(run)], capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 1 and "STOPPED already" in stop.stderr, stop.stderr
+    logs = subprocess.run([*cli, "logs", str(run)], capture_output=True, text=True, timeout=60).stdout
+    own = logs.index("===== gen0 rank 0, after the manager was gone =====")
+    assert logs.index("===== gen0 =====") < own < logs.index("===== gen0 rank 1, after the manager was gone =====")
+    assert f"step {n:>4}/2000 | loss" in logs[own:] and f"[varuna] stopped after step {n}; checkpoint" in logs[own:]
+    # every step once: those still in the pipe when the manager died were lost (the worker replays
+    # what it last sent; the lines the manager had saved are not shown twice)
+    steps = [int(m) for m in re.findall(r"step +(\d+)/2000 \|", logs)]
+    assert sorted(steps) == list(range(1, n + 1)), steps
+    follow = subprocess.run([*cli, "logs", "--follow", str(run)], capture_output=True, text=True, timeout=60)
+    assert follow.returncode == 0 and "no manager runs" not in follow.stderr, follow.stderr
+    job.train.steps = n + 2   # continued as the status says (two more steps): from the workers' checkpoint
+    job.to_yaml(cfg)
+    again = subprocess.run([sys.executable, "-c", manager], capture_output=True, text=True, timeout=150)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    info = read_run(run)
+    assert (info.state, info.steps_done, info.orphans) == ("SUCCEEDED", n + 2, None), info
+    with EventLog.reader(run / "events.db") as log:
+        assert sorted(m["step"] for m in log.metrics() if m.get("generation") == 1) == [n, n + 1]

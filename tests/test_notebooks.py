@@ -152,8 +152,9 @@ def test_03_spot_vms(tmp_path):
     assert len(rows) >= 2 and " notice " in table and " loss " in table, table
     check = text(cell(nb, "metrics = job.metrics"))
     assert "the final trajectory has every step once: True" in check, check
-    ref = text(cell(nb, "uninterrupted = "))
-    assert ref.startswith("SUCCEEDED") and float(ref.split("difference over 90 steps: ")[1]) < 1e-5, ref
+    ref = text(cell(nb, "uninterrupted = "))   # (a warning line may come first: a calibration under load)
+    said = [ln for ln in ref.splitlines() if ln.startswith("SUCCEEDED: ")]
+    assert said and float(said[-1].split("difference over 90 steps: ")[1]) < 1e-5, ref
 
 
 @pytest.mark.timeout(600)

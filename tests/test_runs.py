@@ -135,3 +135,128 @@ def test_a_run_whose_manager_died_counts_the_steps_its_workers_wrote_themselves(
     (run / "metrics.jsonl").write_text("\n".join(rows) + "\n" + '{"step": 6')   # a torn last line is skipped
     info = read_run(run)
     assert info.orphaned and info.steps_done == 60 and info.eta_s == 0, info
+
+
+def _orphaned_run(run, generation: int = 0) -> None:
+    """A run folder whose manager died (no lock holder) while RUNNING generation ``generation``."""
+    from varuna_sdk.manager.events import EventLog
+
+    run.mkdir()
+    (run / "config.yaml").write_text("train: {steps: 60}\n")
+    with EventLog(run / "events.db") as log:
+        log.append(Kind.JOB_STATE, job_id="j", payload={"state": "RUNNING", "previous": "PROVISIONING",
+                                                        "reason": f"generation {generation}: P=2 x D=1"})
+        for g in range(generation + 1):
+            if g:
+                log.append(Kind.GENERATION_ENDED, job_id="j", payload={"generation": g - 1})
+            log.append(Kind.GENERATION_STARTED, job_id="j", payload={"generation": g, "P": 2, "D": 1})
+        log.append_metric(0, {"step": 0, "loss": 5.0, "step_time_s": 0.1}, job_id="j")
+
+
+def test_a_run_whose_orphaned_workers_stopped_by_themselves_is_stopped_with_how_to_continue(tmp_path):
+    """The manager was killed; its workers stopped by themselves with a checkpoint and wrote
+    ``outcome.json`` ("stopped", generation 0): ``read_run`` says STOPPED (no manager), the step and
+    the checkpoint, the command that continues the job, and no ETA — it said "RUNNING (no manager)
+    ... ETA 22 s" for ever (helper trial). An outcome of an earlier generation is not this one's."""
+    import json
+
+    from varuna_sdk.manager.runs import read_run
+
+    run = tmp_path / "run"
+    _orphaned_run(run)
+    rows = [json.dumps({"step": s, "loss": 5.0}) for s in range(21)]
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    info = read_run(run)
+    assert info.state == "RUNNING" and info.orphaned and info.eta_s is not None   # the workers may run on
+    (run / "outcome.json").write_text(json.dumps({"status": "stopped", "step": 21, "generation": 0,
+                                                  "checkpoint": "step-00000021-ab"}))
+    info = read_run(run)
+    assert info.state == "STOPPED" and not info.active and not info.orphaned, info
+    assert info.state_text == "STOPPED (no manager)" and info.eta_s is None and info.steps_done == 21
+    assert "stopped by themselves after step 21 with a checkpoint (step-00000021-ab)" in info.reason, info.reason
+    assert f"`varuna launch {run / 'config.yaml'} --run-dir {run}`" in info.reason, info.reason
+    assert info.last_event.startswith("its workers stopped by themselves after step 21")
+    (run / "outcome.json").write_text(json.dumps({"status": "completed", "step": 60, "generation": 0}))
+    info = read_run(run)
+    assert (info.state, info.steps_done, info.eta_s) == ("SUCCEEDED", 60, None), info
+
+    old = tmp_path / "old"   # generation 1 runs orphaned; generation 0's outcome says nothing of it
+    _orphaned_run(old, generation=1)
+    (old / "outcome.json").write_text(json.dumps({"status": "stopped", "step": 21, "generation": 0}))
+    assert read_run(old).state_text == "RUNNING (no manager)"
+
+
+def test_worker_logs_put_what_workers_wrote_themselves_after_their_generations_log(tmp_path):
+    """A worker whose manager died writes its output itself, to ``gen<g>/worker-<rank>.log``
+    (``worker.own_log``): ``varuna logs`` lists it right after that generation's ``workers.log`` and
+    before the next generation's (they came after every generation's, out of order), ranks in
+    numeric order, labelled as written after the manager was gone; files of older workers in the
+    run folder itself come last."""
+    from varuna_sdk.manager.runs import log_label, worker_logs
+    from varuna_sdk.worker import own_log
+
+    run = tmp_path / "run"
+    assert own_log(run, {"VARUNA_GENERATION": "0", "RANK": "1"}) == run / "gen0" / "worker-1.log"
+    assert own_log(run, {"RANK": "1"}) == run / "worker-1.log"
+    for f in ("gen0/workers.log", "gen0/worker-10.log", "gen0/worker-2.log", "gen1/workers.log",
+              "gen10/workers.log", "worker-0.log"):
+        (run / f).parent.mkdir(parents=True, exist_ok=True)
+        (run / f).write_text("x\n")
+    got = [str(p.relative_to(run)) for p in worker_logs(run)]
+    assert got == ["gen0/workers.log", "gen0/worker-2.log", "gen0/worker-10.log", "gen1/workers.log",
+                   "gen10/workers.log", "worker-0.log"], got
+    assert [log_label(p) for p in worker_logs(run)][:2] == ["gen0", "gen0 rank 2, after the manager was gone"]
+
+
+def test_a_worker_replays_what_its_dead_manager_may_not_have_saved_and_logs_shows_it_once(tmp_path):
+    """A worker's output goes to its manager through a pipe; the lines still in the pipe when the
+    manager is killed are lost with it (steps 145-150 were missing from ``varuna logs``, helper
+    trial). On the first failed write the worker's stream replays what it last sent into its own
+    log, between marker lines; ``OwnLogFilter`` hides the markers and the replayed lines the
+    manager saved in ``workers.log`` (for that rank), so each line shows once."""
+    from varuna_sdk.manager.results import LOG_ONLY, SENT_BEFORE, SENT_END
+    from varuna_sdk.manager.runs import OwnLogFilter
+    from varuna_sdk.worker import _OutputThatSurvives
+
+    class Pipe:   # the manager reads lines 1-3 (saved in workers.log), then dies with 4 and 5 unread
+        def __init__(self):
+            self.dead = False
+
+        def write(self, text):
+            if self.dead:
+                raise BrokenPipeError(32, "Broken pipe")
+            return len(text)
+
+        def flush(self):
+            pass
+
+    gen = tmp_path / "gen0"
+    gen.mkdir()
+    (gen / "workers.log").write_text("".join(f"[local0 rank 0] step {i}\n" for i in (1, 2, 3))
+                                     + "[local1 rank 1] step 4\n")
+    pipe = Pipe()
+    out = _OutputThatSurvives(pipe, gen / "worker-0.log")
+    for i in (1, 2, 3, 4):
+        print(f"step {i}", file=out)
+    print(f"{LOG_ONLY}step 5", file=out)
+    pipe.dead = True
+    print("step 6", file=out)
+    text = (gen / "worker-0.log").read_text()
+    assert text == (f"{SENT_BEFORE}\nstep 1\nstep 2\nstep 3\nstep 4\nstep 5\n{SENT_END}\nstep 6\n"), text
+    keep = OwnLogFilter(gen / "worker-0.log").keep
+    assert [ln for ln in text.splitlines() if keep(ln)] == ["step 4", "step 5", "step 6"]
+
+    small = _OutputThatSurvives(Pipe(), tmp_path / "w.log")   # only the last KEPT_BYTES, whole lines
+    small.KEPT_BYTES = 10
+    for i in range(5):
+        small.write(f"line {i}\n")
+    small._stream.dead = True
+    small.write("after\n")
+    assert (tmp_path / "w.log").read_text() == f"{SENT_BEFORE}\nline 4\n{SENT_END}\nafter\n"
+    cut = _OutputThatSurvives(Pipe(), tmp_path / "cut.log")   # print() writes a line's text and its newline apart
+    cut.KEPT_BYTES = 8
+    for piece in ("abcdef", "\n", "gh", "\n"):
+        cut.write(piece)
+    cut._stream.dead = True
+    cut.write("after\n")
+    assert (tmp_path / "cut.log").read_text() == f"{SENT_BEFORE}\ngh\n{SENT_END}\nafter\n"

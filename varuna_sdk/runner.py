@@ -54,7 +54,9 @@ class RunResult:
         return self.run_dir / "metrics.jsonl"
 
     def metrics(self) -> list[dict]:
-        """Every step's metrics (``metrics.jsonl`` rows)."""
+        """Every step's metrics (``metrics.jsonl`` rows), in order. Their ``step`` is 0-based (the
+        first step is 0), while the worker logs and ``varuna status`` count from 1 ("step 566/2000"
+        there is the row with ``step`` 565)."""
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
 
@@ -123,16 +125,38 @@ def run_folders_inside(path: str | Path) -> list[Path]:
         return []
 
 
-def check_run_dir(run_dir: str | Path | None, name: str | None = None) -> None:
-    """Refuse, before any work, a ``run_dir`` that is a folder *of* runs rather than one job's run
+def _is_file(p: Path) -> bool:
+    """``p`` exists and is no folder (False where it cannot be told: no permission)."""
+    try:
+        return p.exists() and not p.is_dir()
+    except OSError:
+        return False
+
+
+def check_run_dir(run_dir: str | Path | None, name: str | None = None, *, notebook: bool = False) -> None:
+    """Refuse, before any work, a ``run_dir`` that cannot be a job's run folder: an empty or blank
+    path (it would make the current directory the run folder), a file, or a path under a file
+    (no folder can be made there); and a folder *of* runs rather than one job's run
     folder: a folder that is no run itself (no ``events.db``, no ``config.yaml``) but holds run
     folders. Made the job's folder, it would hide those runs from ``varuna status`` and refuse the
     next job there. Raises ``ConfigError`` naming the runs inside and what to pass instead: a new
     folder inside it, or no run folder and ``train.run_dir`` set to it (each run then gets a new
-    ``NAME-TIME`` folder inside it, ``new_run_dir``)."""
+    ``NAME-TIME`` folder inside it, ``new_run_dir``). ``notebook``: the messages name
+    ``Job(run_dir=...)`` rather than ``--run-dir``."""
     if run_dir is None:
         return
+    given = f"Job(run_dir={str(run_dir)!r})" if notebook else f"--run-dir {str(run_dir)!r}"
+    if isinstance(run_dir, str) and not run_dir.strip():
+        raise ConfigError(f"{given}: the run folder is empty, which would make the current directory the job's run "
+                          "folder; name a folder (e.g. " + ("Job(..., run_dir='runs/my-job')" if notebook else
+                                                            "--run-dir runs/my-job") + "), or leave it out for a new "
+                          "NAME-TIME folder inside train.run_dir")
     p = Path(run_dir)
+    blocker = next((q for q in [p, *p.parents] if _is_file(q)), None)
+    if blocker is not None:
+        where = "is a file" if blocker == p else f"is under {str(blocker)!r}, a file"
+        raise ConfigError(f"{given} {where}, not a folder: a run folder cannot be made there; give a folder (a new "
+                          "one, or a job's run folder to continue it)")
     if not p.is_dir() or (p / "events.db").is_file() or (p / "config.yaml").is_file():
         return
     inner = run_folders_inside(p)
@@ -161,10 +185,15 @@ def _note_runs_inside(e: ConfigError, run_dir: Path) -> ConfigError:
 
 
 def check_store_url(job: JobConfig) -> None:
-    """A remote ``train.checkpoint_url`` (``s3://``, ``gs://``, ``ftp://`` ...) must open from the
-    launcher before anything starts; raises ``ConfigError`` with the driver's reason."""
+    """``train.checkpoint_url`` must be usable from the launcher before anything starts: a local
+    path (or ``file://`` URL) must be a folder or a path that can become one — not a file, nor a
+    path under a file; a remote one (``s3://``, ``gs://``, ``ftp://`` ...) must open. Raises
+    ``ConfigError`` saying which and what to change."""
     url = job.train.checkpoint_url
-    if not url or "://" not in url or url.startswith("file://"):
+    if not url:
+        return
+    if "://" not in url or url.startswith("file://"):
+        _check_local_store(url)
         return
     from .checkpoint import Store
 
@@ -174,6 +203,123 @@ def check_store_url(job: JobConfig) -> None:
         raise ConfigError(f"train.checkpoint_url={url!r} cannot be opened from here ({type(e).__name__}: "
                           f"{str(e)[:200]}); every worker must reach the store: fix the URL or its "
                           "credentials") from None
+
+
+def check_local_backend(job: JobConfig, provider=None) -> None:
+    """``launch.backend: nccl`` for workers on this machine (``provider`` None or a
+    ``cluster.provider.LocalProvider``) that has no CUDA GPU (or a torch without NCCL) is refused
+    before anything starts: NCCL cannot run there, and falling back to gloo without a word would
+    not be what the config asks. Raises ``ConfigError`` saying what to set instead. Workers on
+    other VMs (SSH hosts, a cloud) are not checked here: each refuses on its own VM (``worker``)."""
+    if job.launch.backend != "nccl":
+        return
+    from .cluster.provider import LocalProvider
+
+    if provider is not None and not isinstance(provider, LocalProvider):
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        return
+    why = "no CUDA GPU" if not torch.cuda.is_available() else "a torch built without NCCL"
+    raise ConfigError(f"launch.backend: nccl, but this machine, where the workers run, has {why}; set "
+                      "launch.backend: auto (NCCL where every worker has a GPU, else gloo) or gloo")
+
+
+def _check_local_store(url: str) -> None:
+    """A local ``train.checkpoint_url``: the path, or its nearest existing parent, is a folder."""
+    path = Path(url[len("file://"):] if url.startswith("file://") else url).expanduser()
+    here = path
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    if here.is_dir():
+        return
+    where = "is a file" if here == path else f"is under {str(here)!r}, which is a file"
+    raise ConfigError(f"train.checkpoint_url={url!r} {where}, not a folder: checkpoints are folders of files; give "
+                      "train.checkpoint_url a folder (or leave it out: <run folder>/checkpoints)")
+
+
+def check_resume(job: JobConfig, run_dir: str | Path | None) -> None:
+    """Before any worker starts, whether the job may start on its checkpoint store
+    (``manager.planning.resume_problem``): ``train.resume`` false on a store that already holds
+    checkpoints is refused (the workers would refuse it, and the run would end FAILED), and so is
+    continuing a STOPPED run (``run_dir`` holding its event log) that has done steps but has no
+    usable checkpoint left (it would start again from step 0, its first steps recorded twice) — in
+    both cases the run is left as it was, STOPPED and continuable. The store is
+    ``train.checkpoint_url``, else ``<run_dir>/checkpoints``; its manifests are verified with the
+    run's job secret when the folder holds one. Reads manifests only. Raises ``ConfigError`` saying
+    why and what to do, or naming a store that cannot be opened or listed."""
+    from .checkpoint.store import CheckpointError, manifest_key
+    from .manager.planning import resume_problem
+
+    url = job.train.checkpoint_url
+    if url is None and run_dir is None:
+        return   # a new run folder: its store is new and empty
+    url = url or os.path.abspath(os.path.join(str(run_dir), "checkpoints"))
+    state, done, key = None, 0, None
+    if run_dir is not None and (Path(run_dir) / "events.db").is_file():
+        state, done = _run_progress(Path(run_dir))
+        if state in ("SUCCEEDED", "FAILED"):
+            return   # an ended run is not run again (check_continuation, the manager say so)
+        secret = Path(run_dir) / ".job-secret"
+        if secret.is_file():
+            from .cluster.hosts import Secret
+
+            try:
+                key = manifest_key(Secret.load_or_create(secret).reveal())
+            except (OSError, ValueError):
+                key = None   # an unreadable secret: the manager's own checks decide
+    try:
+        problem = resume_problem(url, key, resume=job.train.resume, steps_done=done, stopped=state == "STOPPED")
+    except CheckpointError as e:
+        raise ConfigError(f"train.checkpoint_url: {e}") from None
+    if problem:
+        where = f"{run_dir}: " if run_dir is not None and state is not None else ""
+        raise ConfigError(where + problem)
+
+
+def _run_key(run_dir: Path) -> bytes | None:
+    """``manifest_key`` of the run folder's job secret (None when it holds none: checksums only)."""
+    secret = Path(run_dir) / ".job-secret"
+    if not secret.is_file():
+        return None
+    from .checkpoint.store import manifest_key
+    from .cluster.hosts import Secret
+
+    return manifest_key(Secret.load_or_create(secret).reveal())
+
+
+def trained_weights(run_dir: str | Path, job: JobConfig | None = None, resolved=None) -> tuple[dict, Any]:
+    """The trained model of the run in ``run_dir``: ``(state_dict, info)`` — ``state_dict`` the whole,
+    unpartitioned model's ``{name: CPU tensor}`` with exactly the keys of ``Job.initial_weights()``
+    (the model's own ``state_dict()`` names, tied weights under each of their names; dtypes as
+    trained), read from the newest complete checkpoint whose files all verify (SHA-256, the job's
+    signature when the folder holds its secret; ``torch.load(weights_only=True)``), whatever
+    P x D wrote it; ``info`` its ``checkpoint.CheckpointInfo`` (``info.step``: the optimizer steps
+    it holds — ``train.steps`` for a finished run, which always checkpoints its last step). A torn
+    checkpoint is never used: the next older one is.
+
+    ``job``/``resolved``: the run's config and ``jobspec.ResolvedJob`` (default: ``run_dir``'s
+    ``config.yaml``, resolved with the objects shipped into the folder); the model is built on the
+    meta device only, for its names. Raises ``FileNotFoundError`` when ``run_dir`` holds no
+    ``config.yaml``, ``checkpoint.CheckpointError`` when no usable checkpoint is left (naming each
+    skipped and why) or the checkpoint does not fit the model, and what resolving the job raises."""
+    from .checkpoint import full_state_dict, read_model_state
+    from .model.materialize import build_on_meta
+
+    run_dir = Path(run_dir)
+    if job is None:
+        path = run_dir / "config.yaml"
+        if not path.is_file():
+            raise FileNotFoundError(f"{run_dir} is no run folder: it holds no config.yaml")
+        job = JobConfig.from_yaml(path)
+    if resolved is None:
+        from .trainer import resolve
+
+        resolved = resolve(job, run_dir, check=False)
+    url = job.train.checkpoint_url or os.path.abspath(os.path.join(str(run_dir), "checkpoints"))
+    info, tensors = read_model_state(url, _run_key(run_dir))
+    return full_state_dict(build_on_meta(resolved.spec.factory), tensors), info
 
 
 def job_labels(resolved) -> dict[str, str]:
@@ -200,6 +346,8 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
         changed = check_continuation(job, Path(run_dir), command) if run_dir is not None else []
     except ConfigError as e:
         raise _note_runs_inside(e, Path(run_dir)) from None
+    check_store_url(job)          # a store that is a file, or under one: said now, before any work
+    check_resume(job, run_dir)    # resume off on a store holding checkpoints; a stopped run with none left
     files = dict(files or {})
     if objects is not None:
         files.update(objects.pack(job))
@@ -208,7 +356,6 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
         check_same_data(resolved, Path(run_dir))
     if not job.parallel.planned:
         check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
-    check_store_url(job)
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)
     if changed:
         continue_with_changes(job, out, changed)
@@ -513,7 +660,8 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     previous one stop at a boundary with a checkpoint, then the job resumes). ``objects``:
     callables shipped by value. ``manager_options`` go to ``manager.Manager``
     (``heartbeat_interval_s``, ``generation_options``, ``calibrate_first``...). Raises
-    (``prepare_run``) before anything starts when the job cannot run. The provider is closed at
+    (``prepare_run``; ``ConfigError`` from ``check_local_backend`` for NCCL on local workers of a
+    machine without it) before anything starts when the job cannot run. The provider is closed at
     the end (no worker left running) when this function made it. ``signals``: SIGINT/SIGTERM stop
     the job at a boundary with a checkpoint (``stop_on_signals``; the CLI's way). Raises
     ``manager.ManagerError`` at once when another manager runs ``run_dir`` now. ``command``: the
@@ -532,6 +680,7 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
             check_run_free(run_dir)   # before any work: a live run is never taken over
         except RunBusy as e:
             raise ManagerError(str(e)) from None
+    check_local_backend(job, provider)   # NCCL asked for where there is none: before any work
     job, out, resolved = prepare_run(job, run_dir, objects, command=command)
     for text in warnings_if_accepted:
         warnings.warn(text, stacklevel=3)
@@ -633,6 +782,6 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
                      trained=not summary.get("ended_before", False))
 
 
-__all__ = ["JobObjects", "JobStopped", "local_slots", "stopped_sentence", "RunResult", "launch_job", "new_run_dir", "check_run_dir", "plan_job", "prepare_run", "stop_on_signals",
-           "train_local",
+__all__ = ["JobObjects", "JobStopped", "local_slots", "stopped_sentence", "RunResult", "launch_job", "new_run_dir", "check_run_dir", "check_local_backend", "plan_job", "prepare_run", "stop_on_signals",
+           "train_local", "trained_weights", "check_resume", "check_store_url",
            "ConfigError"]

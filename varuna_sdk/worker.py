@@ -31,6 +31,7 @@ Imports ``config``, ``pipeline.spawn``, ``cluster.notice``, ``manager.heartbeat_
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import traceback
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from .cluster.notice import NoticeWatcher
 from .manager.heartbeat_client import HeartbeatClient
-from .manager.results import LOG_ONLY
+from .manager.results import LOG_ONLY, SENT_BEFORE, SENT_END
 from .manager.wire import ENV_TOKEN, STOPPED
 from .shipping import OBJECTS_DIR_ENV
 
@@ -49,21 +50,51 @@ class _OutputThatSurvives:
     """stdout/stderr of a worker whose manager may die: the manager reads the other end of the
     pipe (local worker) or SSH channel (remote worker); when it is gone, writes fail with
     EPIPE. A worker must outlive its manager (it then stops at a boundary with a checkpoint),
-    so on the first failed write this stream switches to ``RUN_DIR/worker-<rank>.log``."""
+    so on the first failed write this stream switches to ``fallback``
+    (``RUN_DIR/gen<g>/worker-<rank>.log``, ``own_log``), which ``varuna logs`` shows after that
+    generation's ``workers.log``. It first replays there the last ``KEPT_BYTES`` it had sent (between
+    ``SENT_BEFORE`` and ``SENT_END`` lines): the lines still in the pipe when the manager died were
+    never saved (``varuna logs`` shows only those its ``workers.log`` lacks)."""
+
+    #: how much of what was last sent is kept, to replay on the switch: the bytes a dead manager may
+    #: have left unread (a pipe holds 64 KiB) — ``varuna logs`` shows those workers.log lacks
+    KEPT_BYTES = 1 << 16
 
     def __init__(self, stream, fallback: Path):
         self._stream, self._fallback, self._file = stream, fallback, None
+        self._sent: collections.deque[str] = collections.deque()
+        self._sent_bytes, self._mid_line = 0, False   # _mid_line: what is kept begins mid-line
 
     def write(self, text: str) -> int:
         if self._file is None:
             try:
                 n = self._stream.write(text)
                 self._stream.flush()
+                self._keep(text)
                 return n
             except (BrokenPipeError, OSError, ValueError):
                 self._fallback.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self._fallback, "a", buffering=1)
+                self._replay()
         return self._file.write(text.replace(LOG_ONLY, ""))   # (no manager reads this file: no marks)
+
+    def _keep(self, text: str) -> None:
+        self._sent.append(text)
+        self._sent_bytes += len(text)
+        while self._sent_bytes > self.KEPT_BYTES and len(self._sent) > 1:
+            dropped = self._sent.popleft()
+            self._sent_bytes -= len(dropped)
+            self._mid_line = not dropped.endswith("\n")
+
+    def _replay(self) -> None:
+        """Write what was last sent to the manager, between ``SENT_BEFORE`` and ``SENT_END`` lines."""
+        sent = "".join(self._sent)
+        if self._mid_line:   # the rest of a line whose start was dropped: not shown
+            sent = sent[sent.find("\n") + 1:]
+        self._sent.clear()
+        if sent.strip():
+            self._file.write(f"{SENT_BEFORE}\n{sent.replace(LOG_ONLY, '')}{'' if sent.endswith(chr(10)) else chr(10)}"
+                             f"{SENT_END}\n")
 
     def flush(self) -> None:
         try:
@@ -75,6 +106,17 @@ class _OutputThatSurvives:
         return getattr(self._stream, name)
 
 
+def own_log(run_dir: str | Path, env) -> Path:
+    """Where a worker writes its output itself once its manager no longer reads it:
+    ``RUN_DIR/gen<g>/worker-<rank>.log`` (``g``: ``VARUNA_GENERATION``, ``rank``: ``RANK`` of the
+    mapping ``env``), beside that generation's ``workers.log``, so that ``varuna logs`` shows it in
+    its place (a job orphaned twice keeps two files); ``RUN_DIR/worker-<rank>.log`` without a
+    generation number."""
+    g = str(env.get(ENV_GENERATION, ""))
+    name = f"worker-{env.get('RANK', 'x')}.log"
+    return Path(run_dir) / f"gen{g}" / name if g.isdigit() else Path(run_dir) / name
+
+
 def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None) -> int:
     """Run one worker; returns the process exit code (0: completed or stopped on request, 1:
     failed, told to the manager, 2: bad usage). ``heartbeat``: an already started client (else one
@@ -84,7 +126,7 @@ def main(argv: list[str] | None = None, heartbeat: HeartbeatClient | None = None
     if len(argv) != 2:
         print("usage: python -m varuna_sdk.worker CONFIG.yaml RUN_DIR", file=sys.stderr)
         return 2
-    log = Path(argv[1]) / f"worker-{os.environ.get('RANK', 'x')}.log"
+    log = own_log(argv[1], os.environ)
     sys.stdout = _OutputThatSurvives(sys.stdout, log)
     sys.stderr = _OutputThatSurvives(sys.stderr, log)
     hb = heartbeat or HeartbeatClient.from_env()
@@ -185,6 +227,11 @@ def _train(argv: list[str], hb: HeartbeatClient | None) -> str:
     os.environ.setdefault(OBJECTS_DIR_ENV, str(Path(argv[0]).resolve().parent))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     generation = int(os.environ.get(ENV_GENERATION, "0"))
+    if job.launch.backend == "nccl" and not torch.cuda.is_available():
+        import socket
+
+        raise RuntimeError(f"launch.backend: nccl, but this VM ({socket.gethostname()}) has no CUDA GPU; set "
+                           "launch.backend: auto (NCCL where every worker has a GPU, else gloo) or gloo")
     backend = "nccl" if torch.cuda.is_available() and job.launch.backend != "gloo" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))

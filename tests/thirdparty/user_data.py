@@ -428,3 +428,46 @@ def multi_task_loss(output, targets):
     logits, score = output
     return (torch.nn.functional.cross_entropy(logits, targets["label"])
             + 0.5 * torch.nn.functional.mse_loss(score, targets["score"]))
+
+
+def variable_length_sentences(n: int = 64, length: int = 10, vocab: int = 50, classes: int = 3, seed: int = 5) -> list:
+    """Dict examples of sentences of different lengths, padded to ``length``: ``tokens`` [length]
+    (0 after the end), ``lengths`` (int64, 2..length: how many tokens are real) and a class ``label``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, length + 1, (n,), generator=g)
+    tokens = torch.randint(1, vocab, (n, length), generator=g) * (torch.arange(length) < lengths[:, None])
+    labels = torch.randint(0, classes, (n,), generator=g)
+    return [{"tokens": tokens[i], "lengths": lengths[i], "label": labels[i]} for i in range(n)]
+
+
+class PackedBlock(nn.Module):
+    """An LSTM over the real tokens only: ``pack_padded_sequence`` with the data's ``lengths``
+    (a CPU int64 tensor, as torch requires), unpacked to the padded length again."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.rnn = nn.LSTM(d, d, batch_first=True)
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        y, _ = self.rnn(packed)
+        return pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])[0]
+
+
+class PackedLSTM(nn.Module):
+    """Embedding, LSTM blocks on packed sequences (each given the data field ``lengths``), and a
+    classifier on each sentence's last real position."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, depth: int = 3, classes: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(PackedBlock(d) for _ in range(depth))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens, lengths):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x, lengths)
+        return self.head(x[torch.arange(x.shape[0]), lengths - 1])

@@ -357,17 +357,23 @@ class StageCheckpointer:
             k += 1
 
     def _say_skipped(self, skipped: list[tuple[str, str]], chosen: CheckpointInfo | None) -> None:
-        """Rank 0: one line per skipped checkpoint newer than ``chosen`` (all of them when None)."""
+        """Rank 0: the outcome said once — ``falling back to NAME`` or ``no usable checkpoint:
+        starting from scratch`` — followed by one line per skipped checkpoint newer than ``chosen``
+        (all of them when None) with its reason. Nothing when none was skipped."""
         if self.rank != 0:
             return
         from .store import parse_name
 
         floor = -1 if chosen is None else chosen.step
-        for name, reason in skipped:
-            parsed = parse_name(name)
-            if parsed is not None and parsed[0] >= floor and (chosen is None or name != chosen.name):
-                target = f"falling back to {chosen.name}" if chosen else "no usable checkpoint: starting from scratch"
-                print(f"[varuna] skipped checkpoint {name} ({reason}); {target}", flush=True)
+        passed = [(name, reason) for name, reason in skipped
+                  if (p := parse_name(name)) is not None and p[0] >= floor and (chosen is None or name != chosen.name)]
+        if not passed:
+            return
+        target = f"falling back to {chosen.name}" if chosen else "no usable checkpoint: starting from scratch"
+        lines = [f"[varuna] {target}; skipped {len(passed)} newer checkpoint(s):" if chosen else
+                 f"[varuna] {target}; skipped {len(passed)} checkpoint(s):"]
+        lines += [f"[varuna]   skipped checkpoint {name} ({reason})" for name, reason in passed]
+        print("\n".join(lines), flush=True)
 
     def _broadcast_name(self, name: str, size: int = 128) -> str:
         raw = name.encode()

@@ -262,11 +262,20 @@ class Store:
                 for e in entries if e.get("type") == "file"}
 
     def checkpoint_names(self) -> list[str]:
-        """Every checkpoint directory in the store (complete or not), oldest step first."""
+        """Every checkpoint directory in the store (complete or not), oldest step first. Raises
+        ``CheckpointError`` when the store's location is no folder (a file, or a path under a
+        file) or cannot be listed (no permission)."""
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return []
+        except (NotADirectoryError, PermissionError, OSError) as e:
+            raise CheckpointError(f"checkpoint store {self.url!r} cannot be listed ({type(e).__name__}: "
+                                  f"{e.strerror or e}); give train.checkpoint_url a folder (or a URL) every worker "
+                                  "can write") from None
+        if self.local and os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise CheckpointError(f"checkpoint store {self.url!r} is a file, not a folder; give "
+                                  "train.checkpoint_url a folder (or a URL) every worker can write")
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
         return sorted((n for n in names if parse_name(n)), key=lambda n: (parse_name(n)[0], n))
 
@@ -338,9 +347,12 @@ class Store:
             data = self.read_bytes(f"{name}/{fname}")
         except FileNotFoundError:
             raise CheckpointError(f"{where}: file {fname!r} is missing") from None
-        if len(data) != int(meta["size"]) or hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise CheckpointError(f"{where}: file {fname!r} is corrupt (size {len(data)} vs {meta['size']} "
-                                  "or SHA-256 differs from the manifest)")
+        if len(data) != int(meta["size"]):
+            raise CheckpointError(f"{where}: file {fname!r} is corrupt: it has {len(data)} bytes, the manifest says "
+                                  f"{meta['size']} (truncated or replaced)")
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise CheckpointError(f"{where}: file {fname!r} is corrupt: its size matches the manifest's "
+                                  f"({len(data)} bytes) but its SHA-256 differs (its bytes were changed)")
         return data
 
 

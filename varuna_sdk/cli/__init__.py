@@ -62,7 +62,7 @@ def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
     from ..demo import print_spot_result, run_spot_demo
     from ..runner import new_run_dir
 
-    res = run_spot_demo(job, run_dir=Path(args.run_dir) if args.run_dir else new_run_dir(job))
+    res = run_spot_demo(job, run_dir=args.run_dir if args.run_dir is not None else new_run_dir(job))
     print_spot_result(res)
     return 0 if res.state == "SUCCEEDED" else 1
 
@@ -111,7 +111,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.cmd == "launch":
             return launch_command(args)
-        if args.cmd in ("status", "stop", "logs"):
+        if args.cmd in ("status", "stop", "logs", "export"):
             return run_folder_command(args)
         if args.cmd == "config":
             print(demo_config().to_yaml_beside_defaults("the demo's"), end="")   # its own values marked

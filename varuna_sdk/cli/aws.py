@@ -77,11 +77,8 @@ def aws_provider(cluster: ClusterConfig, job: JobConfig):
     config = AWSSpotConfig.from_dict(settings)
     run_dir = Path(cluster.run_dir).resolve()
     check_run_free(run_dir)   # a live job's instances are never adopted (nor terminated) by a second manager
-
-    if cluster.job_id and cluster.job_id != run_dir.name:
-        # reaping tells a live job by its run folder's lock, found by the job id on the tags
-        raise ConfigError(f"--provider aws: the job id is the run folder's name ({run_dir.name!r}); drop "
-                          f"--job-id {cluster.job_id} or name the run folder {cluster.job_id}")
+    # (--job-id is the run folder's name, ``ClusterConfig.validate``: reaping tells a live job by its run
+    # folder's lock, found by the job id on the instances' tags)
     target = cluster.instances if cluster.instances is not None else job.launch.gpus
     _log_to_stderr("varuna_sdk.cluster.aws")   # each request, adoption, reaping and termination: a line
     try:

@@ -28,6 +28,8 @@ _EXAMPLES = {
     "status": "varuna status            # every run in runs/\n  varuna status runs/my-job",
     "stop": "varuna stop runs/my-job   # checkpoint at the next mini-batch boundary, then stop",
     "logs": "varuna logs runs/my-job\n  varuna logs runs/my-job --follow\n  varuna logs runs/my-job --events",
+    "export": "varuna export runs/my-job -o model.pt   # then: model.load_state_dict(torch.load('model.pt', "
+              "weights_only=True))",
     "launch": "varuna launch job.yaml --local 4 --run-dir runs/my-job\n"
               "  varuna launch job.yaml --hosts hosts.txt --run-dir runs/my-job\n"
               "  varuna launch job.yaml --run-dir runs/my-job   # again after a crash: continues the job",
@@ -44,6 +46,45 @@ EXIT_STATUS = """exit status:
        Ctrl-C a second or more later kills the workers at once and the job continues from its
        last complete checkpoint (`varuna status RUN` says which step)
   143  stopped by SIGTERM (e.g. `kill`, a scheduler's time limit), as the first Ctrl-C"""
+
+
+#: The exit status of the commands that run no job (each one's ``--help`` ends with its own).
+CALIBRATE_EXIT_STATUS = """exit status:
+  0    the profile was measured (or found in the cache) and, with -o, written
+  2    bad input (config, flags, an -o path that cannot be written), said before any measuring
+  130  interrupted by Ctrl-C"""
+PLAN_EXIT_STATUS = """exit status:
+  0    the ranked table was printed (and, where the config fixes P, D or stages, the plan keeping them)
+  1    no configuration fits the GPUs and global batch, or none keeps the config's P, D or stages
+  2    bad input (config, flags, a --profile that is missing, unreadable or of another model or inputs)
+  130  interrupted by Ctrl-C"""
+STATUS_EXIT_STATUS = """exit status:
+  0    the table was printed (also for a folder that holds no runs: it says so)
+  2    the folder does not exist or is a file
+  130  interrupted by Ctrl-C"""
+STOP_EXIT_STATUS = """exit status:
+  0    the stop was asked for; with --wait, the job reached STOPPED within the wait
+  1    the job is not running (it ended already, or no manager runs it: killed or crashed); with
+       --wait, it ended otherwise than STOPPED or was still running when the wait ran out
+  2    bad input: no such run folder (or a folder of runs, or a file), a negative --wait
+  130  interrupted by Ctrl-C while waiting (the stop was asked for; the job goes on to it)"""
+LOGS_EXIT_STATUS = """exit status:
+  0    the output was printed (with --follow: the job ended)
+  2    no such run folder (or a file; --follow: no job started in it within 10 minutes)
+  130  interrupted by Ctrl-C (the job, if any, goes on)"""
+
+
+def _seconds(text: str) -> float:
+    """An ``argparse`` type: a finite number of seconds >= 0 (else exit 2 with the flag's usage)."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0 (0: do not wait)")
+    return v
 
 
 def _subcommand(sub, name: str, help_: str, description: str, more: str = "") -> argparse.ArgumentParser:
@@ -94,13 +135,15 @@ def _add_calibrate_plan(sub) -> None:
     """``varuna calibrate`` and ``varuna plan``."""
     sp = _subcommand(sub, "calibrate", "measure the job's model once and save its profile (JSON)",
                      "Measure each cut-point segment's forward, recompute and backward time and memory at a few "
-                     "micro-batch sizes, and this machine's network, once (paper section 4.3); cached.")
+                     "micro-batch sizes, and this machine's network, once (paper section 4.3); cached.",
+                     CALIBRATE_EXIT_STATUS)
     sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
     sp.add_argument("-o", "--output", help="where to write the profile (default: the profile cache)")
     sp.add_argument("--refresh", action="store_true", help="re-measure even if a cached profile exists (the host's network figures too)")
     sp = _subcommand(sub, "plan", "rank every (P, D, micro-batch) for G GPUs with the simulator",
                      "Simulate every pipeline depth, replica count and micro-batch size for G GPUs from one "
-                     "calibration and rank them by time per mini-batch (paper section 4); cost from the prices.")
+                     "calibration and rank them by time per mini-batch (paper section 4); cost from the prices.",
+                     PLAN_EXIT_STATUS)
     sp.add_argument("config", nargs="?", help="job YAML (default: the demo job)")
     sp.add_argument("--gpus", type=int, required=True, help="G, the GPUs (workers) available")
     sp.add_argument("--global-batch", dest="global_batch", type=int,
@@ -163,18 +206,19 @@ def _add_launch(sub) -> None:
     where.add_argument("--hosts", metavar="FILE", help="SSH host file (watched; see cluster.hostfile)")
     where.add_argument("--provider", choices=["aws"], help="spot VMs from a cloud: aws (EC2, boto3; see cluster.aws)")
     aws_flags(sp)
-    sp.add_argument("--job-id", dest="job_id", help="the job's id in the event log (default: made from the name)")
+    sp.add_argument("--job-id", dest="job_id", help="the job's id in the event log: the run folder's name "
+                    "(default); given, it must be that name (with --run-dir), else exit 2")
     sp.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval, seconds (default 2)")
     sp.add_argument("--orphan-after", dest="orphan_after", type=float, default=60.0,
                     help="workers that lose the manager this long stop at a boundary with a checkpoint (s)")
 
 
 def _add_run_folder_commands(sub) -> None:
-    """``varuna status``, ``varuna stop`` and ``varuna logs``."""
+    """``varuna status``, ``varuna stop``, ``varuna logs`` and ``varuna export``."""
     sp = _subcommand(sub, "status", "show every job of a folder of runs, or one run: state, plan, progress, ETA",
                      "A table of the jobs in a folder of runs (default: runs/), or one run folder: state, plan, "
                      "step of the total, elapsed, ETA, morphs, the last event; for one run also every morph in a "
-                     "sentence.")
+                     "sentence.", STATUS_EXIT_STATUS)
     sp.add_argument("run", nargs="?", default="runs", help="a run folder, or a folder of runs (default: runs)")
     sp = _subcommand(sub, "stop", "stop a running job at the next mini-batch boundary, with a checkpoint",
                      "Ask the manager of a run to stop the job at the next mini-batch boundary with a checkpoint "
@@ -183,17 +227,26 @@ def _add_run_folder_commands(sub) -> None:
                      "the workers at once, and they stop at the first boundary after it reaches them. A step is not "
                      "cut short: the step under way when you ask is completed (and checkpointed) first; only a "
                      "request that reaches the workers in that step's last moments (~0.1 s) also lets the next step "
-                     "finish. The `varuna train`/`launch` running the job then exits 0.")
+                     "finish. The `varuna train`/`launch` running the job then exits 0.", STOP_EXIT_STATUS)
     sp.add_argument("run", help="the job's run folder")
-    sp.add_argument("--wait", type=float, default=0.0,
+    sp.add_argument("--wait", type=_seconds, default=0.0,
                     help="wait up to this many seconds for the job to reach STOPPED (default: do not wait)")
     sp = _subcommand(sub, "logs", "print a run's worker output and events (--follow: as they come)",
                      "Print the output of every worker of a run, generation by generation, each generation "
                      "headed by its plan and followed by how it ended; --events prints the event log in "
-                     "sentences instead.")
+                     "sentences instead.", LOGS_EXIT_STATUS)
     sp.add_argument("run", help="the job's run folder")
     sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
     sp.add_argument("--events", action="store_true", help="the event log in sentences instead of worker output")
+    sp = _subcommand(sub, "export", "write a run's trained model weights (one state_dict file)",
+                     "Write the trained weights of a run as one plain PyTorch state_dict of the whole model (the "
+                     "names of your model's own state_dict, tied weights under each name), read from the run's newest "
+                     "complete checkpoint whatever P x D wrote it (files checked against their SHA-256; a torn "
+                     "checkpoint is never used). A finished run always checkpoints its last step, so that is the "
+                     "model after train.steps steps; of a stopped run, the steps its checkpoint holds (printed). "
+                     "Load it with model.load_state_dict(torch.load(FILE, weights_only=True)).")
+    sp.add_argument("run", help="the job's run folder")
+    sp.add_argument("-o", "--output", required=True, help="the file to write (torch.save of the state_dict)")
 
 
 def again_command(argv: list[str], run_dir: str | Path) -> str:

@@ -22,10 +22,13 @@ from ..demo import demo_config
 def calibrate_or_plan(args: argparse.Namespace) -> int:
     """``varuna calibrate`` (writes the profile) or ``varuna plan`` (prints the ranked table, and the
     best plan that keeps the config's P, D or stages when it fixes them). Returns the exit code:
-    0, or 1 when no configuration fits. Raises ``ConfigError`` for a bad flag or a profile that is
-    missing or was measured on another model or other inputs."""
+    0, or 1 when no configuration fits. Raises ``ConfigError`` for a bad flag (a ``calibrate -o``
+    path that cannot be written is refused before measuring), or a profile that is missing,
+    unreadable, not a profile, or measured on another model or other inputs."""
     if args.cmd == "plan":
         _check_plan_flags(args)   # before torch is imported: a bad flag is answered at once
+    elif args.output is not None:
+        check_output_path(args.output)   # before the calibration: not a traceback after it
     from ..profiling.job import calibrate_job
 
     # every field checked, as `varuna train` does, before a calibration or a plan
@@ -36,7 +39,10 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
         t0 = time.time()
         prof = calibrate_job(job, refresh=args.refresh)
         if args.output:
-            prof.to_json(args.output)
+            try:
+                prof.to_json(args.output)
+            except OSError as e:
+                raise ConfigError(f"cannot write the profile to -o {args.output}: {e.strerror or e}") from None
         cached = bool(prof.calibrated_at) and prof.calibrated_at < t0
         when = (f"the cached calibration of {time.strftime('%Y-%m-%d %H:%M', time.localtime(prof.calibrated_at))} "
                 f"(it took {prof.calibration_s:.1f} s; --refresh measures again)" if cached
@@ -45,9 +51,8 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
               + (f"; wrote {args.output}" if args.output else ""))
         return 0
     from ..planner.plan import config_settings, data_prefetch_for, plan
-    from ..profiling.profile import Profile
 
-    prof = Profile.load(args.profile) if args.profile else calibrate_job(job)
+    prof = load_profile(args.profile, args.config) if args.profile else calibrate_job(job)
     _check_profile_matches(prof, job, args.profile, args.config)
     G, B = args.gpus, args.global_batch or job.parallel.global_batch
     par = job.parallel
@@ -70,9 +75,56 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_output_path(path: str) -> None:
+    """``varuna calibrate -o PATH``: a file that can be written — its folder exists and is writable
+    and ``PATH`` is no folder (nor, existing, read-only). Raises ``ConfigError`` naming what is in
+    the way; nothing is written."""
+    p = Path(path)
+    parent = p.parent
+    if not path.strip() or p.is_dir():
+        why = "is empty" if not path.strip() else "is a folder"
+        raise ConfigError(f"-o {path!r} {why}; give the path of the profile file to write, e.g. -o "
+                          f"{p / 'profile.json' if path.strip() else 'profile.json'}")
+    nearest = next((q for q in [parent, *parent.parents] if q.exists()), None)   # the deepest that exists
+    if nearest is not None and not nearest.is_dir():
+        raise ConfigError(f"-o {path}: {nearest} is a file, not a folder; give a path in a folder")
+    if not parent.is_dir():
+        raise ConfigError(f"-o {path}: the folder {parent} does not exist; make it first (mkdir -p {parent}) or "
+                          "give a path in an existing folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        what = f"the file {p}" if p.exists() and not os.access(p, os.W_OK) else f"the folder {parent}"
+        raise ConfigError(f"-o {path}: {what} is not writable; give a path you can write")
+
+
+def load_profile(path: str, config: str | None):
+    """``varuna plan --profile PATH``: the ``Profile`` in that file. Raises ``ConfigError`` naming
+    the file, why it cannot be used (not JSON, not a profile, another version, an entry missing)
+    and the command that makes one (``varuna calibrate CONFIG -o PATH``)."""
+    from ..profiling.profile import Profile
+
+    make = f"make one with `varuna calibrate {config + ' ' if config else ''}-o {path}`"
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--profile {path}: cannot be read ({getattr(e, 'strerror', None) or e}); {make}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--profile {path} is not JSON ({e}): a profile is the JSON file `varuna calibrate` "
+                          f"writes; {make}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--profile {path} holds a JSON {type(data).__name__}, not a profile (an object); {make}")
+    try:
+        return Profile.from_dict(data)
+    except ValueError as e:   # ProfileError: another version, an entry missing or malformed
+        why = str(e).removesuffix("; re-run calibrate()")
+        raise ConfigError(f"--profile {path}: {why}; {make}") from None
+
+
 def _check_plan_flags(args: argparse.Namespace) -> None:
-    """``varuna plan``'s flags: the profile file exists, counts >= 1, ``--gpus`` at most ``MAX_GPUS``,
-    bandwidth > 0 and prices >= 0 (finite). Raises ``ConfigError`` naming the flag."""
+    """``varuna plan``'s flags: the profile file exists, counts >= 1, ``--gpus`` at most ``MAX_GPUS``
+    and (VMs) a multiple of ``--gpus-per-vm``, bandwidth > 0 and prices >= 0 (finite). Raises
+    ``ConfigError`` naming the flag."""
     if args.profile and not Path(args.profile).is_file():
         raise ConfigError(f"profile file {args.profile!r} does not exist; make it with `varuna calibrate "
                           f"{args.config + ' ' if args.config else ''}-o {args.profile}`, or leave out --profile "
@@ -81,6 +133,12 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
                         ("--target-examples", args.target_examples), ("--top", args.top)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
+    if not args.local and args.gpus % args.gpus_per_vm:
+        n = args.gpus_per_vm
+        near = " or ".join(str(k * n) for k in (args.gpus // n, args.gpus // n + 1) if k)
+        raise ConfigError(f"--gpus {args.gpus} is not a multiple of --gpus-per-vm {n}: the plan places --gpus on "
+                          f"whole VMs of {n} GPUs, which give {near}. Give --gpus as the VMs times their GPUs, or "
+                          "--gpus-per-vm as the GPUs of each VM that the job uses")
     if args.local and args.per_pair_links:
         raise ConfigError("--per-pair-links applies to VMs; --local workers talk over this machine's loopback. Leave "
                           "out one of the two")
@@ -155,9 +213,11 @@ def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
         print(f"varuna: no feasible plan keeps {what} from the config" + (f" ({why})" if why else "")
               + "; set them to null to let the planner choose, or change them", file=sys.stderr)
         return 1
+    from ..planner.rows import format_duration
+
     r = rows[0]
     print(f"with {what} from the config: P={r.P} D={r.D} micro-batch {r.micro_batch_size} (m={r.m}), "
-          f"{r.time_s * 1e3:.1f} ms per mini-batch, {r.examples_per_s:.1f} examples/s "
+          f"{format_duration(r.time_s)} per mini-batch, {r.examples_per_s:.1f} examples/s "
           f"({r.time_s / pl.best.time_s:.2f}x the best plan's time)")
     return 0
 

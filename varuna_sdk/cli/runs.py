@@ -1,4 +1,5 @@
-"""The run-folder commands: ``varuna status [RUN]``, ``varuna stop RUN`` and ``varuna logs RUN``,
+"""The run-folder commands: ``varuna status [RUN]``, ``varuna stop RUN``, ``varuna logs RUN`` and
+``varuna export RUN -o FILE`` (the trained weights, ``runner.trained_weights``),
 read from a run folder's event log and worker logs (``manager.runs``) — they never talk to a
 running manager except through the folder (``runs.request_stop``) — and ``stopped_exit_code``, the
 exit code of a ``train``/``launch`` whose job was stopped, from who asked for the stop.
@@ -10,6 +11,7 @@ fast). Never imports the dashboard.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,6 +22,8 @@ def run_folder_command(args: argparse.Namespace) -> int:
 
     from ..manager import runs
 
+    if args.cmd == "export":
+        return export_command(args)
     try:
         if args.cmd == "status":
             infos = [runs.read_run(p) for p in runs.find_runs(args.run)]
@@ -40,6 +44,7 @@ def run_folder_command(args: argparse.Namespace) -> int:
                     print(f"  morph {i} {runs.morph_sentence(m, r.started)}")
             return 0
         if args.cmd == "stop":
+            _check_one_run(args.run, "stop", runs)
             info = runs.read_run(args.run)
             if not info.active:
                 print(f"varuna: job {info.name} is {info.state} already; nothing to stop", file=sys.stderr)
@@ -69,6 +74,64 @@ def run_folder_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:   # (``logs --follow``, ``stop --wait``): the job itself goes on
         print("varuna: interrupted (the job, if any, goes on)", file=sys.stderr)
         return 130
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """``varuna export RUN -o FILE``: the run's trained model as one ``state_dict`` file
+    (``torch.save``; keys as the model's own ``state_dict()``, ``runner.trained_weights``), written
+    atomically. Says which checkpoint (steps) it came from, and when that is fewer steps than the
+    run's ``train.steps`` (a stopped or running job). Returns 0 when written; 2 for a folder that
+    is no run, a config that no longer resolves, or no usable checkpoint (the reason on stderr)."""
+    import os
+
+    from ..checkpoint.store import CheckpointError
+    from ..config import ConfigError
+
+    try:
+        import torch
+
+        from ..runner import trained_weights
+
+        state, info = trained_weights(args.run)
+    except (FileNotFoundError, NotADirectoryError, CheckpointError, ConfigError, ValueError) as e:
+        print(f"varuna: cannot export {args.run}: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.output)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        print(f"varuna: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    from ..config import JobConfig
+
+    total = JobConfig.from_yaml(Path(args.run) / "config.yaml").train.steps
+    n = sum(t.numel() for t in state.values())
+    note = "" if info.step >= total else (f" (of {total}: the newest usable checkpoint holds fewer; a run not "
+                                          "finished yet, or a newer checkpoint torn)")
+    print(f"[varuna] wrote {out}: {len(state)} tensors, {n:,} values, the model after {info.step} step(s){note}, "
+          f"from checkpoint {info.name}; load it with model.load_state_dict(torch.load({str(out)!r}, "
+          "weights_only=True))")
+    return 0
+
+
+def _check_one_run(path: str, cmd: str, runs) -> None:
+    """``path`` must be one job's run folder (holding ``events.db``) for ``varuna stop``/``logs``.
+    Raises ``FileNotFoundError`` saying it does not exist, or that it is a folder of runs (naming
+    them and the command for one), or that it is no run folder; ``NotADirectoryError`` for a file."""
+    run = Path(path)
+    if (run / "events.db").is_file():
+        return
+    inner = runs.find_runs(run)   # newest first (it raises for a path that does not exist, or a file)
+    if inner:
+        names = ", ".join(d.name for d in inner[:5]) + (f" and {len(inner) - 5} more" if len(inner) > 5 else "")
+        one = shlex.quote(str(inner[0]))
+        raise FileNotFoundError(f"{str(run)!r} is a folder of runs, not one job's run folder: it holds {len(inner)} "
+                                f"run folder(s) ({names}); give one, e.g. `varuna {cmd} {one}` (`varuna status "
+                                f"{shlex.quote(str(run))}` shows them all)")
+    raise FileNotFoundError(f"{str(run)!r} holds no events.db: not a run folder (no job was launched with it as "
+                            "--run-dir, or not yet)")
 
 
 def stopped_exit_code(run_dir: str | Path) -> int:
@@ -117,10 +180,11 @@ def _logs(args: argparse.Namespace, runs) -> int:
     run = Path(args.run)
     if run.exists() and not run.is_dir():
         raise NotADirectoryError(f"{str(run)!r} is a file, not a run folder; give the --run-dir a job was launched with")
-    if args.follow and not (run / "events.db").is_file():
-        _wait_for_start(run)
-    runs.read_run(run)  # a run folder, or FileNotFoundError
+    if args.follow and not (run / "events.db").is_file() and not (run.is_dir() and runs.find_runs(run)):
+        _wait_for_start(run)   # (not for a folder of runs: said at once below)
+    _check_one_run(args.run, "logs", runs)   # a run folder, or FileNotFoundError saying what it is
     offsets: dict[Path, int] = {}
+    own: dict = {}   # a worker's own log -> its runs.OwnLogFilter
     last_id, t0 = 0, None
     quiet_since = None
     while True:
@@ -142,7 +206,11 @@ def _logs(args: argparse.Namespace, runs) -> int:
                     chunk = fh.read()
                 cut = chunk.rfind(b"\n") + 1   # whole lines only
                 if cut:
-                    sys.stdout.write(chunk[:cut].decode("utf-8", "replace"))
+                    text = chunk[:cut].decode("utf-8", "replace")
+                    if f.name != "workers.log":   # a worker's own: what it replays that workers.log has, hidden
+                        keep = own.setdefault(f, runs.OwnLogFilter(f)).keep
+                        text = "".join(ln + "\n" for ln in text[:-1].split("\n") if keep(ln))
+                    sys.stdout.write(text)
                     sys.stdout.flush()
                     offsets[f] += cut
                     new += 1

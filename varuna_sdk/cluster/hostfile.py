@@ -94,12 +94,17 @@ def parse_host_file(text: str, *, source: str = "<host file>",
         tokens = line.split()
         pos = [t for t in tokens if "=" not in t]
         opts = [t for t in tokens if "=" in t]
+        bad = next((t for t in opts if not t.partition("=")[0]), None)
+        if bad is not None:   # '=' or '=x': no key
+            raise HostFileError(f"{where}: {bad!r} is not a key=value option (no key): {raw.strip()!r}\n"
+                                f"{HOST_FILE_FORMAT}")
         if tokens[: len(pos)] != pos:
             raise HostFileError(f"{where}: options (key=value) must come after the name and "
                                 f"address: {raw.strip()!r}\n{HOST_FILE_FORMAT}")
         if len(pos) not in (1, 2):
+            more = f" before its {len(opts)} key=value option(s)" if opts else ""
             raise HostFileError(f"{where}: expected 'ADDRESS[:PORT]' or 'NAME ADDRESS[:PORT]', got "
-                                f"{len(pos)} words: {raw.strip()!r}\n{HOST_FILE_FORMAT}")
+                                f"{len(pos)} words{more} ({' '.join(pos)!r}): {raw.strip()!r}\n{HOST_FILE_FORMAT}")
         try:
             addr, port = _split_address(pos[-1])
         except ValueError as e:

@@ -72,7 +72,8 @@ class ClusterConfig:
         endpoint_url: another EC2 endpoint (an API emulator).
         run_dir: the job's own folder; an existing one is continued. Needed with a provider:
             its name is the job id every instance is tagged with.
-        job_id: the job's id in the event log (default: made from the run folder's name).
+        job_id: the job's id in the event log: the run folder's name (given, it must be that name,
+            and ``run_dir`` must be given; ``ConfigError`` otherwise).
         heartbeat_interval_s: seconds between a worker's heartbeats (> 0).
         orphan_after_s: seconds after which workers that lost the manager stop at a mini-batch
             boundary with a checkpoint (> 0).
@@ -101,9 +102,27 @@ class ClusterConfig:
                               f"heartbeats ({2 * self.heartbeat_interval_s:g} s with --heartbeat "
                               f"{self.heartbeat_interval_s:g}); raise --orphan-after or lower --heartbeat")
 
+    def _check_job_id(self) -> None:
+        """``--job-id`` must be the run folder's name: a later start on the folder (without
+        ``--job-id``) finds the job by that name, and would otherwise start a new job there —
+        a finished job run again."""
+        from pathlib import Path
+
+        if not self.run_dir:
+            raise ConfigError(f"--job-id {self.job_id}: the job id is the run folder's name, and without --run-dir "
+                              f"the folder is a new NAME-TIME one; pass --run-dir DIR/{self.job_id} (and drop "
+                              "--job-id), or leave --job-id out")
+        folder = Path(self.run_dir).resolve().name
+        if self.job_id != folder:
+            raise ConfigError(f"--job-id {self.job_id} is not the run folder's name ({folder!r}): the job id is the "
+                              f"run folder's name, so a later `varuna launch ... --run-dir {self.run_dir}` finds the "
+                              f"job by it. Leave --job-id out (or pass --job-id {folder}), or name the run folder "
+                              f"{self.job_id}")
+
     def validate(self) -> "ClusterConfig":
         """Check the options before any VM is asked for; returns ``self``. Raises ``ConfigError``
-        naming the option (as a ``varuna launch`` flag) and what would work."""
+        naming the option (as a ``varuna launch`` flag) and what would work: an empty ``--run-dir``, a
+        ``--job-id`` other than the run folder's name (or without ``--run-dir``) too."""
         self._check_timing()
         given = [f for f, v in (("--local", self.local), ("--hosts", self.hosts), ("--provider", self.provider))
                  if v is not None]
@@ -119,6 +138,12 @@ class ClusterConfig:
         aws_only += [AWS_FLAGS.get(k, k) for k in self.aws]
         if aws_only and self.provider != "aws":
             raise ConfigError(f"{', '.join(aws_only)}: options of AWS spot VMs; add --provider aws, or drop them")
+        if self.run_dir is not None and not str(self.run_dir).strip():
+            raise ConfigError(f"--run-dir {self.run_dir!r}: the run folder is empty, which would make the current "
+                              "directory the job's run folder; name a folder (e.g. --run-dir runs/my-job), or leave "
+                              "it out for a new NAME-TIME folder inside train.run_dir")
+        if self.job_id is not None:
+            self._check_job_id()
         if self.provider == "aws":
             if not self.run_dir:
                 raise ConfigError("--provider aws needs --run-dir: its name is the job id every instance is tagged with")

@@ -218,6 +218,8 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         ``ManagerError`` when another manager runs this run folder now (``runs.acquire_run_lock``)."""
         if self.alive:
             raise ManagerError(f"job {self.job_id} is already running in this manager")
+        if not self._ended():
+            self._check_resumable()   # refused here, in the caller's thread: the run's state is left as it was
         self._take_lock()
         self._done.clear()
         self._thread = threading.Thread(target=self._run_safe, name=f"varuna-manager-{self.job_id}", daemon=True)
@@ -249,18 +251,30 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
 
     def run(self) -> JobState:
         """Run the job to the end in this thread; returns SUCCEEDED, FAILED or STOPPED.
-        Raises ``ManagerError`` (after recording FAILED) when it cannot go on."""
-        if self.state in (JobState.SUCCEEDED, JobState.FAILED) and self._restored:
-            self._ended_before = True
-            if self._lock_fd is not None:   # taken by start(): nothing to run
-                os.close(self._lock_fd)
-                self._lock_fd = None
+        Raises ``ManagerError`` (after recording FAILED) when it cannot go on — and, before any
+        state change or worker, when the job must not start on its checkpoint store (a STOPPED
+        run whose checkpoints are all gone or unusable; ``train.resume`` false on a store holding
+        checkpoints: ``planning.resume_problem``), the run's state left as it was."""
+        if self._ended():
             return self.state
+        self._check_resumable()
         return self._run()
+
+    def _ended(self) -> bool:
+        """The job had already ended (SUCCEEDED, FAILED) in its folder: nothing to run (a lock taken by
+        ``start()`` is released)."""
+        if not (self.state in (JobState.SUCCEEDED, JobState.FAILED) and self._restored):
+            return False
+        self._ended_before = True
+        if self._lock_fd is not None:   # taken by start(): nothing to run
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        return True
 
     def _run_safe(self) -> None:
         try:
-            self.run()
+            if not self._ended():   # (start() checked the store already)
+                self._run()
         except Exception as e:  # noqa: BLE001 - recorded as FAILED with the message; the thread must not die loudly
             self.error = self.error or f"{type(e).__name__}: {e}"
             if not self.state.terminal:   # never left RECOVERING (or RUNNING) with no one driving the job
@@ -312,7 +326,8 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
 
             self._log_state_note("calibrating the model (once per model and input shape; cached)")
             try:
-                self._profile = calibrate_job(self.job, run_dir=self.run_dir)
+                # said once, below (a log line and a WARNING event), not also as a UserWarning
+                self._profile = calibrate_job(self.job, run_dir=self.run_dir, warn_under_load=False)
             except Exception as e:  # noqa: BLE001 - reported as the job's failure
                 raise CalibrationFailed(f"{type(e).__name__}: {e}") from e
             said = under_load_warning(self._profile.busy_at_calibration)
@@ -346,6 +361,12 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
             if isinstance(e, JobInterrupted) or self.state.terminal:
                 raise
             raise self._interrupted() from None
+        except Exception as e:   # never left PROVISIONING/RUNNING with no manager: recorded, then raised
+            if not self.state.terminal:
+                self.error = self.error or f"{type(e).__name__}: {e}"
+                _log.exception("job %s: the manager stopped on an error", self.job_id)
+                self._set(JobState.FAILED, f"the manager stopped on an error: {self.error}")
+            raise
         finally:
             done.set()
             fd, self._lock_fd = self._lock_fd, None

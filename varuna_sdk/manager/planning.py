@@ -8,7 +8,8 @@ draw the same masks), the PLAN event with the ranked table and the simulated tim
 ``provider``, ``options``, ``log``, ``profile()`` and the fields ``_excluded``, ``_noticed``,
 ``_suspect``, ``_micro_batch_size``, ``_profile``, set by ``Manager.__init__``).
 
-Owns ``ManagerPlanning``, ``SUSPECT_S``, ``on_this_machine``. Imports ``cluster`` (hosts, localproc),
+Owns ``ManagerPlanning``, ``SUSPECT_S``, ``on_this_machine``, ``resume_problem`` (whether a job may
+start workers on its checkpoint store). Imports ``cluster`` (hosts, localproc),
 ``config``, ``planner`` and ``checkpoint`` (inside the methods: the planner loads the compiled
 core) and ``manager.decisions|events``; never torch, never ``manager.manager``.
 """
@@ -52,6 +53,44 @@ def on_this_machine(h: Host) -> bool:
     as one VM with ``os.cpu_count()`` compute slots)."""
     return is_local(h) or h.is_loopback
 
+
+
+def resume_problem(url: str, key: bytes | None, *, resume: bool, steps_done: int, stopped: bool) -> str | None:
+    """Why a job must not start workers on the checkpoint store at ``url``, in words (None: it may):
+
+    - ``resume`` false (``train.resume``) and the store already holds a complete checkpoint (any,
+      signed or not: the workers would refuse it after starting, and the run would end FAILED);
+    - ``stopped`` (a STOPPED run being continued) that has done ``steps_done`` > 0 steps, but no
+      checkpoint in the store verifies with ``key`` (``manifest_key`` of the job secret; None:
+      checksums only): the workers would start again from step 0 and repeat those steps.
+
+    Reads manifests only (no tensor files). Raises ``CheckpointError`` when the store cannot be
+    opened or listed (a file, or a path under a file)."""
+    from ..checkpoint.store import complete_checkpoints
+
+    if not resume:
+        found = complete_checkpoints(url)
+        if not found:
+            return None
+        if stopped and steps_done > 0:
+            return (f"train.resume is false, but this run stopped after {steps_done} step(s) and its checkpoint store "
+                    f"{url!r} holds checkpoints (newest at step {found[0].step}): no worker was started and the run "
+                    "is still STOPPED. Set train.resume to true to continue it from there, or give a new --run-dir "
+                    "to train from scratch")
+        return (f"train.resume is false but the checkpoint store {url!r} already holds checkpoints (newest at step "
+                f"{found[0].step}) of an earlier run; set train.checkpoint_url to an empty location, delete them, or "
+                "set train.resume to true to continue that run")
+    if not stopped or steps_done <= 0:
+        return None
+    skipped: list[tuple[str, str]] = []
+    if complete_checkpoints(url, key, skipped):
+        return None
+    why = ("; ".join(f"{name} ({reason[:160]})" for name, reason in skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
+           if skipped else "it holds none")
+    return (f"this run stopped after {steps_done} step(s), but no usable checkpoint remains in its store {url!r} "
+            f"(skipped: {why}); continuing would start again from step 0 and repeat those steps. No worker was "
+            "started and the run is still STOPPED: put its checkpoints back to continue it, or give a new --run-dir "
+            "to train from scratch")
 
 
 class ManagerPlanning:
@@ -195,11 +234,30 @@ class ManagerPlanning:
         return per_stage
 
     def _resume_step(self) -> int:
-        """Steps the job's last complete checkpoint holds (0: none yet): where the next generation resumes."""
+        """Steps the job's last complete checkpoint holds (0: none yet): where the next generation resumes.
+        Raises ``CheckpointError`` when the store cannot be opened or listed."""
         from ..checkpoint import latest_complete
 
         ck = latest_complete(self._store_url(), self._manifest_key)
         return 0 if ck is None else int(ck.step)
+
+    def _check_resumable(self) -> None:
+        """Before any state change or worker: the store can be listed, and ``resume_problem`` for this
+        job and its store (a STOPPED job continued, ``train.resume`` false on a store holding
+        checkpoints). Raises ``ManagerError`` saying why and what to do; the run's recorded state is
+        left as it was."""
+        from ..checkpoint.store import CheckpointError
+        from .state import JobState, ManagerError
+
+        done = 0 if self._last_step is None else int(self._last_step) + 1
+        try:
+            self._resume_step()   # a store that cannot be listed (a file, a path under one): said now
+            problem = resume_problem(self._store_url(), self._manifest_key, resume=self.job.train.resume,
+                                     steps_done=done, stopped=self.state == JobState.STOPPED)
+        except CheckpointError as e:
+            problem = str(e)
+        if problem:
+            raise ManagerError(problem)
 
     def _store_url(self) -> str:
         """The job's checkpoint store (a folder or a URL)."""

@@ -24,6 +24,12 @@ from typing import Sequence
 #: put by a worker (started by a manager) before each line of output meant for the log file only
 LOG_ONLY = "\x1e"
 
+#: the lines around what a worker whose manager died had last sent it (``worker._OutputThatSurvives``),
+#: replayed in its own log: the manager may not have saved them (a pipe's unread bytes die with its
+#: reader); ``varuna logs`` shows those of them that ``workers.log`` lacks (``runs.OwnLogFilter``)
+SENT_BEFORE = "[varuna] the last lines sent to the manager before it was found gone:"
+SENT_END = "[varuna] (end of the lines sent to the manager)"
+
 #: the SDK's own errors: raised on purpose with a message that says what to change, so a failure
 #: with one of them is told in one line (its traceback stays in the workers' log)
 EXPLAINED_ERRORS = frozenset({"DataError", "ModelSpecError", "NonFiniteLossError", "ConfigError", "ShippingError",

@@ -20,7 +20,8 @@ them — the end of the step under way — with a checkpoint, as ``Job.stop()`` 
 ``stopped_by`` says who asked for the stop that ended a run. Anyone who can write the run folder can stop the job — the same people who could
 edit its checkpoints.
 
-Imports ``config``, ``manager.events``, ``manager.billing`` and the standard library (never torch).
+Imports ``config``, ``manager.events``, ``manager.billing``, ``manager.results`` and the standard library
+(never torch).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from pathlib import Path
 from ..config import TrainConfig
 from .billing import BILLED_KINDS, Billing, cost_text
 from .events import Event, EventLog, Kind
+from .results import SENT_BEFORE, SENT_END
 
-__all__ = ["LOCK_FILE", "RunBusy", "RunInfo", "STOP_FILE", "TERMINAL", "acquire_run_lock", "check_run_free", "clear_stop", "clip", "jobs_alive_beside",
+__all__ = ["LOCK_FILE", "OwnLogFilter", "RunBusy", "RunInfo", "STOP_FILE", "TERMINAL", "acquire_run_lock", "check_run_free", "clear_stop", "clip", "jobs_alive_beside",
            "drift_sentence", "event_sentence", "find_runs", "format_runs", "log_label", "log_tail", "morph_sentence",
-           "read_run", "request_stop", "run_lock_holder", "stop_requested", "stopped_by", "watch_stop_requests", "worker_logs"]
+           "orphans_ended", "read_run", "request_stop", "run_lock_holder", "stop_requested", "stopped_by", "watch_stop_requests", "worker_logs"]
 
 STOP_FILE = "stop-request.json"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -76,6 +78,7 @@ class RunInfo:
     cost: dict | None = None
     drift: dict | None = None
     manager: dict | None = None   # who runs it now (``run_lock_holder``); None: no live manager
+    orphans: dict | None = None   # how its orphaned workers ended by themselves (see ``orphans_ended``)
 
     @property
     def orphaned(self) -> bool:
@@ -85,8 +88,9 @@ class RunInfo:
 
     @property
     def state_text(self) -> str:
-        """``state``, marked when no manager is running the job although its state says so."""
-        return f"{self.state} (no manager)" if self.orphaned else self.state
+        """``state``, marked when no manager is running the job although its state says so, or
+        when the workers of a killed manager ended the job by themselves ("STOPPED (no manager)")."""
+        return f"{self.state} (no manager)" if self.orphaned or self.orphans else self.state
 
     @property
     def cost_text(self) -> str:
@@ -108,14 +112,14 @@ def find_runs(path: str | Path) -> list[Path]:
     """``path`` when it is a run folder (holds ``events.db``), followed by any run folders directly
     inside it (a folder of runs once given as a job's own run folder: its runs stay listed), else
     the run folders directly inside it; those inside newest first. Raises ``FileNotFoundError``
-    naming ``path`` when it does not exist."""
+    naming ``path`` when it does not exist, ``NotADirectoryError`` when it is a file."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{str(p)!r} does not exist; give a run folder (holding events.db) or the folder "
-                                "of runs (by default runs/ where you launched)")
+        raise FileNotFoundError(f"{str(p)!r} does not exist; give a run folder (the --run-dir a job was launched "
+                                "with, holding events.db) or the folder of runs (by default runs/ where you launched)")
     if not p.is_dir():
-        raise FileNotFoundError(f"{str(p)!r} is a file, not a folder; give a run folder (holding events.db) or "
-                                "the folder of runs")
+        raise NotADirectoryError(f"{str(p)!r} is a file, not a run folder nor a folder of runs; give the --run-dir a "
+                                 "job was launched with, or the folder of runs")
 
     def mtime(d: Path) -> float:
         try:
@@ -383,6 +387,7 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
         metrics = _latest_metrics(log)
         billing = Billing.of(log.events(kind=BILLED_KINDS))
         drifts = log.events(kind=Kind.ESTIMATE_DRIFT, last=1)
+        gens = log.events(kind=(Kind.GENERATION_STARTED, Kind.GENERATION_ENDED), last=1)
     state = states[-1].payload.get("state", "PENDING") if states else "PENDING"
     reason = states[-1].payload.get("reason", "") if states else ""
     job_id = next((e.job_id for e in states + first if e.job_id), None)
@@ -391,8 +396,14 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
     total = _steps_total(run)
     done = max((m["step"] for m in metrics), default=-1) + 1
     manager = run_lock_holder(run)
+    orphans = None
     if state not in TERMINAL and manager is None:   # orphaned workers train on, unheard: their own rows
         done = max(done, _last_step_written(run) + 1)
+        orphans = orphans_ended(run, gens[-1] if gens else None)
+    if orphans is not None:   # ... and have ended by themselves: the job is no longer running
+        done = max(done, orphans["step"])
+        state, reason, end = _orphans_state(run, orphans)
+        last = []
     times = [m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float))]
     eta = None
     if state not in TERMINAL and total is not None and times:
@@ -400,11 +411,51 @@ def read_run(path: str | Path, now: float | None = None) -> RunInfo:
     return RunInfo(path=run, job_id=job_id, name=run.name, state=state, reason=reason, steps_done=done,
                    steps_total=total, elapsed_s=max(0.0, end - start), eta_s=eta,
                    plan=_plan_text(plans[-1].payload) if plans else "-", morphs=morphs,
-                   last_event=event_sentence(last[0]) if last else "",
+                   last_event=event_sentence(last[0]) if last else (reason.split(";")[0] if orphans else ""),
                    error=reason if state == "FAILED" else None, started=start, read_at=now,
-                   cost=billing.cost(end), manager=manager,
+                   cost=billing.cost(end), manager=manager, orphans=orphans,
                    drift=drifts[-1].payload if drifts and plans and drifts[-1].payload.get("generation") ==
                    plans[-1].payload.get("generation") else None)
+
+
+def orphans_ended(run: str | Path, generation_mark: Event | None) -> dict | None:
+    """How the workers of a run whose manager died ended by themselves, read from the run's
+    ``outcome.json`` (rank 0 writes it when it returns: stopped at a boundary with a checkpoint
+    once it lost the manager for ``orphan_after_s``, or all steps done): ``{"status": "stopped" |
+    "completed", "step": steps done, "checkpoint": its name or None, "generation", "time": when it
+    was written (Unix s)}``. None while they may still run: no outcome of the generation the
+    manager last started (``generation_mark``, its latest ``generation_started`` or
+    ``generation_ended`` event: None or an ended one is no running generation), or an older one."""
+    if generation_mark is None or generation_mark.kind != Kind.GENERATION_STARTED:
+        return None
+    path = Path(run) / "outcome.json"
+    try:
+        written = path.stat().st_mtime
+        d = json.loads(path.read_text()[:65536])
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict) or d.get("status") not in ("stopped", "completed"):
+        return None
+    g, step = d.get("generation"), d.get("step")
+    if g != generation_mark.payload.get("generation") or written < generation_mark.time - 1.0 \
+            or not isinstance(step, int) or isinstance(step, bool):
+        return None   # an earlier generation's outcome (one that ended before the manager last started one)
+    ckpt = d.get("checkpoint")
+    return {"status": d["status"], "step": step, "checkpoint": ckpt if isinstance(ckpt, str) else None,
+            "generation": g, "time": written}
+
+
+def _orphans_state(run: Path, orphans: dict) -> tuple[str, str, float]:
+    """(state, reason, end time) of a run whose orphaned workers ended by themselves
+    (``orphans_ended``): STOPPED with the step, the checkpoint and the command that continues the
+    job, or SUCCEEDED when they did every step."""
+    if orphans["status"] == "completed":
+        return ("SUCCEEDED", f"its workers did all {orphans['step']} steps by themselves after the manager was "
+                "gone (killed or crashed)", orphans["time"])
+    ckpt = f" ({orphans['checkpoint']})" if orphans.get("checkpoint") else ""
+    return ("STOPPED", f"its workers stopped by themselves after step {orphans['step']} with a checkpoint{ckpt}, "
+            f"the manager gone (killed or crashed); `varuna launch {run / 'config.yaml'} --run-dir {run}` "
+            "(or `varuna train` with the same arguments) continues the job from it", orphans["time"])
 
 
 def _last_step_written(run: Path, tail_bytes: int = 8192) -> int:
@@ -456,17 +507,66 @@ def format_runs(runs: list[RunInfo]) -> str:
 
 
 def worker_logs(run: str | Path) -> list[Path]:
-    """The workers' output files of every generation, in generation order (``gen<g>/workers.log``,
-    as their manager received it), then what each worker wrote itself once no manager read its
-    output (``worker-<rank>.log``: after the manager was killed)."""
-    gens = [d for d in Path(run).glob("gen*") if d.is_dir() and d.name[3:].isdigit()]
-    own = sorted(Path(run).glob("worker-*.log"))
-    return [d / "workers.log" for d in sorted(gens, key=lambda d: int(d.name[3:])) if (d / "workers.log").is_file()] + own
+    """The workers' output files of every generation, in generation order: ``gen<g>/workers.log``
+    (as their manager received it), followed by what each worker of that generation wrote itself
+    once no manager read its output (``gen<g>/worker-<rank>.log``, by rank: after the manager was
+    killed, until the workers stopped by themselves); then the ``worker-<rank>.log`` files that
+    workers of earlier versions wrote in the run folder itself."""
+    def rank(f: Path) -> tuple:
+        r = f.stem[len("worker-"):]
+        return (0, int(r), "") if r.isdigit() else (1, 0, r)
+
+    gens = sorted((d for d in Path(run).glob("gen*") if d.is_dir() and d.name[3:].isdigit()), key=lambda d: int(d.name[3:]))
+    out = []
+    for d in gens:
+        if (d / "workers.log").is_file():
+            out.append(d / "workers.log")
+        out += sorted((f for f in d.glob("worker-*.log") if f.is_file()), key=rank)
+    return out + sorted((f for f in Path(run).glob("worker-*.log") if f.is_file()), key=rank)
+
+
+class OwnLogFilter:
+    """Which lines of a worker's own log (``gen<g>/worker-<rank>.log``) ``varuna logs`` shows: all,
+    except, in the block of lines the worker replays from what it last sent its dying manager
+    (between ``results.SENT_BEFORE`` and ``SENT_END``, themselves hidden), those the generation's
+    ``workers.log`` already holds for that rank (the manager saved them before it died). Feed it the
+    file's lines in order (``keep``)."""
+
+    def __init__(self, path: str | Path, tail_bytes: int = 1 << 18):
+        self.path, self.tail_bytes = Path(path), tail_bytes
+        self.in_replay = False
+        self._saved: set[str] | None = None
+
+    def keep(self, line: str) -> bool:
+        """Whether to show ``line`` (without its newline)."""
+        if line == SENT_BEFORE:
+            self.in_replay = True
+            return False
+        if line == SENT_END:
+            self.in_replay = False
+            return False
+        return not (self.in_replay and line in self.saved())
+
+    def saved(self) -> set[str]:
+        """This rank's lines in the last ``tail_bytes`` of the generation's ``workers.log``, without
+        the manager's ``[host rank r] `` prefix (read once)."""
+        if self._saved is None:
+            rank = self.path.stem[len("worker-"):]
+            mark = f" rank {rank}] "
+            text = log_tail(self.path.parent / "workers.log", self.tail_bytes)
+            self._saved = {ln.split(mark, 1)[1] for ln in text.splitlines() if ln.startswith("[") and mark in ln}
+        return self._saved
 
 
 def log_label(path: Path) -> str:
-    """How a file of ``worker_logs`` is named to people: ``gen3`` or ``worker-1.log``."""
-    return path.parent.name if path.name == "workers.log" else path.name
+    """How a file of ``worker_logs`` is named to people: ``gen3``; ``gen3 rank 1, after the manager
+    was gone`` (a worker's own file); ``worker-1.log`` (one in the run folder itself)."""
+    if path.name == "workers.log":
+        return path.parent.name
+    gen = path.parent.name
+    if gen.startswith("gen") and gen[3:].isdigit():
+        return f"{gen} rank {path.stem[len('worker-'):]}, after the manager was gone"
+    return path.name
 
 
 def log_tail(path: str | Path, max_bytes: int = 64 * 1024) -> str:

@@ -10,8 +10,9 @@ from the real run (libraries take their "tracing" branches), so the structure se
 the structure that runs.
 
 ``MetaAsDevice(device)`` is the middle way: inputs stay real; an operation with any meta
-argument runs on meta (real arguments and device arguments are moved to meta); an operation with
-only real arguments runs for real; and a meta tensor *reports* ``device`` (``x.device``,
+argument runs on meta (real arguments and device arguments are moved to meta, except the CPU
+sizes tensor of a packed-sequence operation, ``_CPU_SIZES_OPS``); an operation with only real
+arguments runs for real; and a meta tensor *reports* ``device`` (``x.device``,
 ``x.is_cuda``, ``x.is_meta``…), so ``torch.arange(n, device=hidden.device)`` makes real
 positions. Values derived from the inputs alone are therefore real and equal to those of the
 real run, control flow on them takes the same branch, and values derived from weights stay meta
@@ -61,6 +62,24 @@ def _grouped_mm_on_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 #: Operations whose meta kernel refuses what the real CPU kernel runs -> a meta stand-in
 _META_STAND_INS = {torch._grouped_mm: _grouped_mm_on_meta}
+
+#: Operations that take a CPU int64 tensor of *sizes* beside their data (packed sequences: the
+#: ``lengths`` of ``pack_padded_sequence``, the ``batch_sizes`` a packed LSTM/GRU and
+#: ``pad_packed_sequence`` read): their kernels, meta ones included, require it on the CPU and read
+#: its values to shape the output. Computed from the data (``lengths`` is a field of the examples),
+#: it is real, so it stays real beside meta data; the output's shape then follows the values, as in
+#: the real run (never cached: a shape cache keys on shapes, not values).
+_CPU_SIZES_OPS = frozenset(getattr(torch._C._VariableFunctions, n) for n in (
+    "_pack_padded_sequence", "_pad_packed_sequence", "lstm", "gru", "rnn_tanh", "rnn_relu")
+    if hasattr(torch._C._VariableFunctions, n))
+
+
+def _to_meta_but_cpu_sizes(x: Any) -> Any:
+    """``_to_meta``, except for a real CPU integer tensor (``_CPU_SIZES_OPS``' sizes): kept."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.is_floating_point() \
+            and not x.is_complex() and x.dtype != torch.bool:
+        return x
+    return _to_meta(x)
 
 
 class WeightValueError(RuntimeError):
@@ -213,7 +232,9 @@ class MetaAsDevice(TorchFunctionMode):
         leaves, spec = tree_flatten((args, kwargs))
         if not any(_is_meta(t) for t in leaves):
             return func(*args, **kwargs)
-        key = self.cache.key(func, leaves, spec, kwargs) if self.cache is not None and func not in _VALUE_READS else None
+        sizes_op = func in _CPU_SIZES_OPS
+        key = self.cache.key(func, leaves, spec, kwargs) if self.cache is not None and func not in _VALUE_READS \
+            and not sizes_op else None
         if key is not None:
             out = self.cache.replay(key)
             if out is not None:
@@ -228,7 +249,8 @@ class MetaAsDevice(TorchFunctionMode):
         if self.on_mixed is not None:
             self.on_mixed(func, args, kwargs)
         func = _META_STAND_INS.get(func, func)
-        out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        move = _to_meta_but_cpu_sizes if sizes_op else _to_meta
+        out = func(*tree_map(move, args), **tree_map(move, kwargs))
         if key is not None and self.cache.record(key, out, leaves):
             return self.cache.replay(key)  # the first call returns what every later one will
         return out

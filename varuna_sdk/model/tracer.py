@@ -163,10 +163,28 @@ class _Trace:
         self.loss_calls: list[LossCall | None] = []  # cross_entropy/nll_loss calls (None: unreadable)
         self.pending_loss: LossCall | None = None     # the one about to run, for its output's id
         self.loss_outs: dict[int, LossCall] = {}      # id of a loss call's output -> the call
+        self.mixed: tuple[str, list[str]] | None = None   # the latest operation run on meta with real (data) tensors
+        self.failed_op: str | None = None                 # the operation whose kernel raised, if any
+
+    def data_on_meta(self) -> str:
+        """When the operation that failed is the latest one run on meta with real tensors — tensors
+        computed from the data alone (``MetaAsDevice`` moved them to meta beside weight-derived ones)
+        — that in words, for the dry run's error; else ""."""
+        if self.mixed is None or self.failed_op is None or self.mixed[0] != self.failed_op or not self.mixed[1]:
+            return ""
+        op, real = self.mixed
+        return (f". The operation {op!r} got {', '.join(real)} computed from the data alone (a field of the "
+                f"examples or something made from it) beside tensors computed from the weights, so the dry run "
+                f"ran it on the meta device, data included, in segment {self.segment}; this operation needs that "
+                "data's values on a real device. Compute it where no activation is involved, or use another "
+                "operation (e.g. mask the padded positions instead)")
 
     def on_mixed(self, func, args: tuple, kwargs: dict) -> None:
         """An operation about to run on meta with its real arguments: note embedding lookups
         with real indices (how large the tables must be), and the targets of a loss call."""
+        self.mixed = (getattr(func, "__name__", str(func)),
+                      [f"a {list(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
+                       for t in _tensors((args, kwargs)) if t.device.type != "meta" and id(t) not in self.state_ids])
         if func in LOSS_FUNCS:
             self.pending_loss = LossCall.of(func, args, kwargs)
             self.loss_calls.append(self.pending_loss)
@@ -296,7 +314,11 @@ class _TraceMode(TorchFunctionMode):
         if tr.loss_outs and args and id(args[0]) in tr.loss_outs and _in_place(func):
             tr.loss_outs.pop(id(args[0])).out_id = None   # loss += aux: no longer the mean it was
         if not is_get:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except (NotImplementedError, RuntimeError):
+                tr.failed_op = getattr(func, "__name__", str(func))
+                raise
         if func in LOSS_FUNCS:
             if tr.pending_loss is None:
                 tr.loss_calls.append(None)   # a loss call on_mixed did not read (no meta argument)
@@ -387,10 +409,10 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
     except (NotImplementedError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "meta" not in str(e):
             raise  # an ordinary error of the user's forward (shapes, dtypes): keep it as it is
-        raise RuntimeError(
-            f"the dry run with the weights on the meta device failed in segment {trace.segment}: {e}. The model's "
-            "forward must not depend on values computed from its weights (no .item() or if/for on activations)"
-        ) from e
+        why = trace.data_on_meta() or (". The model's forward must not depend on values computed from its weights "
+                                       "(no .item() or if/for on activations)")
+        raise RuntimeError(f"the dry run with the weights on the meta device failed in segment {trace.segment}: "
+                           f"{e}{why}") from e
     finally:
         meta_model.train(was_training)
     n = trace.segment + 1

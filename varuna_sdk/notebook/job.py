@@ -60,7 +60,8 @@ class Job:
             (at interpreter exit it is closed too, if a job of this kernel still runs on it).
         run_dir: the job's own folder (default ``<train.run_dir>/<name>-<time>``, made at launch);
             one holding this job's run is continued. A folder of other runs is refused
-            (``ConfigError``): give a new folder inside it, or ``train_run_dir=`` that folder.
+            (``ConfigError``): give a new folder inside it, or ``train_run_dir=`` that folder; so are
+            an empty path, a file and a path under a file (``ConfigError``, here, not at launch).
         replace: allow launching while another ``Job`` of the same name runs in this kernel.
         manager_options: keyword arguments for ``manager.Manager`` (``heartbeat_interval_s``,
             ``grow``, ``straggler``, ``stop_timeout_s``, ``generation_options``...). Worker output
@@ -103,7 +104,7 @@ class Job:
         job.validate()
         from ..runner import check_run_dir
 
-        check_run_dir(run_dir, job.name)   # a folder of runs is no job's folder: said before any work
+        check_run_dir(run_dir, job.name, notebook=True)   # a folder of runs is no job's folder: said before any work
         self._files = objects.pack(job) if objects is not None else {}
         from ..trainer import resolve
 
@@ -193,6 +194,26 @@ class Job:
 
         model = initial_model(self.config, self.resolved)
         return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+    def trained_weights(self) -> dict:
+        """The trained model: one ``state_dict`` of CPU tensors with exactly the keys of
+        ``initial_weights()`` (the whole, unpartitioned model under its own names, tied weights
+        under each of their names), read from the run's newest complete checkpoint — whatever
+        P × D wrote it, each file checked against its SHA-256 and the job's signature and loaded
+        with ``torch.load(weights_only=True)``; a torn checkpoint is never used, the next older
+        one is. A finished run always checkpoints its last step, so after SUCCEEDED these are the
+        weights after ``train.steps`` steps (of a stopped or running job: its last checkpoint).
+        ``mine = MyModel(); mine.load_state_dict(job.trained_weights())``; from a shell:
+        ``varuna export RUN_DIR -o model.pt``. Reads the run folder only (callable from any kernel
+        given ``Job(config, run_dir=...)``). Raises ``ValueError`` before a run folder is known
+        (not launched, no ``run_dir``), ``checkpoint.CheckpointError`` when no usable checkpoint is
+        left (naming each one skipped and why). (``runner.trained_weights``)"""
+        if self.run_dir is None:
+            raise ValueError("this job has no run folder yet: launch() it first, or make the Job with "
+                             "run_dir= naming the folder of the run whose weights you want")
+        from ..runner import trained_weights
+
+        return trained_weights(self.run_dir, self.config, self.resolved)[0]
 
     def batch(self, step: int, micro_batch_size: int | None = None) -> list:
         """The micro-batches mini-batch ``step`` trains on, in order: a list of ``(inputs,
@@ -286,7 +307,9 @@ class Job:
         ``stop()`` (or a failure) it continues from the job's newest complete checkpoint in the
         same run folder; after SUCCEEDED it does nothing. A different ``Job`` of the same name
         refuses while this one runs (``RuntimeError``) unless it was made with ``replace=True``.
-        Worker or planning errors surface in ``status.error`` (state FAILED), not here."""
+        ``launch.backend: nccl`` for this machine's workers where it has no CUDA GPU raises
+        ``ConfigError`` (``runner.check_local_backend``). Worker or planning errors surface in
+        ``status.error`` (state FAILED), not here."""
         from ..manager.manager import Manager
 
         with _LOCK:
@@ -305,6 +328,9 @@ class Job:
                       f"({self.run_dir}); make a new Job to train again")
                 return self
             provider = self.provider
+            from ..runner import check_local_backend
+
+            check_local_backend(self.config, provider)   # NCCL asked for on a machine without it: refused
             if provider is None:   # this machine's worker processes: as many as a fixed P x D needs
                 import warnings
 
@@ -422,7 +448,9 @@ class Job:
     @property
     def metrics(self):
         """Every training step's metrics as a pandas DataFrame, in the order they were recorded:
-        step (0-based), loss, lr, grad_norm, skipped, loss_scale, step_time_s (s, reading the
+        step (0-based: the first step is 0, while the worker logs, ``varuna status`` and the
+        progress bar count from 1, so their "step 566/2000" is the row with step 565), loss, lr,
+        grad_norm, skipped, loss_scale, step_time_s (s, reading the
         batch included: data_s of it), tokens_per_s, examples_per_s, wall_time (Unix s), P, D,
         generation, job_id. A step redone after a sudden loss appears once per generation that
         trained it. Before the first step (or when the job failed before it): no rows, the same

@@ -147,7 +147,7 @@ def plan(
                 split_backward=None if len(modes) == 2 else modes[0],
                 _search=found.searches.get((base, False)) or found.searches[(base, True)],
                 _search_split=found.searches.get((base, True)), _searches=dict(found.searches),
-                _sizes=list(req.sizes), _refiner=refiner)
+                _sizes=list(req.sizes), _refiner=refiner, _profiled_max_mbs=max(req.profile.micro_batch_sizes, default=0))
 
 
 def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, gpus_per_vm: int | None = None,

@@ -155,6 +155,7 @@ class Plan:
     _searches: dict = field(default_factory=dict, repr=False, compare=False)
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)
     _refiner: object = field(default=None, repr=False, compare=False)
+    _profiled_max_mbs: int = field(default=0, repr=False, compare=False)   # larger sizes are extrapolated (0: unknown)
 
     @property
     def feasible(self) -> list[PlanRow]:
@@ -254,7 +255,10 @@ class Plan:
             notes.append(f"prices are an EXAMPLE ({self.prices.vm_type}: ${self.prices.spot_per_gpu_hour}/GPU-h spot, "
                          f"${self.prices.on_demand_per_gpu_hour}/GPU-h on-demand); pass prices=Prices(...) "
                          "(varuna plan: --spot-price, --on-demand-price) for yours")
-        notes += [f"note: {n}" for n in self.notes]
+        shown = self.feasible[:top]
+        limit = self._profiled_max_mbs
+        notes += [f"note: {n}" for n in self.notes   # the extrapolation note only where a row shown is extrapolated
+                  if not (limit and n == extrapolation_note(limit) and all(r.micro_batch_size <= limit for r in shown))]
         return head, rows, notes
 
     def _title(self) -> str:
@@ -395,6 +399,12 @@ def _ranges(xs: Sequence[int]) -> str:
         else:
             runs.append([x, x])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def extrapolation_note(profiled_max: int) -> str:
+    """The plan's note that micro-batch sizes above ``profiled_max`` (the largest the profile
+    measured) are extrapolated from the profile."""
+    return f"micro-batch sizes above {profiled_max} are extrapolated from the profile"
 
 
 def format_duration(s: float) -> str:

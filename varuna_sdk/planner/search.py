@@ -27,7 +27,7 @@ from .cuts import better_split
 from .recompute import (StagePlan, evaluate_with, memory_balanced_starts, memory_bounds, refine, stage_memories,
                         with_ceiling)
 from .request import SPLIT_KEYS, TABLE_KEYS, PlanRequest, largest_divisor
-from .rows import EXHAUSTIVE_HINT, PlanRow, format_bytes, format_duration, rank_rows
+from .rows import EXHAUSTIVE_HINT, PlanRow, extrapolation_note, format_bytes, format_duration, rank_rows
 
 #: how many of the fastest depths get their split refined by simulation (``cuts.better_split``),
 #: within a budget of simulated actions: this share of the search's own, and at least the floor
@@ -417,12 +417,14 @@ def _row(req: PlanRequest, c, mode: Mode, inp, sp: StagePlan | None = None) -> P
 
 
 def plan_notes(req: PlanRequest, rows: list[PlanRow]) -> list[str]:
-    """The notes under the table: micro-batch sizes extrapolated beyond the profile, and why the
-    best row leaves GPUs idle."""
+    """The notes under the table: micro-batch sizes extrapolated beyond the profile (when a feasible
+    row uses one; ``Plan.table`` shows it only when a row it prints does), and why the best row
+    leaves GPUs idle."""
     profile, n = req.profile, req.profile.num_segments
     notes = []
-    if req.sizes and max(req.sizes) > max(profile.micro_batch_sizes):
-        notes.append(f"micro-batch sizes above {max(profile.micro_batch_sizes)} are extrapolated from the profile")
+    limit = max(profile.micro_batch_sizes, default=0)
+    if limit and any(r.feasible and r.micro_batch_size > limit for r in rows):   # (the table shows feasible rows only)
+        notes.append(extrapolation_note(limit))
     best = next((r for r in rows if r.feasible), None)
     if best is not None and best.idle_gpus > 0:
         bnd, max_depth = req.boundaries, req.max_depth

@@ -108,7 +108,7 @@ def profile_misfit(prof: Profile, job: JobConfig, r: ResolvedJob) -> list[str]:
 
 def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: bool = False,
                   micro_batch_sizes: tuple[int, ...] | None = None, resolved: ResolvedJob | None = None,
-                  run_dir: str | Path | None = None) -> Profile:
+                  run_dir: str | Path | None = None, warn_under_load: bool = True) -> Profile:
     """Calibrate the job's model once (paper §4.3) on real micro-batches of its data and cache the
     ``Profile`` JSON under ``cache_dir`` (default ``~/.cache/varuna_sdk/profiles``), keyed by
     ``profile_key``; a cached profile is reused unless ``refresh``. ``run_dir``: where objects the
@@ -118,7 +118,9 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     ``busy_at_calibration`` says how busy other work kept the CPUs (a calibration made while at
     least ``BUSY_STALE`` were busy warns that its figures are inflated); a cached profile measured
     under load is measured again, with a warning, once the machine is quiet
-    (``measured_under_load``). Raises what resolving the job or ``calibrate`` raises."""
+    (``measured_under_load``). ``warn_under_load=False``: no ``UserWarning`` for a calibration made
+    now under load (``under_load_warning``), for a caller that reports it its own way (the
+    manager: a log line and a WARNING event). Raises what resolving the job or ``calibrate`` raises."""
     r = resolved or resolve_job(job, search=[run_dir] if run_dir is not None else [])
     if micro_batch_sizes is None:
         micro_batch_sizes = tuple(r.spec.min_micro_batch * k for k in (1, 2, 4))
@@ -157,7 +159,7 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
     prof.busy_at_calibration = busy
     _write_atomic(path, prof.to_json())
     said = under_load_warning(busy)
-    if said:
+    if said and warn_under_load:
         warnings.warn(said, stacklevel=2)
     return prof
 
