@@ -361,7 +361,7 @@ def test_varuna_launch_provider_aws_refuses_bad_settings_with_exit_2(ec2, moto, 
         (["--run-dir", str(tmp_path / "r6"), "--aws", str(bad_yaml)], "bad.yaml: not valid YAML at line 3"),
         # the run folder is checked before an instance is requested (and billed)
         (["--run-dir", str(tmp_path / "a-file" / "r8"), "--region", REGION, "--instance-type", "c5.large",
-          "--ami", _ami(ec2)], "a-file is a file, not a folder"),
+          "--ami", _ami(ec2)], "a-file', a file, not a folder"),
     ]
     for i, (extra, said) in enumerate(cases):
         if i < 2:

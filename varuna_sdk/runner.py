@@ -103,13 +103,26 @@ def new_run_dir(job: JobConfig) -> Path:
     return path
 
 
+def file_in_the_way(path: str | Path) -> Path | None:
+    """The file that keeps ``path`` from being (or becoming) a folder: ``path`` itself when it is a
+    file, else its nearest existing parent when that is a file; ``None`` when there is none (or it
+    cannot be told: no permission)."""
+    for q in (Path(path), *Path(path).parents):
+        try:
+            if q.exists():
+                return None if q.is_dir() else q
+        except OSError:
+            return None
+    return None
+
+
 def make_run_folder(path: Path, what: str) -> None:
     """``mkdir -p path``; an ``OSError`` (a file in the way, no permission, a read-only or virtual
     file system) becomes a ``ConfigError`` naming ``what`` to change."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+        blocker = file_in_the_way(path)
         why = f"{blocker} is a file, not a folder" if blocker is not None else (e.strerror or str(e))
         raise ConfigError(f"cannot create the run folder {path}: {why}; set {what} to a folder you can "
                           "write") from None
@@ -123,14 +136,6 @@ def run_folders_inside(path: str | Path) -> list[Path]:
                       key=lambda d: d.name)
     except OSError:
         return []
-
-
-def _is_file(p: Path) -> bool:
-    """``p`` exists and is no folder (False where it cannot be told: no permission)."""
-    try:
-        return p.exists() and not p.is_dir()
-    except OSError:
-        return False
 
 
 def check_run_dir(run_dir: str | Path | None, name: str | None = None, *, notebook: bool = False) -> None:
@@ -152,7 +157,7 @@ def check_run_dir(run_dir: str | Path | None, name: str | None = None, *, notebo
                                                             "--run-dir runs/my-job") + "), or leave it out for a new "
                           "NAME-TIME folder inside train.run_dir")
     p = Path(run_dir)
-    blocker = next((q for q in [p, *p.parents] if _is_file(q)), None)
+    blocker = file_in_the_way(p)
     if blocker is not None:
         where = "is a file" if blocker == p else f"is under {str(blocker)!r}, a file"
         raise ConfigError(f"{given} {where}, not a folder: a run folder cannot be made there; give a folder (a new "
@@ -229,10 +234,8 @@ def check_local_backend(job: JobConfig, provider=None) -> None:
 def _check_local_store(url: str) -> None:
     """A local ``train.checkpoint_url``: the path, or its nearest existing parent, is a folder."""
     path = Path(url[len("file://"):] if url.startswith("file://") else url).expanduser()
-    here = path
-    while not here.exists() and here.parent != here:
-        here = here.parent
-    if here.is_dir():
+    here = file_in_the_way(path)
+    if here is None:
         return
     where = "is a file" if here == path else f"is under {str(here)!r}, which is a file"
     raise ConfigError(f"train.checkpoint_url={url!r} {where}, not a folder: checkpoints are folders of files; give "
@@ -782,6 +785,6 @@ def train_local(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
                      trained=not summary.get("ended_before", False))
 
 
-__all__ = ["JobObjects", "JobStopped", "local_slots", "stopped_sentence", "RunResult", "launch_job", "new_run_dir", "check_run_dir", "check_local_backend", "plan_job", "prepare_run", "stop_on_signals",
+__all__ = ["JobObjects", "JobStopped", "local_slots", "file_in_the_way", "stopped_sentence", "RunResult", "launch_job", "new_run_dir", "check_run_dir", "check_local_backend", "plan_job", "prepare_run", "stop_on_signals",
            "train_local", "trained_weights", "check_resume", "check_store_url",
            "ConfigError"]

@@ -85,8 +85,10 @@ def check_output_path(path: str) -> None:
         why = "is empty" if not path.strip() else "is a folder"
         raise ConfigError(f"-o {path!r} {why}; give the path of the profile file to write, e.g. -o "
                           f"{p / 'profile.json' if path.strip() else 'profile.json'}")
-    nearest = next((q for q in [parent, *parent.parents] if q.exists()), None)   # the deepest that exists
-    if nearest is not None and not nearest.is_dir():
+    from ..runner import file_in_the_way
+
+    nearest = file_in_the_way(parent)
+    if nearest is not None:
         raise ConfigError(f"-o {path}: {nearest} is a file, not a folder; give a path in a folder")
     if not parent.is_dir():
         raise ConfigError(f"-o {path}: the folder {parent} does not exist; make it first (mkdir -p {parent}) or "
