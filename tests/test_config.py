@@ -75,6 +75,9 @@ def test_unknown_keys_are_rejected_with_the_valid_ones_listed():
         JobConfig.from_yaml_text("train: 5\n")
     with pytest.raises(ConfigError, match=r"\(did you mean 'steps' for 'stpes'\?\)"):   # a typo gets the near key
         JobConfig.from_yaml_text("train:\n  stpes: 3\n")
+    for other, ours in (("learning_rate", "lr"), ("max_grad_norm", "grad_clip"), ("LR", "lr")):   # other tools' names
+        with pytest.raises(ConfigError, match=rf"\(did you mean '{ours}' for '{other}'\?\)"):
+            JobConfig.from_yaml_text(f"train:\n  {other}: 3\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         JobConfig.from_yaml_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="does not exist"):

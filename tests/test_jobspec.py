@@ -130,6 +130,11 @@ def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
         resolve_job(job)
     with pytest.raises(ConfigError, match="did you mean 'hf-causal-lm'"):
         resolve_job(_job(tmp_path, ModelConfig(factory="hf-causal-llm")))
+    with pytest.raises(ConfigError, match=r"an import path puts ':' between the module and the object: "
+                                          r"'tests.thirdparty.hf_models:gpt2'"):   # a dotted name without the colon
+        resolve_job(_job(tmp_path, ModelConfig(factory="tests.thirdparty.hf_models.gpt2")))
+    with pytest.raises(ConfigError, match=r"data.dataset='mypkg.data.make' must be .*'mypkg.data:make'"):
+        JobConfig(data=DataConfig(dataset="mypkg.data.make")).validate()
     with pytest.raises(ConfigError, match="model.factory names the model, so model.preset"):
         _job(tmp_path, ModelConfig(factory="gpt2", preset="tiny")).validate()
     with pytest.raises(ConfigError, match="model.loss='mse'"):
@@ -384,6 +389,7 @@ def test_job_takes_config_fields_by_name_and_refuses_an_unknown_or_ambiguous_one
         Job(model=_TiedLM, data=str(f), tokenizer="byte", seq_len=-1)
     for bad, said in [({"train_steps": 3}, r"train_steps=3: pass it as Job\(steps=...\)"),
                       ({"dataset": "x"}, r"pass it as Job\(data=...\)"), ({"p": 2}, r"did you mean P\?"),
+                      ({"learning_rate": 1e-3}, r"did you mean lr\?"), ({"batch_size": 8}, r"did you mean global_batch\?"),
                       ({"seq_len": 16, "data_seq_len": 8}, r"both seq_len= and data_seq_len=, which set the same field"),
                       ({"n_layer": 3}, r"model.n_layer shapes the built-in GPT-2 preset, not a model you bring")]:
         with pytest.raises(TypeError, match=said):

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, JobConfig
+from .config.checks import colon_hint
 from .data.loader import (LM_FIELDS, BatchLoader, ExampleLoader, collate, eval_batches, example_eval_batches,
                           lm_fields, split_examples, train_val_split)
 from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
@@ -367,7 +368,8 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer | None, fields: Sequence[
         if reg_name not in MODELS:
             near = difflib.get_close_matches(reg_name, list(MODELS), n=1)
             raise ConfigError(f"model.factory={reg_name!r} is neither an import path 'package.module:function' nor a "
-                              f"registered model ({sorted(MODELS)})" + (f"; did you mean {near[0]!r}?" if near else ""))
+                              f"registered model ({sorted(MODELS)})" + (colon_hint(reg_name) or (
+                                  f"; did you mean {near[0]!r}?" if near else "")))
         reg = MODELS[reg_name](job, tokenizer)
         factory, kwargs, name, identity = reg.factory, {}, reg.name, reg.identity
         if loss is None and reg.loss is not None:

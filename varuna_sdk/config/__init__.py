@@ -300,9 +300,9 @@ def _build(cls: type, value: Any, section: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(value) - names
     if unknown:
-        import difflib
+        from .fields import near_names
 
-        near = {k: difflib.get_close_matches(str(k), names, n=1) for k in sorted(unknown, key=str)}
+        near = {k: near_names(k, names) for k in sorted(unknown, key=str)}
         hint = "; ".join(f"did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m)
         raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section!r}; valid keys: {sorted(names)}"
                           + (f" ({hint})" if hint else ""))

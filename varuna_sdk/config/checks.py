@@ -26,6 +26,15 @@ def _is_import_path(v: Any) -> bool:
     return all(p.isidentifier() for p in mod.split(".")) and all(p.isidentifier() for p in obj.split("."))
 
 
+def colon_hint(v: Any) -> str:
+    """For a dotted name written without the colon of an import path (``mypkg.models.MLP``): the
+    spelling meant, ``"; an import path puts ':' before the object: 'mypkg.models:MLP'"``; else ""."""
+    if not isinstance(v, str) or ":" in v or v.count(".") < 1 or not all(p.isidentifier() for p in v.split(".")):
+        return ""
+    mod, obj = v.rsplit(".", 1)
+    return f"; an import path puts ':' between the module and the object: {mod + ':' + obj!r}"
+
+
 def validate_model(m: ModelConfig) -> None:
     """Check the model section's shape (not the model itself: ``jobspec`` resolves and checks
     that); raise ``ConfigError`` saying what would work."""
@@ -41,10 +50,10 @@ def validate_model(m: ModelConfig) -> None:
                           "registered model name")
     if m.loss is not None and m.loss not in ("model", "cross_entropy") and not _is_import_path(m.loss):
         raise ConfigError(f"model.loss={m.loss!r}; use null (automatic), model, cross_entropy, or an import path "
-                          "'package.module:function' of (output, targets) -> scalar")
+                          "'package.module:function' of (output, targets) -> scalar" + colon_hint(m.loss))
     if m.init is not None and not _is_import_path(m.init):
         raise ConfigError(f"model.init={m.init!r} must be null (the model's own constructor) or an import path "
-                          "'package.module:function' of init_fn(module, name)")
+                          "'package.module:function' of init_fn(module, name)" + colon_hint(m.init))
 
 
 def keyword_problem(fn: Any, kwargs: dict, what: str, field: str) -> str | None:
@@ -83,7 +92,7 @@ def validate_data(d: DataConfig) -> None:
     check_fields("data", d)
     if d.dataset is not None and not _is_import_path(d.dataset):
         raise ConfigError(f"data.dataset={d.dataset!r} must be an import path 'package.module:function' returning a "
-                          "torch.utils.data.Dataset")
+                          "torch.utils.data.Dataset" + colon_hint(d.dataset))
 
 
 def validate_checkpointing(t: TrainConfig) -> None:

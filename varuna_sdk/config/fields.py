@@ -228,3 +228,33 @@ def check_name(name: Any) -> None:
     if not (isinstance(name, str) and NAME_RE.match(name)) or name in (".", ".."):
         raise ConfigError(f"name={_show(name)} must be 1-100 letters, digits, '.', '_' or '-' starting with a letter "
                           "or digit (it names the run folder inside train.run_dir), e.g. 'my-model-run'")
+
+
+#: names other tools use for the config's fields (Hugging Face ``TrainingArguments``, Lightning,
+#: DeepSpeed): a key spelt so is told the field it means
+SYNONYMS = {"learning_rate": "lr", "max_lr": "lr", "batch_size": "global_batch",
+            "train_batch_size": "global_batch", "global_batch_size": "global_batch",
+            "micro_batch": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+            "train_micro_batch_size_per_gpu": "micro_batch_size", "max_steps": "steps", "num_steps": "steps",
+            "train_steps": "steps", "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps",
+            "max_grad_norm": "grad_clip", "gradient_clipping": "grad_clip", "clip_grad_norm": "grad_clip",
+            "dtype": "precision", "mixed_precision": "precision", "pipeline_stages": "P",
+            "pipeline_parallel_size": "P", "pp": "P", "data_parallel_size": "D", "dp": "D", "num_gpus": "gpus",
+            "block_size": "seq_len", "max_seq_len": "seq_len", "max_length": "seq_len", "context_length": "seq_len",
+            "save_steps": "checkpoint_every", "output_dir": "run_dir", "gradient_checkpointing": "recompute",
+            "activation_checkpointing": "recompute", "schedule": "policy"}
+
+
+def near_names(key: object, names: "list[str] | set[str]", n: int = 1) -> list[str]:
+    """The field(s) of ``names`` a mistyped or foreign ``key`` most likely means: a known synonym
+    (``SYNONYMS``: ``learning_rate`` → ``lr``), else the same name in another case, else the
+    closest spellings (``difflib``, at most ``n``)."""
+    import difflib
+
+    k = str(key)
+    pool = sorted(names)
+    same = SYNONYMS.get(k) or SYNONYMS.get(k.lower())
+    if same in pool:
+        return [same]
+    folded = [x for x in pool if x.lower() == k.lower()]
+    return folded or difflib.get_close_matches(k, pool, n=n)

@@ -166,7 +166,7 @@ def apply_settings(job: JobConfig, settings: dict[str, Any], own_model: bool = F
     ``TypeError`` for a keyword that names no field (with the likely one), two fields, a field
     another keyword also sets, or a field a Job argument sets (naming that argument), before
     anything starts."""
-    import difflib
+    from ..config.fields import near_names
 
     names, elsewhere = _settable(job)
     seen: dict[tuple[str, str], str] = {}
@@ -176,8 +176,7 @@ def apply_settings(job: JobConfig, settings: dict[str, Any], own_model: bool = F
         where = names.get(key)
         if where is None:
             bare = [n for n, w in names.items() if len(w) == 1 and n == w[0][1]]
-            near = [n for n in bare if n.lower() == key.lower()] or \
-                difflib.get_close_matches(key, bare + list(elsewhere), n=2)
+            near = near_names(key, bare + list(elsewhere), n=2)
             near = [elsewhere.get(n, n) for n in near]
             raise TypeError(f"Job() got the setting {key}={value!r}, which is no field of the job's config"
                             + (f" (did you mean {' or '.join(dict.fromkeys(near))}?)" if near else "")
