@@ -141,6 +141,29 @@ def test_models_that_cannot_run_are_refused_before_anything_starts(tmp_path):
         _job(tmp_path, ModelConfig(loss="mse")).validate()
 
 
+def test_a_seq_len_far_beyond_the_presets_context_is_warned_with_its_cost():
+    """``data.seq_len`` 100000 on the ``tiny`` preset (64 positions) built a 3.2 M-parameter model
+    without a word, whose first step did not finish in 85 s: warned, with the parameters and the
+    attention cost; a seq_len within 4x, or a block_size the user set, is not warned about."""
+    import warnings
+
+    from varuna_sdk.data.tokenizer import get_tokenizer
+    from varuna_sdk.jobspec import _gpt2_builder
+
+    tok = get_tokenizer("byte")
+
+    def job(seq_len, **kw):
+        return JobConfig(model=ModelConfig(preset="tiny", kwargs=kw), data=DataConfig(tokenizer="byte", seq_len=seq_len))
+    with pytest.warns(UserWarning, match=r"data.seq_len=100000 is 1562x the context of the GPT-2 preset 'tiny' \(64 "
+                                         r"positions\): .* 3,233,664 parameters instead of 35,712, .*set data.seq_len "
+                                         r"to at most 64"):
+        _gpt2_builder(job(100000), tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _gpt2_builder(job(256), tok)
+        _gpt2_builder(job(100000, block_size=100000), tok)
+
+
 def test_shipped_objects_are_checked_before_unpickling(tmp_path, monkeypatch):
     digest, blob = pack_objects({"factory": _Plain, "loss": None})
     path = tmp_path / "objects.bin"

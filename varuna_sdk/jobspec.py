@@ -183,6 +183,25 @@ def _vocab_size(job: JobConfig, tok: Tokenizer | None, kw: Mapping[str, Any], mo
     return tok.vocab_size
 
 
+#: how far data.seq_len may stretch a preset's context before the job is warned (position table, attention)
+CONTEXT_STRETCH_WARN = 4
+
+
+def _warn_if_context_grown(name: str, base: Any, cfg: Any) -> None:
+    """Warn when ``data.seq_len`` makes the GPT-2 preset ``name``'s context (``base.block_size``)
+    more than ``CONTEXT_STRETCH_WARN`` times longer in ``cfg``: its position table grows with it
+    and each sequence's attention with its square, which a user meaning a typo does not expect."""
+    T0, T = base.block_size, cfg.block_size
+    if T <= CONTEXT_STRETCH_WARN * T0:
+        return
+    warnings.warn(f"data.seq_len={T} is {T / T0:.0f}x the context of the GPT-2 preset {name!r} ({T0} positions): "
+                  f"the model is built with {T} positions, {cfg.num_parameters():,} parameters instead of "
+                  f"{base.num_parameters():,}, and each sequence's attention costs {(T / T0) ** 2:,.0f}x the preset's "
+                  f"(it grows with seq_len squared), so each step is far slower; set data.seq_len to at most {T0} "
+                  "for the preset as it is, or model.kwargs.block_size to say the context you mean", UserWarning,
+                  stacklevel=3)
+
+
 def _gpt2_builder(job: JobConfig, tok: Tokenizer | None) -> Registered:
     from .model.gpt2 import GPT2Config, gpt2, init_gpt2, lm_loss, preset
 
@@ -195,6 +214,8 @@ def _gpt2_builder(job: JobConfig, tok: Tokenizer | None) -> Registered:
     base = preset(name)
     cfg: GPT2Config = preset(name, **{"dropout": m.dropout,
                                       "block_size": max(base.block_size, job.data.seq_len), **overrides})
+    if "block_size" not in overrides:   # (a context the user set is the one meant)
+        _warn_if_context_grown(name, preset(name, **{**overrides, "block_size": base.block_size}), cfg)
     return Registered(functools.partial(gpt2, cfg, False), name=f"GPT-2 {name}",
                       identity={"kind": "preset", "name": "gpt2", "gpt2": cfg.to_dict()},
                       loss=lm_loss, init_fn=functools.partial(init_gpt2, n_layer=cfg.n_layer))
