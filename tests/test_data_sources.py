@@ -869,9 +869,11 @@ def test_an_output_tuple_of_several_tensors_warns_which_one_the_automatic_loss_t
         return JobConfig(model=ModelConfig(factory=f"tests.thirdparty.user_data:{factory}"),
                          data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
                          parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4))
-    with pytest.warns(UserWarning, match=r"returns a tuple of 2 tensors \(shapes \[\[4, 32\], \[4, 4\]\]\); the automatic "
-                                         r"cross-entropy takes the first, \[4, 32\].*give the job a loss"):
+    with pytest.warns(UserWarning, match=r"returns a tuple of 2 tensors \(shapes \[B, 32\], \[B, 4\]\); the automatic "
+                                         r"cross-entropy takes the first, \[B, 32\].*give the job a loss") as said:
         resolve_job(job("HiddenAndLogits"))
+    # one warning text for every dry run (micro-batch 4, and 1 to see whether one example runs): shown once
+    assert len({str(w.message) for w in said if "returns a tuple" in str(w.message)}) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolve_job(job("Classifier"))

@@ -630,9 +630,11 @@ def _warn_first_of_several(out: Any, name: str) -> None:
     hidden state as if it were logits, with no error."""
     if not isinstance(out, (tuple, list)) or getattr(out, "logits", None) is not None:
         return
-    shapes = [list(t.shape) for t in out if isinstance(t, torch.Tensor)]
+    # shapes with the batch as B: the dry runs of other micro-batch sizes then warn once, in the same words
+    shapes = ["[" + ", ".join(["B", *map(str, t.shape[1:])]) + "]" if t.dim() else "[]" for t in out
+              if isinstance(t, torch.Tensor)]
     if len(shapes) > 1:
-        warnings.warn(f"{name} returns a {type(out).__name__} of {len(shapes)} tensors (shapes {shapes}); the automatic "
+        warnings.warn(f"{name} returns a {type(out).__name__} of {len(shapes)} tensors (shapes {', '.join(shapes)}); the automatic "
                       f"cross-entropy takes the first, {shapes[0]}, as the logits. If the logits are another element, "
                       "give the job a loss, e.g. model.loss: 'mypkg.losses:ce' with def ce(output, targets): return "
                       "F.cross_entropy(output[1], targets) (Job(..., loss=ce) in a notebook)", stacklevel=2)
