@@ -387,7 +387,7 @@ def run_worker(rank: int, world_size: int, job_dict: dict, run_dir: str,
     Rank 0 appends one line per step to ``<run_dir>/metrics.jsonl`` (with ``generation``),
     writes ``summary.json`` when all steps are done, and ``outcome.json`` (the ``WorkerOutcome``)
     on return. Checkpoints go to ``train.checkpoint_url`` (default ``<run_dir>/checkpoints``)
-    every ``train.checkpoint_every`` steps and after the last one, written in the background.
+    every ``train.checkpoint_every`` steps and after the last one (when that is not 0), written in the background.
 
     Args:
         on_step: ``on_step(step, result, metrics)`` called on every rank after each optimizer
@@ -641,7 +641,8 @@ def _count_skipped(run: _WorkerRun, r: StepResult, step: int) -> None:
 def _stop_or_checkpoint(run: _WorkerRun, should_stop: Callable[[Progress], bool] | None) -> bool:
     """After a step: agree whether to stop; checkpoint when stopping, every
     ``train.checkpoint_every`` steps, and after the last step (``train.steps``: the trained model
-    is always kept, whatever the interval); when stopping, wait for the checkpoint's publication
+    is kept, whatever the interval; every run a manager makes checkpoints, while a bare worker run
+    with ``checkpoint_every`` 0 checkpoints only when asked to stop); when stopping, wait for the checkpoint's publication
     and record the outcome. True when the worker stops here."""
     engine, ckpt, outcome, done = run.tr.engine, run.ckpt, run.outcome, run.outcome.step
     stop = False
@@ -650,7 +651,7 @@ def _stop_or_checkpoint(run: _WorkerRun, should_stop: Callable[[Progress], bool]
         stop = _agree_stop(should_stop, run.progress, engine.device)
         outcome.stop_poll_s += time.perf_counter() - t0
     every = run.job.train.checkpoint_every
-    if stop or (every and done % every == 0) or done == run.job.train.steps:
+    if stop or (every and (done % every == 0 or done == run.job.train.steps)):
         loader_state = {**run.tr.loader.state_dict(), "step": done}
         outcome.checkpoint_block_s += ckpt.save(done, {"loader": loader_state, "loss_start": run.loss0,
                                                        "job": run.job.name, "skipped_in_a_row": run.skipped_in_a_row,

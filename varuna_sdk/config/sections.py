@@ -184,7 +184,7 @@ class TrainConfig:
     (0 = automatic: every job the manager runs — ``varuna train``/``launch``, ``Job.launch()`` —
     checkpoints about every 10 % of its steps, at least every 25 and at most every step, so that a
     sudden loss cannot lose the run; a worker run without a manager then checkpoints only when
-    asked to stop), and always after the last step (the trained model: ``Job.trained_weights()``,
+    asked to stop), and after the last step (the trained model: ``Job.trained_weights()``,
     ``varuna export``), published to ``checkpoint_url`` (a path or any fsspec
     URL such as ``s3://bucket/job``; ``None`` = ``<run folder>/checkpoints``), the newest
     ``keep_checkpoints`` complete ones kept; ``resume`` starts from the newest complete checkpoint
