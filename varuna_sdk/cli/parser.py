@@ -28,8 +28,8 @@ _EXAMPLES = {
     "status": "varuna status            # every run in runs/\n  varuna status runs/my-job",
     "stop": "varuna stop runs/my-job   # checkpoint at the next mini-batch boundary, then stop",
     "logs": "varuna logs runs/my-job\n  varuna logs runs/my-job --follow\n  varuna logs runs/my-job --events",
-    "export": "varuna export runs/my-job -o model.pt   # then: model.load_state_dict(torch.load('model.pt', "
-              "weights_only=True))",
+    "export": "varuna export runs/my-job -o model.pt   # then: "
+              "model.load_state_dict(torch.load('model.pt', weights_only=True))",
     "launch": "varuna launch job.yaml --local 4 --run-dir runs/my-job\n"
               "  varuna launch job.yaml --hosts hosts.txt --run-dir runs/my-job\n"
               "  varuna launch job.yaml --run-dir runs/my-job   # again after a crash: continues the job",

@@ -111,8 +111,8 @@ def export_command(args: argparse.Namespace) -> int:
     note = "" if info.step >= total else (f" (of {total}: the newest usable checkpoint holds fewer; a run not "
                                           "finished yet, or a newer checkpoint torn)")
     print(f"[varuna] wrote {out}: {len(state)} tensors, {n:,} values, the model after {info.step} step(s){note}, "
-          f"from checkpoint {info.name}; load it with model.load_state_dict(torch.load({str(out)!r}, "
-          "weights_only=True))")
+          f"from checkpoint {info.name}; load it with "
+          f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
     return 0
 
 
