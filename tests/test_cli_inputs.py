@@ -5,7 +5,7 @@ for where there is no CUDA, ``varuna plan``'s profile and ``--gpus-per-vm`` mist
 ``varuna stop --wait``, a folder of runs given to ``stop``/``logs``; and the messages and notes
 that said the wrong thing (plan's units and extrapolation note, a host file's word count, a
 corrupt checkpoint file, a calibration under load said twice). The CLI cases run the installed
-``varuna`` command in a subprocess."""
+``varuna`` command in a subprocess, but ``varuna plan``'s, which call its ``main`` in this process."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ launch: {gpus: 2}
 
 def _varuna(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([VARUNA, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def _varuna_here(*args: str) -> subprocess.CompletedProcess:
+    """``varuna ARGS`` run in this process (the same ``main`` as the command, without the 2-3 s
+    of a new interpreter importing torch): for the ``varuna plan`` cases."""
+    import contextlib
+    import io
+
+    from varuna_sdk.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess([VARUNA, *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -126,7 +140,7 @@ def test_plan_writes_the_configs_own_plan_in_the_tables_units(plan_files):
     import re
 
     _, path, config = plan_files
-    out = _varuna("plan", config(P=2, D=2), "--gpus", "4", "--profile", path, "--global-batch", "32000000")
+    out = _varuna_here("plan", config(P=2, D=2), "--gpus", "4", "--profile", path, "--global-batch", "32000000")
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("with parallel.P=2"))
     m = re.search(r"([\d.]+) (ms|s|min|h) per mini-batch", line)
@@ -139,7 +153,7 @@ def test_the_extrapolation_note_is_printed_only_when_a_row_shown_uses_such_a_siz
 
     prof, path, config = plan_files
     cfg = config()
-    out = _varuna("plan", cfg, "--gpus", "8", "--profile", path, "--top", "100")
+    out = _varuna_here("plan", cfg, "--gpus", "8", "--profile", path, "--top", "100")
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.split()[:4] == ["rank", "P", "D", "mbs"])
@@ -148,7 +162,7 @@ def test_the_extrapolation_note_is_printed_only_when_a_row_shown_uses_such_a_siz
     assert k >= 1, sizes
     note = "note: micro-batch sizes above 4 are extrapolated from the profile"
     for top, said in ((k, False), (k + 1, True)):
-        out = _varuna("plan", cfg, "--gpus", "8", "--profile", path, "--top", str(top))
+        out = _varuna_here("plan", cfg, "--gpus", "8", "--profile", path, "--top", str(top))
         assert out.returncode == 0, out.stderr[-2000:]
         assert (note in out.stdout) is said, (top, out.stdout)
     # a search whose feasible rows all use measured sizes has no such note at all
@@ -164,7 +178,7 @@ def test_plan_names_a_bad_profile_file_and_the_command_that_makes_one(plan_files
                              ("empty.json", "{}", "profile version None is not 1"),
                              ("list.json", "[1]", "holds a JSON list, not a profile")):
         (tmp_path / name).write_text(text)
-        out = _varuna("plan", cfg, "--gpus", "4", "--profile", str(tmp_path / name))
+        out = _varuna_here("plan", cfg, "--gpus", "4", "--profile", str(tmp_path / name))
         assert out.returncode == 2, out
         err = out.stderr
         assert f"--profile {tmp_path / name}" in err and says in err, err
@@ -175,7 +189,7 @@ def test_plan_names_a_bad_profile_file_and_the_command_that_makes_one(plan_files
 @pytest.mark.timeout(60)
 def test_plan_refuses_gpus_that_are_not_whole_vms(plan_files):
     _, path, config = plan_files
-    out = _varuna("plan", config(), "--gpus", "4", "--gpus-per-vm", "3", "--profile", path)
+    out = _varuna_here("plan", config(), "--gpus", "4", "--gpus-per-vm", "3", "--profile", path)
     assert out.returncode == 2, out
     assert "--gpus 4 is not a multiple of --gpus-per-vm 3" in out.stderr and "3 or 6" in out.stderr, out.stderr
 
