@@ -102,6 +102,11 @@ def test_a_finished_run_keeps_its_last_step_and_exports_the_weights_plain_pytorc
     path.write_bytes(b"\0" * path.stat().st_size)   # same size, other bytes: only the SHA-256 tells
     cp = _cli("export", str(run), "-o", str(out))
     assert cp.returncode == 0 and "after 5 step(s)" in cp.stdout and "of 7" in cp.stdout, cp.stdout + cp.stderr
+    from varuna_sdk.checkpoint import read_model_state
+
+    skipped: list = []   # the library call names the torn one it passed over
+    info, _ = read_model_state(str(run / "checkpoints"), skipped=skipped)
+    assert info.step == 5 and [n for n, _ in skipped] == [newest.name], skipped
     assert _cli("export", str(tmp_path / "nowhere"), "-o", str(out)).returncode == 2
 
 

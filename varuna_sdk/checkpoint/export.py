@@ -36,9 +36,13 @@ def read_model_state(url: str, key: bytes | None = None, skipped: list[tuple[str
     passed: list[tuple[str, str]] = []
     for info in complete_checkpoints(url, key, passed):
         try:
-            return info, _tensors_of(info, key)
+            tensors = _tensors_of(info, key)
         except CheckpointError as e:
             passed.append((info.name, str(e)))
+            continue
+        if skipped is not None:   # the ones passed over before this one, as the docstring says
+            skipped += passed
+        return info, tensors
     if skipped is not None:
         skipped += passed
     why = "; ".join(f"{n} ({r[:200]})" for n, r in passed) if passed else "it holds none"
