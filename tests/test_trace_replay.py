@@ -160,7 +160,9 @@ def test_job_survives_a_replayed_spot_trace_over_ssh(tmp_path, caplog, request):
     assert lost_on in ("vm1", "vm3", "vm2")
     assert loss["cause"] != "loss" or set(loss["old"]["hosts"]) & {"vm1", "vm2", "vm3"}
     assert 0 <= loss["steps_lost"] <= EVERY
-    earlier = {m["resume_step"] for m in morphs[:met[0]]}  # checkpointed at those morphs
+    # checkpointed at those morphs; a grow that took the loss into its ``also`` resumes at the
+    # boundary its own stop checkpointed (seen on CI: notice at 75, the grow's stop at 198)
+    earlier = {m["resume_step"] for m in morphs[:met[0] + (loss["cause"] != "loss")]}
     assert loss["resume_step"] % EVERY == 0 or loss["resume_step"] in earlier
     assert morphs[-1]["new"]["hosts"] == ["vm0", "vm1"]   # grown back onto the returned VM
     for m in morphs:
