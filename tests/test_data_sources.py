@@ -1222,3 +1222,39 @@ def test_an_lstm_on_packed_sequences_of_the_datas_lengths_trains_as_plain_pytorc
     mbs = handle.batch(0)
     first = sum(torch.nn.functional.cross_entropy(mine(**x), y).item() for x, y in mbs) / len(mbs)
     assert first == pytest.approx(got[0], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_a_dataset_made_and_read_with_unseeded_random_draws_trains_as_plain_pytorch_at_p2_d2(tmp_path):
+    """A factory that draws its data from the unseeded global generator, and reads that add noise
+    from NumPy's global generator (the label taken after the noise): every worker built its own
+    dataset and drew its own noise, so the first stage's inputs and the last stage's labels came
+    from different draws and the losses were 23 % off plain PyTorch's, without a word (helper
+    trial). The factory runs with the global generators seeded by ``data.seed``, and each read by
+    its example's stream position: P=2 x D=2 trains with the kernel's plain PyTorch losses, and
+    the reads are found to draw (no read-ahead thread) while plain data keeps prefetching."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+    from tests.thirdparty.user_data import NoisyLabels, make_dataset
+
+    job = JobConfig(name="noisy", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:NoisyLabels", tokenizer=None, seed=3),
+                    parallel=ParallelConfig(P=2, D=2, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=4, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    torch.randn(7)   # the kernel's generator elsewhere: the data does not depend on it
+    assert len(got) == 4 and got == pytest.approx(Job(job).plain_pytorch_losses(4), rel=1e-5, abs=1e-6)
+    logs = "".join(p.read_text() for p in (tmp_path / "run").rglob("*.log"))
+    assert "draws from the global NumPy random generator" in logs, logs[-3000:]
+    # the loader: replicas' shares are the global batch's rows, the caller's generators left as they were
+    ds = NoisyLabels(64)
+    whole, parts = ExampleLoader(ds, 8, seed=1), ExampleLoader(ds, 8, seed=1)
+    state = np.random.get_state()[1].copy()
+    b = whole.batch(2)
+    halves = [parts.replica_batch(2, r, 2) for r in range(2)]
+    assert torch.equal(b["0"], torch.cat([h["0"] for h in halves])) and torch.equal(b["1"], torch.cat([h["1"] for h in halves]))
+    assert whole.draws_random == ["NumPy"] and (np.random.get_state()[1] == state).all()
+    plain = ExampleLoader(make_dataset(64), 8)
+    plain.batch(0)
+    assert plain.draws_random == []

@@ -59,7 +59,7 @@ from torch import nn
 from .config import ConfigError, JobConfig
 from .config.checks import colon_hint
 from .data.loader import (LM_FIELDS, BatchLoader, ExampleLoader, collate, eval_batches, example_eval_batches,
-                          lm_fields, split_examples, train_val_split)
+                          lm_fields, seeded_global_rngs, split_examples, train_val_split)
 from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
@@ -503,7 +503,7 @@ class JobData:
         if not held_out:
             return loader, []
         try:
-            val_b = example_eval_batches(self.examples.dataset, held, global_batch, eval_batches_max)
+            val_b = example_eval_batches(self.examples.dataset, held, global_batch, eval_batches_max, seed=seed)
         except ValueError as e:
             raise DataError(f"{self.source}: {e}") from None
         return loader, val_b
@@ -577,7 +577,9 @@ def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> Jo
             make, where = Imported(d.dataset), f"data.dataset {d.dataset!r}"
         kwargs = dict(d.dataset_kwargs or {})
         try:
-            ds = make(**kwargs)
+            with seeded_global_rngs() as reseed:   # a factory that draws at random builds one dataset everywhere
+                reseed(d.seed)
+                ds = make(**kwargs)
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's factory failed: say which, keep its message

@@ -489,7 +489,8 @@ class _WorkerRun:
     def __post_init__(self) -> None:
         if self.reader is None:
             self.reader = BatchPrefetcher(self.tr.batch, self.job.train.steps, enabled=self.job.data.prefetch,
-                                          on_stall=self._data_stalled, stall_s=DATA_STALL_S)
+                                          on_stall=self._data_stalled, stall_s=DATA_STALL_S,
+                                          draws=lambda: getattr(self.tr.loader, "draws_random", None) or [])
 
     def _data_stalled(self, step: int, waited_s: float) -> None:
         """Say in the worker's log that ``step``'s batch has been awaited ``waited_s`` seconds."""

@@ -471,3 +471,21 @@ class PackedLSTM(nn.Module):
         for block in self.blocks:
             x = block(x, lengths)
         return self.head(x[torch.arange(x.shape[0]), lengths - 1])
+
+
+class NoisyLabels(torch.utils.data.Dataset):
+    """Synthetic examples as users write them: made with *unseeded* ``torch.randn`` in the
+    factory, and each read adds NumPy noise to the features (an augmentation) whose class is taken
+    after the noise, so inputs and labels belong together only when every stage draws alike."""
+
+    def __init__(self, n: int = 200, features: int = 16, classes: int = 4):
+        import numpy as np
+
+        self.x, self.classes, self.np = torch.randn(n, features), classes, np
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = self.x[i] + torch.from_numpy(self.np.random.normal(0.0, 1.0, self.x.shape[1]).astype("float32"))
+        return x, x[:self.classes].argmax()

@@ -20,10 +20,12 @@ This package (``varuna_sdk.data``) never imports ``varuna_sdk.pipeline``,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import random
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -428,21 +430,70 @@ def _unstackable(examples: list, ids: Sequence[int] | None = None) -> str:
     return "their fields differ in type"
 
 
-def read_examples(dataset: Any, idx: Sequence[int], where: str) -> list:
-    """``dataset[i]`` for each of ``idx``. Raises ``DataError`` naming the example, ``where`` it
+@contextlib.contextmanager
+def seeded_global_rngs() -> Iterator[Callable[[int], None]]:
+    """Yields ``reseed(seed)``, which seeds the global generators (torch's CPU generator, NumPy's,
+    Python's ``random``) from the int ``seed``; their states are put back on leaving, so the
+    user's training draws what it would have. (A user's dataset factory or ``__getitem__`` that
+    draws from them then draws alike in every worker and in the kernel.)"""
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+
+    def reseed(seed: int) -> None:
+        seed = int(seed) % (2 ** 63)
+        torch.random.default_generator.manual_seed(seed)
+        np.random.seed(seed % (2 ** 32))
+        random.seed(seed)
+    try:
+        yield reseed
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
+
+
+def draw_seed(seed: int, stream: int, position: int) -> int:
+    """The seed (an int in [0, 2**63)) the global generators get before the example read at
+    ``position`` of a stream (``stream`` 0: training, position ``step * global_batch + k``; 1:
+    held-out, position ``batch * size + k``) of the data seed ``seed``: a pure function, so an
+    example's random augmentation is the same in every stage and replica, at any D and after a
+    morph."""
+    h = hashlib.blake2b(f"{int(seed)}:{int(stream)}:{int(position)}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+def read_examples(dataset: Any, idx: Sequence[int], where: str, draws: Sequence[int] | None = None,
+                  drew: list[str] | None = None) -> list:
+    """``dataset[i]`` for each of ``idx``; with ``draws`` (a seed per example, ``draw_seed``) each read
+    with the global random generators seeded by its draw (restored after): a ``__getitem__`` that
+    draws at random (an augmentation, a random crop) gives every stage of the pipeline the same
+    example. ``drew``: a list that gets the names of the generators a read drew from (checked per
+    read; for a first read). Seeding touches process-wide state: call it with ``draws`` only on the
+    thread that trains. Raises ``DataError`` naming the example, ``where`` it
     was read for (e.g. "step 12, replica 1 of 2") and the fix when ``__getitem__`` fails (an
     ``IndexError`` below ``__len__``: a length that counts examples that are not there)."""
-    examples = []
-    for pos, i in enumerate(idx):
-        try:
-            examples.append(dataset[int(i)])
-        except Exception as e:  # noqa: BLE001 - any failure of the user's __getitem__ is a data error
-            raise DataError(
-                f"the dataset could not give example {int(i)} ({where}, example {pos + 1} of {len(idx)}): "
-                f"{type(e).__name__}: {e}. Its __len__ says {len(dataset)} examples, so every index "
-                "below that must be readable: fix __getitem__ (or the file it reads), or make __len__ "
-                "count only the examples there are") from e
-    return examples
+    with seeded_global_rngs() if draws is not None else contextlib.nullcontext() as reseed:
+        return [_read_one(dataset, i, pos, len(idx), where, reseed, draws, drew) for pos, i in enumerate(idx)]
+
+
+def _read_one(dataset: Any, i: int, pos: int, n: int, where: str, reseed, draws, drew) -> Any:
+    """``dataset[i]`` (``read_examples``' ``pos``-th of ``n``), seeded by ``draws[pos]`` when given,
+    the generators it drew from added to ``drew`` when given."""
+    from .prefetch import draws_random
+
+    if reseed is not None:
+        reseed(draws[pos])
+    try:
+        if drew is None:
+            return dataset[int(i)]
+        ex, moved = draws_random(lambda: dataset[int(i)])
+        drew.extend(m for m in moved if m not in drew)
+        return ex
+    except Exception as e:  # noqa: BLE001 - any failure of the user's __getitem__ is a data error
+        raise DataError(
+            f"the dataset could not give example {int(i)} ({where}, example {pos + 1} of {n}): "
+            f"{type(e).__name__}: {e}. Its __len__ says {len(dataset)} examples, so every index "
+            "below that must be readable: fix __getitem__ (or the file it reads), or make __len__ "
+            "count only the examples there are") from e
 
 
 class ExampleLoader:
@@ -454,6 +505,13 @@ class ExampleLoader:
     so every replica, after any restart or a change of D, sees the same examples in the same
     order. ``replica_batch`` gathers only one replica's contiguous share. ``state_dict`` /
     ``load_state_dict`` save and restore the position (the step).
+
+    A dataset whose ``__getitem__`` draws from the global random generators (torch's, NumPy's,
+    Python's: random augmentation) gets them seeded before each read by the example's stream
+    position (``draw_seed``; restored after), so the first stage's inputs and the last stage's
+    targets come from the same draw, at any P and D and after a morph, and the kernel's reference
+    draws alike. The first batch read finds out (``draws_random``: the generators moved); later
+    reads of a dataset that drew nothing touch no generator (they may run on a prefetch thread).
     """
 
     def __init__(self, dataset: Any, global_batch: int, seed: int = 0, indices: Any = None) -> None:
@@ -468,6 +526,7 @@ class ExampleLoader:
         self.seed = int(seed)
         self._step = 0
         self._perm: tuple[int, np.ndarray] | None = None
+        self.draws_random: list[str] | None = None   # the global generators reads draw from; None: not read yet
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
@@ -485,10 +544,16 @@ class ExampleLoader:
             out[sel] = self.indices[self._epoch_order(int(epoch))[pos[sel] % n]]
         return out
 
-    def _gather(self, idx: np.ndarray, where: str) -> dict[str, Any]:
-        """The examples ``idx`` batched; ``where`` (e.g. "step 12, replica 1 of 2") names them in the
+    def _gather(self, idx: np.ndarray, first: int, where: str) -> dict[str, Any]:
+        """The examples ``idx`` batched, read at stream positions ``first, first + 1, ...`` (their
+        random draws, ``draw_seed``); ``where`` (e.g. "step 12, replica 1 of 2") names them in the
         ``DataError`` raised when the dataset cannot give one of them or they cannot be batched."""
-        examples = read_examples(self.dataset, idx, where)
+        seeded = self.draws_random != []   # unknown (the first read: checked) or known to draw
+        draws = [draw_seed(self.seed, 0, first + k) for k in range(len(idx))] if seeded else None
+        drew: list[str] | None = [] if self.draws_random is None else None
+        examples = read_examples(self.dataset, idx, where, draws, drew)
+        if drew is not None:
+            self.draws_random = drew
         try:
             return collate(examples, [int(i) for i in idx])
         except DataError as e:
@@ -502,7 +567,7 @@ class ExampleLoader:
     def batch(self, step: int) -> dict[str, Any]:
         """The fields of step ``step``'s global batch (see ``collate``). Raises ``DataError`` naming the
         example the dataset could not give."""
-        return self._gather(self.example_indices(step), f"step {step}")
+        return self._gather(self.example_indices(step), step * self.global_batch, f"step {step}")
 
     def replica_batch(self, step: int, replica: int, num_replicas: int) -> dict[str, Any]:
         """Rows ``[replica*b : (replica+1)*b]`` of ``batch(step)``, ``b = global_batch // num_replicas``.
@@ -513,6 +578,7 @@ class ExampleLoader:
                              f"valid num_replicas: {_divisors(self.global_batch)}")
         per = self.global_batch // num_replicas
         return self._gather(self.example_indices(step)[replica * per:(replica + 1) * per],
+                            step * self.global_batch + replica * per,
                             f"step {step}, replica {replica} of {num_replicas}")
 
     @property
@@ -536,9 +602,11 @@ class ExampleLoader:
         self.seed = int(state.get("seed", self.seed))
 
 
-def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batches: int | None = None) -> list:
+def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batches: int | None = None,
+                         seed: int = 0) -> list:
     """Fixed held-out batches of a user dataset: ``indices`` in order, in full batches of
-    ``batch_size`` (a trailing partial batch is dropped), at most ``max_batches``. Raises
+    ``batch_size`` (a trailing partial batch is dropped), at most ``max_batches``; each example read
+    with the global generators seeded by ``draw_seed(seed, 1, position)``. Raises
     ``ValueError`` when there is not one full batch, ``DataError`` when an example cannot be read."""
     idx = np.asarray(indices, dtype=np.int64)
     n = len(idx) // batch_size
@@ -550,5 +618,6 @@ def example_eval_batches(dataset: Any, indices: Any, batch_size: int, max_batche
     out = []
     for k in range(n):
         ids = [int(i) for i in idx[k * batch_size:(k + 1) * batch_size]]
-        out.append(collate(read_examples(dataset, ids, f"held-out batch {k + 1} of {n}"), ids))
+        draws = [draw_seed(seed, 1, k * batch_size + j) for j in range(len(ids))]
+        out.append(collate(read_examples(dataset, ids, f"held-out batch {k + 1} of {n}", draws), ids))
     return out

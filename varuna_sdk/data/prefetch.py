@@ -54,6 +54,10 @@ class BatchPrefetcher:
             seconds that a ``get`` has been waiting for its batch — a ``__getitem__`` that hangs
             (a stuck network mount) would otherwise stall the job without a word. None: no watchdog.
         stall_s: seconds between ``on_stall`` calls (> 0).
+        draws: ``() -> names`` of the global generators the reads draw from by the reader's own
+            account, asked after the first read: a reader that seeds and restores them around
+            each read itself (``data.loader.ExampleLoader``) leaves their states as they were, so
+            the first read's check cannot see its draws. None: the check alone.
 
     ``waited_s`` after each ``get``: seconds that ``get`` blocked for its batch (the whole read
     without prefetching; only what the step's compute did not hide with it). ``off_reason``: why
@@ -62,8 +66,10 @@ class BatchPrefetcher:
     """
 
     def __init__(self, read: Callable[[int], Any], stop: int, *, enabled: bool = True,
-                 on_stall: Callable[[int, float], None] | None = None, stall_s: float = 60.0):
+                 on_stall: Callable[[int, float], None] | None = None, stall_s: float = 60.0,
+                 draws: Callable[[], list[str]] | None = None):
         self._read, self._stop, self.enabled = read, int(stop), bool(enabled)
+        self._draws = draws
         if not stall_s > 0:
             raise ValueError(f"stall_s={stall_s!r} must be > 0 seconds")
         self._on_stall, self._stall_s = on_stall, float(stall_s)
@@ -116,6 +122,7 @@ class BatchPrefetcher:
         if not self._probed and self.enabled:
             self._probed = True
             batch, moved = draws_random(lambda: self._read(step))
+            moved = moved or (list(self._draws()) if self._draws is not None else [])
             if moved:
                 self.enabled = False
                 self.off_reason = (f"reading a batch draws from the global {' and '.join(moved)} random generator(s) "

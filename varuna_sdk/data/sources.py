@@ -22,15 +22,14 @@ Never imports ``varuna_sdk.pipeline``, ``cluster`` or ``manager``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .loader import DataError, default_cache_dir, save_array
+from .loader import DataError, default_cache_dir, save_array, seeded_global_rngs
 from .tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
@@ -295,9 +294,9 @@ class ExampleData:
         n = len(self.dataset)
         picks = sorted({i for i in (0, n - 1, n // 2, 1, n - 2)[:max(1, samples)] if 0 <= i < n})
         digests = []
-        with _seeded_global_rngs() as reseed:
+        with seeded_global_rngs() as reseed:
             for _ in range(2):
-                reseed()
+                reseed(0)
                 h = hashlib.sha256(str(n).encode())
                 for i in picks:
                     _hash_value(h, self.dataset[i])
@@ -326,28 +325,6 @@ def _hash_value(h, v) -> None:
         h.update(f"{a.dtype}{a.shape}".encode() + a.tobytes())
     else:
         h.update(repr(v).encode())
-
-
-@contextlib.contextmanager
-def _seeded_global_rngs() -> Iterator[Callable[[], None]]:
-    """Yields ``reseed()``, which seeds the global generators (torch, NumPy, Python's ``random``)
-    alike; their states are put back on leaving, so the user's training draws what it would have."""
-    import random
-
-    import torch
-
-    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-
-    def reseed() -> None:
-        torch.manual_seed(0)
-        np.random.seed(0)
-        random.seed(0)
-    try:
-        yield reseed
-    finally:
-        torch.set_rng_state(saved[0])
-        np.random.set_state(saved[1])
-        random.setstate(saved[2])
 
 
 def open_examples(dataset: Any, source: str) -> ExampleData:
