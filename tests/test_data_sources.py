@@ -1258,3 +1258,25 @@ def test_a_dataset_made_and_read_with_unseeded_random_draws_trains_as_plain_pyto
     plain = ExampleLoader(make_dataset(64), 8)
     plain.batch(0)
     assert plain.draws_random == []
+
+
+@pytest.mark.timeout(240)
+def test_a_loss_returning_a_dict_or_a_tuple_trains_on_its_loss_as_the_builtin_cross_entropy(tmp_path):
+    """A loss of the user's own that returns ``{"loss": ..., "acc": ...}`` (Lightning, Hugging Face
+    habits) or ``(loss, logits)`` was refused ("the loss returned a dict"; helper trial): it trains
+    on its ``loss`` entry, at P=2 with the losses of the built-in cross-entropy in plain PyTorch."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    def job(loss: str) -> JobConfig:
+        return JobConfig(name="own-loss", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier", loss=loss),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
+                         parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
+                         train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1,
+                                           run_dir=str(tmp_path / "runs")))
+    builtin = Job(job("cross_entropy")).plain_pytorch_losses(3)
+    assert Job(job("tests.thirdparty.user_data:loss_and_logits")).plain_pytorch_losses(3) == pytest.approx(builtin, rel=1e-6)
+    got = [m["loss"] for m in train_local(job("tests.thirdparty.user_data:loss_and_accuracy"),
+                                          run_dir=tmp_path / "run").metrics()]
+    assert len(got) == 3 and got == pytest.approx(builtin, rel=1e-5, abs=1e-6)

@@ -64,7 +64,7 @@ from .data.mlm import HELD_OUT, SAMPLE, TRAIN, MLMMasking, masking_for
 from .data.sources import DataError, ExampleData, TokenData, check_tokens, open_examples, open_tokens
 from .data.tokenizer import Tokenizer, get_tokenizer
 from .model.materialize import build_on_meta
-from .model.spec import (ModelSpec, ModelSpecError, check_target_ids, check_targets, cross_entropy, infer_call,
+from .model.spec import (ModelSpec, ModelSpecError, UserLoss, check_target_ids, check_targets, cross_entropy, infer_call,
                          model_limits, positive_settings, prepare_model, warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
@@ -415,6 +415,8 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer | None, fields: Sequence[
                              f"{type(e).__name__}: {_short(str(e))}") from e
     call, loss_fn = infer_call(meta, fields, loss, m.inputs, m.targets, masked=job.data.mlm_probability is not None,
                                from_text=from_text)
+    if loss is not None and not isinstance(loss, str):   # the user's own function: may return (loss, ...) / {"loss"}
+        loss_fn = UserLoss(loss_fn)
     if job.data.mlm_probability is not None:
         warn_if_causal_with_masking(meta)
     vocab, ctx = model_limits(meta)
@@ -979,7 +981,8 @@ def _check_loss(loss: Any, spec: ModelSpec) -> None:
     weights (so ``backward`` reaches them)."""
     if not isinstance(loss, torch.Tensor):
         raise ModelSpecError(f"the loss returned a {type(loss).__name__}; it must return a scalar tensor (the "
-                             "micro-batch's mean loss)")
+                             "micro-batch's mean loss), a dict holding it as 'loss', or a tuple whose first element "
+                             "it is")
     if loss.dim() != 0 or not loss.is_floating_point():
         raise ModelSpecError(f"the loss returned a {tuple(loss.shape)} {loss.dtype} tensor; it must return a scalar "
                              "floating-point tensor (the micro-batch's mean, e.g. reduction='mean')")

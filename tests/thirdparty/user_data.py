@@ -489,3 +489,13 @@ class NoisyLabels(torch.utils.data.Dataset):
     def __getitem__(self, i):
         x = self.x[i] + torch.from_numpy(self.np.random.normal(0.0, 1.0, self.x.shape[1]).astype("float32"))
         return x, x[:self.classes].argmax()
+
+
+def loss_and_accuracy(output, y):
+    """A Lightning-style loss: ``{"loss": ..., "acc": ...}``."""
+    return {"loss": nn.functional.cross_entropy(output, y), "acc": (output.argmax(-1) == y).float().mean()}
+
+
+def loss_and_logits(output, y):
+    """A loss returning ``(loss, output)``."""
+    return nn.functional.cross_entropy(output, y), output

@@ -78,6 +78,31 @@ def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
     return loss
 
 
+@dataclass(frozen=True)
+class UserLoss:
+    """A loss of the user's own, ``fn(output, targets)``, whose result may also be a dict (or
+    an object with ``.loss``, a Hugging Face output) holding ``"loss"``, or a tuple/list whose
+    first element is the loss — ``(loss, aux)`` or ``{"loss": loss, "acc": acc}`` as Lightning
+    and Hugging Face code returns — so such a function works unedited: the loss trains, the other
+    entries are not recorded. Anything else is returned as it is (the dry run then says what a
+    loss must return)."""
+
+    fn: LossFn
+
+    def __call__(self, output: Any, targets: Any = None) -> Any:
+        """``fn(output, targets)``'s loss: a tensor as it is, else its ``loss`` / ``["loss"]`` / ``[0]``."""
+        out = self.fn(output, targets)
+        if isinstance(out, torch.Tensor):
+            return out
+        if isinstance(out, Mapping) and "loss" in out:
+            return out["loss"]
+        if not isinstance(out, Mapping) and isinstance(getattr(out, "loss", None), torch.Tensor):
+            return out.loss
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            return out[0]
+        return out
+
+
 #: how far a class-probability target's row may be from summing to 1 (or its values from [0, 1]),
 #: by dtype: one-hot rows are exact; softmax rows stored in 16 bits are not
 _PROB_TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
