@@ -1280,3 +1280,33 @@ def test_a_loss_returning_a_dict_or_a_tuple_trains_on_its_loss_as_the_builtin_cr
     got = [m["loss"] for m in train_local(job("tests.thirdparty.user_data:loss_and_accuracy"),
                                           run_dir=tmp_path / "run").metrics()]
     assert len(got) == 3 and got == pytest.approx(builtin, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_blocks_kept_as_attributes_are_named_as_a_list_and_train_as_plain_pytorch_at_p2(tmp_path):
+    """``model.blocks: [b1, b2, b3]`` names blocks a model keeps as attributes (no ``ModuleList``):
+    it was refused ("must be a non-empty string"; helper trial) and the model could be split only
+    by editing it. Cut-points go before each, the job trains at P=2 with plain PyTorch's losses; a
+    mistyped name is refused with the closest ones."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.model.spec import ModelSpecError
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    def job(blocks) -> JobConfig:
+        return JobConfig(name="attrs", model=ModelConfig(factory="tests.thirdparty.user_data:AttributeBlocks",
+                                                         blocks=blocks),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
+                         parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
+                         train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1,
+                                           run_dir=str(tmp_path / "runs")))
+    cfg = JobConfig.from_yaml_text(job(["b1", "b2", "b3"]).to_yaml())   # as a config file says it
+    assert Job(cfg).resolved.spec.factory()._varuna_auto_segments == 5   # [inp], [b1], [b2], [b3], [out]
+    got = [m["loss"] for m in train_local(cfg, run_dir=tmp_path / "run").metrics()]
+    assert len(got) == 3 and got == pytest.approx(Job(cfg).plain_pytorch_losses(3), rel=1e-5, abs=1e-6)
+    with pytest.raises(ModelSpecError, match=r"no submodule 'bb2'; did you mean 'b2'\?"):
+        Job(job(["b1", "bb2"]))
+    with pytest.raises(ModelSpecError, match=r"no submodule 'x4'; its modules are \['inp', 'b1', 'b2', 'b3', 'out'\]"):
+        Job(job(["b1", "x4"]))
+    with pytest.raises(ConfigError, match=r"model.blocks=\['b1'\] must be the dotted name .* a list of 2 or more"):
+        job(["b1"]).validate()

@@ -131,7 +131,7 @@ class Prepared:
 
     factory: Callable[..., nn.Module]
     kwargs: tuple[tuple[str, Any], ...] = ()
-    blocks: str | None = None
+    blocks: str | tuple[str, ...] | None = None
 
     def __call__(self) -> nn.Module:
         """Build the model: ``factory(**kwargs)``, checked to be an ``nn.Module``, then ``prepare_model`` (cache off,
@@ -402,7 +402,8 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer | None, fields: Sequence[
         if not callable(import_object(m.init)):
             raise ConfigError(f"model.init {m.init!r} is not a function init_fn(module, name)")
         init_fn = Imported(m.init)
-    prepared = Prepared(factory, tuple(sorted(kwargs.items())), m.blocks)
+    prepared = Prepared(factory, tuple(sorted(kwargs.items())),
+                        tuple(m.blocks) if isinstance(m.blocks, list) else m.blocks)
     try:
         meta = build_on_meta(prepared)
     except (ModelSpecError, ConfigError):

@@ -499,3 +499,16 @@ def loss_and_accuracy(output, y):
 def loss_and_logits(output, y):
     """A loss returning ``(loss, output)``."""
     return nn.functional.cross_entropy(output, y), output
+
+
+class AttributeBlocks(nn.Module):
+    """``Classifier`` with its blocks kept as attributes (``self.b1``, ``self.b2``, ``self.b3``), no list."""
+
+    def __init__(self, features=16, hidden=32, classes=4):
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.b1, self.b2, self.b3 = Residual(hidden), Residual(hidden), Residual(hidden)
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.out(self.b3(self.b2(self.b1(self.inp(x)))))

@@ -142,7 +142,7 @@ class Flag:
 class Plain:
     """Plain data: a mapping (``kind="map"``), a list of names (``"names"``), a list of lists of
     integers (``"index_lists"``), names-or-mapping (``"inputs"``), a name or a list of distinct names
-    (``"targets"``), one flag or a list of flags per
+    (``"targets"``; ``"blocks"``: 2 or more), one flag or a list of flags per
     stage (``"stage_flags"``) or an integer >= 0, or a list of them per stage (``"stage_counts"``); bounded in
     size and depth, floats finite, keys strings."""
 
@@ -186,6 +186,14 @@ class Plain:
                 raise ConfigError(f"{where}={_show(v)} must be the name of the batch field the loss compares the "
                                   "output with, a list of distinct names (the loss then gets a dict name -> tensor, "
                                   "e.g. [label, score]), or null")
+        elif self.kind == "blocks":
+            one = isinstance(v, str) and 0 < len(v.strip()) and len(v) <= MAX_TEXT
+            several = (isinstance(v, list) and 2 <= len(v) <= MAX_ITEMS and len(set(map(str, v))) == len(v)
+                       and all(isinstance(x, str) and 0 < len(x.strip()) and len(x) <= MAX_TEXT for x in v))
+            if not (one or several):
+                raise ConfigError(f"{where}={_show(v)} must be the dotted name of the model's list of layers (e.g. "
+                                  "transformer.h), a list of 2 or more distinct module names in the order the "
+                                  "forward calls them (e.g. [b1, b2, b3]), or null")
         elif self.kind == "inputs":
             ok = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and all(isinstance(x, str) for x in v)) or (
                 isinstance(v, dict) and 0 < len(v) <= MAX_ITEMS

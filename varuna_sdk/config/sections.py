@@ -38,7 +38,8 @@ class ModelConfig:
     (positional) or a mapping argument → field; ``targets``: the field the loss compares with
     (``null``: automatic; see ``model.spec.infer_call``), or a list of fields for a loss of several
     targets (a multi-task loss: it gets a dict field → tensor). ``blocks``: the dotted name of the
-    model's list of layers where cut-points go (``null``: its largest ``ModuleList``). ``init``:
+    model's list of layers where cut-points go (``null``: its largest ``ModuleList``), or a list of
+    its blocks' dotted names in the order the forward calls them (blocks kept as attributes). ``init``:
     ``null`` (the model's own constructor, replayed per stage) or an import path of
     ``init_fn(module, name)`` for a model too large to record once."""
 
@@ -52,7 +53,7 @@ class ModelConfig:
     loss: str | None = None
     inputs: list[str] | dict[str, str] | None = None
     targets: str | list[str] | None = None
-    blocks: str | None = None
+    blocks: str | list[str] | None = None
     init: str | None = None
     by_value: str | None = None
 
@@ -227,7 +228,7 @@ RULES: dict[type, dict[str, Any]] = {
     ModelConfig: {"preset": _OPT, "n_layer": Int(1, 4096, True), "n_head": Int(1, 4096, True),
                   "n_embd": Int(1, 1 << 17, True), "dropout": Num(0.0, 1.0, hi_open=True, unit="a probability"),
                   "factory": _OPT, "kwargs": Plain("map", optional=False), "loss": _OPT,
-                  "inputs": Plain("inputs"), "targets": Plain("targets"), "blocks": _OPT, "init": _OPT, "by_value": _OPT},
+                  "inputs": Plain("inputs"), "targets": Plain("targets"), "blocks": Plain("blocks"), "init": _OPT, "by_value": _OPT},
     DataConfig: {"corpus": _OPT, "path": _OPT,
                  "format": Text(("auto", "text", "tokens", "hf", "json", "jsonl", "parquet", "csv")),
                  "text_column": Text(), "token_dtype": Text(("uint16", "uint32"), optional=True), "dataset": _OPT,

@@ -191,7 +191,9 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     """Mark a cut-point before every block of the model's body and one after the last block.
 
     The body is ``blocks`` (a dotted module name of a ``ModuleList``, ``Sequential`` or
-    ``ModuleDict``, whose blocks the forward calls in the dict's order) or, when omitted, the largest
+    ``ModuleDict``, whose blocks the forward calls in the dict's order; or a list of the blocks'
+    dotted names, in the order the forward calls them, for blocks kept as attributes
+    ``self.b1``, ``self.b2``...) or, when omitted, the largest
     ``nn.ModuleList``/``nn.Sequential`` in the model (e.g. GPT-2's ``h``) — for an encoder-decoder
     both stacks (``find_block_lists``), each marked as a body is: ``n + m`` blocks give
     ``n + m + 3`` segments, [embeddings], [encoder blocks], [between: the encoder's last norm, the
@@ -215,14 +217,18 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
         return model
     if blocks is None:
         bodies = [body for _, body in find_block_lists(model)]
+    elif not isinstance(blocks, str):   # the blocks by name, in the order the forward calls them
+        names = list(blocks)
+        if len(names) < 2 or len(set(names)) != len(names):
+            raise ValueError(f"auto_cutpoints: blocks={names!r} must name 2 or more distinct modules, in the order "
+                             "the forward calls them")
+        bodies = [[_submodule(model, n) for n in names]]
     else:
-        try:
-            body = model.get_submodule(blocks)
-        except AttributeError as e:
-            raise ValueError(f"auto_cutpoints: model has no submodule {blocks!r}") from e
+        body = _submodule(model, blocks)
         if not isinstance(body, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or len(body) < 1:
             raise ValueError(f"auto_cutpoints: {blocks!r} is a {type(body).__name__}, not a non-empty "
-                             "ModuleList/Sequential/ModuleDict")
+                             "ModuleList/Sequential/ModuleDict; name its blocks as a list instead, in the order "
+                             "the forward calls them (e.g. ['b1', 'b2', 'b3'])")
         bodies = [body]
     segments = [_mark_body(body) for body in bodies]
     if all(n is not None for n in segments):
@@ -234,7 +240,23 @@ def auto_cutpoints(model: nn.Module, blocks: str | None = None) -> nn.Module:
     return model
 
 
-def _mark_body(body: nn.Module) -> int | None:
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    """``model.get_submodule(name)``; raises ``ValueError`` naming the closest module names when
+    there is none by that name."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        import difflib
+
+        names = [n for n, _ in model.named_modules() if n]
+        near = difflib.get_close_matches(name, names, n=3)
+        top = [n for n, _ in model.named_children()]
+        raise ValueError(f"auto_cutpoints: model has no submodule {name!r}"
+                         + (f"; did you mean {' or '.join(map(repr, near))}?" if near else
+                            f"; its modules are {top[:12]}")) from None
+
+
+def _mark_body(body: nn.Module | list[nn.Module]) -> int | None:
     """Hook a cut-point before each block of ``body`` and one after its last; the segments it adds
     (one per block and the one after it), or ``None`` when the blocks are not distinct."""
 

@@ -98,8 +98,9 @@ def check_depth(num_segments: int, P: int) -> None:
     if P < 1:
         raise PartitionError(f"pipeline depth P={P} must be at least 1")
     if P > num_segments:
-        hint = (" (it has no cut-points: set model.blocks to the dotted name of its list of layers, or put "
-                "CutPoint() modules in its forward)") if num_segments == 1 else ""
+        hint = (" (it has no cut-points: set model.blocks to the dotted name of its list of layers, or to its "
+                "blocks' names in call order, e.g. ['b1', 'b2', 'b3'], or put CutPoint() modules in its forward: "
+                "from varuna_sdk import CutPoint; self.cut1 = CutPoint() in __init__, x = self.cut1(x) in forward, one per cut)") if num_segments == 1 else ""
         raise PartitionError(
             f"pipeline depth P={P} is larger than the model's {num_segments} segments (the pieces its "
             f"{num_segments - 1} cut-points split it into: typically what comes before the first block, each "

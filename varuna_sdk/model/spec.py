@@ -590,11 +590,12 @@ def is_hf_model(model: nn.Module) -> bool:
                for c in type(model).__mro__)
 
 
-def prepare_model(model: nn.Module, blocks: str | None = None) -> nn.Module:
+def prepare_model(model: nn.Module, blocks: str | Sequence[str] | None = None) -> nn.Module:
     """Ready a freshly built model for the pipeline, without editing its code: a Hugging Face
     model's key/value cache is turned off (training needs none, and a ``Cache`` object cannot
     cross a stage boundary); cut-points are marked at the blocks of ``blocks`` (a dotted module
-    name) or of its largest ``ModuleList`` unless it has ``CutPoint`` modules already.
+    name, or a list of the blocks' names in call order) or of its largest ``ModuleList`` unless it
+    has ``CutPoint`` modules already.
 
     A model without any ``ModuleList``/``Sequential`` of blocks (and ``blocks`` not given) is left
     without cut-points: it trains at P = 1 only, and a deeper pipeline is refused by the partition
@@ -615,7 +616,8 @@ def prepare_model(model: nn.Module, blocks: str | None = None) -> nn.Module:
         return auto_cutpoints(model, blocks)
     except ValueError as e:
         raise ModelSpecError(f"{e}; set model.blocks to the dotted name of the model's list of layers (e.g. "
-                             "'transformer.h')") from None
+                             "'transformer.h') or to its blocks' names in call order (e.g. ['b1', 'b2', 'b3'])"
+                             ) from None
 
 
 def model_limits(model: nn.Module) -> tuple[int | None, int | None]:
