@@ -58,7 +58,7 @@ def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
     """Cache key of a job's calibration (16 hex digits): what the measurements depend on — the
     model's identity (factory, arguments, code hash), the shape and type of each input field of an
     example, the sequence length, precision, torch, threads per worker and the version of the
-    cut-point rules (``model.cutpoint.AUTO_CUTPOINTS_VERSION``). Not the job's name: two
+    cut-point rules (``model.cutpoint.AUTO_CUTPOINTS_VERSION``) and ``model.blocks``. Not the job's name: two
     jobs of the same model and data shapes share one calibration. ``resolved``: the job's model
     spec and data if already resolved (``jobspec.resolve_job``); raises what resolving raises."""
     r = resolved or resolve_job(job)
@@ -66,8 +66,10 @@ def profile_key(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
 
 
 def _key(job: JobConfig, r: ResolvedJob, example: dict) -> str:
+    # model.blocks moves the cut-points, so the segments measured (in the key only when set: older keys hold)
+    where = [{"blocks": job.model.blocks}] if job.model.blocks is not None else []
     text = json.dumps([r.spec.identity, example, job.data.seq_len, job.train.precision, torch.__version__,
-                       job.launch.threads_per_worker, AUTO_CUTPOINTS_VERSION], sort_keys=True, default=str)
+                       job.launch.threads_per_worker, AUTO_CUTPOINTS_VERSION, *where], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
