@@ -1310,3 +1310,26 @@ def test_blocks_kept_as_attributes_are_named_as_a_list_and_train_as_plain_pytorc
         Job(job(["b1", "x4"]))
     with pytest.raises(ConfigError, match=r"model.blocks=\['b1'\] must be the dotted name .* a list of 2 or more"):
         job(["b1"]).validate()
+
+
+def test_a_users_loss_on_targets_of_the_wrong_dtype_or_a_broadcast_shape_is_refused_with_the_fix():
+    """A loss of the user's own on class ids stored as floats raised torch's bare "gather(): Expected
+    dtype int32/int64 for index"; an ``[B, 1]`` output against ``[B]`` scores (``F.mse_loss``
+    broadcasts them to ``B x B`` pairs with only a torch warning) trained silently wrong, or failed
+    mid-run at micro-batches > 1 (helper trial). Both are refused by the dry run, saying what to
+    change; the same data with the targets' own shape is taken."""
+    from varuna_sdk.model.spec import ModelSpecError
+    from varuna_sdk.notebook import Job
+
+    def job(data: str, model: str, loss: str, **kw) -> Job:
+        return Job(JobConfig(model=ModelConfig(factory=f"tests.thirdparty.user_data:{model}",
+                                               loss=f"tests.thirdparty.user_data:{loss}"),
+                             data=DataConfig(dataset=f"tests.thirdparty.user_data:{data}", tokenizer=None, **kw),
+                             parallel=ParallelConfig(global_batch=8)))
+    with pytest.raises(ModelSpecError, match=r"Expected dtype int32/int64 for index.*The targets are torch.float32 "
+                                             r"\(1,\): class ids must be integers; give them as y.long\(\)"):
+        job("float_class_ids", "Classifier", "ce")
+    with pytest.raises(ModelSpecError, match=r"the loss broadcast the targets \(1,\) against tests.thirdparty.user_data:OneOutput's output "
+                                             r"\(1, 1\).*every output with every target.*y.view\(-1, 1\)"):
+        job("scalar_scores", "OneOutput", "mse")
+    assert job("house_prices", "OneOutput", "mse").resolved is not None   # [B, 1] prices: taken

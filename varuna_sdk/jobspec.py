@@ -667,8 +667,11 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
     def loss_on(out: Any) -> Any:
         if spec.loss_fn is cross_entropy:
             _warn_first_of_several(out, spec.name)
+        said: list = []
         try:
-            loss = spec.loss_fn(out, targets)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                loss = spec.loss_fn(out, targets)
         except WeightValueError:
             reads_values.append(out)  # e.g. to log them, or float(...): checked below, on real zeros
             return None
@@ -676,7 +679,10 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
             raise ConfigError(f"model.loss: {e}") from None
         except Exception as e:  # noqa: BLE001 - the user's loss failed on the model's output
             raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
-                                 f"output, a {type(out).__name__}, as {spec.call.describe()})") from e
+                                 f"output, a {type(out).__name__}, as {spec.call.describe()})"
+                                 + _loss_error_hint(str(e), out, targets)) from e
+        finally:
+            _refuse_broadcast_loss(said, out, targets, spec)
         _check_loss(loss, spec)
         if spec.loss_fn is cross_entropy and seen is not None:   # ids beyond the classes: the meta loss cannot tell
             try:
@@ -711,6 +717,45 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
     if spec.loss_fn is cross_entropy:
         _warn_unshifted(inputs, targets, spec.name)
     return structure
+
+
+def _refuse_broadcast_loss(said: list, out: Any, targets: Any, spec: ModelSpec) -> None:
+    """Raise ``ModelSpecError`` when the loss broadcast the targets against an output of another
+    shape (torch's "Using a target size ... different to the input size" warning: an ``[B, 1]``
+    output against ``[B]`` targets trains on ``B x B`` pairs, silently wrong); else say the
+    loss's other warnings again."""
+    for w in said:
+        text = str(w.message)
+        if "target size" in text and "different to the input size" in text:
+            o = tuple(out.shape) if isinstance(out, torch.Tensor) else "?"
+            t = tuple(targets.shape) if isinstance(targets, torch.Tensor) else "?"
+            raise ModelSpecError(
+                f"the loss broadcast the targets {t} against {spec.name}'s output {o} (torch: {_short(text)}): "
+                f"it would compare every output with every target of the micro-batch. Give the targets the output's "
+                f"shape (e.g. y.view(-1, 1) in the dataset, or y of shape {o[1:] if o != '?' else 'the output'} per "
+                "example), or squeeze the output in the loss (output.squeeze(-1))")
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _loss_error_hint(message: str, out: Any, targets: Any) -> str:
+    """What to change when a loss of the user's own failed on a common mismatch of the targets
+    with the output (``message``: the error's text): class ids stored as floats, integer targets
+    for a regression loss, or shapes that differ. ``""`` when none applies."""
+    if not isinstance(targets, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return ""
+    low = message.lower()
+    o, t = tuple(out.shape), tuple(targets.shape)
+    if targets.is_floating_point() and ("for index" in low or "scalar type long" in low or "dtype to be long" in low):
+        return (f". The targets are {targets.dtype} {t}: class ids must be integers; give them as y.long() in the "
+                "dataset (or, for class probabilities, floats of the output's shape)")
+    if not targets.is_floating_point() and out.is_floating_point() and "dtype" in low and "float" in low:
+        return (f". The targets are {targets.dtype} and the output {out.dtype}: a regression loss needs float targets "
+                "(y.float() in the dataset)")
+    if o != t and ("size of tensor" in low or "must match" in low or "shape" in low):
+        return (f". The output is {o} and the targets {t}: a loss comparing them element by element needs one shape "
+                f"(e.g. targets of shape {o}, or the output squeezed to {t} in the loss)")
+    return ""
 
 
 def _warn_unshifted(inputs: Any, targets: Any, name: str) -> None:

@@ -512,3 +512,27 @@ class AttributeBlocks(nn.Module):
 
     def forward(self, x):
         return self.out(self.b3(self.b2(self.b1(self.inp(x)))))
+
+
+def float_class_ids(n: int = 64):
+    """``make_dataset`` with its class ids stored as floats."""
+    return [(x, y.float()) for x, y in make_dataset(n)]
+
+
+def scalar_scores(n: int = 64, features: int = 16):
+    """``(x, score)``: one float score per example, shape ``[]`` (a regression the output ``[B, 1]`` must match)."""
+    x = torch.randn(n, features, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.TensorDataset(x, x[:, :3].sum(dim=1))
+
+
+class OneOutput(nn.Module):
+    def __init__(self, features=16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(features, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def ce(output, y):
+    return nn.functional.cross_entropy(output, y)
