@@ -193,3 +193,19 @@ def test_validate_reports_the_field_and_what_works(section, field, value, patter
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+def test_another_tools_optimizer_or_scheduler_setting_says_what_is_fixed_and_what_to_set():
+    """``optimizer=``, ``lr_scheduler=``, ``betas=`` (Hugging Face, DeepSpeed habits) were refused as
+    unknown with no word why (helper trial): the refusal says AdamW and the warm-up + cosine schedule
+    are fixed and which fields set them, in a config file and as a notebook setting."""
+    from varuna_sdk.notebook import Job
+
+    with pytest.raises(ConfigError, match=r"'scheduler': the learning rate follows a linear warm-up over warmup_steps, "
+                                          r"then a cosine decay to min_lr .* set min_lr equal to lr"):
+        JobConfig.from_yaml_text("train: {scheduler: cosine}")
+    with pytest.raises(TypeError, match=r"optimizer='sgd', which is no field .* \(the optimizer is AdamW .* its "
+                                        r"settings are lr, weight_decay and grad_clip\)"):
+        Job(optimizer="sgd")
+    with pytest.raises(TypeError, match=r"betas=\(0.9, 0.99\).*the optimizer is AdamW \(betas 0.9, 0.95"):
+        Job(betas=(0.9, 0.99))

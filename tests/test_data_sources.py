@@ -1333,3 +1333,19 @@ def test_a_users_loss_on_targets_of_the_wrong_dtype_or_a_broadcast_shape_is_refu
                                              r"\(1, 1\).*every output with every target.*y.view\(-1, 1\)"):
         job("scalar_scores", "OneOutput", "mse")
     assert job("house_prices", "OneOutput", "mse").resolved is not None   # [B, 1] prices: taken
+
+
+def test_columns_given_as_a_pair_of_arrays_are_refused_saying_to_wrap_them_in_a_tensor_dataset():
+    """``data=(X, Y)``, NumPy columns of N rows, was read as a dataset of 2 examples and refused
+    only later with "the loss needs targets but the data's fields ['0'] hold none" (helper trial):
+    it is refused naming the columns and the ``TensorDataset`` to give; 2 examples of one shape
+    are still a dataset."""
+    from varuna_sdk.data.sources import open_examples
+    from varuna_sdk.notebook import Job
+
+    X, Y = np.zeros((64, 8), dtype="float32"), np.zeros(64, dtype="int64")
+    with pytest.raises(DataError, match=r"is a tuple of 2 columns \(ndarray \[64, 8\], ndarray \[64\]\) of 64 examples "
+                                        r"each, which would be read as 2 examples; .*TensorDataset\(torch.from_numpy\(X\), "
+                                        r"torch.from_numpy\(Y\)\)"):
+        Job(model=lambda: torch.nn.Linear(8, 4), data=(X, Y), global_batch=8)
+    assert len(open_examples([torch.zeros(8), torch.ones(8)], "two examples")) == 2

@@ -300,10 +300,11 @@ def _build(cls: type, value: Any, section: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(value) - names
     if unknown:
-        from .fields import near_names
+        from .fields import fixed_hint, near_names
 
         near = {k: near_names(k, names) for k in sorted(unknown, key=str)}
-        hint = "; ".join(f"did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m)
+        hint = "; ".join([f"{k!r}: {fixed_hint(k)}" for k in sorted(unknown, key=str) if fixed_hint(k)]
+                         + [f"did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m and not fixed_hint(k)])
         raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section!r}; valid keys: {sorted(names)}"
                           + (f" ({hint})" if hint else ""))
     return cls(**value)

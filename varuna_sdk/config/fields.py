@@ -253,6 +253,23 @@ SYNONYMS = {"learning_rate": "lr", "max_lr": "lr", "batch_size": "global_batch",
             "activation_checkpointing": "recompute", "schedule": "policy"}
 
 
+_OPTIMIZER = ("the optimizer is AdamW (betas 0.9, 0.95; eps 1e-8; weight decay on matrices only), fixed: its "
+              "settings are lr, weight_decay and grad_clip")
+_SCHEDULE = ("the learning rate follows a linear warm-up over warmup_steps, then a cosine decay to min_lr by "
+             "train.steps, fixed: for a constant rate set min_lr equal to lr and warmup_steps to 0")
+#: other tools' settings this SDK fixes by design, and what to set instead
+FIXED = {**dict.fromkeys(("optimizer", "optim", "optimizer_name", "optimizer_type", "betas", "adam_beta1",
+                          "adam_beta2", "beta1", "beta2", "eps", "adam_epsilon", "momentum"), _OPTIMIZER),
+         **dict.fromkeys(("scheduler", "lr_scheduler", "lr_scheduler_type", "lr_schedule", "schedule_type",
+                          "decay_style", "lr_decay_style"), _SCHEDULE)}
+
+
+def fixed_hint(key: object) -> str | None:
+    """Why ``key`` (another tool's setting: ``optimizer``, ``lr_scheduler``, ``betas``...) is no
+    field here and what to set instead (``FIXED``), or ``None``."""
+    return FIXED.get(str(key).lower())
+
+
 def near_names(key: object, names: "list[str] | set[str]", n: int = 1) -> list[str]:
     """The field(s) of ``names`` a mistyped or foreign ``key`` most likely means: a known synonym
     (``SYNONYMS``: ``learning_rate`` → ``lr``), else the same name in another case, else the

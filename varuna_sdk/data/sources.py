@@ -327,6 +327,28 @@ def _hash_value(h, v) -> None:
         h.update(repr(v).encode())
 
 
+def _refuse_columns_as_examples(dataset: Any, source: str) -> None:
+    """Refuse ``(X, Y)`` — a tuple or list of 2 or 3 arrays/tensors of one length N but different
+    shapes, e.g. ``X [N, 16]`` and ``Y [N]`` — which a map-style reading takes as 2 or 3 examples;
+    raises ``DataError`` saying to wrap the columns in a ``TensorDataset``."""
+    import torch
+
+    if not isinstance(dataset, (tuple, list)) or not 2 <= len(dataset) <= 3:
+        return
+    cols = list(dataset)
+    if not all(isinstance(c, (torch.Tensor, np.ndarray)) and c.ndim >= 1 for c in cols):
+        return
+    rows = {int(c.shape[0]) for c in cols}
+    if len(rows) != 1 or next(iter(rows)) <= len(cols) or len({tuple(c.shape) for c in cols}) == 1:
+        return
+    shapes = ", ".join(f"{type(c).__name__} {list(c.shape)}" for c in cols)
+    wrap = ", ".join(f"torch.from_numpy({'XYZ'[i]})" if isinstance(c, np.ndarray) else "XYZ"[i]
+                     for i, c in enumerate(cols))
+    raise DataError(f"{source} is a {type(dataset).__name__} of {len(cols)} columns ({shapes}) of "
+                    f"{next(iter(rows))} examples each, which would be read as {len(cols)} examples; give the "
+                    f"examples row by row: torch.utils.data.TensorDataset({wrap}) (NumPy arrays as tensors)")
+
+
 def open_examples(dataset: Any, source: str) -> ExampleData:
     """Check that ``dataset`` is a non-empty map-style dataset whose first example is a tensor, a
     tuple/list or a dict of tensors (or numbers); a Hugging Face ``datasets.Dataset`` in its default
@@ -341,6 +363,8 @@ def open_examples(dataset: Any, source: str) -> ExampleData:
     if n == 0:
         raise DataError(f"{source} returned an empty dataset; it needs at least one example per step's global batch")
     import torch
+
+    _refuse_columns_as_examples(dataset, source)
 
     first = dataset[0]
 

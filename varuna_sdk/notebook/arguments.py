@@ -166,7 +166,7 @@ def apply_settings(job: JobConfig, settings: dict[str, Any], own_model: bool = F
     ``TypeError`` for a keyword that names no field (with the likely one), two fields, a field
     another keyword also sets, or a field a Job argument sets (naming that argument), before
     anything starts."""
-    from ..config.fields import near_names
+    from ..config.fields import fixed_hint, near_names
 
     names, elsewhere = _settable(job)
     seen: dict[tuple[str, str], str] = {}
@@ -178,8 +178,10 @@ def apply_settings(job: JobConfig, settings: dict[str, Any], own_model: bool = F
             bare = [n for n, w in names.items() if len(w) == 1 and n == w[0][1]]
             near = near_names(key, bare + list(elsewhere), n=2)
             near = [elsewhere.get(n, n) for n in near]
+            fixed = fixed_hint(key)
             raise TypeError(f"Job() got the setting {key}={value!r}, which is no field of the job's config"
-                            + (f" (did you mean {' or '.join(dict.fromkeys(near))}?)" if near else "")
+                            + (f" ({fixed})" if fixed else
+                               f" (did you mean {' or '.join(dict.fromkeys(near))}?)" if near else "")
                             + "; a setting is a field's name (seq_len, global_batch, micro_batch_size, P, D, lr, "
                               "precision, checkpoint_every...) or <section>_<field> (data_seed), see "
                               "varuna_sdk.config.JobConfig")
