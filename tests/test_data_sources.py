@@ -1261,49 +1261,34 @@ def test_a_dataset_made_and_read_with_unseeded_random_draws_trains_as_plain_pyto
 
 
 @pytest.mark.timeout(240)
-def test_a_loss_returning_a_dict_or_a_tuple_trains_on_its_loss_as_the_builtin_cross_entropy(tmp_path):
-    """A loss of the user's own that returns ``{"loss": ..., "acc": ...}`` (Lightning, Hugging Face
-    habits) or ``(loss, logits)`` was refused ("the loss returned a dict"; helper trial): it trains
-    on its ``loss`` entry, at P=2 with the losses of the built-in cross-entropy in plain PyTorch."""
-    from varuna_sdk.config import TrainConfig
-    from varuna_sdk.notebook import Job
-    from varuna_sdk.runner import train_local
-
-    def job(loss: str) -> JobConfig:
-        return JobConfig(name="own-loss", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier", loss=loss),
-                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
-                         parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
-                         train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1,
-                                           run_dir=str(tmp_path / "runs")))
-    builtin = Job(job("cross_entropy")).plain_pytorch_losses(3)
-    assert Job(job("tests.thirdparty.user_data:loss_and_logits")).plain_pytorch_losses(3) == pytest.approx(builtin, rel=1e-6)
-    got = [m["loss"] for m in train_local(job("tests.thirdparty.user_data:loss_and_accuracy"),
-                                          run_dir=tmp_path / "run").metrics()]
-    assert len(got) == 3 and got == pytest.approx(builtin, rel=1e-5, abs=1e-6)
-
-
-@pytest.mark.timeout(240)
-def test_blocks_kept_as_attributes_are_named_as_a_list_and_train_as_plain_pytorch_at_p2(tmp_path):
+def test_blocks_kept_as_attributes_and_a_loss_returning_a_dict_train_as_plain_pytorch_at_p2(tmp_path):
     """``model.blocks: [b1, b2, b3]`` names blocks a model keeps as attributes (no ``ModuleList``):
     it was refused ("must be a non-empty string"; helper trial) and the model could be split only
-    by editing it. Cut-points go before each, the job trains at P=2 with plain PyTorch's losses; a
-    mistyped name is refused with the closest ones."""
+    by editing it. A loss of the user's own that returns ``{"loss": ..., "acc": ...}`` (Lightning,
+    Hugging Face habits) or ``(loss, logits)`` was refused too ("the loss returned a dict"). Now
+    cut-points go before each named block and the loss's ``loss`` entry trains: P=2 gives the
+    losses of the built-in cross-entropy in plain PyTorch. A mistyped block name is refused with
+    the closest ones, or the model's modules."""
     from varuna_sdk.config import TrainConfig
     from varuna_sdk.model.spec import ModelSpecError
     from varuna_sdk.notebook import Job
     from varuna_sdk.runner import train_local
 
-    def job(blocks) -> JobConfig:
+    def job(blocks, loss: str = "cross_entropy") -> JobConfig:
         return JobConfig(name="attrs", model=ModelConfig(factory="tests.thirdparty.user_data:AttributeBlocks",
-                                                         blocks=blocks),
+                                                         blocks=blocks, loss=loss),
                          data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
                          parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
                          train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1,
                                            run_dir=str(tmp_path / "runs")))
-    cfg = JobConfig.from_yaml_text(job(["b1", "b2", "b3"]).to_yaml())   # as a config file says it
+    blocks = ["b1", "b2", "b3"]
+    builtin = Job(job(blocks)).plain_pytorch_losses(3)
+    assert Job(job(blocks, "tests.thirdparty.user_data:loss_and_logits")).plain_pytorch_losses(3) == \
+        pytest.approx(builtin, rel=1e-6)
+    cfg = JobConfig.from_yaml_text(job(blocks, "tests.thirdparty.user_data:loss_and_accuracy").to_yaml())
     assert Job(cfg).resolved.spec.factory()._varuna_auto_segments == 5   # [inp], [b1], [b2], [b3], [out]
     got = [m["loss"] for m in train_local(cfg, run_dir=tmp_path / "run").metrics()]
-    assert len(got) == 3 and got == pytest.approx(Job(cfg).plain_pytorch_losses(3), rel=1e-5, abs=1e-6)
+    assert len(got) == 3 and got == pytest.approx(builtin, rel=1e-5, abs=1e-6)
     with pytest.raises(ModelSpecError, match=r"no submodule 'bb2'; did you mean 'b2'\?"):
         Job(job(["b1", "bb2"]))
     with pytest.raises(ModelSpecError, match=r"no submodule 'x4'; its modules are \['inp', 'b1', 'b2', 'b3', 'out'\]"):
