@@ -54,6 +54,7 @@ def _bad_values(rule) -> list:
                 "index_lists": ["s", [0, 1], [[-1]], [["0"]], [[True]]],
                 "inputs": ["s", [], [1], {"a": 1}],
                 "targets": [5, "", "   ", [], ["a", "a"], [1], ["a", ""], {"a": "b"}, "x" * 5000, True],
+                "blocks": [5, "", "   ", [], ["a"], ["a", "a"], [1, 2], ["a", ""], {"a": "b"}, "x" * 5000, True],
                 "stage_flags": ["yes", 1, [], [1, 0], ["true"], {"a": True}],
                 "stage_counts": ["s", -3, 1 << 21, 2.5, True, [], [-1], [1.5], [True], [1 << 21]]}[rule.kind]
     raise AssertionError(rule)
