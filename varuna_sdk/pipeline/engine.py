@@ -429,10 +429,13 @@ class Varuna:
         first checks ``host``, the targets' copy on the host (None on a CPU stage, where the loss
         itself raises the clear error): on CUDA a class id beyond the logits would otherwise be a
         device-side assert that poisons the process, not an error naming the id
-        (``model.spec.cross_entropy``)."""
+        (``model.spec.cross_entropy``). Runs under the forward's autocast (bf16/fp16), as PyTorch's
+        AMP recipe and the plain reference (``varuna_sdk.reference``) compute the loss: autocast
+        takes a cross-entropy of bf16 logits in fp32."""
         if host is not None:
             self.loss_fn.check_targets(out, host)
-        return self.loss_fn(out, targets)
+        with self._autocast():
+            return self.loss_fn(out, targets)
 
     def _begin_train_step(self, batch: Sequence) -> _StepState:
         """Cut the batch, open the channels' step and start both receivers for ``m`` messages."""
