@@ -1355,3 +1355,24 @@ def test_a_users_own_loss_in_bf16_runs_under_the_forwards_autocast_as_plain_pyto
     got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
     ref = Job(job).plain_pytorch_losses(2)
     assert len(got) == 2 and got == pytest.approx(ref, rel=1e-6), (got, ref)
+
+
+@pytest.mark.timeout(240)
+def test_a_constant_buffer_every_block_reads_is_held_by_every_stage_and_trains_as_plain_pytorch(tmp_path):
+    """A root buffer every block reads (a causal mask, a gate) was refused at any P > 1 ("mutable
+    buffers cannot be kept identical across stages"; helper trial), with no split that avoids it.
+    The dry run finds it is never written, so each stage holds a copy: P=2 trains with plain
+    PyTorch's losses and the exported weights hold the buffer as it was."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="const-buffer", model=ModelConfig(factory="tests.thirdparty.user_data:SharedConstantBuffer"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, checkpoint_every=3,
+                                      run_dir=str(tmp_path / "runs")))
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    handle = Job(job, run_dir=tmp_path / "run")
+    assert len(got) == 3 and got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5, abs=1e-6)
+    assert torch.equal(handle.trained_weights()["gate"], torch.linspace(0.5, 1.5, 32))

@@ -162,9 +162,30 @@ class _BufferTwice(nn.Module):
         return self.fc(x + self.bias_buf)
 
 
-def test_buffer_used_on_two_stages_is_a_partition_error():
+class _BufferWrittenTwice(_BufferTwice):
+    def forward(self, idx):
+        self.bias_buf.mul_(0.5)   # state the forward updates (a running statistic)
+        return super().forward(idx)
+
+
+class _BufferReplaced(_BufferTwice):
+    def forward(self, idx):
+        self.bias_buf = self.bias_buf + 1   # replaced, not changed in place: written all the same
+        return super().forward(idx)
+
+
+def test_a_buffer_the_forward_writes_may_not_be_on_two_stages_and_a_read_only_one_may():
+    """A buffer only read (a constant mask) is held by every stage using it, identical copies, no
+    gradient sum; one the forward changes in place or replaces is refused on two stages (its
+    copies would drift apart), naming it, its stages and the fix."""
     s = trace_model(build_on_meta(_BufferTwice), SAMPLE)
-    with pytest.raises(PartitionError, match=r"buffer 'bias_buf' is used on stages \[0, 1\]"):
+    assert s.read_only_buffers == ["bias_buf"]
+    assert shared_state(s, StageMap.from_lists([[0, 1], [2]], 3)) == {}
+    assert trace_model(build_on_meta(_BufferReplaced), SAMPLE).read_only_buffers == []
+    s = trace_model(build_on_meta(_BufferWrittenTwice), SAMPLE)
+    assert s.read_only_buffers == []
+    with pytest.raises(PartitionError, match=r"buffer 'bias_buf' is used on stages \[0, 1\] .* and the forward "
+                                             r"changes it"):
         shared_state(s, StageMap.from_lists([[0, 1], [2]], 3))
 
 

@@ -536,3 +536,30 @@ class OneOutput(nn.Module):
 
 def ce(output, y):
     return nn.functional.cross_entropy(output, y)
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h, gate):
+        return h + torch.relu(self.lin(h)) * gate
+
+
+class SharedConstantBuffer(nn.Module):
+    """Every block reads one constant buffer of the root module (as a causal mask is shared by all
+    layers): ``self.gate``, persistent, never written."""
+
+    def __init__(self, features=16, hidden=32, depth=3, classes=4):
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.register_buffer("gate", torch.linspace(0.5, 1.5, hidden))
+        self.body = nn.ModuleList([GatedBlock(hidden) for _ in range(depth)])
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.body:
+            h = block(h, self.gate)
+        return self.out(h * self.gate)

@@ -171,9 +171,11 @@ def shared_state(
     With ``declared_shared=None`` every such parameter is tied automatically (its copies start
     identical and their gradients are summed, paper §5.2). With a list, only the named ones may
     be shared, and each must be a parameter of the model (a misspelt name is refused with the
-    closest one). Raises ``PartitionError`` naming the parameter, the stages and the fix when an
-    undeclared parameter, or any buffer (mutable state that cannot be kept identical), is used
-    on several stages, or when a tensor skips a cut-point across a stage boundary.
+    closest one). A buffer the forward only reads (``ModelStructure.read_only_buffers``: a causal
+    mask) may be used on several stages: each holds an identical copy (not in the result). Raises
+    ``PartitionError`` naming the parameter, the stages and the fix when an
+    undeclared parameter, or a buffer the forward writes (state that cannot be kept identical), is
+    used on several stages, or when a tensor skips a cut-point across a stage boundary.
     """
     check_tensor_flow(structure, stage_map)
     declared = None if declared_shared is None else set(declared_shared)
@@ -193,11 +195,13 @@ def shared_state(
         if len(stages) < 2:
             continue
         where = ", ".join(describe_segment(structure, k) for k in segs)
+        if name not in params and name in structure.read_only_buffers:
+            continue   # a constant (a causal mask): each stage holds an identical copy, nothing to sum
         if name not in params:
             raise PartitionError(
-                f"buffer {name!r} is used on stages {stages} ({where}); mutable buffers cannot be kept "
-                "identical across stages. Move its uses into one stage (choose other boundaries) or make "
-                "it a parameter"
+                f"buffer {name!r} is used on stages {stages} ({where}) and the forward changes it (in place, "
+                "or replaces it): copies on several stages would drift apart. Move its uses into one stage "
+                "(choose other boundaries), or keep state the forward updates in the one block that uses it"
             )
         if declared is not None and name not in declared:
             raise PartitionError(

@@ -71,6 +71,11 @@ class ModelStructure:
         nonfinite_checks: names of the functions that test for NaN/inf (``isnan``, ``nan_to_num``...)
             the forward (or the loss) called on tensors computed from the data alone: a model that
             handles missing values itself, whose data may then hold NaN (``jobspec.check_finite``).
+        read_only_buffers: canonical names of the buffers the forward (and the loss) read but never
+            wrote (no in-place change: their version counters did not move; none replaced): a
+            causal mask, rotary frequencies. Such a buffer may be used on several stages (each holds
+            an identical copy); a written one (BatchNorm's running statistics) may not. Empty in a
+            structure from before this field: every buffer then counts as written.
     """
 
     num_segments: int
@@ -88,6 +93,7 @@ class ModelStructure:
     random_ops: list[str] = field(default_factory=list)
     loss_items: LossItems | None = None
     nonfinite_checks: list[str] = field(default_factory=list)
+    read_only_buffers: list[str] = field(default_factory=list)
 
     def segments_of(self, name: str) -> list[int]:
         """Segments that use parameter or buffer ``name`` (``[0]`` if none was recorded)."""
@@ -234,6 +240,9 @@ class _Trace:
                 self.cross_uses.add((prod, k + 1, f"cut-point {k}"))
         for t in tensors:
             self.crossed.setdefault(id(t), set()).add(k)
+            name = self.state_ids.get(id(t))
+            if name is not None:   # a weight or buffer handed to a block (block(h, self.mask)): segment k reads it
+                self.uses.setdefault(name, set()).add(k)
         self.crossings.append(crossing_signature(tensors))
         self.input_crossings.append(any(t.device.type != "meta" for t in tensors))
         self.segment += 1
@@ -332,6 +341,21 @@ class _TraceMode(TorchFunctionMode):
         return out
 
 
+def _buffer_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{buffer name: (id of the tensor the module holds, its version counter)}`` (every name
+    of a buffer held twice)."""
+    return {name: (id(b), b._version) for name, b in model.named_buffers(remove_duplicate=False)}
+
+
+def _unwritten(before: dict, after: dict, state_ids: dict[int, str]) -> set[str]:
+    """Canonical names of the buffers whose tensor is the same object at the same version
+    (``_buffer_versions`` before and after the forward): read, never written in place or replaced."""
+    changed = {name for name, v in before.items() if after.get(name) != v}
+    canon = {name: state_ids.get(v[0], name) for name, v in before.items()}
+    written = {canon[n] for n in changed}
+    return {canon[n] for n in before} - written
+
+
 def to_meta(obj: Any) -> Any:
     """Meta-device copies of every tensor in a (nested) tuple/list/dict, same dtype and shape."""
     if isinstance(obj, torch.Tensor):
@@ -399,11 +423,13 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         with restored(list(meta_model.buffers()) + list(meta_model.parameters()), always=True), \
                 observe_cutpoints(trace), \
                 _TraceMode(trace), MetaAsDevice(device, on_mixed=trace.on_mixed):
+            before = _buffer_versions(meta_model)
             out = call_model(meta_model, inputs)
             loss = out
             if after is not None:
                 trace.in_after = True
                 loss = after(out)
+            read_only = _unwritten(before, _buffer_versions(meta_model), trace.state_ids)
     except WeightValueError as e:
         raise RuntimeError(f"the dry run failed in segment {trace.segment}: {e}") from None
     except (NotImplementedError, RuntimeError) as e:
@@ -448,6 +474,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         embeddings=list(trace.embeddings.values()),
         random_ops=sorted(trace.random_ops),
         nonfinite_checks=sorted(trace.nonfinite_checks),
+        read_only_buffers=sorted(read_only & used),
         loss_items=infer_loss_items(trace.loss_calls, loss, inputs, targets),
     )
 
