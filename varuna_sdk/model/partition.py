@@ -223,10 +223,15 @@ def check_tensor_flow(structure: ModelStructure, stage_map: StageMap) -> None:
     for prod, cons, op in uses:
         sp, sc = stage_map.stage_of_segment(prod), stage_map.stage_of_segment(cons)
         if sp != sc:
+            name, what = op.split(" on ", 1) if " on " in op else (op, "a tensor")
+            early = (" It is an element of a tensor taken before a block's call (x + self.gamma[i] * layer(x) "
+                     "takes self.gamma[i] before layer(x) runs): take it after the call instead, "
+                     "layer(x) * self.gamma[i].") if "made by '__getitem__'" in what else ""
             raise PartitionError(
-                f"a tensor made in {describe_segment(structure, prod)} on stage {sp} is used by {op} in "
-                f"{describe_segment(structure, cons)} on stage {sc} without passing through the cut-points in "
-                "between, so that stage would not have it. Keep those segments on one stage (other "
+                f"{what}{' in' if ' made by ' in what else ' made in'} {describe_segment(structure, prod)} on "
+                f"stage {sp} is used in "
+                f"{describe_segment(structure, cons)} on stage {sc} (by {name}) without passing through the "
+                f"cut-points in between, so that stage would not have it.{early} Keep those segments on one stage (other "
                 "parallel.boundaries, or a smaller P), pass the tensor through every cut-point in between (as "
                 "an argument of each block with automatic cut-points; x, skip = cut(x, skip) with CutPoint "
                 "modules), or recompute it in the later segment. If the cut-points are not where you expect "
