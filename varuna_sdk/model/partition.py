@@ -226,7 +226,10 @@ def check_tensor_flow(structure: ModelStructure, stage_map: StageMap) -> None:
             name, what = op.split(" on ", 1) if " on " in op else (op, "a tensor")
             early = (" It is an element of a tensor taken before a block's call (x + self.gamma[i] * layer(x) "
                      "takes self.gamma[i] before layer(x) runs): take it after the call instead, "
-                     "layer(x) * self.gamma[i].") if "made by '__getitem__'" in what else ""
+                     "layer(x) * self.gamma[i].") if "made by '__getitem__'" in what else (
+                " A scalar a block makes and a later segment adds up (an auxiliary loss) can travel with the "
+                "activations: carry the running total through every block, x, aux_total = layer(x, aux_total)."
+                if what.startswith("a [] ") else "")
             raise PartitionError(
                 f"{what}{' in' if ' made by ' in what else ' made in'} {describe_segment(structure, prod)} on "
                 f"stage {sp} is used in "
