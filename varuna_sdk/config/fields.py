@@ -138,6 +138,15 @@ class Flag:
             raise ConfigError(f"{where}={_show(v)} must be true or false" + (", or null" if self.optional else ""))
 
 
+def _name_or_names(v: Any, least: int) -> bool:
+    """Whether ``v`` is one non-blank name, or a list of ``least`` or more distinct ones (at most
+    ``MAX_ITEMS``, each at most ``MAX_TEXT`` characters)."""
+    def name(x: Any) -> bool:
+        return isinstance(x, str) and 0 < len(x.strip()) and len(x) <= MAX_TEXT
+    return name(v) or (isinstance(v, list) and least <= len(v) <= MAX_ITEMS and len(set(map(str, v))) == len(v)
+                       and all(name(x) for x in v))
+
+
 @dataclass(frozen=True)
 class Plain:
     """Plain data: a mapping (``kind="map"``), a list of names (``"names"``), a list of lists of
@@ -179,18 +188,12 @@ class Plain:
                 raise ConfigError(f"{where}={_show(v)} must be one integer >= 0 and < {1 << 20} per stage (e.g. "
                                   "[4, 2, 0]; 0 = no cap), one for every stage (e.g. 4), or null")
         elif self.kind == "targets":
-            one = isinstance(v, str) and 0 < len(v.strip()) and len(v) <= MAX_TEXT
-            several = (isinstance(v, list) and 0 < len(v) <= MAX_ITEMS and len(set(map(str, v))) == len(v)
-                       and all(isinstance(x, str) and 0 < len(x.strip()) and len(x) <= MAX_TEXT for x in v))
-            if not (one or several):
+            if not _name_or_names(v, least=1):
                 raise ConfigError(f"{where}={_show(v)} must be the name of the batch field the loss compares the "
                                   "output with, a list of distinct names (the loss then gets a dict name -> tensor, "
                                   "e.g. [label, score]), or null")
         elif self.kind == "blocks":
-            one = isinstance(v, str) and 0 < len(v.strip()) and len(v) <= MAX_TEXT
-            several = (isinstance(v, list) and 2 <= len(v) <= MAX_ITEMS and len(set(map(str, v))) == len(v)
-                       and all(isinstance(x, str) and 0 < len(x.strip()) and len(x) <= MAX_TEXT for x in v))
-            if not (one or several):
+            if not _name_or_names(v, least=2):
                 raise ConfigError(f"{where}={_show(v)} must be the dotted name of the model's list of layers (e.g. "
                                   "transformer.h), a list of 2 or more distinct module names in the order the "
                                   "forward calls them (e.g. [b1, b2, b3]), or null")
