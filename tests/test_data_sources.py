@@ -1376,3 +1376,6 @@ def test_a_constant_buffer_every_block_reads_is_held_by_every_stage_and_trains_a
     handle = Job(job, run_dir=tmp_path / "run")
     assert len(got) == 3 and got == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5, abs=1e-6)
     assert torch.equal(handle.trained_weights()["gate"], torch.linspace(0.5, 1.5, 32))
+    # the finished run's folder state, not "NOT LAUNCHED" (no manager in this kernel ran it; helper trial)
+    assert handle.status.state == "SUCCEEDED" and handle.status.step == 3
+    assert Job(job, run_dir=tmp_path / "never").status.state == "NOT LAUNCHED"

@@ -437,13 +437,28 @@ class Job:
             finally:
                 log.close()
         plans, morphs = self._counts.get(Kind.PLAN, 0), self._counts.get(Kind.MORPH, 0)
+        state, error = (m.state.value, m.error) if m else self._folder_state()
         return JobStatus(
-            name=self.config.name, state=m.state.value if m else "NOT LAUNCHED",
+            name=self.config.name, state=state,
             step=int(last.get("step", -1)) + 1, steps=self.config.train.steps, loss=last.get("loss"),
             tokens_per_s=last.get("tokens_per_s"), examples_per_s=last.get("examples_per_s"),
             P=last.get("P") or self.config.parallel.P, D=last.get("D") or self.config.parallel.D,
-            generation=max(0, plans - 1), morphs=morphs, error=m.error if m else None,
+            generation=max(0, plans - 1), morphs=morphs, error=error,
             run_dir=str(self.run_dir) if self.run_dir else None)
+
+    def _folder_state(self) -> tuple[str, str | None]:
+        """``(state, error)`` of this job's run folder when no manager of this kernel runs it (a
+        ``Job(..., run_dir=...)`` of a finished or stopped run: what ``varuna status`` says, e.g.
+        ``SUCCEEDED``); ``("NOT LAUNCHED", None)`` for a folder no job has run in."""
+        if self.run_dir is None or not (Path(self.run_dir) / "events.db").exists():
+            return "NOT LAUNCHED", None
+        from ..manager.runs import read_run
+
+        try:
+            info = read_run(self.run_dir)
+        except Exception:  # noqa: BLE001 - a folder that cannot be read: say nothing more than before
+            return "NOT LAUNCHED", None
+        return info.state_text, info.error
 
     @property
     def metrics(self):
