@@ -1329,7 +1329,7 @@ def test_columns_given_as_a_pair_of_arrays_are_refused_saying_to_wrap_them_in_a_
     from varuna_sdk.notebook import Job
 
     X, Y = np.zeros((64, 8), dtype="float32"), np.zeros(64, dtype="int64")
-    with pytest.raises(DataError, match=r"is a tuple of 2 columns \(ndarray \[64, 8\], ndarray \[64\]\) of 64 examples "
+    with pytest.raises(DataError, match=r"^the tuple given as data= \(shipped with the job\) is a tuple of 2 columns \(ndarray \[64, 8\], ndarray \[64\]\) of 64 examples "
                                         r"each, which would be read as 2 examples; .*TensorDataset\(torch.from_numpy\(X\), "
                                         r"torch.from_numpy\(Y\)\)"):
         Job(model=lambda: torch.nn.Linear(8, 4), data=(X, Y), global_batch=8)

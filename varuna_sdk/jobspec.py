@@ -68,7 +68,7 @@ from .model.spec import (ModelSpec, ModelSpecError, UserLoss, check_target_ids, 
                          model_limits, positive_settings, prepare_model, warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
-from .shipping import ByValue, ShippingError, code_sha256, find_objects
+from .shipping import GIVEN_DATA, ByValue, ShippingError, code_sha256, find_objects
 
 # ---- picklable callables ---------------------------------------------------------------------
 def import_object(ref: str) -> Any:
@@ -575,7 +575,9 @@ def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> Jo
             if "dataset" not in shipped.payloads:
                 raise ShippingError("the objects shipped with the job hold no dataset factory")
             make = ByValue(shipped, "dataset")
-            where = f"dataset factory {shipped.names.get('dataset', '')} (shipped with the job)"
+            name = shipped.names.get("dataset", "")
+            where = (f"the {name[len(GIVEN_DATA):]} given as data= (shipped with the job)" if name.startswith(GIVEN_DATA)
+                     else f"dataset factory {name} (shipped with the job)")
         else:
             make, where = Imported(d.dataset), f"data.dataset {d.dataset!r}"
         kwargs = dict(d.dataset_kwargs or {})

@@ -116,6 +116,11 @@ def version_problems(shipped: Mapping[str, str], here: Mapping[str, str]) -> lis
     return out
 
 
+#: the name a dataset object given as ``Job(data=ds)`` travels under (``data=`` and its type), so
+#: messages say "the tuple given as data=" rather than calling it a factory
+GIVEN_DATA = "data="
+
+
 @dataclass(frozen=True)
 class Shipped:
     """Objects shipped by value: cloudpickle ``payloads`` by role (``factory``, ``loss``, ``init``,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import JobConfig
+from ..shipping import GIVEN_DATA
 
 _PLAIN = (type(None), bool, int, float, str)
 #: ``package.module:function``: a dataset factory named by import path (``data.dataset``), not a file
@@ -54,7 +55,7 @@ class GivenDataset:
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
-        self.__qualname__ = type(dataset).__qualname__
+        self.__qualname__ = f"{GIVEN_DATA}{type(dataset).__qualname__}"   # (for messages: "the tuple given as data=")
 
     def __call__(self) -> Any:
         """The dataset, as it was given."""
