@@ -980,6 +980,41 @@ def test_class_ids_of_shape_b_1_are_refused_before_any_step_saying_to_squeeze_th
             steps=2, P=1, D=1, global_batch=8, micro_batch_size=4, run_dir=str(tmp_path / "nb"))
 
 
+def test_integer_features_into_a_layer_of_weights_and_examples_without_a_model_are_refused_saying_why(tmp_path):
+    """Integer features into an ``nn.Linear`` and uint8 images into a convolution were accepted by
+    the dry run (the meta kernels do not check dtypes) and failed in every worker, where plain
+    PyTorch fails at once: refused up front with the cast to make, in fp32 and in bf16 (autocast
+    casts no integer operand). Examples given without a model were tried on the built-in GPT-2 and
+    refused as "a limit of the meta device": now the message says no model was given."""
+    from torch.utils.data import TensorDataset
+
+    from tests.thirdparty.user_data import Classifier
+    from varuna_sdk.model.spec import ModelSpecError
+    from varuna_sdk.notebook import Job
+
+    ids = torch.randint(0, 5, (64, 16))
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        Classifier()(ids)                                   # plain PyTorch refuses it too
+    for precision in ("fp32", "bf16"):
+        with pytest.raises(ModelSpecError, match=r"linear got int64 operands beside float32 ones: .* cast the data's "
+                                                 r"field in the dataset \(features: x.float\(\)"):
+            Job(model=Classifier, data=TensorDataset(ids, torch.zeros(64, dtype=torch.long)), steps=2, P=1, D=1,
+                global_batch=8, precision=precision, run_dir=str(tmp_path / "nb"))
+    images = torch.randint(0, 255, (64, 3, 8, 8), dtype=torch.uint8)
+    conv = lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(144, 4))  # noqa: E731
+    with pytest.raises(ModelSpecError, match=r"conv2d got uint8 operands .*uint8 images: x.float\(\) / 255"):
+        Job(model=conv, data=TensorDataset(images, torch.zeros(64, dtype=torch.long)), steps=2, P=1, D=1,
+            global_batch=8, run_dir=str(tmp_path / "nb"))
+    assert Job(model=conv, data=TensorDataset(images.float() / 255, torch.zeros(64, dtype=torch.long)), steps=2,
+               P=1, D=1, global_batch=8, run_dir=str(tmp_path / "nb")).resolved is not None
+    with pytest.raises(ModelSpecError, match=r"GPT-2 cpu-demo's forward failed .*scalar types: Long, Int.* The data's "
+                                             r"dtype does not fit the model's layer .*No model was given, so the built-in "
+                                             r"GPT-2 preset .* give the model that takes them \(Job\(model=\.\.\.\)"):
+        Job(data=TensorDataset(torch.randn(64, 8), torch.zeros(64, dtype=torch.long)), steps=2, global_batch=8,
+            run_dir=str(tmp_path / "nb"))
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
 @pytest.mark.timeout(180)
 def test_a_data_file_edited_in_place_is_refused_before_a_run_continues(tmp_path):
     """A run trained on a text file; the file is then edited in place — once to other text of the

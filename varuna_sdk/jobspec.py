@@ -704,7 +704,7 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
                            if isinstance(v, torch.Tensor))
         err = ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
                              f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}" + _on_meta(e)
-                             + _unnamed_fields(meta, inputs))
+                             + _unnamed_fields(meta, inputs) + _default_model_hint(spec, data))
         err.__cause__ = e
         raise _ForwardFailed(err) from None
     if reads_values:  # what such a loss returns, on a real stand-in of the output (outside the dry run)
@@ -791,6 +791,10 @@ _META_LIMITS = ("meta", "fake impl", "data-dependent", "dynamicoutputshape", "no
 _SHAPE_MISMATCH = re.compile(r"same reduction dim|shapes cannot be multiplied|size mismatch|must match the size|"
                              r"size of tensor a \(\d+\) must match|expected input.*to have \d+ channels|"
                              r"invalid channel dimensions|but got \[[\d, ]+\] x \[[\d, ]+\]")
+#: a dtype check's message (an embedding given float ids, a linear layer given integer features)
+_DTYPE_MISMATCH = re.compile(r"to have one of the following scalar types|expected scalar type \w+ but found|"
+                             r"mat1 and mat2 must have the same dtype|input type \(.*\) and (weight|bias) type .* "
+                             r"should be the same|\"\w+\" not implemented for '(long|int|short|char|byte|bool)'")
 
 
 def _unnamed_fields(model: nn.Module, inputs: Any) -> str:
@@ -821,6 +825,15 @@ def _unnamed_fields(model: nn.Module, inputs: Any) -> str:
             "name the fields as the forward's parameters, or map them with model.inputs")
 
 
+def _default_model_hint(spec: ModelSpec, data: JobData) -> str:
+    """What to add when the model that failed is the built-in GPT-2 preset, chosen because no model
+    was given, on examples (not text): the job needs the user's model; ``""`` otherwise."""
+    if spec.identity.get("kind") != "preset" or data.examples is None:
+        return ""
+    return (". No model was given, so the built-in GPT-2 preset (token ids in, next-token loss) was tried on "
+            "these examples: give the model that takes them (Job(model=...), model.factory in a config)")
+
+
 def _on_meta(e: BaseException) -> str:
     """What to add to a dry-run failure that comes from the meta device itself, not from the model:
     an explanation and the way out; ``""`` for other failures."""
@@ -831,6 +844,10 @@ def _on_meta(e: BaseException) -> str:
         frames.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
     in_torch_meta = any(("_meta_registrations" in f or "fake_impl" in f or "_subclasses/fake" in f) for f in frames)
+    if _DTYPE_MISMATCH.search(text):
+        return (". The data's dtype does not fit the model's layer (the same error as a plain PyTorch run of this model "
+                "gives): an nn.Embedding takes integer ids (torch.long), nn.Linear and convolutions float features; "
+                "check the dtypes of the data's fields against what the model's forward expects")
     if _SHAPE_MISMATCH.search(text) and not any(w in text for w in _META_LIMITS[2:]):
         # torch's meta kernels check shapes as its real ones do: the model's own error
         return (". The shapes of the data and the model's layers do not match (the same error as a plain PyTorch "

@@ -266,12 +266,23 @@ _NONFINITE_FUNCS = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isnegin
                               "nanmean", "nansum", "nanmedian", "nanquantile"})
 
 
-def _check_same_dtype(func, args: tuple, kwargs: dict) -> None:
-    """Raise the ``RuntimeError`` the real device would, when floating operands differ in dtype."""
-    floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+def _check_same_dtype(func, args: tuple, kwargs: dict, floats_too: bool) -> None:
+    """Raise the ``RuntimeError`` the real device would, when integer (or bool) and floating operands
+    meet (integer features into a ``Linear``, uint8 images into a convolution: autocast casts neither),
+    or, with ``floats_too``, when floating operands differ in dtype (not under autocast)."""
+    tensors = list(_tensors((args, kwargs)))
+    floats = [t for t in tensors if t.is_floating_point()]
+    whole = sorted({str(t.dtype).replace("torch.", "") for t in tensors if not t.is_floating_point()
+                    and not t.is_complex()})
+    name = getattr(func, "__name__", func)
+    if floats and whole:
+        raise RuntimeError(f"{name} got {', '.join(whole)} operands beside {str(floats[0].dtype).replace('torch.', '')} "
+                           "ones: a layer's weights take floating inputs — cast the data's field in the dataset "
+                           "(features: x.float(); uint8 images: x.float() / 255), or, for ids, look them up in an "
+                           "nn.Embedding first")
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in floats})
-    if len(dtypes) > 1:
-        raise RuntimeError(f"{getattr(func, '__name__', func)} got floating operands of different dtypes "
+    if floats_too and len(dtypes) > 1:
+        raise RuntimeError(f"{name} got floating operands of different dtypes "
                            f"({', '.join(dtypes)}): the data and the weights must have one dtype — cast the data's "
                            "floating fields in the dataset (e.g. torch.from_numpy(x).float(), x.astype('float32'))")
 
@@ -293,8 +304,8 @@ class _TraceMode(TorchFunctionMode):
         if tr.in_cut:
             return func(*args, **kwargs)
         seg = tr.segment
-        if tr.strict_dtypes and func in _SAME_DTYPE:
-            _check_same_dtype(func, args, kwargs)
+        if func in _SAME_DTYPE:
+            _check_same_dtype(func, args, kwargs, floats_too=tr.strict_dtypes)
         if getattr(func, "__name__", "") in _RANDOM_FUNCS:
             tr.random_ops.add(func.__name__)
         if getattr(func, "__name__", "") in _NONFINITE_FUNCS and \
