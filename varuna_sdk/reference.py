@@ -26,6 +26,7 @@ from torch import nn
 from .config import JobConfig
 from .jobspec import ResolvedJob
 from .model.inputs import call_model, rows
+from .model.rng import segment_rng
 from .model.spec import positive_settings
 
 __all__ = ["micro_batches", "plain_losses", "initial_model"]
@@ -102,7 +103,9 @@ _RANDOM_ATTRS = ("dropout", "hidden_dropout", "attention_dropout", "attn_dropout
                  "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate", "drop_path_prob")
 
 
-def _warn_if_random(model: nn.Module, random_ops: list[str] = ()) -> None:
+def _warn_if_random(model: nn.Module, random_ops: list[str] = (), why: str = "") -> None:
+    """Warn that ``model`` draws random numbers (dropout, drop paths, ``random_ops`` in its forward)
+    the reference cannot draw as the pipeline does, for the reason ``why``."""
     drops = {type(m).__name__ for m in model.modules()
              if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0}
     drops |= {f"{'config.' if where.endswith('config') else ''}{a}={v:g}"
@@ -111,7 +114,7 @@ def _warn_if_random(model: nn.Module, random_ops: list[str] = ()) -> None:
     if drops:
         warnings.warn(f"the model has {', '.join(drops[:6])} (dropout with p > 0, or random numbers): the pipeline "
                       "draws its own dropout masks and random numbers "
-                      "(the same at every P x D), plain PyTorch others, so losses differ by that noise; build the "
+                      f"(the same at every P x D), and {why}, so losses differ by that noise; build the "
                       "model without it (dropout 0, no random numbers in training) to compare exactly", UserWarning,
                       stacklevel=3)
 
@@ -127,8 +130,11 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
     in one call.
 
     ``model``: your own copy to train (it is changed; default ``initial_model``, the weights every
-    stage starts from). Runs on CPU in the job's precision (fp32 or bf16). Warns when the model
-    has dropout (its masks differ from the pipeline's). Raises ``ValueError`` for ``steps`` outside
+    stage starts from). Runs on CPU in the job's precision (fp32 or bf16). Dropout masks and other
+    random numbers the forward draws from torch's or NumPy's global generators are the pipeline's
+    (each segment between cut-points seeded by (``train.seed``, step, micro-batch, segment), as the
+    workers seed it) when the model is ``initial_model`` and the micro-batch size the job's; otherwise
+    a model with dropout is warned about (its masks differ from the pipeline's). Raises ``ValueError`` for ``steps`` outside
     ``1 .. train.steps``, fp16, or a micro-batch size that does not divide the global batch."""
     t = job.train
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= t.steps:
@@ -141,11 +147,17 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
     b = micro_batch_size_of(job, micro_batch_size)
     structure = model_structure(job, resolved)
     items = loss_items_of(job, resolved, structure)   # as the workers count
+    # the pipeline's random draws, where the forward crosses the cut-points the pipeline's does (the
+    # job's own model) at the pipeline's micro-batches (global micro-batch j of the step: the j-th)
+    same_draws = model is None and job.parallel.micro_batch_size == b
     if model is None:
         model = initial_model(job, resolved)
-        _warn_if_random(model, structure.random_ops)
+        if not same_draws:
+            _warn_if_random(model, structure.random_ops, f"at micro-batch size {b}, not the job's "
+                            f"{job.parallel.micro_batch_size or '(planned at launch)'}, plain PyTorch draws others")
     else:
-        _warn_if_random(model)
+        _warn_if_random(model, why="in a model of your own plain PyTorch draws others (the job's own, the "
+                                   "default, draws the pipeline's)")
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     decay, no_decay = [q for q in params if q.dim() >= 2], [q for q in params if q.dim() < 2]
@@ -161,9 +173,11 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
         counts = [items.count(i, tg)[0] for i, tg in mbs] if items is not None else [1] * len(mbs)
         n = sum(counts)
         total = 0.0
-        for (inputs, targets), k in zip(mbs, counts):
+        for j, ((inputs, targets), k) in enumerate(zip(mbs, counts)):
             with amp:
-                loss = loss_fn(call_model(model, inputs), targets)
+                with segment_rng(t.seed, step, j) if same_draws else contextlib.nullcontext():
+                    output = call_model(model, inputs)
+                loss = loss_fn(output, targets)
             # every label ignored: share 0 (a mean cross-entropy over no item backpropagates zeros)
             (loss.float() / n if items is None else loss.float() * (k / n if n else 0.0)).backward()
             if k:

@@ -233,7 +233,10 @@ class Job:
         trained in place), with the job's AdamW, learning rate and clipping — what
         ``job.metrics.loss`` must equal, to fp32 rounding, at any P × D: your check that the
         pipeline trains your model as PyTorch does. Runs here, on CPU (fp32 or bf16), before or
-        after ``launch()``. Warns for a model with dropout (its masks differ). Raises
+        after ``launch()``. Dropout masks and other random draws are the pipeline's (each segment
+        of each micro-batch seeded as the workers seed it) at the job's micro-batch size with the
+        job's own model; with your ``model`` or another size a model with dropout is warned about
+        (its masks differ). Raises
         ``ValueError`` for ``steps`` outside ``1 .. train.steps`` or fp16. (``varuna_sdk.reference``)"""
         from ..reference import plain_losses
 
