@@ -941,6 +941,35 @@ def test_class_probabilities_train_with_the_automatic_cross_entropy_as_plain_pyt
     assert first == pytest.approx(got[0], rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.timeout(180)
+def test_a_class_weighted_loss_at_micro_batch_one_trains_as_one_plain_call_on_the_mini_batch(tmp_path):
+    """``cross_entropy(weight=w)`` of the user's own at P=2, one example per micro-batch: each
+    micro-batch's mean was averaged, so the weights cancelled out (w·l/w) and the job trained the
+    unweighted loss without a word (helper-59). Now each micro-batch counts by its targets' weight
+    sum: every step's loss equals plain PyTorch's one call on the whole mini-batch."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    job = JobConfig(name="weighted", model=ModelConfig(factory="tests.thirdparty.user_data:Classifier",
+                                                       loss="tests.thirdparty.user_data:weighted_cross_entropy"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                    parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=1),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
+    got = [m["loss"] for m in train_local(job, run_dir=tmp_path / "run").metrics()]
+    handle = Job(job)
+    whole = handle.plain_pytorch_losses(3, micro_batch_size=8)   # one call per mini-batch: the weights as meant
+    assert got == pytest.approx(whole, rel=1e-5), (got, whole)
+    from tests.thirdparty.user_data import Classifier
+
+    mine = Classifier()
+    mine.load_state_dict(handle.initial_weights())
+    unweighted = sum(torch.nn.functional.cross_entropy(mine(x), y).item() for (x,), y in handle.batch(0)) / 8
+    assert abs(got[0] - unweighted) > 1e-3, (got[0], unweighted)   # (what it trained before)
+
+
+
+
 @pytest.mark.timeout(120)
 def test_class_ids_of_shape_b_1_are_refused_before_any_step_saying_to_squeeze_them(tmp_path):
     """Class ids ``[B, 1]`` (``y.unsqueeze(1)``) with ``[B, C]`` logits: plain PyTorch's

@@ -73,8 +73,23 @@ def _ce_plus(out, y):
     return _ce(out, y) + 0.01 * out.pow(2).mean()
 
 
+_CLASS_WEIGHTS = torch.linspace(0.5, 2.0, 32)
+
+
 def _weighted(out, y):
-    return F.cross_entropy(out.reshape(-1, 32), y.reshape(-1), weight=torch.ones(32, device=out.device))
+    return F.cross_entropy(out.reshape(-1, 32), y.reshape(-1), weight=_CLASS_WEIGHTS)
+
+
+class _WeightsOnTheModel(_LM):
+    """Class weights held by the model (a buffer: on meta in the dry run, so unreadable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("class_weights", torch.linspace(0.5, 2.0, 32))
+
+    def forward(self, input_ids, labels=None):
+        logits = super().forward(input_ids)
+        return F.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1), weight=self.class_weights)
 
 
 def _summed(out, y):
@@ -106,12 +121,29 @@ def test_a_sample_that_predicts_nothing_reads_a_models_labels_shifted():
     assert _rule(_LM, (ids,), _ce, labels) == LossItems(None, False, -100)
 
 
-@pytest.mark.parametrize("loss_fn", [_ce_plus, _weighted, _summed])
+@pytest.mark.parametrize("loss_fn", [_ce_plus, _summed])
 def test_a_loss_that_is_not_one_plain_mean_gets_no_rule(loss_fn):
-    """A second term, class weights, or the loss's own normalisation: the micro-batch means are
-    averaged (no rule), since weighting them by items would change what the loss means."""
+    """A second term, or the loss's own normalisation: the micro-batch means are averaged (no
+    rule), since weighting them by items would change what the loss means."""
     ids, labels = _labels()
     assert _rule(_LM, (ids,), loss_fn, labels) is None
+
+
+def test_class_weights_count_each_micro_batchs_weight_sum_and_weights_on_meta_get_no_rule():
+    """``cross_entropy(weight=w)``'s mean is Σ w[y]·l / Σ w[y]: a micro-batch's items are the weight
+    sum of its valid targets, so that micro-batch means weighted by them give the whole batch's mean
+    (they were averaged: at a micro-batch of one example the weights cancelled out, helper-59).
+    Weights held by the model are on meta in the dry run: no rule (the means are averaged)."""
+    ids, labels = _labels()
+    rule = _rule(_LM, (ids,), _weighted, labels)
+    assert rule == LossItems(None, False, -100, weight=tuple(float(w) for w in _CLASS_WEIGHTS.double()))
+    logits = torch.randn(2, 8, 32)
+    whole = _weighted(logits, labels)
+    parts = [(_weighted(logits[i:i + 1], labels[i:i + 1]), rule.count((ids[i:i + 1],), labels[i:i + 1])[0])
+             for i in range(2)]
+    assert parts[0][1] == pytest.approx(float(_CLASS_WEIGHTS[labels[0][labels[0] != -100]].sum()))
+    assert sum(float(m) * n for m, n in parts) / sum(n for _, n in parts) == pytest.approx(float(whole), rel=1e-6)
+    assert _rule(_WeightsOnTheModel, {"input_ids": ids, "labels": labels}, model_loss, None) is None
 
 
 def test_a_loss_call_whose_target_could_not_be_read_gets_no_rule():

@@ -991,7 +991,7 @@ def _warn_unweighted(data: JobData, name: str) -> None:
                and bool((v == -100).any())]
     if ignored:
         warnings.warn(f"{data.source}: field(s) {ignored} hold -100 (ignored labels), but {name}'s loss is not one "
-                      "mean cross_entropy/nll_loss over them (a second term added, class weights, or its own "
+                      "mean cross_entropy/nll_loss over them (a second term added, class weights held on the model, or its own "
                       "normalisation), so the SDK cannot weigh micro-batches by their tokens: each micro-batch's mean "
                       "loss counts the same, and the loss changes with the micro-batch size the plan picks (fix "
                       "parallel.micro_batch_size to keep it), unlike one plain PyTorch call on the mini-batch",

@@ -10,10 +10,12 @@ mini-batch trained in one call (the gradient-accumulation normalisation problem;
 of valid items, and dividing by the mini-batch's count, gives the mean over every item.
 
 The count is read from the data, by a rule found once in the dry run (``infer_loss_items``): the
-loss's one ``cross_entropy``/``nll_loss`` call (mean reduction, no class weights) whose output
-is the loss, compared with the micro-batch's targets and integer inputs, as they are or shifted
-by one position (a causal LM's labels). No rule (another loss, several terms, class weights): the
-micro-batch means are averaged, as before.
+loss's one ``cross_entropy``/``nll_loss`` call (mean reduction) whose output is the loss, compared
+with the micro-batch's targets and integer inputs, as they are or shifted by one position (a causal
+LM's labels). With class weights (``weight=``, a tensor the loss holds) the call's mean is over the
+weights of its targets, Σ w[y]·l / Σ w[y], so a micro-batch's items are that weight sum (at a
+micro-batch of one example the weights would otherwise cancel out). No rule (another loss, several
+terms, weights the dry run cannot read): the micro-batch means are averaged, as before.
 
 Owns ``LossCall``, ``LossItems`` and ``infer_loss_items``. Must never import
 ``varuna_sdk.pipeline``.
@@ -37,13 +39,15 @@ _SIGNATURES = {f: inspect.signature(f) for f in LOSS_FUNCS}
 @dataclass
 class LossCall:
     """One ``cross_entropy``/``nll_loss`` call seen in the dry run: its real ``target`` (computed
-    from the inputs alone), ``ignore_index``, ``reduction``, whether it had class ``weight``s, and
-    the id of its output (set once it ran)."""
+    from the inputs alone), ``ignore_index``, ``reduction``, whether it had class ``weight``s and
+    their values (``weight``, ``[C]``; ``None`` where they were on meta: a model's buffer), and the
+    id of its output (set once it ran)."""
 
     target: torch.Tensor
     ignore_index: int
     reduction: str
     weighted: bool
+    weight: tuple[float, ...] | None = None
     out_id: int | None = None
 
     @classmethod
@@ -58,9 +62,12 @@ class LossCall:
         if not isinstance(target, torch.Tensor) or target.device.type == "meta" or target.is_floating_point():
             return None
         legacy = a.get("size_average") is not None or a.get("reduce") is not None
+        w = a.get("weight")
+        readable = isinstance(w, torch.Tensor) and w.device.type != "meta" and w.dim() == 1
         return cls(target=target.detach().clone(), ignore_index=int(a.get("ignore_index", -100)),
                    reduction="legacy" if legacy else str(a.get("reduction", "mean")),
-                   weighted=a.get("weight") is not None)
+                   weighted=w is not None,
+                   weight=tuple(float(x) for x in w.detach().double().cpu()) if readable else None)
 
 
 @dataclass(frozen=True)
@@ -71,12 +78,14 @@ class LossItems:
     LM shifting its labels); ``ignore_index``: the id that does not count; ``guessed``: the traced
     sample could not tell whether the loss shifts (every label ignored, or constant along the
     sequence), so ``shift`` follows the convention (``infer_loss_items``) and a wider sample should
-    decide (``trainer.loss_items_of``)."""
+    decide (``trainer.loss_items_of``); ``weight``: the loss's class weights (``[C]``), where a
+    micro-batch's items are the weight sum of its counted targets."""
 
     source: str | None
     shift: bool
     ignore_index: int
     guessed: bool = field(default=False, compare=False)   # the sample could not tell the shift
+    weight: tuple[float, ...] | None = None
 
     def _tensor(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         if self.source is None:
@@ -88,16 +97,19 @@ class LossItems:
             t = inputs[i] if i < len(inputs) else None
         return t if isinstance(t, torch.Tensor) else None
 
-    def count(self, inputs: Any, targets: Any) -> tuple[int, int]:
+    def count(self, inputs: Any, targets: Any) -> tuple[float, int]:
         """``(items, positions)`` of a micro-batch (host tensors: no device sync): the positions the
-        loss compares and how many of them count (not ``ignore_index``). Raises ``ValueError`` when
-        the micro-batch lacks the source tensor."""
+        loss compares and how many of them count (not ``ignore_index``) — with class weights, the
+        sum of their weights. Raises ``ValueError`` when the micro-batch lacks the source tensor."""
         t = self._tensor(inputs, targets)
         if t is None:
             raise ValueError(f"the micro-batch has no {self.source or 'targets'!r} tensor to count the loss's items in")
         if self.shift:
             t = t[..., 1:]
-        return int((t != self.ignore_index).sum()), int(t.numel())
+        valid = t != self.ignore_index
+        if self.weight is None:
+            return int(valid.sum()), int(t.numel())
+        return float(torch.tensor(self.weight, dtype=torch.float64)[t[valid].long().cpu()].sum()), int(t.numel())
 
 
 def _candidates(inputs: Any, targets: Any) -> list[tuple[str | None, torch.Tensor]]:
@@ -130,7 +142,7 @@ def infer_loss_items(calls: list[LossCall], loss: Any, inputs: Any, targets: Any
     """The rule for counting a micro-batch's loss items, from the dry run: ``calls`` its loss
     calls, ``loss`` the tensor the loss returned (or the model's output holding it as ``.loss`` /
     ``["loss"]``), ``inputs``/``targets`` the micro-batch. A rule
-    needs exactly one call, with mean reduction and no class weights, whose output is the loss
+    needs exactly one call, with mean reduction and class weights (if any) it can read, whose output is the loss
     itself, and one source: the loss's own targets where they are the call's target as given,
     else the target or integer input equal to it as it is or shifted by one position (a source
     matching both ways is read by convention, ``guessed``). None otherwise (the micro-batch means
@@ -142,12 +154,12 @@ def infer_loss_items(calls: list[LossCall], loss: Any, inputs: Any, targets: Any
     if len(calls) != 1 or not isinstance(loss, torch.Tensor):
         return None
     c = calls[0]
-    if c is None or c.reduction != "mean" or c.weighted or c.out_id != id(loss):
+    if c is None or c.reduction != "mean" or (c.weighted and c.weight is None) or c.out_id != id(loss):
         return None   # None: a loss call whose target was not a real integer tensor
-    found = {LossItems(name, shift, c.ignore_index) for name, cand in _candidates(inputs, targets)
+    found = {LossItems(name, shift, c.ignore_index, weight=c.weight) for name, cand in _candidates(inputs, targets)
              for shift in (False, True) if _matches(c.target, cand, shift, c.ignore_index)}
-    direct = LossItems(None, False, c.ignore_index)   # the loss's own targets, as it was given them
-    if direct in found and LossItems(None, True, c.ignore_index) not in found:
+    direct = LossItems(None, False, c.ignore_index, weight=c.weight)   # the loss's own targets, as it was given them
+    if direct in found and LossItems(None, True, c.ignore_index, weight=c.weight) not in found:
         return direct
     if len({r.shift for r in found}) > 1:
         # the sample cannot tell (every label ignored, or constant along the sequence): a model

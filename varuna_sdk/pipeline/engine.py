@@ -113,7 +113,7 @@ class _StepState:
     grad_actions: int = 0
     peak_live: int = 0
     mb_host: list = field(default_factory=list)   # targets on the host, per micro-batch (Varuna._micro_batches)
-    items: list[int] | None = None   # last stage, counting loss items: valid items per micro-batch
+    items: list[float] | None = None   # last stage, counting loss items: valid items (or their class-weight sum) per micro-batch
     positions: int = 0               # ... and the positions the loss compares, over the replica's micro-batches
 
 
@@ -449,7 +449,7 @@ class Varuna:
                           loss_sum=torch.zeros((), device=self.device), mb_host=mb_host, items=items,
                           positions=positions)
 
-    def _item_counts(self, batch: Sequence) -> tuple[list[int] | None, int]:
+    def _item_counts(self, batch: Sequence) -> tuple[list[float] | None, int]:
         """On the last stage of a job counting loss items: each micro-batch's valid items and the
         positions of all (``LossItems.count``, on the batch as read: no device sync); ``(None, 0)``
         elsewhere."""
