@@ -665,6 +665,16 @@ def test_no_tokenizer_for_a_dataset_of_tensors_and_a_clear_refusal_where_one_is_
     assert J.from_yaml(tmp_path / "j.yaml").validate().data.tokenizer is None
     with pytest.raises(ConfigError, match=r"data.tokenizer is null, but the data is text .* give data.tokenizer"):
         resolve_job(job(DataConfig(corpus="shakespeare", tokenizer=None), ModelConfig()))
+    # (helper-59) token ids in a .npy file, and a folder of examples: each told what to give
+    import numpy as np
+
+    np.save(tmp_path / "ids.npy", np.arange(100, dtype=np.uint16))
+    with pytest.raises(ConfigError, match=r"'.*ids.npy' holds token ids, .* give it as data.tokenizer .*leaving it out "
+                                          r"means 'gpt2'.*give them as a dataset"):
+        resolve_job(job(DataConfig(path=str(tmp_path / "ids.npy"), tokenizer=None), ModelConfig()))
+    (tmp_path / "saved").mkdir()
+    with pytest.raises(ConfigError, match=r"is a folder, .*Job\(data=datasets.load_from_disk\(path\)\)"):
+        resolve_job(job(DataConfig(path=str(tmp_path / "saved"), tokenizer=None), ModelConfig()))
     windows = DataConfig(dataset="tests.thirdparty.user_data:TokenWindows", tokenizer=None, seq_len=16)
     with pytest.raises(ConfigError, match=r"model gpt2 .* data.tokenizer, which is null: .* model.kwargs.vocab_size"):
         resolve_job(job(windows, ModelConfig(preset="tiny")))

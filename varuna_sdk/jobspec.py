@@ -548,14 +548,13 @@ class _LMLoader:
         self.inner.load_state_dict(state)
 
 
-def _tokenizer(name: str | None, examples: bool) -> Tokenizer | None:
+def _tokenizer(name: str | None, examples: bool, path: str | None = None) -> Tokenizer | None:
     """The tokenizer ``data.tokenizer`` names; ``None`` (no tokenizer) only for a dataset of
-    examples (``examples``). Raises ``ConfigError`` for an unknown one, or ``None`` with text data."""
+    examples (``examples``). Raises ``ConfigError`` for an unknown one, or ``None`` with text or
+    token data (``path``: the data's file or folder, for the message)."""
     if name is None:
         if not examples:
-            raise ConfigError("data.tokenizer is null, but the data is text or tokens to cut into sequences, which "
-                              "needs one: give data.tokenizer ('gpt2', 'byte' or a tokenizer.json), or a data.dataset "
-                              "whose examples are tensors already")
+            raise ConfigError(_no_tokenizer_for(path))
         return None
     try:
         return get_tokenizer(name)
@@ -563,12 +562,33 @@ def _tokenizer(name: str | None, examples: bool) -> Tokenizer | None:
         raise ConfigError(f"data.tokenizer: {e}") from None
 
 
+def _no_tokenizer_for(path: str | None) -> str:
+    """Why ``data.tokenizer: null`` cannot read ``path`` (text or token ids cut into sequences), and
+    what to give instead: the tokenizer, or the examples as a dataset."""
+    from .data.sources import TOKEN_SUFFIXES
+
+    p = Path(path) if path else None
+    if p is not None and p.suffix.lower() in TOKEN_SUFFIXES:
+        return (f"data.tokenizer is null, but {str(p)!r} holds token ids, read as one stream cut into sequences with "
+                "the tokenizer that made them (its vocabulary, end-of-text id): give it as data.tokenizer ('gpt2', "
+                "'byte' or a tokenizer.json; leaving it out means 'gpt2'); for examples of your own (features and "
+                "labels), give them as a dataset instead (Job(data=...), data.dataset in a config)")
+    if p is not None and p.is_dir():
+        return (f"data.tokenizer is null, but {str(p)!r} is a folder, read as text or token files cut into sequences "
+                "with a tokenizer: give data.tokenizer for text; for examples of your own (a folder saved with "
+                "datasets' save_to_disk, or .npy files, one per example), give them as a dataset: "
+                "Job(data=datasets.load_from_disk(path)) or a function that reads them (data.dataset in a config)")
+    return ("data.tokenizer is null, but the data is text or tokens to cut into sequences, which "
+            "needs one: give data.tokenizer ('gpt2', 'byte' or a tokenizer.json), or a data.dataset "
+            "whose examples are tensors already (a CSV of numbers: read it into a TensorDataset)")
+
+
 def resolve_data(job: JobConfig, search: Sequence[str | Path | None] = ()) -> JobData:
     """Open and check the job's data (see ``config.DataConfig``). Raises ``DataError`` naming the
     file, column or factory and the fix, ``ConfigError`` for an unknown tokenizer."""
     d = job.data
     digest = _by_value_ref(d.by_value)
-    tok = _tokenizer(d.tokenizer, examples=digest is not None or d.dataset is not None)
+    tok = _tokenizer(d.tokenizer, examples=digest is not None or d.dataset is not None, path=d.path)
     if digest is not None or d.dataset is not None:
         if digest is not None:
             shipped = find_objects(digest, search)
