@@ -293,6 +293,24 @@ def test_tokens_per_example_counts_token_ids_not_a_bool_mask(tmp_path):
     assert tokens_per_example(j.config, j.resolved) is None
     j = job_of("tests.thirdparty.user_data:make_dataset", factory="tests.thirdparty.user_data:Classifier")
     assert tokens_per_example(j.config, j.resolved) is None
+    # uint8 images [1, 16, 16] are pixels, not 256 tokens (tokens/s was 256 x examples/s: helper-59)
+    from torch.utils.data import TensorDataset
+
+    images = TensorDataset(torch.randint(0, 255, (64, 1, 16, 16), dtype=torch.uint8), torch.zeros(64, dtype=torch.long))
+    conv = lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 4))  # noqa: E731
+    j = Job(model=lambda: _Pixels(conv()), data=images, steps=2, P=1, D=1, global_batch=8, run_dir=str(tmp_path / "px"))
+    assert tokens_per_example(j.config, j.resolved) is None
+
+
+class _Pixels(torch.nn.Module):
+    """A model that takes uint8 pixels and scales them itself."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.float() / 255)
 
 
 def _aux_job(tmp_path, aux_from: int, P: int) -> JobConfig:

@@ -244,17 +244,23 @@ def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path 
     return Training(engine, opt, loader, [r.split(v) for v in val], r, field_kinds(r.data.sample(1, d.seq_len)))
 
 
+#: integer dtypes that hold no token ids (masks; pixels)
+_NOT_TOKENS = (torch.bool, torch.uint8, torch.int8)
+
+
 def tokens_per_example(job: JobConfig, resolved: ResolvedJob) -> int | None:
     """Tokens in one example: ``seq_len`` for token data; for a dataset, the elements of its
     ``input_ids`` field, else its first integer field of more than one element (token ids; not a
-    bool mask, not a class label), else ``None``: the examples hold no tokens (images, table rows),
-    and throughput is examples/s only."""
+    bool mask, not a class label, not uint8/int8 pixels or an integer array of 3 or more dimensions:
+    an image), else ``None``: the examples hold no tokens (images, table rows), and throughput is
+    examples/s only."""
     if resolved.data.tokens is not None:
         return job.data.seq_len
     fields = resolved.data.sample(1, job.data.seq_len)
     ids = [fields["input_ids"]] if "input_ids" in fields else list(fields.values())
     for v in ids:
-        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype is not torch.bool:
+        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype not in _NOT_TOKENS \
+                and (v.dim() <= 3 or v is fields.get("input_ids")):
             n = v[0].numel() if v.dim() else 1
             if n > 1 or v is fields.get("input_ids"):
                 return max(1, n)
