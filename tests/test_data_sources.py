@@ -812,6 +812,15 @@ def test_nested_and_text_fields_are_refused_with_the_shape_to_give_instead():
         open_examples([((torch.zeros(2), torch.ones(3)), torch.tensor(1))], "ds")
     with pytest.raises(DataError, match=r"at \['text'\].*text must be token ids: tokenize it in __getitem__"):
         open_examples([{"text": "hello", "labels": 1}], "ds")
+    # (helper-59) a text column left beside the token ids is read without, warned about; string labels
+    # are told to become class ids
+    with pytest.warns(UserWarning, match=r"field\(s\) \['text'\] hold strings \(e.g. 'hello'\), which no model takes: "
+                                         r"the examples are read without them"):
+        left = open_examples([{"input_ids": torch.arange(4), "text": "hello", "labels": 1}] * 3, "ds")
+    assert set(left.dataset[2]) == {"input_ids", "labels"}
+    for example in ({"x": torch.zeros(2), "label": "cat"}, (torch.zeros(2), "cat")):
+        with pytest.raises(DataError, match=r"class labels must be class ids, not strings: map them to 0 .. C-1"):
+            open_examples([example], "ds")
     with pytest.raises(DataError, match=r"at \['0'\].*a dict inside an example \(at \['0'\]\) is not taken: return one "
                                         r"flat dict of tensors instead, e.g. \{'x': ..., 'mask': ..., 'labels': y\}"):
         open_examples([({"x": torch.zeros(2), "mask": torch.ones(2)}, torch.tensor(1))], "ds")

@@ -349,6 +349,59 @@ def _refuse_columns_as_examples(dataset: Any, source: str) -> None:
                     f"examples row by row: torch.utils.data.TensorDataset({wrap}) (NumPy arrays as tensors)")
 
 
+#: what to do with class labels given as strings
+_STRING_LABELS = ("class labels must be class ids, not strings: map them to 0 .. C-1, e.g. classes = "
+                  "sorted(set(labels)); ids = [classes.index(c) for c in labels] (datasets: "
+                  ".class_encode_column('label'))")
+
+
+def _label_like(key: str, example: Any) -> bool:
+    """Whether field ``key`` of ``example`` reads as its label: named so, or a tuple's last."""
+    if isinstance(example, (tuple, list)):
+        return key == str(len(example) - 1)
+    return key.lower() in ("label", "labels", "target", "targets", "y", "class", "category")
+
+
+class _WithoutFields:
+    """A dict-example dataset read without some of its fields (``drop``): ``len`` and ``[i]``."""
+
+    def __init__(self, dataset: Any, drop: Sequence[str]):
+        self.dataset, self.drop = dataset, frozenset(drop)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v for k, v in self.dataset[i].items() if k not in self.drop}
+
+
+def _without_text_fields(dataset: Any, first: dict, source: str, ok) -> tuple[Any, dict]:
+    """A dict-example dataset without its string fields (a ``text`` column left after tokenizing,
+    an id), warned about, when its other fields are tensors: no model takes strings. String class
+    labels raise ``DataError`` (they must become class ids); anything else is left to the caller."""
+    import warnings
+
+    strings = [k for k, v in first.items() if isinstance(v, str)]
+    rest = [k for k in first if k not in strings]
+    if not strings or not all(ok(first[k]) for k in rest) or all(_label_like(k, first) for k in rest):
+        return dataset, first   # (only labels left: the text was meant as the input, untokenized)
+    labels = [k for k in strings if _label_like(k, first)]
+    if labels:
+        raise DataError(f"{source}: example 0 holds strings at {labels}: " + _STRING_LABELS)
+    warnings.warn(f"{source}: field(s) {strings} hold strings (e.g. {_short_str(first[strings[0]])}), which no model "
+                  "takes: the examples are read without them (to train on text, tokenize it into input_ids; "
+                  "datasets: .remove_columns([...]) says so yourself)", UserWarning, stacklevel=4)
+    if hasattr(dataset, "remove_columns"):   # a Hugging Face Dataset: columnar, as fast as before
+        dataset = dataset.remove_columns(strings)
+    else:
+        dataset = _WithoutFields(dataset, strings)
+    return dataset, dataset[0]
+
+
+def _short_str(v: str) -> str:
+    return repr(v if len(v) <= 24 else v[:21] + "...")
+
+
 def open_examples(dataset: Any, source: str) -> ExampleData:
     """Check that ``dataset`` is a non-empty map-style dataset whose first example is a tensor, a
     tuple/list or a dict of tensors (or numbers); a Hugging Face ``datasets.Dataset`` in its default
@@ -371,6 +424,8 @@ def open_examples(dataset: Any, source: str) -> ExampleData:
     def ok(v):
         return isinstance(v, (torch.Tensor, int, float, np.ndarray, np.number))
     if isinstance(first, dict):
+        dataset, first = _without_text_fields(dataset, first, source, ok)
+    if isinstance(first, dict):
         bad = [k for k, v in first.items() if not ok(v)]
     elif isinstance(first, (tuple, list)):
         bad = [str(i) for i, v in enumerate(first) if not ok(v)]
@@ -392,7 +447,9 @@ def open_examples(dataset: Any, source: str) -> ExampleData:
                          + (", 'labels': y" if isinstance(first, (tuple, list)) and len(first) > len(nested) else "")
                          + "} (the forward gets the fields its parameters name; model.targets names the loss's "
                          "targets field, Job(..., targets=...) in a notebook)")
-        if any(isinstance(what.get(k), str) for k in bad):
+        if any(isinstance(what.get(k), str) and _label_like(k, first) for k in bad):
+            hints.append(_STRING_LABELS)
+        elif any(isinstance(what.get(k), str) for k in bad):
             hints.append("text must be token ids: tokenize it in __getitem__ (or use data.path with a tokenizer), or "
                          "drop the column (datasets: .remove_columns([...]))")
         raise DataError(f"{source}: example 0 holds non-tensor values at {bad}; each example must be a tensor, a "
