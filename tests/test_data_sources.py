@@ -1214,8 +1214,24 @@ def test_a_dataset_object_and_a_hugging_face_dataset_in_its_default_format_are_t
     job = Job(cfg, model=DictClassifier, data=hf)
     inputs, targets = job.batch(0)[0]
     assert inputs["x"].dtype == torch.float32 and inputs["x"].shape == (4, 16) and targets.dtype == torch.int64
-    with pytest.raises(TypeError, match=r"takes a path, a DataConfig, a map-style Dataset .* got int"):
+    with pytest.raises(TypeError, match=r"takes a path, a DataConfig, a map-style Dataset .* got int$"):
         Job(cfg, model=DictClassifier, data=3)
+    # (helper-59) the containers data comes in, each told how to give it as a dataset
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    x, y = user_data.make_dataset(16).tensors
+    for given, said in ((DataLoader(TensorDataset(x, y), batch_size=4), r"got DataLoader: give its dataset, "
+                         r"Job\(data=loader.dataset\) .* a collate_fn of your own is not taken"),
+                        ({"x": x, "y": y}, r"got dict: a dict of columns .* TensorDataset\(\*columns\)"),
+                        (datasets.DatasetDict(train=hf), r"got DatasetDict: give one split, e.g. Job\(data=ds\['train'\]\)"),
+                        (Stream(), r"got Stream: an iterable .* has no index"),
+                        ((e for e in hf), r"got generator: an iterable .*list\(itertools.islice\(it, N\)\)")):
+        with pytest.raises(TypeError, match=said):
+            Job(cfg, model=DictClassifier, data=given)
 
 
 def test_a_dataset_factory_named_by_import_path_is_taken_as_data():

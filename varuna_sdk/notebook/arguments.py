@@ -123,8 +123,33 @@ def apply_overrides(job: JobConfig, *, model: Any, loss: Any, data: Any, init: A
         objs.dataset = GivenDataset(data)   # the dataset object itself travels with the job
     elif data is not None:
         raise TypeError(f"Job(data=...) takes a path, a DataConfig, a map-style Dataset (len and [i]) or a function "
-                        f"returning one; got {type(data).__name__}")
+                        f"returning one; got {type(data).__name__}" + _data_hint(data))
     return objs if (objs.model or objs.loss or objs.init or objs.dataset) else None
+
+
+def _data_hint(data: Any) -> str:
+    """How to give ``data`` (a container that is no map-style dataset) as one: ``""`` if unknown."""
+    import collections.abc as abc
+
+    name = type(data).__name__
+    if hasattr(data, "dataset") and hasattr(data, "batch_size"):   # a torch DataLoader
+        return (": give its dataset, Job(data=loader.dataset) — the job makes its own batches (global_batch, "
+                "micro_batch_size) and stacks equal-shaped examples, so a collate_fn of your own is not taken: pad "
+                "or crop the examples in the dataset's __getitem__")
+    if isinstance(data, dict) and data and all(hasattr(v, "__len__") and hasattr(v, "__getitem__") and not
+                                               isinstance(v, (str, bytes)) for v in data.values()):
+        if name == "DatasetDict" or all(hasattr(v, "column_names") for v in data.values()):
+            return f": give one split, e.g. Job(data=ds[{next(iter(data))!r}])"
+        return (": a dict of columns is not a dataset of rows; give "
+                "torch.utils.data.TensorDataset(*columns) (tensors), or datasets.Dataset.from_dict(columns), whose "
+                "examples are dicts of the fields")
+    iterable_dataset = any(c.__name__ == "IterableDataset" for c in type(data).__mro__)   # (torch's, datasets')
+    if iterable_dataset or isinstance(data, abc.Iterator) or \
+            isinstance(data, abc.Iterable) and not hasattr(data, "__getitem__"):
+        return (": an iterable (a generator, an IterableDataset) has no index, and the job reads examples by index "
+                "(so that every P x D, morph and resume trains the same ones): make it a list, "
+                "list(itertools.islice(it, N)), or a map-style Dataset")
+    return ""
 
 
 
