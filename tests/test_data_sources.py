@@ -1226,7 +1226,7 @@ def test_a_dataset_object_and_a_hugging_face_dataset_in_its_default_format_are_t
     x, y = user_data.make_dataset(16).tensors
     for given, said in ((DataLoader(TensorDataset(x, y), batch_size=4), r"got DataLoader: give its dataset, "
                          r"Job\(data=loader.dataset\) .* a collate_fn of your own is not taken"),
-                        ({"x": x, "y": y}, r"got dict: a dict of columns .* TensorDataset\(\*columns\)"),
+                        ({"x": x, "y": y}, r"got dict: a dict of columns .*TensorDataset\(\*columns\)"),
                         (datasets.DatasetDict(train=hf), r"got DatasetDict: give one split, e.g. Job\(data=ds\['train'\]\)"),
                         (Stream(), r"got Stream: an iterable .* has no index"),
                         ((e for e in hf), r"got generator: an iterable .*list\(itertools.islice\(it, N\)\)")):
