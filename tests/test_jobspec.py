@@ -782,3 +782,29 @@ def test_a_field_that_went_to_the_forwards_kwargs_is_named_with_the_parameter_it
     with pytest.raises(ModelSpecError, match=r"specify exactly one of input_ids.*field\(s\) 'ids' \(its parameter "
                                              r"'input_ids'\?\) are no parameter of the forward"):
         Job(model=_TakesKwargs, data=_misnamed_fields, tokenizer=None, global_batch=4, P=1, D=1)
+
+
+def test_data_too_small_for_a_held_out_and_a_training_batch_says_what_can_work(tmp_path):
+    """300 tokens, seq_len 32, global batch 8: no data.val_fraction holds out a mini-batch (257
+    tokens) and trains on another, so the message says val_fraction 0 or a smaller batch (it said
+    "a larger data.val_fraction", then at 0.9 "got 30" tokens without saying 30 was the training
+    share); 5 examples and val_fraction 0 are not told to lower val_fraction (helper-59)."""
+    from varuna_sdk.data.sources import DataError
+
+    (tmp_path / "t.txt").write_text("abcdefghij" * 30)
+
+    def job(val_fraction: float, **data) -> JobConfig:
+        return JobConfig(name="small", data=DataConfig(tokenizer="byte", seq_len=32, val_fraction=val_fraction, **data),
+                         parallel=ParallelConfig(P=1, D=1, global_batch=8, micro_batch_size=2),
+                         train=TrainConfig(steps=2, eval_batches=1, run_dir=str(tmp_path / "runs")))
+
+    for vf in (0.5, 0.9):
+        with pytest.raises(DataError, match=r"has 300 tokens: too few to hold out a mini-batch of 8 sequences of "
+                                            r"seq_len=32 \(257 tokens\) .*set data.val_fraction: 0 \(train on all 300"):
+            resolve_job(job(vf, path=str(tmp_path / "t.txt")))
+    assert resolve_job(job(0.0, path=str(tmp_path / "t.txt"))) is not None
+    few = job(0.0, dataset="tests.thirdparty.user_data:make_dataset", dataset_kwargs={"n": 5})
+    few.model = ModelConfig(factory="tests.thirdparty.user_data:Classifier")
+    few.data.tokenizer = None
+    with pytest.raises(DataError, match=r"leaves 5 examples .*use more data, or a smaller parallel.global_batch$"):
+        resolve_job(few)

@@ -480,15 +480,22 @@ class JobData:
         if self.tokens is not None:
             # at least one held-out batch where the rest still holds one for training
             one = global_batch * seq_len + 1
-            train, val = train_val_split(self.tokens.tokens, val_fraction,
-                                         min_val=one if len(self.tokens.tokens) - one >= one else 0)
+            total = len(self.tokens.tokens)
+            if held_out and total < 2 * one:   # no val_fraction holds out a mini-batch and trains on another
+                raise DataError(f"{self.source} has {total} tokens: too few to hold out a mini-batch of {global_batch} "
+                                f"sequences of seq_len={seq_len} ({one} tokens) for the held-out loss and train on "
+                                f"another; set data.val_fraction: 0 (train on all {total}, no held-out loss), or a "
+                                "smaller parallel.global_batch or data.seq_len, or give more text")
+            train, val = train_val_split(self.tokens.tokens, val_fraction, min_val=one)
             try:
                 loader = BatchLoader(train, seq_len, global_batch, seed=seed)
                 val_b = [_lm(x, y, self.mlm, [(HELD_OUT, b, k) for k in range(len(x))])
                          for b, (x, y) in enumerate(eval_batches(val, seq_len, global_batch,
                                                                  max_batches=eval_batches_max))] if held_out else []
             except ValueError as e:
-                raise DataError(f"{self.source}: {e}") from None
+                share = (f" (of its {total} tokens, {len(train)} are trained on and {len(val)} held out by "
+                         f"data.val_fraction {float(val_fraction):g})") if held_out else ""
+                raise DataError(f"{self.source}{share}: {e}") from None
             return _LMLoader(loader, self.mlm), val_b
         n = len(self.examples)
         train, held = self.split_examples(global_batch, seed, val_fraction)
@@ -500,8 +507,9 @@ class JobData:
             raise DataError(f"{self.source} leaves {len(train)} examples to train on (of {len(self.examples)}; "
                             f"{len(held)} held out by data.val_fraction {val_fraction:g}), fewer than one mini-batch of "
                             f"{global_batch}: each mini-batch "
-                            "would repeat examples; use more data, a smaller data.val_fraction or a smaller "
-                            "parallel.global_batch")
+                            "would repeat examples; use more data, "
+                            + ("a smaller data.val_fraction " if len(held) else "")
+                            + "or a smaller parallel.global_batch")
         loader = ExampleLoader(self.examples.dataset, global_batch, seed=seed, indices=train)
         if not held_out:
             return loader, []
