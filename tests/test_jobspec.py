@@ -808,3 +808,19 @@ def test_data_too_small_for_a_held_out_and_a_training_batch_says_what_can_work(t
     few.data.tokenizer = None
     with pytest.raises(DataError, match=r"leaves 5 examples .*use more data, or a smaller parallel.global_batch$"):
         resolve_job(few)
+
+
+def test_targets_under_another_name_are_named_in_the_refusal_without_calling_them_taken():
+    """Fields ``{num, cat, y}`` and ``forward(num, cat)``: the refusal said the fields "hold none the
+    model does not already take", which is false (``y`` is not taken); it now says none is named as
+    targets are, and names ``y`` (helper-59)."""
+    from varuna_sdk.model.spec import infer_call
+
+    class TwoInputs(nn.Module):
+        def forward(self, num, cat):
+            return num
+
+    with pytest.raises(ModelSpecError, match=r"the loss needs targets, but no field of the data \(\['num', 'cat', 'y'\]\) "
+                                             r"is named as targets are .*model.targets: 'y'"):
+        infer_call(TwoInputs(), ["num", "cat", "y"], None)
+    assert infer_call(TwoInputs(), ["num", "cat", "y"], None, targets="y")[0].targets == "y"

@@ -561,9 +561,10 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
         guess = (f"model.targets: {loose[0]!r} (the field(s) {loose} {how})"
                  if loose else f"model.targets: {fields[0]!r} to compare the output with an input, as an "
                  "autoencoder does")
-        raise ModelSpecError(f"the loss needs targets but the data's fields {fields} hold none the model does not "
-                             f"already take; name the targets field ({guess}; Job(..., targets=...) in a notebook), "
-                             "or use loss='model'")
+        why = (f"no field of the data ({fields}) is named as targets are ('targets', 'labels', 'label')" if loose
+               else f"the data's fields {fields} hold none the model does not already take")
+        raise ModelSpecError(f"the loss needs targets, but {why}; name the targets field ({guess}; "
+                             "Job(..., targets=...) in a notebook), or use loss='model'")
     return CallSpec(call.args, call.kwargs, tgt), fn
 
 
