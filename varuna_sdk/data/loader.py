@@ -425,8 +425,13 @@ def _unstackable(examples: list, ids: Sequence[int] | None = None) -> str:
         kinds = [kind(f[field_name]) for f in all_fields]
         usual = max(kinds, key=kinds.count)
         for pos, k in enumerate(kinds):
-            if k != usual:
-                return f"{name(pos)} has field {field_name!r} of {k} where the others have {usual}"
+            if k == usual:
+                continue
+            if 2 * kinds.count(usual) <= len(kinds):   # no majority (2 examples): neither is "the odd one"
+                first = kinds.index(usual)
+                a, b = sorted((first, pos))
+                return f"{name(a)} has field {field_name!r} of {kinds[a]} and {name(b)} of {kinds[b]}"
+            return f"{name(pos)} has field {field_name!r} of {k} where the others have {usual}"
     return "their fields differ in type"
 
 
