@@ -824,3 +824,23 @@ def test_targets_under_another_name_are_named_in_the_refusal_without_calling_the
                                              r"is named as targets are .*model.targets: 'y'"):
         infer_call(TwoInputs(), ["num", "cat", "y"], None)
     assert infer_call(TwoInputs(), ["num", "cat", "y"], None, targets="y")[0].targets == "y"
+
+
+def test_an_encoder_decoder_with_a_loss_of_ones_own_is_told_its_labels_went_to_the_loss():
+    """T5 with ``loss=fn`` on ``{input_ids, labels}``: the labels go to the loss, so the forward has
+    no decoder inputs and fails with Hugging Face's own words; the refusal now says why and what to
+    give (helper-58: Whisper)."""
+    import torch.nn.functional as F
+
+    from tests.thirdparty.hf_models import t5
+    from varuna_sdk.notebook import Job
+
+    def own(out, y):
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    g = torch.Generator().manual_seed(0)
+    ds = [{"input_ids": torch.randint(3, 200, (12,), generator=g), "labels": torch.randint(3, 200, (8,), generator=g)}
+          for _ in range(32)]
+    with pytest.raises(ModelSpecError, match=r"With a loss of your own, the field\(s\) \['labels'\] go to the loss, "
+                                             r"not to the forward.*give decoder_input_ids in the data"):
+        Job(model=t5, data=ds, loss=own, steps=2, global_batch=8, P=1, D=1)

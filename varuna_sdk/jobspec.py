@@ -732,7 +732,8 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
                            if isinstance(v, torch.Tensor))
         err = ModelSpecError(f"{spec.name}'s forward failed on a micro-batch of {data.source} ({shapes}), called "
                              f"as {spec.call.describe()}: {type(e).__name__}: {_short(str(e))}" + _on_meta(e)
-                             + _unnamed_fields(meta, inputs) + _default_model_hint(spec, data))
+                             + _unnamed_fields(meta, inputs) + _default_model_hint(spec, data)
+                             + _labels_went_to_the_loss(spec, meta))
         err.__cause__ = e
         raise _ForwardFailed(err) from None
     if reads_values:  # what such a loss returns, on a real stand-in of the output (outside the dry run)
@@ -851,6 +852,26 @@ def _unnamed_fields(model: nn.Module, inputs: Any) -> str:
         hints.append(f"{k!r}" + (f" (its parameter {near[0]!r}?)" if near else ""))
     return (f". The data's field(s) {', '.join(hints)} are no parameter of the forward (they went to its **kwargs): "
             "name the fields as the forward's parameters, or map them with model.inputs")
+
+
+def _labels_went_to_the_loss(spec: ModelSpec, model: nn.Module) -> str:
+    """What to add when a loss of the user's own takes a field the forward also has a parameter for
+    (``labels``): the forward ran without it, which a model that makes its decoder's inputs from its
+    labels (Hugging Face's encoder-decoders) cannot; ``""`` otherwise."""
+    import inspect
+
+    if spec.call.targets is None or spec.loss_fn in (cross_entropy,):
+        return ""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    taken = [f for f in spec.call.target_fields() if f in params]
+    if not taken:
+        return ""
+    return (f". With a loss of your own, the field(s) {taken} go to the loss, not to the forward, although it takes "
+            f"them: a model that builds its decoder's inputs from labels (an encoder-decoder) then has none — give "
+            "decoder_input_ids in the data, or use the model's own loss (no loss=)")
 
 
 def _default_model_hint(spec: ModelSpec, data: JobData) -> str:
