@@ -235,7 +235,7 @@ def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_
     cfg.write_text(TINY.replace("P: 2, D: 1", "P: 1, D: 1").replace("steps: 4000", "steps: 200")
                    .replace("gpus: 2", "gpus: 1"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    train = [sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--steps", "800", "--run-dir", str(run)]
+    train = [sys.executable, "-m", "varuna_sdk.cli", "train", str(cfg), "--steps", "300", "--run-dir", str(run)]
     first = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         _wait_steps(run, 3, first)
@@ -245,9 +245,9 @@ def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_
         first.kill()
     assert first.returncode == 143 and "SIGTERM: stopping at the next mini-batch boundary" in out, out
     assert "Traceback" not in out, out
-    assert f"`varuna train {cfg} --steps 800 --run-dir {run}` continues the job" in out, out   # the flags too
+    assert f"`varuna train {cfg} --steps 300 --run-dir {run}` continues the job" in out, out   # the flags too
     stopped_at = read_run(run).steps_done
-    assert 3 <= stopped_at < 800, stopped_at
+    assert 3 <= stopped_at < 300, stopped_at
     assert list((run / "checkpoints").glob(f"step-{stopped_at:08d}-*")), "no checkpoint at the SIGTERM stop"
     from varuna_sdk.manager.events import EventLog, Kind
     with EventLog.reader(run / "events.db") as log:
@@ -255,12 +255,12 @@ def test_train_ctrl_c_names_train_to_continue_and_a_finished_folder_says_so(tmp_
     assert asked == ["SIGTERM"], asked
     second = subprocess.run(train, capture_output=True, text=True, env=env, timeout=120)
     assert second.returncode == 0 and "already ended" not in second.stdout, second.stdout + second.stderr
-    assert read_run(run).state == "SUCCEEDED" and read_run(run).steps_done == 800
+    assert read_run(run).state == "SUCCEEDED" and read_run(run).steps_done == 300
     assert set(steps_redone(run)) == {0}
     mtime = (run / "metrics.jsonl").stat().st_mtime_ns
     third = subprocess.run(train, capture_output=True, text=True, env=env, timeout=120)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert "had already ended (800 step(s)); nothing was trained" in third.stdout, third.stdout
+    assert "had already ended (300 step(s)); nothing was trained" in third.stdout, third.stdout
     assert (run / "metrics.jsonl").stat().st_mtime_ns == mtime       # nothing ran, nothing written
     fourth = subprocess.run([sys.executable, "-m", "varuna_sdk.cli", "launch", str(cfg), "--run-dir", str(run),
                              "--local", "1"], capture_output=True, text=True, env=env, timeout=120)
