@@ -14,6 +14,7 @@ the manager, P=2 gloo workers):
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from varuna_sdk.checkpoint import CheckpointError, Store, complete_checkpoints
 from varuna_sdk.config import ConfigError, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from varuna_sdk.manager.events import Kind
 from varuna_sdk.manager.runs import read_run, request_stop
+from varuna_sdk.model.gpt2 import preset
 from varuna_sdk.runner import JobStopped, train_local
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over {i % 7} lazy dogs.\n" for i in range(300))
@@ -183,6 +185,18 @@ def test_resume_false_on_a_stopped_run_is_refused_before_any_worker_and_it_conti
     the run stays STOPPED, and with ``resume: true`` it continues from its checkpoint to the end,
     every step recorded once."""
     job, run, done = _stopped_run(tmp_path)
+    # the model's code edited in place (its config the same, so only the checkpoint can tell): refused
+    # before anything starts — the workers failed loading the checkpoint and the run ended FAILED for
+    # good (helper-61). Emulated by building a wider model for the same run folder.
+    from varuna_sdk.runner import check_same_model
+    from varuna_sdk.trainer import resolve
+
+    check_same_model(job, resolve(job, run), run)   # the same model: nothing to say
+    wider = copy.deepcopy(job)
+    wider.model.n_embd = 2 * (job.model.n_embd or preset("tiny").n_embd)
+    with pytest.raises(ConfigError, match=r"the model of the run in .* changed since its checkpoint of step \d+: "
+                                          r"'.*' \(\d+,?.*\) in the checkpoint, \(\d+,?.*\) now.*put the code back"):
+        check_same_model(wider, resolve(wider, run), run)
     cfg = tmp_path / "noresume.yaml"
     j = JobConfig.from_yaml(run / "config.yaml")
     j.train.resume = False

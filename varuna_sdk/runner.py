@@ -357,6 +357,7 @@ def prepare_run(job: JobConfig, run_dir: str | Path | None = None, objects: JobO
     resolved = resolve(job, run_dir)  # the model spec and the data, checked together
     if run_dir is not None:
         check_same_data(resolved, Path(run_dir))
+        check_same_model(job, resolved, Path(run_dir))
     if not job.parallel.planned:
         check_partition(job, resolved)  # a bad P, split or cross-stage use: now, not in a worker
     out = Path(run_dir) if run_dir is not None else new_run_dir(job)
@@ -424,6 +425,44 @@ def check_same_data(resolved, run_dir: Path) -> None:
                       f"{same}{content}; its checkpoints hold positions in the data it began with. Put that data "
                       "back to continue this run, or train on the changed data in another --run-dir (in a notebook: "
                       f"Job(..., run_dir=...) naming another folder){hint}")
+
+
+def check_same_model(job: JobConfig, resolved, run_dir: Path) -> None:
+    """A started run folder whose newest complete checkpoint holds tensors the model built now does
+    not have, or has in another shape — the model's code edited in place (a layer widened or
+    renamed; the config unchanged, so ``check_continuation`` cannot tell) — is refused before
+    anything starts: the workers failed loading the checkpoint and the run was marked FAILED for
+    good (helper-61). Reads the manifest only (names and shapes, recorded since checkpoints carry
+    them) and builds the model on meta. Raises ``ConfigError`` naming the tensors and what to do."""
+    from .checkpoint.store import CheckpointError, latest_complete
+    from .model.materialize import build_on_meta
+
+    if not (run_dir / "events.db").is_file():
+        return
+    url = job.train.checkpoint_url or os.path.abspath(run_dir / "checkpoints")
+    try:
+        info = latest_complete(url, _run_key(run_dir))
+    except (CheckpointError, OSError, ValueError):
+        return   # (check_resume has said what is wrong with the store)
+    items = (info.manifest.get("items") or {}) if info is not None else {}
+    if not items:
+        return
+    model = build_on_meta(resolved.spec.factory)
+    have: dict[str, Any] = {}
+    for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        have.setdefault(n, t)
+    gone = sorted(n for n in items if n not in have)
+    reshaped = [f"{n!r} {tuple(it['shape'])} in the checkpoint, {tuple(have[n].shape)} now" for n, it in items.items()
+                if n in have and isinstance(it.get("shape"), list) and list(have[n].shape) != it["shape"]]
+    if not gone and not reshaped:
+        return
+    said = reshaped[:3] + ([f"{gone[:3]} not in the model now"] if gone else [])
+    raise ConfigError(f"the model of the run in {run_dir} changed since its checkpoint of step {info.step}: "
+                      f"{'; '.join(said)}"
+                      f"{f' (and {len(reshaped) - 3} more)' if len(reshaped) > 3 else ''} — its code was edited, "
+                      "its config is the same. The checkpoint holds the model the run trained: put the code back to "
+                      "continue this run (it stays as it was), or train the changed model in another --run-dir (in a "
+                      "notebook: Job(..., run_dir=...) naming another folder)")
 
 
 #: what a continued run must keep: its checkpoints hold this model, trained on these examples

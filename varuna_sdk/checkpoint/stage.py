@@ -181,13 +181,22 @@ class StageCheckpointer:
         return files
 
     def _items_index(self) -> dict[str, dict]:
-        """``{name: {"tensor": file, "optim": [file per slot]}}`` of the whole model (manifest)."""
+        """``{name: {"tensor": file, "optim": [file per slot], "shape": [...], "dtype": "float32"}}``
+        of the whole model (manifest; shapes and dtypes from this rank's model, on meta outside its
+        stage, so that a launcher can tell a changed model before any worker loads it)."""
+        e = self.engine
+        kinds: dict[str, torch.Tensor] = {}
+        for n, t in [*e.model.named_parameters(remove_duplicate=False), *e.model.named_buffers(remove_duplicate=False)]:
+            kinds.setdefault(n, t)
         index: dict[str, dict] = {}
         for (name, kind), r in sorted(self.plan.items()):
             f = unit_file(self.owner[name], r)
             entry = index.setdefault(name, {})
             if kind == "tensor":
                 entry["tensor"] = f
+                if name in kinds:
+                    entry["shape"] = list(kinds[name].shape)
+                    entry["dtype"] = str(kinds[name].dtype).replace("torch.", "")
             else:
                 entry.setdefault("optim", [None] * OPTIM_SLOTS)[int(kind[len("optim"):])] = f
         return index
