@@ -110,6 +110,9 @@ def test_a_finished_run_keeps_its_last_step_and_exports_the_weights_plain_pytorc
     info, _ = read_model_state(str(run / "checkpoints"), skipped=skipped)
     assert info.step == 5 and [n for n, _ in skipped] == [newest.name], skipped
     assert _cli("export", str(tmp_path / "nowhere"), "-o", str(out)).returncode == 2
+    cp = _cli("export", str(run), "-o", str(tmp_path / "no-folder" / "w.pt"))   # was a traceback (helper-61)
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr
+    assert "its folder" in cp.stderr and "does not exist" in cp.stderr, cp.stderr
 
 
 def _stopped_run(tmp_path: Path) -> tuple[JobConfig, Path, int]:

@@ -87,6 +87,10 @@ def export_command(args: argparse.Namespace) -> int:
     from ..checkpoint.store import CheckpointError
     from ..config import ConfigError
 
+    if not Path(args.run).exists():
+        print(f"varuna: cannot export {args.run}: it does not exist (give a run folder: runs/<job>-<time>)",
+              file=sys.stderr)
+        return 2
     try:
         import torch
 
@@ -98,11 +102,16 @@ def export_command(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
+    if not out.parent.is_dir():   # (torch.save raises a RuntimeError for it, not an OSError)
+        print(f"varuna: cannot write {out}: its folder {out.parent} does not exist; create it, or give -o a file in "
+              "a folder that exists", file=sys.stderr)
+        return 2
     try:
         torch.save(state, tmp)
         os.replace(tmp, out)
-    except OSError as e:
-        print(f"varuna: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        print(f"varuna: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
     from ..config import JobConfig
 
