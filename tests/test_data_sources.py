@@ -787,6 +787,14 @@ def test_class_ids_outside_the_models_outputs_fail_the_job_at_once_naming_id_and
     job.data.dataset_kwargs = {"valid": sorted({0, 1, 2, 3} | {int(i) for i in held})}
     with pytest.raises(WorkerFailure, match=r"(?s)not retried.*class id 7 .*output has 4 classes"):
         train_local(job, run_dir=tmp_path / "run")
+    # a loss of the user's own: torch's "Target 7 is out of bounds" in a 30-line traceback, now one
+    # explained line naming the step (helper-61)
+    job.model.loss = "tests.thirdparty.user_data:plain_cross_entropy"
+    with pytest.raises(WorkerFailure, match=r"(?s)not retried.*Target 7 is out of bounds: a class id in the targets of "
+                                            r"step \d+ is not below the number of classes the model outputs \(the output "
+                                            r"is \(4, 4\)\)") as e:
+        train_local(job, run_dir=tmp_path / "own")
+    assert "Traceback" not in str(e.value), str(e.value)
 
 
 def test_int32_class_ids_train_with_the_automatic_cross_entropy(tmp_path):

@@ -23,6 +23,7 @@ Imports ``config``, ``model`` and the rest of ``pipeline``; never imports
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -40,6 +41,7 @@ from ..model.loss_items import LossItems
 from ..model.materialize import build_on_meta, materialize
 from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names, unsplittable_cuts
 from ..model.rng import forked_rng, seed_segment
+from ..model.spec import ModelSpecError
 from ..model.state_kept import InPlaceUpdates
 from ..model.tracer import ModelStructure, loss_after, segment_costs, trace_model
 from .comm import Channel, Receiver
@@ -50,6 +52,9 @@ from .running_stats import RunningStats
 from .schedule import StageScheduler, default_recompute
 from .split_backward import WeightWork, backward_input
 from .stage_prefix import Carried, Recomputing, StageExit, StagePrefix, StageRun
+
+#: torch's words for a class id beyond the logits (``nll_loss``'s check on CPU)
+_ID_OUT_OF_BOUNDS = re.compile(r"Target -?\d+ is out of bounds")
 
 LossFn = Callable[[object, object], torch.Tensor]  # (model output, targets) -> scalar mean loss
 
@@ -434,8 +439,16 @@ class Varuna:
         takes a cross-entropy of bf16 logits in fp32."""
         if host is not None:
             self.loss_fn.check_targets(out, host)
-        with self._autocast():
-            return self.loss_fn(out, targets)
+        try:
+            with self._autocast():
+                return self.loss_fn(out, targets)
+        except IndexError as e:   # a loss of the user's own on class ids beyond the logits (on CPU)
+            if not _ID_OUT_OF_BOUNDS.search(str(e)):
+                raise
+            shape = f" (the output is {tuple(out.shape)})" if isinstance(out, torch.Tensor) else ""
+            raise ModelSpecError(f"the loss failed: {str(e).rstrip('.')}: a class id in the targets of step {self.step_count} is "
+                                 f"not below the number of classes the model outputs{shape}; class ids must be "
+                                 "0 .. C-1 — check the model's number of classes against the data's labels") from e
 
     def _begin_train_step(self, batch: Sequence) -> _StepState:
         """Cut the batch, open the channels' step and start both receivers for ``m`` messages."""
