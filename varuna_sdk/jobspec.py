@@ -381,7 +381,13 @@ def resolve_model(job: JobConfig, tokenizer: Tokenizer | None, fields: Sequence[
     elif m.factory is not None and ":" in m.factory:
         obj = import_object(m.factory)
         if not callable(obj):
-            raise ConfigError(f"model.factory {m.factory!r} is a {type(obj).__name__}, not a callable")
+            hint = ""
+            if inspect.ismodule(obj):   # 'pkg:mod' where 'pkg.mod:build' was meant
+                names = sorted(n for n, v in vars(obj).items() if callable(v) and not n.startswith("_")
+                               and getattr(v, "__module__", None) == obj.__name__)
+                hint = (f": name a callable in it, {obj.__name__ + ':' + (names[0] if names else '<name>')!r}"
+                        + (f" (its callables: {names[:8]})" if names else ""))
+            raise ConfigError(f"model.factory {m.factory!r} is a {type(obj).__name__}, not a callable{hint}")
         factory, kwargs, name = Imported(m.factory), dict(m.kwargs or {}), m.factory
         identity = {"kind": "import", "ref": m.factory, "kwargs": kwargs, "code": _source_digest(obj)}
     else:

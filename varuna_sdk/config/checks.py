@@ -32,7 +32,20 @@ def colon_hint(v: Any) -> str:
     if not isinstance(v, str) or ":" in v or v.count(".") < 1 or not all(p.isidentifier() for p in v.split(".")):
         return ""
     mod, obj = v.rsplit(".", 1)
+    if _is_module(v):   # 'pkg.models' is a module itself: the object in it is missing, not the colon
+        return f"; {v!r} is a module: an import path names an object in it after ':', e.g. {v + ':build'!r}"
     return f"; an import path puts ':' between the module and the object: {mod + ':' + obj!r}"
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is an importable module (found without importing it; its parent packages
+    are imported, as an import of it would)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
 
 
 def validate_model(m: ModelConfig) -> None:
