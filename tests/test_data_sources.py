@@ -1477,3 +1477,37 @@ def test_a_constant_buffer_every_block_reads_is_held_by_every_stage_and_trains_a
     # the finished run's folder state, not "NOT LAUNCHED" (no manager in this kernel ran it; helper trial)
     assert handle.status.state == "SUCCEEDED" and handle.status.step == 3
     assert Job(job, run_dir=tmp_path / "never").status.state == "NOT LAUNCHED"
+
+
+def test_a_model_shipped_by_value_with_a_tensor_of_the_notebook_builds():
+    """A model defined in a notebook cell whose class reads a tensor of the notebook (``W =
+    torch.tensor(...)`` registered as a buffer, or used in the forward) is shipped by value with
+    the tensor; unpickled at the first call, inside the meta recorder, the tensor's storage was
+    forced to meta and ``Job()`` failed ("set the storage of a tensor on device meta to a storage
+    on different device cpu", helper-60). It builds, and the buffer holds the notebook's values."""
+    from torch.utils.data import TensorDataset
+
+    from varuna_sdk.notebook import Job
+
+    weights = torch.tensor([0.2, 1.0, 3.0])
+
+    class Weighted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 8)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.head = torch.nn.Linear(8, 3)
+            self.register_buffer("cw", weights.clone())
+
+        def forward(self, x):
+            x = self.emb(x)
+            for layer in self.layers:
+                x = x + layer(x)
+            return self.head(x.mean(1)) * weights.sum()
+
+    g = torch.Generator().manual_seed(0)
+    job = Job(model=Weighted, data=TensorDataset(torch.randint(0, 50, (32, 6), generator=g),
+                                                 torch.randint(0, 3, (32,), generator=g)),
+              steps=2, P=2, D=1, global_batch=8, micro_batch_size=2)
+    assert torch.equal(job.initial_weights()["cw"], weights)
+    assert len(job.plain_pytorch_losses(1)) == 1

@@ -19,6 +19,8 @@ of the SDK, so the manager can ship files without loading torch.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import re
@@ -61,7 +63,8 @@ class ByValue:
             import cloudpickle
 
             try:
-                self._obj = cloudpickle.loads(self.payload)
+                with _outside_torch_modes():   # (a first call inside the meta recorder: see below)
+                    self._obj = cloudpickle.loads(self.payload)
             except ModuleNotFoundError as e:
                 where = os.environ.get("VARUNA_HOST") or platform.node()
                 raise ShippingError(
@@ -72,6 +75,20 @@ class ByValue:
 
     def __reduce__(self):
         return (_spawned_by_value, (self.shipped, self.role))
+
+
+@contextlib.contextmanager
+def _outside_torch_modes():
+    """Unpickle as outside any torch mode: a shipped class's module-level tensors (``W =
+    torch.tensor(...)`` in the notebook) are rebuilt on the CPU, as they were — the first call of a
+    shipped model factory comes inside the meta recorder (``model.deferred``), which would make
+    their storage meta ("set the storage of a tensor on device meta to a storage on different
+    device cpu")."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
 
 
 def _spawned_by_value(shipped: "Shipped", role: str) -> ByValue:
