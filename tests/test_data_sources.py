@@ -1059,6 +1059,14 @@ def test_integer_features_into_a_layer_of_weights_and_examples_without_a_model_a
                                              r"GPT-2 preset .* give the model that takes them \(Job\(model=\.\.\.\)"):
         Job(data=TensorDataset(torch.randn(64, 8), torch.zeros(64, dtype=torch.long)), steps=2, global_batch=8,
             run_dir=str(tmp_path / "nb"))
+    ids = torch.randint(0, 250, (64, 16))
+    with pytest.raises(ConfigError, match=r"takes its vocabulary size from data.tokenizer, which is null.*no model was "
+                                          r"given, so the built-in GPT-2 preset is used"):
+        Job(data=TensorDataset(ids, torch.zeros(64, dtype=torch.long)), tokenizer=None, steps=2, global_batch=8)
+    # Hugging Face's {input_ids, labels} given to the built-in GPT-2, whose loss does not shift: warned (helper-60)
+    with pytest.warns(UserWarning, match=r"the targets equal GPT-2 cpu-demo's positional input 0 .*learn to copy"):
+        Job(data=[{"input_ids": ids[i], "labels": ids[i]} for i in range(64)], tokenizer="byte", steps=2,
+            global_batch=8, P=1, D=1)
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
 

@@ -701,7 +701,8 @@ def test_a_lazy_module_is_refused_before_anything_starts(tmp_path):
 def test_int32_labels_for_a_models_own_loss_reach_it_as_int64():
     """``labels`` (or ``targets``) of int32, as NumPy makes them, handed to a forward that computes
     its own loss, arrive as int64, which torch's losses need (calibration failed with "expected
-    target dtype to be Long"); other fields, and labels for a loss of the SDK's, keep their dtype."""
+    target dtype to be Long"); so do a loss's integer targets (a loss of one's own failed the same
+    way in the workers, helper-60); other fields keep their dtype."""
     from varuna_sdk.model.spec import CallSpec
 
     batch = {"input_ids": torch.ones(2, 4, dtype=torch.int32), "labels": torch.ones(2, dtype=torch.int32),
@@ -711,7 +712,8 @@ def test_int32_labels_for_a_models_own_loss_reach_it_as_int64():
     assert inputs["labels"].dtype == torch.int64 and inputs["input_ids"].dtype == torch.int32
     assert inputs["attention_mask"].dtype == torch.bool
     theirs = CallSpec(kwargs=(("input_ids", "input_ids"),), targets="labels")
-    assert theirs.split(batch)[1].dtype == torch.int32   # the SDK's cross-entropy takes any integer ids
+    assert theirs.split(batch)[1].dtype == torch.int64
+    assert CallSpec(kwargs=(("input_ids", "input_ids"),), targets="mask").split(batch)[1].dtype == torch.bool
 
 
 def test_a_value_dependent_shape_is_refused_saying_it_is_the_meta_devices_limit(tmp_path):
@@ -824,6 +826,16 @@ def test_targets_under_another_name_are_named_in_the_refusal_without_calling_the
                                              r"is named as targets are .*model.targets: 'y'"):
         infer_call(TwoInputs(), ["num", "cat", "y"], None)
     assert infer_call(TwoInputs(), ["num", "cat", "y"], None, targets="y")[0].targets == "y"
+
+    class Ids(nn.Module):
+        def forward(self, input_ids):
+            return input_ids
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # 'label', the targets, was said "not passed to the model" (helper-60)
+        assert infer_call(Ids(), ["input_ids", "label"], None)[0].targets == "label"
 
 
 def test_an_encoder_decoder_with_a_loss_of_ones_own_is_told_its_labels_went_to_the_loss():

@@ -347,3 +347,26 @@ def test_a_hugging_face_convnext_on_image_dicts_at_P2_matches_plain_pytorch(tmp_
     got = _pipeline_losses(job, tmp_path)
     ref = Job(job).plain_pytorch_losses(3)
     assert got == pytest.approx(ref, rel=1e-5), (got, ref)
+
+
+@pytest.mark.timeout(240)
+def test_draws_of_pythons_random_and_of_the_loss_and_int32_ids_with_ones_own_loss_are_as_plain_pytorch(tmp_path):
+    """A forward drawing from Python's ``random`` and a loss of one's own drawing from torch's
+    generator (dropout on the logits), on int32 class ids, at P=2 × D=2: each was wrong (helper-60)
+    — Python's draws were not seeded (losses changed between identical runs, 2e-3 from the
+    reference), the loss's draws were the generator's state at the time (5e-2 off, different at
+    every call), and int32 ids reached the loss as they are (the workers failed: "expected target
+    dtype to be Long"). Now the forward's segments and the loss are each seeded by (seed, step,
+    micro-batch, segment), and integer targets are int64: the losses equal plain PyTorch's."""
+    job = JobConfig(name="draws", model=ModelConfig(factory="tests.thirdparty.user_data:PythonRandomClassifier",
+                                                    loss="tests.thirdparty.user_data:dropout_cross_entropy"),
+                    data=DataConfig(dataset="tests.thirdparty.user_data:int32_labels"),
+                    parallel=ParallelConfig(P=2, D=2, global_batch=8, micro_batch_size=2),
+                    train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1,
+                                      run_dir=str(tmp_path / "runs")), launch=LaunchConfig(gpus=4))
+    got = _pipeline_losses(job, tmp_path)
+    handle = Job(job)
+    assert handle.batch(0)[0][1].dtype == torch.int64
+    first = handle.plain_pytorch_losses(3)
+    assert handle.plain_pytorch_losses(3) == first   # the same draws at every call
+    assert got == pytest.approx(first, rel=1e-5), (got, first)

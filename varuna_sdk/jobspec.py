@@ -178,8 +178,11 @@ def _vocab_size(job: JobConfig, tok: Tokenizer | None, kw: Mapping[str, Any], mo
     if "vocab_size" in kw:
         return kw["vocab_size"]
     if tok is None:
+        given = job.model.preset is not None or job.model.factory is not None or bool(job.model.kwargs)
         raise ConfigError(f"{model} takes its vocabulary size from data.tokenizer, which is null: give data.tokenizer "
-                          "(the one your examples' token ids come from) or model.kwargs.vocab_size")
+                          "(the one your examples' token ids come from) or model.kwargs.vocab_size"
+                          + ("" if given else "; no model was given, so the built-in GPT-2 preset is used: to train "
+                             "your own, give it (Job(model=...), model.factory in a config)"))
     return tok.vocab_size
 
 
@@ -716,7 +719,7 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
         except Exception as e:  # noqa: BLE001 - the user's loss failed on the model's output
             raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
                                  f"output, a {type(out).__name__}, as {spec.call.describe()})"
-                                 + _loss_error_hint(str(e), out, targets)) from e
+                                 + _loss_error_hint(str(e), out, targets) + _default_model_hint(spec, data)) from e
         finally:
             _refuse_broadcast_loss(said, out, targets, spec)
         _check_loss(loss, spec)
@@ -751,7 +754,7 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
             loss = None
         if loss is not None:
             _check_loss(loss, spec)
-    if spec.loss_fn is cross_entropy:
+    if spec.loss_fn is cross_entropy or spec.identity.get("kind") == "preset":   # (the preset's loss does not shift)
         _warn_unshifted(inputs, targets, spec.name)
     return structure
 
@@ -1046,7 +1049,7 @@ def _warn_unweighted(data: JobData, name: str) -> None:
                and bool((v == -100).any())]
     if ignored:
         warnings.warn(f"{data.source}: field(s) {ignored} hold -100 (ignored labels), but {name}'s loss is not one "
-                      "mean cross_entropy/nll_loss over them (a second term added, class weights held on the model, or its own "
+                      "mean cross_entropy/nll_loss over them (a second term added, class weights it cannot read, or its own "
                       "normalisation), so the SDK cannot weigh micro-batches by their tokens: each micro-batch's mean "
                       "loss counts the same, and the loss changes with the micro-batch size the plan picks (fix "
                       "parallel.micro_batch_size to keep it), unlike one plain PyTorch call on the mini-batch",

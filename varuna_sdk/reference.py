@@ -26,7 +26,7 @@ from torch import nn
 from .config import JobConfig
 from .jobspec import ResolvedJob
 from .model.inputs import call_model, rows
-from .model.rng import segment_rng
+from .model.rng import loss_rng, segment_rng
 from .model.spec import positive_settings
 
 __all__ = ["micro_batches", "plain_losses", "initial_model"]
@@ -177,7 +177,8 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
             with amp:
                 with segment_rng(t.seed, step, j) if same_draws else contextlib.nullcontext():
                     output = call_model(model, inputs)
-                loss = loss_fn(output, targets)
+                with loss_rng(t.seed, step, j):   # (the loss's own draws: the pipeline's at any micro-batch size)
+                    loss = loss_fn(output, targets)
             # every label ignored: share 0 (a mean cross-entropy over no item backpropagates zeros)
             (loss.float() / n if items is None else loss.float() * (k / n if n else 0.0)).backward()
             if k:

@@ -1,6 +1,8 @@
 """What a user brings besides text: a ``torch.utils.data.Dataset`` factory and a model for it
 (import paths ``tests.thirdparty.user_data:...``)."""
 
+import random
+
 import torch
 from torch import nn
 
@@ -93,6 +95,22 @@ class NormResidual(nn.Module):
 
     def forward(self, h):
         return h + torch.relu(self.bn(self.lin(h)))
+
+
+class PythonRandomClassifier(Classifier):
+    """``Classifier`` whose blocks scale their output by a draw of Python's ``random`` (a user's
+    hand-written noise)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.body:
+            h = block(h) * (0.9 + 0.2 * random.random())
+        return self.out(h)
+
+
+def dropout_cross_entropy(output, target):
+    """A loss of the user's own that draws: dropout on the logits (torch's generator)."""
+    return torch.nn.functional.cross_entropy(torch.nn.functional.dropout(output, 0.3), target)
 
 
 class BatchNormClassifier(Classifier):

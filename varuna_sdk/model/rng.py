@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import random
 from typing import Iterator
 
 import numpy as np
@@ -28,9 +29,9 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def seed_segment(seed: int, step: int, microbatch: int, segment: int) -> None:
-    """Seed torch's generators (CPU and, if present, CUDA) and NumPy's global one for one segment
-    of one micro-batch (Python's ``random`` is not seeded).
+def seed_segment(seed: int, step: int, microbatch: int, segment: int | str) -> None:
+    """Seed torch's generators (CPU and, if present, CUDA), NumPy's global one and Python's
+    ``random`` for one segment of one micro-batch (``segment`` ``LOSS``: the loss after the forward).
 
     ``microbatch`` is the global micro-batch index ``replica * m + i`` so that it does not depend
     on which replica ran it.
@@ -42,6 +43,7 @@ def seed_segment(seed: int, step: int, microbatch: int, segment: int) -> None:
     # do, gets the same draws in a recompute as in its forward, at any P and D); not saved and
     # restored as torch's are (that costs ~170 µs): after a forward it holds a segment's seed
     np.random.seed(s & 0xFFFF_FFFF)
+    random.seed(s)   # (Python's too: a forward drawing from it is then the same at any P and D; ~1 µs)
     if torch.cuda.is_initialized():   # (False without CUDA; cheaper than is_available, asked per segment)
         torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(s)
 
@@ -79,6 +81,20 @@ class SegmentSeeder:
         self.segment += 1
         seed_segment(self.seed, self.step, self.microbatch, self.segment)
         return tensors
+
+
+#: the segment name the loss of a micro-batch is seeded with (after the forward's last segment)
+LOSS = "loss"
+
+
+@contextlib.contextmanager
+def loss_rng(seed: int, step: int, microbatch: int) -> Iterator[None]:
+    """Run a micro-batch's loss with its own seed, (``seed``, step, micro-batch, ``LOSS``): random
+    numbers a loss draws (dropout on the logits, noise) are then the same at any P × D, in every
+    run, and in the plain reference; the caller's torch RNG state is restored afterwards."""
+    with forked_rng():
+        seed_segment(seed, step, microbatch, LOSS)
+        yield
 
 
 @contextlib.contextmanager

@@ -307,8 +307,14 @@ LOSSES: dict[str, LossFn] = {"model": model_loss, "cross_entropy": cross_entropy
 def _class_ids(arg: str, value: Any, own_loss: bool) -> Any:
     """``labels``/``targets`` handed to a forward that computes its own loss, as int64 when they
     are integers of another type (NumPy's int32 ids: torch's losses take int64 class ids only)."""
-    if (own_loss and arg in ("labels", "targets") and isinstance(value, torch.Tensor)
-            and not value.is_floating_point() and value.dtype not in (torch.int64, torch.bool)):
+    return _int64(value) if own_loss and arg in ("labels", "targets") else value
+
+
+def _int64(value: Any) -> Any:
+    """An integer tensor of another type than int64 (NumPy's int32, uint8 masks) as int64, the
+    one integer type torch's losses take as class ids; anything else as it is."""
+    if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype not in (torch.int64, torch.bool):
         return value.long()
     return value
 
@@ -339,7 +345,7 @@ class CallSpec:
 
     def split(self, batch: Mapping[str, Any]) -> tuple[ModelInputs, Any]:
         """``(inputs, targets)`` of a batch of named fields (integer ``labels``/``targets`` handed to
-        a forward computing its own loss as int64). Raises ``ModelSpecError`` naming a missing field
+        a forward computing its own loss, and integer targets of a loss, as int64). Raises ``ModelSpecError`` naming a missing field
         and the fields there are."""
         missing = [f for f in self.fields() if f not in batch]
         if missing:
@@ -349,9 +355,11 @@ class CallSpec:
                                if self.kwargs and not self.args else tuple(batch[f] for f in self.args))
         if self.kwargs and self.args:
             raise ModelSpecError("a model call takes positional or keyword fields, not both")
+        # the loss's targets: integer ones as int64 (a loss of one's own on NumPy's int32 ids failed in
+        # the workers with "expected target dtype to be Long"; Job.batch gave them as int32 too)
         if isinstance(self.targets, tuple):
-            return inputs, {t: batch[t] for t in self.targets}
-        return inputs, (batch[self.targets] if self.targets else None)
+            return inputs, {t: _int64(batch[t]) for t in self.targets}
+        return inputs, (_int64(batch[self.targets]) if self.targets else None)
 
     def describe(self) -> str:
         """``model(input_ids, targets)`` / ``model(input_ids=input_ids, labels=labels)`` and the loss's targets."""
@@ -508,7 +516,7 @@ def infer_call(model: nn.Module, fields: Sequence[str], loss: str | LossFn | Non
     elif "input_ids" in fields:  # language-model data (and a dataset's dicts with input_ids)
         # the named targets field is the loss's, not the forward's (a **kwargs forward takes any field)
         extra = _extra_fields(model, fields, params, names,
-                              exclude=("input_ids", "labels", "targets") + ((targets,) if targets else ()))
+                              exclude=("input_ids", "labels", "targets", "label") + ((targets,) if targets else ()))
         first = names[0] if names else "input_ids"
         if "labels" in names and (loss is None or own):
             call, own = CallSpec(kwargs=(("input_ids", "input_ids"), *extra, ("labels", "labels"))), True

@@ -40,7 +40,7 @@ from ..model.inputs import ModelInputs, as_inputs, call_model, leading_dim, rows
 from ..model.loss_items import LossItems
 from ..model.materialize import build_on_meta, materialize
 from ..model.partition import StageMap, balanced_stage_map, shared_state, stage_state_names, unsplittable_cuts
-from ..model.rng import forked_rng, seed_segment
+from ..model.rng import forked_rng, loss_rng, seed_segment
 from ..model.spec import ModelSpecError
 from ..model.state_kept import InPlaceUpdates
 from ..model.tracer import ModelStructure, loss_after, segment_costs, trace_model
@@ -429,7 +429,7 @@ class Varuna:
         return ([rows(inputs, i * b, (i + 1) * b) for i in range(self.m)],
                 [rows(targets, i * b, (i + 1) * b) for i in range(self.m)], host)
 
-    def _loss(self, out: Any, targets: Any, host: Any) -> torch.Tensor:
+    def _loss(self, out: Any, targets: Any, host: Any, mb: int) -> torch.Tensor:
         """The last stage's loss of ``out``. A loss with a ``check_targets(output, targets)`` hook
         first checks ``host``, the targets' copy on the host (None on a CPU stage, where the loss
         itself raises the clear error): on CUDA a class id beyond the logits would otherwise be a
@@ -440,7 +440,7 @@ class Varuna:
         if host is not None:
             self.loss_fn.check_targets(out, host)
         try:
-            with self._autocast():
+            with self._autocast(), loss_rng(self.seed, self.step_count, mb):
                 return self.loss_fn(out, targets)
         except IndexError as e:   # a loss of the user's own on class ids beyond the logits (on CPU)
             if not _ID_OUT_OF_BOUNDS.search(str(e)):
@@ -539,7 +539,7 @@ class Varuna:
                                 carried=st.carried if with_grad else None)
         if self.is_last:
             t0 = time.perf_counter()
-            loss = self._loss(out, st.mb_tg[i], st.mb_host[i])
+            loss = self._loss(out, st.mb_tg[i], st.mb_host[i], st.base + i)
             st.model_s["F"] += time.perf_counter() - t0
             st.live[i] = (leaves, (loss,))
             if st.items is None:
@@ -725,7 +725,7 @@ class Varuna:
                                     self.replica * self.m + i, grad=False)
                 if self.is_last:
                     if items is None or items[i]:
-                        total += self._loss(out, mb_tg[i], mb_host[i]).float() * (1 if items is None else items[i])
+                        total += self._loss(out, mb_tg[i], mb_host[i], self.replica * self.m + i).float() * (1 if items is None else items[i])
                 else:
                     self.ch_act_out.send(out, [False] * len(out))
         finally:
