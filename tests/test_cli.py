@@ -51,6 +51,25 @@ def test_yaml_errors_name_the_file_and_line_without_a_traceback(tmp_path, capsys
     assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["status", "runs/x", "--run-dir", "y"], "varuna status: error: unrecognized arguments: --run-dir y (--run-dir is a "
+                                              "flag of varuna demo / varuna launch / varuna train, not of varuna status)"),
+    (["launch", "job.yaml", "--steps", "5"], "varuna launch: error: unrecognized arguments: --steps 5 (--steps is a flag "
+                                             "of varuna demo / varuna train, not of varuna launch)"),
+    (["train", "job.yaml", "--stpes", "5"], "varuna train: error: unrecognized arguments: --stpes 5 (--stpes: did you "
+                                            "mean --steps?)"),
+])
+def test_a_flag_the_subcommand_does_not_take_is_said_by_the_subcommand(capsys, argv, said):
+    """An unknown flag after a subcommand printed ``varuna``'s own usage (helper-61): now the
+    subcommand's, with the flag it likely meant or the subcommands that take it."""
+    from varuna_sdk.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and f"usage: varuna {argv[0]} " in err, err
+
+
 def test_a_value_overridden_on_the_command_line_is_not_blamed_on_the_file(tmp_path, capsys):
     from varuna_sdk.cli import main
 

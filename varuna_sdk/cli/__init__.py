@@ -103,10 +103,32 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = saved
 
 
+def _unknown_arguments(parser: argparse.ArgumentParser, cmd: str, extra: list[str]) -> None:
+    """Exit 2 with subcommand ``cmd``'s usage and what it does not take in ``extra``: the closest
+    flag it has, or the subcommands that have the flag (``--steps`` is ``varuna train``'s)."""
+    import difflib
+
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    own = subs[cmd]
+    flags = [o for a in own._actions for o in a.option_strings]
+    hints = []
+    for x in (e.split("=", 1)[0] for e in extra if e.startswith("--")):
+        near = difflib.get_close_matches(x, flags, n=1, cutoff=0.75)
+        elsewhere = sorted(name for name, p in subs.items() if name != cmd
+                           and any(x in a.option_strings for a in p._actions))
+        if elsewhere:
+            hints.append(f"{x} is a flag of varuna {' / varuna '.join(elsewhere[:3])}, not of varuna {cmd}")
+        elif near:
+            hints.append(f"{x}: did you mean {near[0]}?")
+    own.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # said by the subcommand (its usage, the flags it has), not by `varuna` itself
+        _unknown_arguments(parser, args.cmd, extra)
     args.argv = argv   # as typed: the command that continues a stopped job repeats every flag
     try:
         if args.cmd == "launch":
