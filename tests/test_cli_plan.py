@@ -112,6 +112,7 @@ def test_nothing_fits_exits_1(files):
     # 3 GPUs: plans exist (P=1 D=2 ...), but none with the config's P=2 x D=2 = 4 workers
     out = _cli("plan", config(P=2, D=2), "--gpus", "3", "--profile", path)
     assert out.returncode == 1 and "no feasible plan keeps parallel.P=2, parallel.D=2" in out.stderr
+    assert "P=2 x D=2 needs 4 GPUs, more than --gpus 3" in out.stderr, out.stderr   # why (helper-61)
 
 
 def test_memory_gib_plans_recompute_per_stage_as_plan_does(tmp_path):

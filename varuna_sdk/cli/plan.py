@@ -212,6 +212,9 @@ def _plan_keeping_config(prof, par, pl, G: int, B: int, common: dict) -> int:
         if par.P is not None and par.P > prof.num_segments:
             why = (f"the model has {prof.num_segments} segments (cut-points + 1), so P is at most "
                    f"{prof.num_segments}" + (f"; {why}" if why else ""))
+        if par.P is not None and par.P * (par.D or 1) > G:
+            why = (f"P={par.P}{f' x D={par.D}' if par.D else ''} needs {par.P * (par.D or 1)} GPUs, more than "
+                   f"--gpus {G}" + (f"; {why}" if why else ""))
         print(f"varuna: no feasible plan keeps {what} from the config" + (f" ({why})" if why else "")
               + "; set them to null to let the planner choose, or change them", file=sys.stderr)
         return 1
