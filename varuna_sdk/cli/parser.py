@@ -232,9 +232,9 @@ def _add_run_folder_commands(sub) -> None:
     sp.add_argument("--wait", type=_seconds, default=0.0,
                     help="wait up to this many seconds for the job to reach STOPPED (default: do not wait)")
     sp = _subcommand(sub, "logs", "print a run's worker output and events (--follow: as they come)",
-                     "Print the output of every worker of a run, generation by generation, each generation "
-                     "headed by its plan and followed by how it ended; --events prints the event log in "
-                     "sentences instead.", LOGS_EXIT_STATUS)
+                     "Print the output of every worker of a run, generation by generation, each headed by "
+                     "its name (===== gen0 =====; its workers print its plan first); --events prints the event "
+                     "log in sentences instead, how each generation ended among them.", LOGS_EXIT_STATUS)
     sp.add_argument("run", help="the job's run folder")
     sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
     sp.add_argument("--events", action="store_true", help="the event log in sentences instead of worker output")
