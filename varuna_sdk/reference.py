@@ -131,9 +131,10 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
 
     ``model``: your own copy to train (it is changed; default ``initial_model``, the weights every
     stage starts from). Runs on CPU in the job's precision (fp32 or bf16). Dropout masks and other
-    random numbers the forward draws from torch's or NumPy's global generators are the pipeline's
-    (each segment between cut-points seeded by (``train.seed``, step, micro-batch, segment), as the
-    workers seed it) when the model is ``initial_model`` and the micro-batch size the job's; otherwise
+    random numbers the forward draws from torch's, NumPy's or Python's global generators are the
+    pipeline's (each segment between cut-points seeded by (``train.seed``, step, micro-batch,
+    segment), as the workers seed it) when the model is ``initial_model`` and the micro-batch size
+    the job's, and a loss's draws at any size (``model.rng.loss_rng``); otherwise
     a model with dropout is warned about (its masks differ from the pipeline's). Raises ``ValueError`` for ``steps`` outside
     ``1 .. train.steps``, fp16, or a micro-batch size that does not divide the global batch."""
     t = job.train
