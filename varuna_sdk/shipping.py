@@ -20,7 +20,6 @@ of the SDK, so the manager can ship files without loading torch.
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import json
 import re
