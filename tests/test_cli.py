@@ -58,6 +58,8 @@ def test_yaml_errors_name_the_file_and_line_without_a_traceback(tmp_path, capsys
                                              "of varuna demo / varuna train, not of varuna launch)"),
     (["train", "job.yaml", "--stpes", "5"], "varuna train: error: unrecognized arguments: --stpes 5 (--stpes: did you "
                                             "mean --steps?)"),
+    (["launch", "job.yaml", "--stpes", "5"], "varuna launch: error: unrecognized arguments: --stpes 5 (--stpes: --steps? "
+                                             "that is a flag of varuna demo / varuna train, not of varuna launch)"),
 ])
 def test_a_flag_the_subcommand_does_not_take_is_said_by_the_subcommand(capsys, argv, said):
     """An unknown flag after a subcommand printed ``varuna``'s own usage (helper-61): now the

@@ -200,6 +200,12 @@ def test_resume_false_on_a_stopped_run_is_refused_before_any_worker_and_it_conti
     with pytest.raises(ConfigError, match=r"the model of the run in .* changed since its checkpoint of step \d+: "
                                           r"'.*' \(\d+,?.*\) in the checkpoint, \(\d+,?.*\) now.*put the code back"):
         check_same_model(wider, resolve(wider, run), run)
+    renamed = copy.deepcopy(job)   # every layer under other names: the names gone, counted, and the new ones
+    renamed.model = ModelConfig(factory="tests.thirdparty.singlefile_gpt:make_gpt",
+                                kwargs={"n_layer": 2, "block_size": 32, "vocab_size": 256})
+    with pytest.raises(ConfigError, match=r"\[.*\] \(and \d+ more\) not in the model now; \[.*\] \(and \d+ more\) "
+                                          r"not in the checkpoint — its code was edited"):
+        check_same_model(renamed, resolve(renamed, run), run)
     cfg = tmp_path / "noresume.yaml"
     j = JobConfig.from_yaml(run / "config.yaml")
     j.train.resume = False

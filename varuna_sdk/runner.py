@@ -456,10 +456,17 @@ def check_same_model(job: JobConfig, resolved, run_dir: Path) -> None:
                 if n in have and isinstance(it.get("shape"), list) and list(have[n].shape) != it["shape"]]
     if not gone and not reshaped:
         return
-    said = reshaped[:3] + ([f"{gone[:3]} not in the model now"] if gone else [])
+    new = sorted(n for n, _ in model.named_parameters() if n not in items)   # (a renamed layer's new names)
+
+    def some(names: list[str]) -> str:
+        return f"{names[:3]}" + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
+
+    said = ([f"{'; '.join(reshaped[:3])}" + (f" (and {len(reshaped) - 3} more)" if len(reshaped) > 3 else "")]
+            if reshaped else [])
+    said += [f"{some(gone)} not in the model now"] if gone else []
+    said += [f"{some(new)} not in the checkpoint"] if gone and new else []
     raise ConfigError(f"the model of the run in {run_dir} changed since its checkpoint of step {info.step}: "
-                      f"{'; '.join(said)}"
-                      f"{f' (and {len(reshaped) - 3} more)' if len(reshaped) > 3 else ''} — its code was edited, "
+                      f"{'; '.join(said)} — its code was edited, "
                       "its config is the same. The checkpoint holds the model the run trained: put the code back to "
                       "continue this run (it stays as it was), or train the changed model in another --run-dir (in a "
                       "notebook: Job(..., run_dir=...) naming another folder)")

@@ -116,10 +116,16 @@ def _unknown_arguments(parser: argparse.ArgumentParser, cmd: str, extra: list[st
         near = difflib.get_close_matches(x, flags, n=1, cutoff=0.75)
         elsewhere = sorted(name for name, p in subs.items() if name != cmd
                            and any(x in a.option_strings for a in p._actions))
+        others = {o for name, p in subs.items() if name != cmd for a in p._actions for o in a.option_strings}
+        near_elsewhere = difflib.get_close_matches(x, sorted(others - set(flags)), n=1, cutoff=0.75)
         if elsewhere:
             hints.append(f"{x} is a flag of varuna {' / varuna '.join(elsewhere[:3])}, not of varuna {cmd}")
         elif near:
             hints.append(f"{x}: did you mean {near[0]}?")
+        elif near_elsewhere:
+            y = near_elsewhere[0]
+            has = sorted(name for name, p in subs.items() if any(y in a.option_strings for a in p._actions))
+            hints.append(f"{x}: {y}? that is a flag of varuna {' / varuna '.join(has[:3])}, not of varuna {cmd}")
     own.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
 
