@@ -60,10 +60,14 @@ def test_yaml_errors_name_the_file_and_line_without_a_traceback(tmp_path, capsys
                                             "mean --steps?)"),
     (["launch", "job.yaml", "--stpes", "5"], "varuna launch: error: unrecognized arguments: --stpes 5 (--stpes: --steps? "
                                              "that is a flag of varuna demo / varuna train, not of varuna launch)"),
+    (["train", "job.yaml", "--step", "5"], "varuna train: error: unrecognized arguments: --step 5 (--step: did you "
+                                           "mean --steps?)"),
 ])
 def test_a_flag_the_subcommand_does_not_take_is_said_by_the_subcommand(capsys, argv, said):
     """An unknown flag after a subcommand printed ``varuna``'s own usage (helper-61): now the
-    subcommand's, with the flag it likely meant or the subcommands that take it."""
+    subcommand's, with the flag it likely meant or the subcommands that take it. A prefix of a
+    flag (``--step``) is no flag either: argparse took it as ``--steps`` (a later flag sharing the
+    prefix would have changed what an old command line meant)."""
     from varuna_sdk.cli import main
 
     with pytest.raises(SystemExit) as e:

@@ -1371,7 +1371,8 @@ def test_blocks_kept_as_attributes_and_a_loss_returning_a_dict_train_as_plain_py
     """``model.blocks: [b1, b2, b3]`` names blocks a model keeps as attributes (no ``ModuleList``):
     it was refused ("must be a non-empty string"; helper trial) and the model could be split only
     by editing it. A loss of the user's own that returns ``{"loss": ..., "acc": ...}`` (Lightning,
-    Hugging Face habits) or ``(loss, logits)`` was refused too ("the loss returned a dict"). Now
+    Hugging Face habits), ``(loss, logits)`` or a loss of shape ``[1]`` was refused too ("the loss
+    returned a dict"). Now
     cut-points go before each named block and the loss's ``loss`` entry trains: P=2 gives the
     losses of the built-in cross-entropy in plain PyTorch. A mistyped block name is refused with
     the closest ones, or the model's modules."""
@@ -1389,8 +1390,9 @@ def test_blocks_kept_as_attributes_and_a_loss_returning_a_dict_train_as_plain_py
                                            run_dir=str(tmp_path / "runs")))
     blocks = ["b1", "b2", "b3"]
     builtin = Job(job(blocks)).plain_pytorch_losses(3)
-    assert Job(job(blocks, "tests.thirdparty.user_data:loss_and_logits")).plain_pytorch_losses(3) == \
-        pytest.approx(builtin, rel=1e-6)
+    for loss in ("loss_and_logits", "loss_of_shape_one"):   # (loss, logits); loss.view(1) (it was refused)
+        assert Job(job(blocks, f"tests.thirdparty.user_data:{loss}")).plain_pytorch_losses(3) == \
+            pytest.approx(builtin, rel=1e-6)
     cfg = JobConfig.from_yaml_text(job(blocks, "tests.thirdparty.user_data:loss_and_accuracy").to_yaml())
     assert Job(cfg).resolved.spec.factory()._varuna_auto_segments == 5   # [inp], [b1], [b2], [b3], [out]
     got = [m["loss"] for m in train_local(cfg, run_dir=tmp_path / "run").metrics()]

@@ -533,6 +533,12 @@ def loss_and_logits(output, y):
     return nn.functional.cross_entropy(output, y), output
 
 
+def loss_of_shape_one(output, y):
+    """A loss returning a one-element tensor of shape ``[1]`` (``.view(1)``), which plain PyTorch's
+    ``backward`` takes as it takes a 0-dim one."""
+    return nn.functional.cross_entropy(output, y).view(1)
+
+
 class AttributeBlocks(nn.Module):
     """``Classifier`` with its blocks kept as attributes (``self.b1``, ``self.b2``, ``self.b3``), no list."""
 

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     every flag."""
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="varuna", description="Pipeline x data parallel training of your own "
+    parser = argparse.ArgumentParser(prog="varuna", allow_abbrev=False, description="Pipeline x data parallel training of your own "
                                      "PyTorch model on spot VMs that come and go (after Varuna, arXiv 2111.04007).")
     parser.add_argument("--version", action="version", version=f"varuna-sdk {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

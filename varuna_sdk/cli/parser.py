@@ -90,7 +90,7 @@ def _seconds(text: str) -> float:
 def _subcommand(sub, name: str, help_: str, description: str, more: str = "") -> argparse.ArgumentParser:
     """A subcommand with its one-line help, its description and its examples (``_EXAMPLES``),
     then ``more`` (e.g. ``EXIT_STATUS``)."""
-    return sub.add_parser(name, help=help_, description=description,
+    return sub.add_parser(name, help=help_, description=description, allow_abbrev=False,
                           epilog="examples:\n  " + _EXAMPLES[name] + (f"\n\n{more}" if more else ""),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 

@@ -90,16 +90,18 @@ class UserLoss:
     fn: LossFn
 
     def __call__(self, output: Any, targets: Any = None) -> Any:
-        """``fn(output, targets)``'s loss: a tensor as it is, else its ``loss`` / ``["loss"]`` / ``[0]``."""
+        """``fn(output, targets)``'s loss: a tensor as it is, else its ``loss`` / ``["loss"]`` / ``[0]``;
+        a one-element tensor (``[1]``, ``[1, 1]``: ``loss.view(1)``, a ``sum(..., keepdim=True)``) as
+        the 0-dim tensor it holds, as plain PyTorch's ``backward`` takes it."""
         out = self.fn(output, targets)
-        if isinstance(out, torch.Tensor):
-            return out
         if isinstance(out, Mapping) and "loss" in out:
-            return out["loss"]
-        if not isinstance(out, Mapping) and isinstance(getattr(out, "loss", None), torch.Tensor):
-            return out.loss
-        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-            return out[0]
+            out = out["loss"]
+        elif not isinstance(out, (Mapping, torch.Tensor)) and isinstance(getattr(out, "loss", None), torch.Tensor):
+            out = out.loss
+        elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            out = out[0]
+        if isinstance(out, torch.Tensor) and out.dim() > 0 and out.numel() == 1:
+            return out.reshape(())
         return out
 
 
