@@ -43,6 +43,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import multiprocessing as mp
 import os
 import re
 import sys
@@ -68,6 +69,7 @@ from .model.spec import (ModelSpec, ModelSpecError, UserLoss, check_target_ids, 
                          model_limits, positive_settings, prepare_model, warn_if_causal_with_masking)
 from .model.hybrid import WeightValueError
 from .model.tracer import ModelStructure, trace_model
+from .pipeline.spawn import rerun_main_script
 from .shipping import GIVEN_DATA, ByValue, ShippingError, code_sha256, find_objects
 
 # ---- picklable callables ---------------------------------------------------------------------
@@ -1184,7 +1186,17 @@ def resolve_job(job: JobConfig, search: Sequence[str | Path | None] = (), check:
     """``resolve_data`` + ``resolve_model`` + ``check_together`` (``search``: folders that may hold
     the job's objects file — its run folder; ``check=False``: a worker, whose launcher checked
     the same job already). Raises ``ConfigError``/``DataError``/``ModelSpecError`` (all
-    ``ValueError``) or ``ShippingError`` before anything starts."""
+    ``ValueError``) or ``ShippingError`` before anything starts; ``ConfigError`` too in a worker
+    process re-importing a main script that builds a job at its top level (the script has no
+    ``if __name__ == "__main__":``): each worker would build, check and launch the job again while
+    the calibration measures, so the worker stops there and the script's run fails saying why."""
+    script = rerun_main_script()
+    if script is not None:
+        raise ConfigError(f"{script} builds a job at its top level, and this worker process "
+                          f"({mp.current_process().name}) is importing that script again, as every worker a "
+                          "calibration or a local job starts does, so the script's code would run again in each "
+                          "worker: put the code that builds, plans and launches jobs under "
+                          "`if __name__ == \"__main__\":` (a notebook needs nothing)")
     data = resolve_data(job, search)
     spec = resolve_model(job, data.tokenizer, data.fields, search, from_text=data.tokens is not None)
     if check:

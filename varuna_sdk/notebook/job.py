@@ -612,7 +612,9 @@ class Job:
         self._monitor.start()
 
     def _progress(self, bar, done: int) -> None:
-        state = None
+        """Follow the job on ``bar`` until it ends; a FAILED job's reason is printed under the bar
+        (a script's ``job.wait()`` returns the status, which a script need not print)."""
+        state, error = None, None
         try:
             while True:
                 ended = self.manager is None or not self.running
@@ -630,7 +632,7 @@ class Job:
                 if st.morphs:
                     post["morphs"] = st.morphs
                 bar.set_postfix(post, refresh=True)
-                state = st.state
+                state, error = st.state, st.error
                 if ended:
                     break
                 time.sleep(0.5)
@@ -639,6 +641,8 @@ class Job:
         finally:
             bar.close()
             colour_finished_bar(bar, state)
+            if state == "FAILED" and error:
+                print(f"[varuna] {self.config.name} FAILED: {error}", file=sys.stderr, flush=True)
 
     def __repr__(self) -> str:
         return f"<Job {self.config.name} {self.status.state}{' at ' + str(self.run_dir) if self.run_dir else ''}>"

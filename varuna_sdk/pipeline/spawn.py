@@ -49,6 +49,22 @@ class WorkerFailure(RuntimeError):
         self.failures = failures
 
 
+def rerun_main_script() -> str | None:
+    """The main script's path when the caller runs at the top level of that script being
+    imported again in a child process (``multiprocessing`` imports the parent's main script as
+    ``__mp_main__`` in every worker it starts, spawned or forked from the fork server, before the
+    worker's target runs), else ``None``. Code of the script that a worker calls later (a
+    function of it, a class's method) is not at its top level and gives ``None``. (Only
+    ``multiprocessing`` runs a script as ``__mp_main__``; while it does, ``mp.parent_process()`` is
+    not set yet.)"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return str(frame.f_globals.get("__file__") or "the main script")
+        frame = frame.f_back
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now, below the kernel's ephemeral port range, so that no
     outgoing connection (gloo's own pairs, SSH, HTTP) is handed it before the rendezvous store
@@ -298,11 +314,11 @@ def _no_traceback(forked: bool) -> str:
     imports the parent's main script in it (spawned or forked from the fork server alike), whose
     top-level code then runs again; or the fork server it came from was killed (exit 255)."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    server = " or its fork server was killed," if forked else ""
+    server = " (or its fork server was killed)" if forked else ""
     if main:
-        return (f"it exited without a traceback:{server} it may have failed while re-importing the main script "
-                f"{main} (each worker process starts by importing it, running its top-level code again; its error "
-                "is on stderr). If that script plans, calibrates or trains at its top level, put that code under "
+        return (f"it exited without a traceback: it may have failed while re-importing the main script {main}{server} "
+                "(each worker process starts by importing it, running its top-level code again; its error is on "
+                "stderr). If that script plans, calibrates or trains at its top level, put that code under "
                 "`if __name__ == \"__main__\":`")
     return f"it exited without a traceback{server} (its error, if any, is on stderr)"
 
