@@ -255,26 +255,37 @@ class _Evil:
 
 
 # ---- correctness across morphs ---------------------------------------------------------------
+#: the morphs below train with an optimizer other than the default AdamW whose state has 4 entries
+#: per parameter (step, square_avg, momentum_buffer, grad_avg): each must move with its parameter
+MORPH_OPTIMIZER = dict(optimizer="RMSprop", optimizer_kwargs={"momentum": 0.9, "centered": True})
+
+
 @pytest.fixture(scope="module")
 def reference_losses(tmp_path_factory) -> list[float]:
-    """Per-step losses of an uninterrupted (P=2, D=2) run of 6 steps."""
+    """Per-step losses of an uninterrupted (P=2, D=2) run of 6 steps (``MORPH_OPTIMIZER``); they
+    equal the unpartitioned model's trained by plain PyTorch with the same optimizer."""
+    from varuna_sdk.notebook import Job
+
     out = tmp_path_factory.mktemp("reference")
-    _spawn(run_worker, 4, (W.tiny_job(2, 2).to_dict(), str(out)), out)
+    _spawn(run_worker, 4, (W.tiny_job(2, 2, **MORPH_OPTIMIZER).to_dict(), str(out)), out)
     rows = _losses(out)
     assert [r["step"] for r in rows] == list(range(6))
-    return [r["loss"] for r in rows]
+    losses = [r["loss"] for r in rows]
+    assert losses == pytest.approx(Job(W.tiny_job(2, 2, **MORPH_OPTIMIZER)).plain_pytorch_losses(6), rel=1e-5)
+    return losses
 
 
 @pytest.mark.timeout(300)
 def test_stop_resume_morphs_keep_the_loss_trajectory(tmp_path, reference_losses):
     """(P=2,D=2) stops after step 2 (only rank 3 is asked), (P=3,D=1) resumes and stops after step
     4 (only rank 1 is asked), (P=2,D=2) resumes to the end: the per-step losses equal the
-    uninterrupted run's (1e-5 relative), each step exactly once. Store: a file:// URL."""
+    uninterrupted run's (1e-5 relative), each step exactly once, the optimizer's state (RMSprop's
+    four entries) moving with each parameter to its new stage. Store: a file:// URL."""
     run = tmp_path / "run"
     url = (tmp_path / "store").as_uri()
     plan = [((2, 2), StopAtStep(2, ranks=(3,))), ((3, 1), StopAtStep(4, ranks=(1,))), ((2, 2), None)]
     for gen, ((P, D), stop) in enumerate(plan):
-        job = W.tiny_job(P, D, checkpoint_url=url).to_dict()
+        job = W.tiny_job(P, D, checkpoint_url=url, **MORPH_OPTIMIZER).to_dict()
         _spawn(run_worker, P * D, (job, str(run), None, stop, gen), run)
         outcome = json.loads((run / "outcome.json").read_text())
         if stop is not None:
@@ -296,7 +307,7 @@ def test_sudden_loss_resumes_at_the_last_complete_checkpoint(tmp_path, reference
     with the uninterrupted losses from there on; keep_checkpoints=2 leaves the 2 newest."""
     run = tmp_path / "run"
     store = tmp_path / "store"
-    common = dict(checkpoint_every=2, keep_checkpoints=2, checkpoint_url=str(store))
+    common = dict(checkpoint_every=2, keep_checkpoints=2, checkpoint_url=str(store), **MORPH_OPTIMIZER)
     with pytest.raises(WorkerFailure):
         _spawn(run_worker, 4, (W.tiny_job(2, 2, **common).to_dict(), str(run), W.DieAtStep(4, rank=1)), run)
     last = latest_complete(store)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from varuna_sdk.config import (
     ConfigError,
@@ -195,17 +196,68 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-def test_another_tools_optimizer_or_scheduler_setting_says_what_is_fixed_and_what_to_set():
-    """``optimizer=``, ``lr_scheduler=``, ``betas=`` (Hugging Face, DeepSpeed habits) were refused as
-    unknown with no word why (helper trial): the refusal says AdamW and the warm-up + cosine schedule
-    are fixed and which fields set them, in a config file and as a notebook setting."""
+def test_another_tools_optimizer_or_scheduler_setting_says_what_to_set():
+    """``lr_scheduler=``, ``betas=``, ``momentum=`` (Hugging Face, DeepSpeed habits) were refused as
+    unknown with no word why (helper trial): the refusal says the warm-up + cosine schedule is
+    fixed, and that an optimizer's settings go in ``train.optimizer_kwargs``, in a config file and
+    as a notebook setting."""
     from varuna_sdk.notebook import Job
 
     with pytest.raises(ConfigError, match=r"'scheduler': the learning rate follows a linear warm-up over warmup_steps, "
                                           r"then a cosine decay to min_lr .* set min_lr equal to lr"):
         JobConfig.from_yaml_text("train: {scheduler: cosine}")
-    with pytest.raises(TypeError, match=r"optimizer='sgd', which is no field .* \(the optimizer is AdamW .* its "
-                                        r"settings are lr, weight_decay and grad_clip\)"):
-        Job(optimizer="sgd")
-    with pytest.raises(TypeError, match=r"betas=\(0.9, 0.99\).*the optimizer is AdamW \(betas 0.9, 0.95"):
+    with pytest.raises(TypeError, match=r"betas=\(0.9, 0.99\).*the optimizer is train.optimizer .* its settings other "
+                                        r"than lr and weight_decay go in train.optimizer_kwargs"):
         Job(betas=(0.9, 0.99))
+    with pytest.raises(ConfigError, match=r"'momentum': the optimizer is train.optimizer"):
+        JobConfig.from_yaml_text("train: {optimizer: SGD, momentum: 0.9}")
+
+
+def test_the_optimizer_is_named_with_its_settings_and_bad_ones_are_refused_before_any_work():
+    """``train.optimizer`` names a torch.optim class (any case) or an import path, with
+    ``train.optimizer_kwargs`` (YAML lists are torch's tuples); the default is AdamW with betas
+    (0.9, 0.95). A notebook passes the class itself. Each wrong setting is refused naming it and
+    what to set, before any model is built."""
+    from varuna_sdk.notebook.arguments import _optimizer_name
+    from varuna_sdk.optimizer import check_optimizer, make_optimizer
+
+    def job(text: str) -> JobConfig:
+        return JobConfig.from_yaml_text(text)
+
+    w, b = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3))
+    opt = make_optimizer([w, b], JobConfig())
+    assert type(opt) is torch.optim.AdamW and opt.defaults["betas"] == (0.9, 0.95)
+    assert [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups] == [(1, 0.1), (1, 0.0)]
+    opt = make_optimizer([w, b], job("train: {optimizer: adamw, optimizer_kwargs: {betas: [0.8, 0.99], eps: 1.0e-6}}"))
+    assert opt.defaults["betas"] == (0.8, 0.99) and opt.defaults["eps"] == 1e-6
+    opt = make_optimizer([w, b], job("train: {optimizer: sgd, lr: 0.5, optimizer_kwargs: {momentum: 0.9}}"))
+    assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.9 and opt.param_groups[0]["lr"] == 0.5
+    frozen = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+    assert sum(len(g["params"]) for g in make_optimizer([w, b, frozen], JobConfig()).param_groups) == 2
+    assert _optimizer_name(torch.optim.NAdam) == "NAdam" and _optimizer_name("SGD") == "SGD"
+
+    class Local(torch.optim.SGD):
+        pass
+    for value, said in [(Local, r"Job\(optimizer=Local\) is defined in the notebook.*optimizer='mymodule:Local'"),
+                        (torch.optim.SGD([w], lr=1), r"got a built SGD; pass its class or name"),
+                        (lambda p: None, r"takes a torch.optim optimizer's name or class")]:
+        with pytest.raises(TypeError, match=said):
+            _optimizer_name(value)
+    for text, said in [
+        ("train: {optimizer: Adamm}", r"train.optimizer='Adamm' is no torch.optim optimizer \(did you mean Adam"),
+        ("train: {optimizer: SGD, optimizer_kwargs: {lr: 0.1}}", r"sets lr=0.1; lr is set by train.lr"),
+        ("train: {optimizer: SGD, optimizer_kwargs: {weight_decay: 0.01}}", r"weight_decay is set by train.weight_decay"),
+        ("train: {optimizer: Adam, optimizer_kwargs: {momentum: 0.9}}",
+         r"train.optimizer='Adam' refused its settings .*unexpected keyword argument 'momentum'"),
+        ("train: {optimizer: SGD, optimizer_kwargs: {momentum: -1}}", r"refused its settings .*Invalid momentum"),
+        ("train: {optimizer: LBFGS}", r"LBFGS cannot train a pipeline: it steps with a closure"),
+        ("train: {optimizer: Rprop}", r"'Rprop' takes no weight_decay, but train.weight_decay=0.1; set "
+                                      r"train.weight_decay: 0"),
+        ("train: {optimizer: 'torch.nn:Linear'}", r"is a class that is no torch.optim.Optimizer subclass"),
+        ("train: {optimizer: 'nosuchpkg.optim:Lion'}", r"cannot import 'nosuchpkg.optim'"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            check_optimizer(job(text))
+    check_optimizer(job("train: {optimizer: Rprop, weight_decay: 0}"))
+    with pytest.raises(ConfigError, match=r"train.optimizer=None must be a torch.optim optimizer's name"):
+        job("train: {optimizer: null}").validate()

@@ -73,6 +73,14 @@ def test_a_default_spelled_out_continues_the_run_unchanged(run):
     job = _job()
     job.model.kwargs = {"width": 8, "depth": 2}
     assert check_continuation(job.validate(), run) == []
+    # the optimizer's settings may change (its state still loads); another optimizer's state cannot
+    job = _job()
+    job.train.optimizer_kwargs = {"betas": [0.9, 0.99]}
+    assert check_continuation(job, run) == [("train.optimizer_kwargs.betas", None, [0.9, 0.99])]
+    job.train.optimizer = "SGD"
+    with pytest.raises(ConfigError, match=r"another optimizer than this config \(train.optimizer: 'AdamW' in the "
+                                          r"run, 'SGD' here\)"):
+        check_continuation(job, run)
 
 
 @pytest.mark.parametrize("kwargs,said", [

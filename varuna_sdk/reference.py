@@ -3,13 +3,14 @@ pipeline's losses must equal, computed another way.
 
 Owns: the micro-batches a job trains on at a step (``micro_batches``), and one plain PyTorch
 training loop over them (``plain_losses``) with what the workers use — the initial weights every
-stage starts from (the model's own constructor seeded by name), AdamW with decay on matrices only
-and betas (0.9, 0.95), the job's warm-up + cosine learning rate, each micro-batch's
+stage starts from (the model's own constructor seeded by name), the job's optimizer
+(``optimizer.make_optimizer``: AdamW with betas (0.9, 0.95) by default) with decay on matrices
+only, the job's warm-up + cosine learning rate, each micro-batch's
 ``loss / n`` summed into the gradients, global-norm clipping (``grad_clip``) and a step skipped
 when its gradients are not finite. A user checks the pipeline against it
 (``Job.plain_pytorch_losses``); nothing else uses it.
 
-Sits above ``trainer`` (``lr_at``), ``jobspec`` and ``model``; never imports ``pipeline``,
+Sits above ``trainer`` (``lr_at``), ``optimizer``, ``jobspec`` and ``model``; never imports ``pipeline``,
 ``manager`` or ``cluster``.
 """
 
@@ -140,6 +141,7 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
     t = job.train
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= t.steps:
         raise ValueError(f"steps must be an int in 1 .. {t.steps} (train.steps), got {steps!r}")
+    from .optimizer import make_optimizer
     from .trainer import lr_at
 
     from .trainer import loss_items_of, model_structure
@@ -161,9 +163,7 @@ def plain_losses(job: JobConfig, resolved: ResolvedJob, steps: int = 3, micro_ba
                                    "default, draws the pipeline's)")
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
-    decay, no_decay = [q for q in params if q.dim() >= 2], [q for q in params if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(0.9, 0.95))
+    opt = make_optimizer(params, job)   # the workers' own (train.optimizer)
     loss_fn = resolved.spec.loss_fn
     out: list[float] = []
     for step in range(steps):

@@ -476,7 +476,7 @@ def check_same_model(job: JobConfig, resolved, run_dir: Path) -> None:
 CONTINUED_FIELDS = ("model", "data.tokenizer", "data.seq_len", "data.corpus", "data.path", "data.format",
                     "data.text_column", "data.token_dtype", "data.dataset", "data.dataset_kwargs", "data.seed",
                     "data.val_fraction", "data.mlm_probability", "data.mask_token", "parallel.global_batch",
-                    "train.seed", "train.precision")
+                    "train.seed", "train.precision", "train.optimizer")
 
 
 def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna launch") -> list[tuple[str, Any, Any]]:
@@ -537,7 +537,7 @@ def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna lau
         diffs += [f"{f}.{k}: {_given(a, k)} in the run, {_given(b, k)} here" for k in sorted(set(a) | set(b))
                   if _differs(a, b, k)]
     if diffs:
-        raise ConfigError(f"{run_dir} holds a job that trains another model or other examples than this config "
+        raise ConfigError(f"{run_dir} holds a job that trains another model, other examples or another optimizer than this config "
                           f"({'; '.join(diffs[:6])}{'; ...' if len(diffs) > 6 else ''}); its checkpoints cannot "
                           f"continue this one. Continue it as it was: `{command} {old_path} --run-dir {run_dir}`; "
                           "or run this config in another --run-dir (in a notebook: Job(..., run_dir=...) naming "

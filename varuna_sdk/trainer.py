@@ -1,8 +1,8 @@
 """The training loop every worker runs for a ``JobConfig``: one flat loop, nanoGPT style.
 
 Owns: building a rank's training from a config (the job's model spec and data resolved by
-``jobspec`` — any model, data and loss; this module never knows which — the engine, AdamW,
-warm-up + cosine learning rate), the per-step line and the JSON-lines metrics file
+``jobspec`` — any model, data and loss; this module never knows which — the engine, the
+optimizer (``optimizer.make_optimizer``), warm-up + cosine learning rate), the per-step line and the JSON-lines metrics file
 (``metrics.jsonl`` in the run folder, one object per step, written by rank 0; the dashboard reads
 it) and the held-out loss and perplexity at start and end (``summary.json``). Also the worker's side of
 morphing (paper §4.2): resume from the newest complete per-layer checkpoint under the current
@@ -39,12 +39,16 @@ from .config import JobConfig
 from .data.loader import DataError
 from .data.prefetch import BatchPrefetcher
 from .jobspec import ResolvedJob, resolve_job
+from .optimizer import check_optimizer, make_optimizer
 from .pipeline.engine import StepResult, Varuna
 
 
 def resolve(job: JobConfig, run_dir: str | Path | None = None, check: bool = True) -> ResolvedJob:
     """The job's model spec and data, resolved and (``check``) checked together
-    (``jobspec.resolve_job``); objects the job shipped by value are looked up in ``run_dir`` too."""
+    (``jobspec.resolve_job``, and ``check``: the optimizer's settings, ``optimizer.check_optimizer``);
+    objects the job shipped by value are looked up in ``run_dir`` too."""
+    if check:
+        check_optimizer(job)
     return resolve_job(job, search=[run_dir] if run_dir is not None else [], check=check)
 
 
@@ -179,7 +183,7 @@ def evaluate(engine: Varuna, batches: list) -> float | None:
 
 @dataclass
 class Training:
-    """What one rank trains with: its engine, AdamW (decay on matrices only), the deterministic
+    """What one rank trains with: its engine, its optimizer (decay on matrices only), the deterministic
     batch loader (``replica_batch(step, replica, D)`` → the fields of a replica's share), the
     held-out batches (``(inputs, targets)``) and the resolved job (``split`` turns fields into
     the engine's ``(inputs, targets)``)."""
@@ -237,10 +241,7 @@ def build_training(job: JobConfig, rank: int | None = None, run_dir: str | Path 
         r = resolve(job, run_dir, check=False)
     loader, val = r.data.loaders(d.seq_len, p.global_batch, d.seed, d.val_fraction, t.eval_batches)
     engine = build_engine(job, rank, r)
-    decay = [q for n, q in engine.named_parameters() if q.dim() >= 2]
-    no_decay = [q for n, q in engine.named_parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(0.9, 0.95))
+    opt = make_optimizer(engine.parameters(), job)
     return Training(engine, opt, loader, [r.split(v) for v in val], r, field_kinds(r.data.sample(1, d.seq_len)))
 
 

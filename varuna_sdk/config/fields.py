@@ -256,13 +256,15 @@ SYNONYMS = {"learning_rate": "lr", "max_lr": "lr", "batch_size": "global_batch",
             "activation_checkpointing": "recompute", "schedule": "policy"}
 
 
-_OPTIMIZER = ("the optimizer is AdamW (betas 0.9, 0.95; eps 1e-8; weight decay on matrices only), fixed: its "
-              "settings are lr, weight_decay and grad_clip")
+_OPTIMIZER = ("the optimizer is train.optimizer (a torch.optim name such as AdamW, the default, or SGD; or "
+              "'mypkg.optim:MyOptimizer'); its settings other than lr and weight_decay go in "
+              "train.optimizer_kwargs, e.g. {momentum: 0.9} or {betas: [0.9, 0.999], eps: 1e-6}")
 _SCHEDULE = ("the learning rate follows a linear warm-up over warmup_steps, then a cosine decay to min_lr by "
              "train.steps, fixed: for a constant rate set min_lr equal to lr and warmup_steps to 0")
-#: other tools' settings this SDK fixes by design, and what to set instead
-FIXED = {**dict.fromkeys(("optimizer", "optim", "optimizer_name", "optimizer_type", "betas", "adam_beta1",
-                          "adam_beta2", "beta1", "beta2", "eps", "adam_epsilon", "momentum"), _OPTIMIZER),
+#: other tools' settings this SDK names otherwise or fixes by design, and what to set instead
+FIXED = {**dict.fromkeys(("optim", "optimizer_name", "optimizer_type", "optimizer_class", "betas", "adam_beta1",
+                          "adam_beta2", "beta1", "beta2", "eps", "adam_epsilon", "momentum", "nesterov",
+                          "optimizer_args", "optimizer_params", "optim_args"), _OPTIMIZER),
          **dict.fromkeys(("scheduler", "lr_scheduler", "lr_scheduler_type", "lr_schedule", "schedule_type",
                           "decay_style", "lr_decay_style"), _SCHEDULE)}
 

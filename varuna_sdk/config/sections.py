@@ -177,7 +177,10 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation: steps, AdamW learning rate and weight decay, warm-up steps (linear) then
+    """Optimisation: steps, learning rate and weight decay (on matrices only), the optimizer
+    (``optimizer``: a ``torch.optim`` class by name — ``AdamW``, the default, with betas (0.9,
+    0.95) — or ``'mypkg.optim:Lion'``; its other settings in ``optimizer_kwargs``, e.g.
+    ``{momentum: 0.9}``: ``varuna_sdk.optimizer``), warm-up steps (linear) then
     cosine decay to ``min_lr``, global grad-norm clipping (``None`` = off), numeric precision,
     initial dynamic loss scale for fp16, model seed, evaluation size, where runs are written.
 
@@ -195,6 +198,8 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     weight_decay: float = 0.1
+    optimizer: str = "AdamW"
+    optimizer_kwargs: dict = field(default_factory=dict)
     warmup_steps: int = 5
     grad_clip: float | None = 1.0
     precision: str = "fp32"
@@ -244,6 +249,9 @@ RULES: dict[type, dict[str, Any]] = {
                      "split_backward": Flag(True), "boundaries": Plain("index_lists"), "shared_params": Plain("names")},
     TrainConfig: {"steps": Int(1, BIG), "lr": Num(0.0, 10.0, lo_open=True), "min_lr": Num(0.0, 10.0),
                   "weight_decay": Num(0.0, 10.0), "warmup_steps": Int(0, BIG),
+                  "optimizer": Text(hint="a torch.optim optimizer's name (AdamW, SGD, Adam, ...) or the import "
+                                         "path of an optimizer class of your own ('mypkg.optim:Lion')"),
+                  "optimizer_kwargs": Plain("map", optional=False),
                   "grad_clip": Num(0.0, 1e9, lo_open=True, optional=True), "precision": Text(PRECISIONS),
                   "loss_scale": Num(1.0, 2.0 ** 64), "seed": Int(0, 2 ** 63 - 1), "eval_batches": Int(1, 1 << 20),
                   "run_dir": Text(), "checkpoint_every": Int(0, BIG), "checkpoint_url": Text(optional=True, hint=(

@@ -223,4 +223,34 @@ def apply_settings(job: JobConfig, settings: dict[str, Any], own_model: bool = F
             raise TypeError(f"Job() got both {seen[(section, field)]}= and {key}=, which set the same field "
                             f"{section}.{field}; pass one")
         seen[(section, field)] = key
+        if (section, field) == ("train", "optimizer"):
+            value = _optimizer_name(value)
         setattr(getattr(job, section) if section else job, field, copy.deepcopy(value))
+
+
+def _optimizer_name(value: Any) -> Any:
+    """``Job(optimizer=torch.optim.SGD)``: an optimizer class as ``train.optimizer`` names it —
+    ``torch.optim``'s by its name, another by its import path (``mypkg.optim:Lion``); a string as
+    it is. Raises ``TypeError`` for a class defined in the notebook or ``__main__`` (each worker
+    imports the optimizer by name) and for a function or an optimizer already built."""
+    import inspect
+
+    import torch
+
+    if isinstance(value, str) or value is None:
+        return value
+    if isinstance(value, torch.optim.Optimizer):
+        raise TypeError(f"Job(optimizer=...) got a built {type(value).__name__}; pass its class or name "
+                        f"(optimizer={type(value).__name__!r}) and its settings as optimizer_kwargs={{...}}: each "
+                        "stage builds its own on its parameters")
+    if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer):
+        if getattr(torch.optim, value.__name__, None) is value:
+            return value.__name__
+        if value.__module__ in ("__main__", "builtins") or "<locals>" in value.__qualname__:
+            raise TypeError(f"Job(optimizer={value.__name__}) is defined in the notebook; every worker imports the "
+                            "optimizer class by name: put it in a module of your code folder and pass "
+                            f"optimizer='mymodule:{value.__name__}'")
+        return f"{value.__module__}:{value.__qualname__}"
+    raise TypeError(f"Job(optimizer=...) takes a torch.optim optimizer's name or class (optimizer='SGD', "
+                    f"optimizer=torch.optim.SGD) or an import path 'mypkg.optim:Lion', with its settings as "
+                    f"optimizer_kwargs={{'momentum': 0.9}}; got {type(value).__name__}")
