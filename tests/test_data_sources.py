@@ -312,6 +312,35 @@ def test_batchnorm_running_statistics_see_each_micro_batch_once_through_recomput
 
 
 @pytest.mark.timeout(180)
+def test_a_forward_reading_a_buffer_it_updates_recomputes_what_it_computed_and_replicas_are_warned_of(tmp_path):
+    """A block subtracting its own EMA of its inputs' mean, updated in place in training (helper-64):
+    a stage that recomputes ran R on the buffer as the *later* micro-batches' forwards had left it,
+    so its losses drifted from plain PyTorch's (7e-5 relative in 4 steps) without a word. R now
+    sees the values F found. With D > 1 each replica updates such a buffer from its own
+    micro-batches (only normalisation layers' statistics are merged): said when the job is made."""
+    from varuna_sdk.config import TrainConfig
+    from varuna_sdk.notebook import Job
+    from varuna_sdk.runner import train_local
+
+    def job(D: int | None) -> JobConfig:
+        return JobConfig(name="ema", model=ModelConfig(factory="tests.thirdparty.user_data:RunningMeanClassifier"),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                         parallel=ParallelConfig(P=2, D=D, global_batch=16, micro_batch_size=4, recompute=True),
+                         train=TrainConfig(steps=4, lr=1e-2, warmup_steps=1, eval_batches=1,
+                                           run_dir=str(tmp_path / "runs")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref = Job(job(1)).plain_pytorch_losses(4)
+    got = [m["loss"] for m in train_local(job(1), run_dir=tmp_path / "run").metrics()]
+    assert len(got) == 4 and got == pytest.approx(ref, rel=1e-6, abs=1e-7)
+    for D, said in ((2, "at D=2"), (None, "if the plan picks D > 1 replicas")):
+        with pytest.warns(UserWarning, match=r"RunningMeanClassifier's forward updates buffers of its own in place "
+                                             rf"\(body.0.run_mean, body.1.run_mean, body.2.run_mean\): {said} each "
+                                             r"replica updates them from its own micro-batches only"):
+            Job(job(D))
+
+
+@pytest.mark.timeout(180)
 def test_step_time_and_throughput_include_reading_the_batch(tmp_path):
     """A dataset whose ``__getitem__`` takes 10 ms: each step's 16 examples take >= 0.16 s to read,
     and the step time, examples/s and the time left count it (they were the engine's step alone,

@@ -964,6 +964,7 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
             spec.min_micro_batch = 2   # BatchNorm: the calibration must not measure micro-batches of one
     _check_lookups(structure, data, spec.name, T)
     _check_every_block_ran(meta, structure, spec.name)
+    _warn_unmerged_buffers(meta, structure, spec.name, job.parallel.D)
     if seen["class_error"] is not None:
         raise seen["class_error"]
     if data.examples is not None:
@@ -981,6 +982,29 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                 raise DataError(f"{data.source}, {_examples(ids, 'held-out ')} (read before any worker starts): {e}") \
                     from None
         check_finite(val[0], ids, spec, data.source, structure.nonfinite_checks, "held-out ")
+
+
+def _warn_unmerged_buffers(meta: nn.Module, structure: ModelStructure, name: str, D: int | None) -> None:
+    """Warn when the forward writes buffers of its own (an EMA of its activations; not a
+    normalisation layer's running statistics, which the replicas merge: ``pipeline.running_stats``)
+    and the job may run D > 1 replicas (``D``: fixed, or ``None``: planned): each replica updates
+    them from its own micro-batches only, where plain PyTorch updates them over every micro-batch
+    of the mini-batch in order, and a checkpoint keeps replica 0's. At D = 1 they train as in plain
+    PyTorch (a recompute sees them as its forward did: ``model.state_kept``)."""
+    if D == 1:
+        return
+    norm = {f"{m_name}.{b}" if m_name else b for m_name, mod in meta.named_modules()
+            if isinstance(mod, torch.nn.modules.batchnorm._NormBase) for b in mod._buffers}
+    written = sorted(n for n in structure.written_buffers if n not in norm)
+    if not written:
+        return
+    shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+    when = f"at D={D}" if D else "if the plan picks D > 1 replicas"
+    warnings.warn(f"{name}'s forward updates buffers of its own in place ({shown}): {when} each replica updates "
+                  "them from its own micro-batches only (plain PyTorch updates them over every micro-batch of "
+                  "the mini-batch, in order; only normalisation layers' running statistics are merged across "
+                  "replicas), and checkpoints keep replica 0's. Set parallel.D: 1 for plain PyTorch's values "
+                  "(any P), or ignore this if they only feed monitoring", stacklevel=2)
 
 
 def _examples(ids: Sequence[int] | None, kind: str = "") -> str:

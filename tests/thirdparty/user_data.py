@@ -122,6 +122,30 @@ class BatchNormClassifier(Classifier):
         self.body = nn.ModuleList([NormResidual(hidden, momentum) for _ in range(depth)])
 
 
+class MeanCentred(nn.Module):
+    """A residual block that keeps its own EMA of its inputs' mean (a buffer updated in place in
+    training) and subtracts it: a forward that reads state it updates."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.f = nn.Linear(d, d)
+        self.register_buffer("run_mean", torch.zeros(d))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.run_mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x + torch.tanh(self.f(x - self.run_mean))
+
+
+class RunningMeanClassifier(Classifier):
+    """``Classifier`` whose blocks are ``MeanCentred``."""
+
+    def __init__(self, features=16, hidden=32, depth=3, classes=4):
+        super().__init__(features, hidden, depth, classes)
+        self.body = nn.ModuleList([MeanCentred(hidden) for _ in range(depth)])
+
+
 class SlowExamples(torch.utils.data.Dataset):
     """``make_dataset(n)`` read slowly: ``delay_s`` seconds per example (a decoder, a network file
     system)."""

@@ -38,14 +38,18 @@ def restored(tensors: Iterable[torch.Tensor], always: bool = False) -> Iterator[
 
 class InPlaceUpdates:
     """Which of a stage's own buffers (those of ``model`` on a real device) its forward updates in
-    place, and a recompute that leaves them as they are.
+    place, and a recompute that sees them as its forward did and leaves them as they are.
 
-    ``with updates.watch(): forward()`` adds the buffers it changed to ``updated``: the first
-    watched forward compares every buffer's values (a BatchNorm kernel writes its running mean and
-    variance without moving their version counters), later ones the version counters only.
-    ``with updates.kept(): forward_again()`` runs the block on copies of those buffers, put in
-    their modules for the block and taken out after it: the originals are never written, so the
-    graph the block builds (which may have saved a copy, as BatchNorm's backward does) stays valid.
+    ``with updates.watch() as before: forward()`` adds the buffers it changed to ``updated``: the
+    first watched forward compares every buffer's values (a BatchNorm kernel writes its running
+    mean and variance without moving their version counters), later ones the version counters
+    only; ``before`` then holds the updated buffers' values as the forward found them (``{id:
+    tensor}``). ``with updates.kept(before): forward_again()`` runs the block on copies of those
+    values (of the current ones without ``before``), put in their modules for the block and taken
+    out after it: the originals are never written, so the graph the block builds (which may have
+    saved a copy, as BatchNorm's backward does) stays valid, and a forward that reads what it
+    updates (a user's running mean subtracted from its input) recomputes what it computed, not what
+    later micro-batches' updates left.
     """
 
     def __init__(self, model: nn.Module):
@@ -55,28 +59,34 @@ class InPlaceUpdates:
         self._compared = False
 
     @contextlib.contextmanager
-    def watch(self) -> Iterator[None]:
-        """Within the block, note which buffers change in place (added to ``updated``)."""
+    def watch(self) -> Iterator[dict[int, torch.Tensor]]:
+        """Within the block, note which buffers change in place (added to ``updated``); yields a
+        dict filled after the block with those buffers' values from before it."""
         buffers = list({id(b): b for _, _, b in self.slots}.values())
         before = [b._version for b in buffers]
-        values = None if self._compared else [b.detach().clone() for b in buffers]
+        values = [b.detach().clone() if not self._compared or id(b) in self.updated else None for b in buffers]
+        found: dict[int, torch.Tensor] = {}
         try:
-            yield
+            yield found
         finally:
             for k, b in enumerate(buffers):
-                if b._version != before[k] or (values is not None and not torch.equal(b, values[k])):
+                if b._version != before[k] or (not self._compared and not torch.equal(b, values[k])):
                     self.updated.add(id(b))
+                if id(b) in self.updated and values[k] is not None:
+                    found[id(b)] = values[k]
             self._compared = True
 
     @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
+    def kept(self, before: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
         """Within the block the updated buffers are copies (one per tensor, shared where the
-        tensor is); afterwards the modules hold their original buffers again."""
+        tensor is) of their values in ``before`` (``watch``'s), else of their current values;
+        afterwards the modules hold their original buffers again."""
         copies: dict[int, torch.Tensor] = {}
         swapped = []
+        before = before or {}
         for mod, name, b in self.slots:
             if id(b) in self.updated:
-                mod._buffers[name] = copies.setdefault(id(b), b.detach().clone())
+                mod._buffers[name] = copies.setdefault(id(b), (before.get(id(b), b)).detach().clone())
                 swapped.append((mod, name, b))
         try:
             yield

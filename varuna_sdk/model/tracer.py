@@ -76,6 +76,8 @@ class ModelStructure:
             causal mask, rotary frequencies. Such a buffer may be used on several stages (each holds
             an identical copy); a written one (BatchNorm's running statistics) may not. Empty in a
             structure from before this field: every buffer then counts as written.
+        written_buffers: canonical names of the buffers the forward (and the loss) changed in place
+            or replaced (a BatchNorm's running statistics, a user's EMA of its activations).
     """
 
     num_segments: int
@@ -94,6 +96,7 @@ class ModelStructure:
     loss_items: LossItems | None = None
     nonfinite_checks: list[str] = field(default_factory=list)
     read_only_buffers: list[str] = field(default_factory=list)
+    written_buffers: list[str] = field(default_factory=list)
 
     def segments_of(self, name: str) -> list[int]:
         """Segments that use parameter or buffer ``name`` (``[0]`` if none was recorded)."""
@@ -358,13 +361,14 @@ def _buffer_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {name: (id(b), b._version) for name, b in model.named_buffers(remove_duplicate=False)}
 
 
-def _unwritten(before: dict, after: dict, state_ids: dict[int, str]) -> set[str]:
+def _unwritten(before: dict, after: dict, state_ids: dict[int, str]) -> tuple[set[str], set[str]]:
     """Canonical names of the buffers whose tensor is the same object at the same version
-    (``_buffer_versions`` before and after the forward): read, never written in place or replaced."""
+    (``_buffer_versions`` before and after the forward): read, never written in place or replaced;
+    and of the others (written in place or replaced)."""
     changed = {name for name, v in before.items() if after.get(name) != v}
     canon = {name: state_ids.get(v[0], name) for name, v in before.items()}
     written = {canon[n] for n in changed}
-    return {canon[n] for n in before} - written
+    return {canon[n] for n in before} - written, written
 
 
 def to_meta(obj: Any) -> Any:
@@ -440,7 +444,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
             if after is not None:
                 trace.in_after = True
                 loss = after(out)
-            read_only = _unwritten(before, _buffer_versions(meta_model), trace.state_ids)
+            read_only, written = _unwritten(before, _buffer_versions(meta_model), trace.state_ids)
     except WeightValueError as e:
         raise RuntimeError(f"the dry run failed in segment {trace.segment}: {e}") from None
     except (NotImplementedError, RuntimeError) as e:
@@ -485,7 +489,7 @@ def trace_model(meta_model: nn.Module, sample_inputs: ModelInputs,
         embeddings=list(trace.embeddings.values()),
         random_ops=sorted(trace.random_ops),
         nonfinite_checks=sorted(trace.nonfinite_checks),
-        read_only_buffers=sorted(read_only & used),
+        read_only_buffers=sorted(read_only & used), written_buffers=sorted(written),
         loss_items=infer_loss_items(trace.loss_calls, loss, inputs, targets),
     )
 

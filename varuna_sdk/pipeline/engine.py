@@ -109,6 +109,7 @@ class _StepState:
     recv_flags: dict[int, list[bool]] = field(default_factory=dict)
     sent_flags: dict[int, list[bool]] = field(default_factory=dict)   # micro-batch -> which sent outputs get a gradient
     stash: dict[int, tuple | None] = field(default_factory=dict)
+    buffers_before: dict[int, dict] = field(default_factory=dict)   # micro-batch -> updated buffers as its F found them
     live: dict[int, tuple] = field(default_factory=dict)
     deferred: dict[int, WeightWork] = field(default_factory=dict)
     carried: dict[int, Carried] = field(default_factory=dict)
@@ -534,9 +535,11 @@ class Varuna:
         st.recv_flags[i] = flags
         with_grad = self.is_last or not self.recompute
         leaves = self._leaves(received, flags, with_grad)
-        with self.in_place.watch() if not with_grad else contextlib.nullcontext():
+        with self.in_place.watch() if not with_grad else contextlib.nullcontext() as before:
             out = self._forward(st.mb_in[i], leaves, st.base + i, grad=with_grad, model_s=st.model_s,
                                 carried=st.carried if with_grad else None)
+        if before:   # the buffers this forward updated, as it found them: what its recompute must see
+            st.buffers_before[i] = before
         if self.is_last:
             t0 = time.perf_counter()
             loss = self._loss(out, st.mb_tg[i], st.mb_host[i], st.base + i)
@@ -561,7 +564,9 @@ class Varuna:
         plain PyTorch, where each micro-batch's forward runs once."""
         received = st.stash.pop(i)
         leaves = self._leaves(received, st.recv_flags[i], True)
-        with self.in_place.kept():  # the forward's in-place updates (running statistics) happened in F
+        # the forward's in-place updates (running statistics) happened in F: R runs on copies of the
+        # values F found (a forward that reads what it updates recomputes what F computed)
+        with self.in_place.kept(st.buffers_before.pop(i, None)):
             out = self._forward(st.mb_in[i], leaves, st.base + i, grad=True, model_s=st.model_s, kind="R",
                                 carried=st.carried)
         st.live[i] = (leaves, _as_tuple(out))
