@@ -718,6 +718,9 @@ def _dry_run(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
             return None
         except ConfigError as e:  # an import-path loss that does not resolve: the config's error
             raise ConfigError(f"model.loss: {e}") from None
+        except ModelSpecError as e:   # the automatic loss's own explanation (with its fix): said whole, as it is
+            raise ModelSpecError(f"{e} (called on {spec.name}'s output, a {type(out).__name__}, as "
+                                 f"{spec.call.describe()})" + _default_model_hint(spec, data)) from e
         except Exception as e:  # noqa: BLE001 - the user's loss failed on the model's output
             raise ModelSpecError(f"the loss raised {type(e).__name__}: {_short(str(e))} (called on {spec.name}'s "
                                  f"output, a {type(out).__name__}, as {spec.call.describe()})"

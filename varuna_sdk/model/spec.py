@@ -161,7 +161,7 @@ def _class_dim(logits: torch.Tensor, targets: torch.Tensor, values: bool) -> int
     if logits.dim() < 2:
         raise ModelSpecError(
             f"cross-entropy (the automatic loss) needs logits with a class dimension, [B, C] or [B, ..., C], but the "
-            f"model's output is {_shown(logits)} (a regression's?), the targets {_shown(targets)}: {_OWN_LOSS}, e.g. "
+            f"model's output is {_shown(logits)} and the targets {_shown(targets)} (a regression's?): {_OWN_LOSS}, e.g. "
             "def mse(output, targets): return F.mse_loss(output, targets)")
     C = shape[-1]
     ids_last = shape[:-1]
@@ -195,7 +195,7 @@ def _class_dim(logits: torch.Tensor, targets: torch.Tensor, values: bool) -> int
         single = (" (over the logits' 1 class cross-entropy is 0 whatever the model outputs)" if C == 1 else "")
         raise ModelSpecError(
             f"cross-entropy (the automatic loss) compares the logits with class ids, but the targets are "
-            f"{_shown(targets)}{single} (a regression's?) with the logits {list(shape)}: it takes {layouts}, or float "
+            f"{_shown(targets)} with the logits {list(shape)}{single} (a regression's targets?): it takes {layouts}, or float "
             f"class probabilities of the logits' shape.{hint} For other targets give the loss, e.g. "
             "model.loss: 'mypkg.losses:mse' with def mse(output, targets): return F.mse_loss(output.squeeze(-1), "
             "targets), or Job(..., loss=my_loss) in a notebook")
