@@ -340,6 +340,27 @@ def test_a_forward_reading_a_buffer_it_updates_recomputes_what_it_computed_and_r
             Job(job(D))
 
 
+def test_a_split_made_lopsided_by_a_tensor_skipping_cut_points_is_warned_about_with_the_fix():
+    """An auxiliary scalar made after the first block and used only by the loss keeps every stage
+    from starting after that block: at a fixed P=2 the automatic split put the input layer alone on
+    stage 0 and the rest on stage 1, without a word (helper-64). Making the job now says so, with
+    the shares, the tensor in the way and what to change; a model without such a tensor does not."""
+    from varuna_sdk.notebook import Job
+
+    def job(factory: str, loss: str = "cross_entropy") -> JobConfig:
+        return JobConfig(model=ModelConfig(factory=f"tests.thirdparty.user_data:{factory}", loss=loss),
+                         data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset"),
+                         parallel=ParallelConfig(P=2, D=1, global_batch=16, micro_batch_size=4))
+    with pytest.warns(UserWarning, match=r"EarlyAuxiliary: the 2 stages are unbalanced: the largest holds 9\d% of "
+                                         r"the model's compute, where a split free to cut anywhere would hold [45]\d%, "
+                                         r"because .*made by 'mean' in segment 1 \(body.0.*\) is used in segment 5"
+                                         r".*running total: x, aux = layer\(x, aux\)"):
+        Job(job("EarlyAuxiliary", "tests.thirdparty.user_data:aux_loss"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Job(job("Classifier"))
+
+
 @pytest.mark.timeout(180)
 def test_step_time_and_throughput_include_reading_the_batch(tmp_path):
     """A dataset whose ``__getitem__`` takes 10 ms: each step's 16 examples take >= 0.16 s to read,

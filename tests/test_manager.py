@@ -691,6 +691,29 @@ def test_vms_are_planned_with_one_egress_link_per_worker_and_local_slots_over_lo
         assert deep and any(abs(a - b) > 1e-3 * a for a, b in deep)  # the two link models differ here
 
 
+def test_a_configured_p_x_d_too_big_for_the_pool_is_replanned_without_blaming_the_micro_batch(tmp_path):
+    """P=2 x D=2 from the config on a pool of 2 slots: the manager plans for the pool, keeping the
+    configured micro-batch size, and says why. It also warned that "no plan keeps micro-batch size 2;
+    choosing another, so random ops (dropout) draw other masks" while the plan kept it (helper-63):
+    that warning is for a plan whose micro-batch size changes only. No worker starts: ``_replan``
+    only plans (synthetic profile)."""
+    from dashboard_writer import profile
+
+    from varuna_sdk.cluster.provider import LocalProvider
+
+    provider = LocalProvider(2)
+    mgr = Manager(tiny_job(P=2, D=2), provider, run_dir=tmp_path / "run", profile=profile([1.0, 2.0, 2.0, 3.0]))
+    try:
+        job_g, _, _, used = mgr._replan(provider.hosts(), first=True)
+        said = [e.payload["message"] for e in mgr.log.events(kind=Kind.WARNING)]
+    finally:
+        mgr.log.close()
+        provider.close()
+    assert job_g.parallel.P * job_g.parallel.D <= 2 and job_g.parallel.micro_batch_size == 2
+    assert any("parallel.P=2 x D=2 from the config cannot run on the 2 worker slot(s)" in m for m in said), said
+    assert not any("keeps micro-batch size" in m for m in said), said
+
+
 @pytest.mark.timeout(240)
 def test_a_stop_while_a_step_hangs_on_its_data_says_what_was_kept(tmp_path):
     """A dataset whose reads hang from a step on (the worker's log would say which step's batch it

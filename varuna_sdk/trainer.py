@@ -104,16 +104,22 @@ def build_engine(job: JobConfig, rank: int | None = None, resolved: ResolvedJob 
 def check_partition(job: JobConfig, resolved: ResolvedJob | None = None) -> str:
     """Trace the job's model (weights on the meta device) and split it exactly as the workers will,
     so a bad P, boundary list or cross-stage use fails in the caller before any process starts.
-    Returns a one-line description of the stage map. Raises ``PartitionError``."""
-    from .model.partition import StageMap, balanced_stage_map, shared_state, unsplittable_cuts
+    Returns a one-line description of the stage map. Raises ``PartitionError``; warns when the
+    automatic split is much less balanced than the model's costs allow (``imbalance_note``)."""
+    from .model.partition import StageMap, balanced_stage_map, imbalance_note, shared_state, unsplittable_cuts
     from .model.tracer import segment_costs
 
     p = job.parallel
+    resolved = resolved or resolve(job)
     structure = model_structure(job, resolved)
     if p.boundaries is not None:
         smap = StageMap.from_lists(p.boundaries, structure.num_segments)
     else:
-        smap = balanced_stage_map(segment_costs(structure), p.P, unsplittable_cuts(structure))
+        costs = segment_costs(structure)
+        smap = balanced_stage_map(costs, p.P, unsplittable_cuts(structure))
+        note = imbalance_note(structure, costs, p.P)
+        if note:
+            warnings.warn(f"{resolved.spec.name}: {note}", stacklevel=2)
     shared = shared_state(structure, smap, p.shared_params)
     return f"stages (segments) {smap.to_lists()}, tied across stages: {shared or 'none'}"
 

@@ -146,6 +146,27 @@ class RunningMeanClassifier(Classifier):
         self.body = nn.ModuleList([MeanCentred(hidden) for _ in range(depth)])
 
 
+class EarlyAuxiliary(Classifier):
+    """``Classifier`` returning ``(logits, aux)`` with ``aux`` (a scalar) computed right after its first
+    block and used only by the loss (``aux_loss``): no stage may start between them."""
+
+    def __init__(self, features=16, hidden=32, depth=4, classes=4):
+        super().__init__(features, hidden, depth, classes)
+
+    def forward(self, x):
+        h = self.body[0](self.inp(x))
+        aux = h.pow(2).mean()
+        for block in self.body[1:]:
+            h = block(h)
+        return self.out(h), aux
+
+
+def aux_loss(output, y):
+    """Cross-entropy of ``output[0]`` plus 0.01 x ``output[1]``."""
+    logits, aux = output
+    return nn.functional.cross_entropy(logits, y) + 0.01 * aux
+
+
 class SlowExamples(torch.utils.data.Dataset):
     """``make_dataset(n)`` read slowly: ``delay_s`` seconds per example (a decoder, a network file
     system)."""

@@ -150,17 +150,24 @@ class ManagerPlanning:
                                 keep_fixed=keep_fixed, exhaustive=not best_only, prices=prices,
                                 micro_batch_sizes=sizes, shared_egress=not local)
 
-        try:
+        def pinned_or_not(keep_fixed: bool):
+            # the pinned micro-batch size where a plan has it, else any; said only when the size changes
+            # (a config's P x D that does not fit fails either way: not the micro-batch's doing)
             try:
-                job_g, pl = plan_on_pool(first, pinned)
+                return plan_on_pool(keep_fixed, pinned)
             except ConfigError:
                 if pinned is None:
                     raise
-                msg = (f"no plan for {G} worker slot(s) keeps micro-batch size {pinned[0]}; choosing another, so random "
-                       "ops (dropout) draw other masks from here on")
+            job_any, pl_any = plan_on_pool(keep_fixed, None)
+            if job_any.parallel.micro_batch_size != pinned[0]:
+                msg = (f"no plan for {G} worker slot(s) keeps micro-batch size {pinned[0]}; choosing "
+                       f"{job_any.parallel.micro_batch_size}, so random ops (dropout) draw other masks from here on")
                 _log.warning("job %s: %s", self.job_id, msg)
                 self.log.append(Kind.WARNING, job_id=self.job_id, payload={"message": msg})
-                job_g, pl = plan_on_pool(first, None)
+            return job_any, pl_any
+
+        try:
+            job_g, pl = pinned_or_not(first)
         except ConfigError as e:
             if not first:
                 raise
@@ -171,10 +178,7 @@ class ManagerPlanning:
             self.plan_kept = None
             job.parallel.P = job.parallel.D = None  # the fixed P/D does not fit the pool: choose
             job.parallel.boundaries = None
-            try:   # ... P and D, with the configured micro-batch size when some plan has it
-                job_g, pl = plan_on_pool(False, pinned)
-            except ConfigError:
-                job_g, pl = plan_on_pool(False, None)
+            job_g, pl = pinned_or_not(False)   # ... P and D, with the configured micro-batch size when some plan has it
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
         if first and not best_only and self._micro_batch_size is None:
             self._micro_batch_size = job_g.parallel.micro_batch_size

@@ -122,6 +122,37 @@ def unsplittable_cuts(structure: ModelStructure) -> set[int]:
     return out
 
 
+def imbalance_note(structure: ModelStructure, costs: Sequence[float], P: int, factor: float = 1.5) -> str | None:
+    """Why ``balanced_stage_map`` splits the model into ``P`` stages much worse than its costs allow:
+    when its largest stage costs ``factor`` or more times the largest of a split free to use every
+    cut-point, a sentence naming the shares and the tensors that keep stages from starting there
+    (``cross_uses``: made in one segment, used several later, crossing no cut-point), with what to
+    change; else ``None``. Units: shares of the summed ``costs``."""
+    blocked = unsplittable_cuts(structure)
+    if P < 2 or not blocked or len(costs) < P:
+        return None
+    total = float(sum(costs)) or 1.0
+
+    def largest(smap: StageMap) -> float:
+        return max(sum(costs[a:b]) for a, b in smap.ranges) / total
+
+    got, free = largest(balanced_stage_map(costs, P, blocked)), largest(balanced_stage_map(costs, P))
+    if got < factor * free:
+        return None
+    why = sorted({(prod, cons, op) for prod, cons, op in structure.cross_uses}, key=lambda u: u[0] - u[1])[:2]
+    def tensor(op: str) -> str:
+        what = op.split(" on ", 1)[-1] if " on " in op else op
+        return what + (" in" if " made by " in what else " made in")
+
+    named = "; ".join(f"{tensor(op)} {describe_segment(structure, a)} is used in {describe_segment(structure, b)}"
+                      for a, b, op in why)
+    return (f"the {P} stages are unbalanced: the largest holds {got:.0%} of the model's compute, where a split "
+            f"free to cut anywhere would hold {free:.0%}, because no stage may start between segments that a "
+            f"tensor skips on its way ({named or 'a tensor used by its object from before the cut-points'}). "
+            "Pass it through every block (an auxiliary loss as a running total: x, aux = layer(x, aux)), "
+            "use it where it is made, or choose parallel.boundaries")
+
+
 def balanced_stage_map(costs: Sequence[float], P: int, unsplittable: Iterable[int] = ()) -> StageMap:
     """Contiguous split of segments with per-segment ``costs`` into ``P`` non-empty stages that
     minimises the largest stage cost (ties: the earliest boundaries), starting no stage right
