@@ -44,6 +44,23 @@ def test_grow_needs_the_gain_and_the_cooldown():
     # on the same VMs, predicted faster only because the running plan's estimate had drifted)
     assert not rule.worth_it(10.0, 20.0, 100.0, current_workers=2, new_workers=2)
     assert rule.worth_it(10.0, 20.0, 100.0, current_workers=2, new_workers=4)
+    # a "stay" says which reason (it said "gain below 1.1x or in the cooldown" at a 2x gain: helper-63)
+    assert rule.why_not(10.0, 20.0, 100.0, 2, 4) is None
+    assert rule.why_not(10.0, 20.0, 12.0) == "in the cooldown: 12 s since the last morph or the start, 18 s of 30 s left"
+    assert rule.why_not(10.0, 10.9, 31.0) == "gain 1.09x, below 1.10x"
+    assert rule.why_not(10.0, 20.0, 100.0, 2, 2) == "that plan uses 2 workers, no more than the 2 running"
+    from varuna_sdk.manager.events import Event, Kind
+    from varuna_sdk.manager.runs import event_sentence
+
+    def said(**payload) -> str:
+        return event_sentence(Event(id=1, time=0.0, job_id="j", kind=Kind.GROW_DECISION, host=None, rank=None,
+                                    payload={"current_examples_per_s": 24.63, "new_examples_per_s": 49.26,
+                                             "min_gain": 1.1, **payload}))
+    assert said(decision="stay", why=rule.why_not(24.63, 49.26, 12.0)).endswith(
+        "49.26 examples/s against 24.63 now: stay (in the cooldown: 12 s since the last morph or the start, 18 s of "
+        "30 s left)")
+    assert said(decision="stay").endswith("stay (gain below 1.1x or in the cooldown)")   # an older log's event
+    assert said(decision="grow").endswith("now: grow")
     with pytest.raises(ValueError, match="min_gain"):
         GrowRule(min_gain=0.9)
     with pytest.raises(ValueError, match="cooldown_s"):

@@ -107,13 +107,25 @@ class GrowRule:
         worker counts (P x D) are given, the new plan uses more workers: a plan on no more
         workers than the running one is no grow, however its prediction compares (the two
         predictions may come from different yardsticks)."""
+        return self.why_not(current_examples_per_s, new_examples_per_s, seconds_since_last_morph,
+                            current_workers, new_workers) is None
+
+    def why_not(self, current_examples_per_s: float, new_examples_per_s: float,
+                seconds_since_last_morph: float, current_workers: int | None = None,
+                new_workers: int | None = None) -> str | None:
+        """Why ``worth_it`` says no, in words (``None``: it says grow): the cooldown (with the
+        seconds left), no more workers, or a gain below ``min_gain``."""
         if seconds_since_last_morph < self.cooldown_s:
-            return False
+            return (f"in the cooldown: {seconds_since_last_morph:.0f} s since the last morph or the start, "
+                    f"{self.cooldown_s - seconds_since_last_morph:.0f} s of {self.cooldown_s:.0f} s left")
         if current_workers is not None and new_workers is not None and new_workers <= current_workers:
-            return False
+            return f"that plan uses {new_workers} workers, no more than the {current_workers} running"
         if not current_examples_per_s > 0.0:
-            return new_examples_per_s > 0.0
-        return new_examples_per_s >= self.min_gain * current_examples_per_s
+            return None if new_examples_per_s > 0.0 else "no plan predicts any examples/s"
+        gain = new_examples_per_s / current_examples_per_s
+        if gain >= self.min_gain:
+            return None
+        return f"gain {gain:.2f}x, below {self.min_gain:.2f}x"
 
 
 @dataclass(frozen=True)

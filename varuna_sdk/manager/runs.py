@@ -303,7 +303,9 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
         Kind.CALIBRATION_STARTED: lambda: str(p.get("message") or "calibrating the model"),
         Kind.GROW_DECISION: lambda: (f"VMs free: a plan on them would run {_num(p.get('new_examples_per_s'))} examples/s "
                                      f"against {_num(p.get('current_examples_per_s'))} now: "
-                                     f"{'grow' if p.get('decision') == 'grow' else 'stay (gain below ' + _num(p.get('min_gain')) + 'x or in the cooldown)'}"),
+                                     + ("grow" if p.get("decision") == "grow" else
+                                        f"stay ({p['why']})" if p.get("why") else   # (older logs: no why)
+                                        f"stay (gain below {_num(p.get('min_gain'))}x or in the cooldown)")),
         Kind.WARNING: lambda: f"warning: {p.get('message')}",
         Kind.HEARTBEAT_SERVER_STOPPED: lambda: "heartbeat server stopped",
         Kind.STOP_REQUESTED: lambda: f"workers asked to stop at the next mini-batch boundary ({p.get('reason')})",

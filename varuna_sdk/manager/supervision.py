@@ -309,13 +309,14 @@ class ManagerSupervision:
         # the running plan as the profile the new one was planned from predicts it (re-simulated
         # from heartbeats once the estimate drifted): the same yardstick for both
         current = run.recalibrated_examples_per_s or run.row.examples_per_s
-        grow = self.options.grow.worth_it(current, row.examples_per_s, since,
-                                  run.job.parallel.P * run.job.parallel.D, row.P * row.D)
+        why = self.options.grow.why_not(current, row.examples_per_s, since,
+                                        run.job.parallel.P * run.job.parallel.D, row.P * row.D)
+        grow = why is None
         if quiet and not grow:
             return
         self.log.append(Kind.GROW_DECISION, job_id=self.job_id, payload={
             "current_examples_per_s": current, "new_examples_per_s": row.examples_per_s,
             "new": {"P": row.P, "D": row.D}, "min_gain": self.options.grow.min_gain, "seconds_since_last_morph": since,
-            "decision": "grow" if grow else "stay"})
+            "decision": "grow" if grow else "stay", **({"why": why} if why else {})})
         if grow:
             self._request_stop(run, "grow", None)
