@@ -159,7 +159,11 @@ def calibrate_job(job: JobConfig, cache_dir: str | Path | None = None, refresh: 
         store_host_network(hosts, threads, prof.network)
     prof.data_read_s, prof.data_draws_random = measure_data_read(r, T)
     prof.busy_at_calibration = busy
-    _write_atomic(path, prof.to_json())
+    try:
+        _write_atomic(path, prof.to_json())
+    except OSError as e:   # the cache (a folder another process removed, a full disk): the profile still serves
+        warnings.warn(f"the calibration could not be cached at {path} ({e}); this plan uses it, and the next job "
+                      "of this model calibrates again", stacklevel=2)
     said = under_load_warning(busy)
     if said and warn_under_load:
         warnings.warn(said, stacklevel=2)
@@ -279,6 +283,9 @@ def store_host_network(folder: str | Path, threads: int, network: NetworkProfile
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (a temporary file renamed over it), its folder made
+    if it is gone (a cache folder removed while a calibration ran). Raises ``OSError``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
