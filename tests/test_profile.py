@@ -275,3 +275,14 @@ def test_per_action_cost_is_read_off_each_action_not_a_noisy_difference_of_passe
         rng.seed(seed)
         prof = calibrate(lambda: _JitteryModel(rng, log), mse, make_batch, (2,), network=False, repeats=5, warmup=1)
         assert 0 < prof.per_action_s < 0.003, (seed, prof.per_action_s)
+
+
+def test_a_cache_file_is_written_whole_even_where_its_folder_was_removed(tmp_path):
+    """Another process removing the profile cache while a calibration ran made the cache write fail
+    (``FileNotFoundError`` on its temporary file), and the job was told its code fails (helper-63):
+    the folder is made again; the file appears whole, no temporary file is left."""
+    from varuna_sdk.profiling.job import _write_atomic
+
+    path = tmp_path / "gone" / "profiles" / "x.json"
+    _write_atomic(path, '{"a": 1}')
+    assert path.read_text() == '{"a": 1}' and [p.name for p in path.parent.iterdir()] == ["x.json"]
