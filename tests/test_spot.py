@@ -86,7 +86,9 @@ def test_window_and_compression_are_exact():
     ("0,add,node1\n10,add,node1\n", r"t.csv:2: node node1 added while already up"),
     ("0,add\n", r"t.csv:1: a counts row in a trace of"),
     ("# only a comment\n0,add,node 1\n", r"t.csv:2: node name 'node 1'"),
-    ("abc,add,node1\n", r"t.csv:1: time 'abc' is not a whole number"),
+    ("abc,add,node1\n", r"t.csv:1: time 'abc' is not a whole number of milliseconds \(a header row\? start it "
+                        r"with '#'"),
+    ("1.5,add,node1\n", r"t.csv:1: time '1.5' is not a whole number of milliseconds$"),
     ("0,3\n10,-1\n", r"t.csv:2: count -1 must be in 0..100000"),
     ("0,add,node1,extra\n", r"t.csv:1: expected 'ms,add\|remove,node', 'ms,count' or 'date, time, count'"),
     ("2023-03-01, 12:00, 5\n2023-03-01, noon, 4\n", r"t.csv:2: '2023-03-01', 'noon' is not a date \(YYYY-MM-DD\)"),
@@ -171,6 +173,8 @@ def test_emulator_replays_a_trace_on_local_slots(tmp_path):
     with em:
         assert [h.name for h in em.hosts()] == ["local0", "local1"]
         assert em.node_of("local0") == "node1"
+        with pytest.raises(ValueError, match=r"notice_s=-1 must be >= 0 seconds"):   # was taken (helper-63)
+            em.remove_now("local1", notice_s=-1)
         proc = start_local(em.hosts()[0], [sys.executable, "-c", "import time; time.sleep(60)"])
         child = proc.pids()
         t_n, notice = seen.wait(lambda e: e.kind == "notice")

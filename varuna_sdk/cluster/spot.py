@@ -241,7 +241,8 @@ def _row_ms(text: str, last_ms: int, where: str) -> int:
     try:
         ms = int(text)
     except ValueError:
-        raise TraceError(f"{where}: time {text!r} is not a whole number of milliseconds") from None
+        header = " (a header row? start it with '#': a comment)" if not any(c.isdigit() for c in text) else ""
+        raise TraceError(f"{where}: time {text!r} is not a whole number of milliseconds{header}") from None
     if ms < 0:
         raise TraceError(f"{where}: time {ms} ms is negative")
     if ms < last_ms:
@@ -499,7 +500,10 @@ class SpotEmulator(PoolProvider):
     def remove_now(self, name: str, notice_s: float | None = None) -> float:
         """Pre-empt host ``name``: with ``notice_s`` (wall seconds) a notice now and the removal
         ``notice_s`` later (on the replay thread); without, removed before returning. Returns the
-        removal time (Unix seconds). Raises ``KeyError`` if ``name`` is not up."""
+        removal time (Unix seconds). Raises ``KeyError`` if ``name`` is not up, ``ValueError`` for a
+        negative or non-finite ``notice_s``."""
+        if notice_s is not None and not 0 <= notice_s < math.inf:
+            raise ValueError(f"notice_s={notice_s} must be >= 0 seconds (or None: removed now, no notice)")
         if name not in {h.name for h in self.all_hosts()}:
             raise KeyError(f"host {name} is not up; up: {sorted(h.name for h in self.all_hosts())}")
         if not notice_s:
