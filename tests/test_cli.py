@@ -382,3 +382,30 @@ def test_logs_refuses_a_file_and_follow_on_a_new_folder_can_be_interrupted(tmp_p
         follow.kill()
     assert follow.returncode == 130 and "varuna: interrupted (the job, if any, goes on)" in out, out
     assert "within" not in out and "Traceback" not in out, out
+
+
+@pytest.mark.timeout(180)
+def test_varuna_demo_runs_a_job_yaml_of_ones_own_on_the_emulated_spot_vms(tmp_path, capsys, monkeypatch):
+    """``varuna demo job.yaml``: a job of one's own on the demo's emulated spot VMs (there was no
+    command-line way to rehearse one's own job's morphs: helper-63). A job that ends before the
+    trace's first pre-emption says why it saw no morph; a job of examples reports its held-out
+    loss (no perplexity); a missing file is refused."""
+    import json
+
+    from varuna_sdk.cli import main
+
+    monkeypatch.setenv("VARUNA_SDK_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "job.yaml").write_text(
+        "name: mine\nmodel: {factory: 'tests.thirdparty.user_data:Classifier'}\n"
+        "data: {dataset: 'tests.thirdparty.user_data:make_dataset'}\n"
+        "parallel: {global_batch: 16, micro_batch_size: 4}\n"
+        "train: {steps: 12, lr: 0.01, optimizer: SGD, optimizer_kwargs: {momentum: 0.9}, weight_decay: 0}\n")
+    assert main(["demo", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "[demo] mine: tests.thirdparty.user_data:Classifier, global batch 16, 12 steps" in out, out
+    assert "[demo] no morph: the job ended" in out and "before the trace pre-empted any VM" in out, out
+    assert "[demo] held-out loss: start " in out and "perplexity" not in out, out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(12))
+    assert main(["demo", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err

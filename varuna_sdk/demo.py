@@ -192,7 +192,8 @@ one back; the window ends at 134.3 s."""
 @dataclass
 class SpotDemoResult:
     """How the spot demo ended: ``state`` (``JobState`` value), ``morphs`` (``MorphRecord``
-    dicts), ``ppl_start``/``ppl_end`` (held-out perplexity; None if the job did not finish),
+    dicts), ``ppl_start``/``ppl_end`` (held-out perplexity; None if the job did not finish or
+    is no language model on text), ``loss_start``/``loss_end`` (held-out loss; None without),
     ``run_dir``, ``t0`` (Unix seconds when the replay started), ``vm_events`` (wall seconds after
     ``t0``, kind, VM, reason), ``error``, ``wall_s``."""
 
@@ -202,6 +203,8 @@ class SpotDemoResult:
     t0: float
     ppl_start: float | None = None
     ppl_end: float | None = None
+    loss_start: float | None = None
+    loss_end: float | None = None
     vm_events: list[tuple[float, str, str, str]] = field(default_factory=list)
     error: str | None = None
     wall_s: float = 0.0
@@ -385,8 +388,9 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
                   trace_slice: TraceSlice = DEMO_SLICE, out: Callable[[str], None] | None = None,
                   heartbeat_interval_s: float = 1.0, timeout_s: float = 900.0,
                   checkpoint_every: int = 5) -> SpotDemoResult:
-    """Train ``job`` (default ``demo_config()``) under the morph manager on the spot emulator
-    replaying ``trace_slice`` with local slots, printing progress with ``out`` (default: print).
+    """Train ``job`` (default ``demo_config()``; any job of one's own: ``varuna demo job.yaml``)
+    under the morph manager on the spot emulator replaying ``trace_slice`` with local slots,
+    printing progress with ``out`` (default: print).
 
     ``run_dir``: the job's folder (default ``runs/<name>-<time>``); ``checkpoint_every``: steps
     between periodic checkpoints when the job sets none (bounds the steps a sudden loss costs);
@@ -425,6 +429,7 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     if summary["state"] == JobState.SUCCEEDED.value and sfile.exists():
         s = json.loads(sfile.read_text())
         res.ppl_start, res.ppl_end = s.get("ppl_start"), s.get("ppl_end")
+        res.loss_start, res.loss_end = s.get("loss_start"), s.get("loss_end")
     return res
 
 
@@ -434,6 +439,9 @@ def print_spot_result(res: SpotDemoResult, out: Callable[[str], None] | None = N
     say(f"\n[demo] job {res.state} in {res.wall_s:.0f} s; {len(res.morphs)} morph(s) "
         "(time: seconds after the replay started; downtime: cause seen -> first step of the new plan done):")
     say(morph_table(res.morphs, res.t0))
+    if not res.morphs and res.state == "SUCCEEDED" and not any(k in ("notice", "removed") for _, k, _, _ in res.vm_events):
+        say(f"[demo] no morph: the job ended {res.wall_s:.0f} s into the replay, before the trace pre-empted any VM; "
+            "a longer job (more train.steps) meets its notices, losses and returning VMs")
     from .manager.runs import morph_sentence
 
     for i, m in enumerate(res.morphs, 1):   # why each plan, and where the downtime went
@@ -442,6 +450,8 @@ def print_spot_result(res: SpotDemoResult, out: Callable[[str], None] | None = N
         say(f"[demo] error: {res.error}")
     if res.ppl_start is not None:
         say(f"[demo] held-out perplexity: start {res.ppl_start:.2f} -> end {res.ppl_end:.2f}")
+    elif res.loss_start is not None and res.loss_end is not None:
+        say(f"[demo] held-out loss: start {res.loss_start:.4g} -> end {res.loss_end:.4g}")
     say(f"[demo] run folder: {res.run_dir} (events.db, metrics.jsonl, summary.json, checkpoints/, gen<N>/workers.log)")
     say(f"[demo] dashboard (VM pool, plans, morph history): varuna dashboard {res.run_dir}")
 

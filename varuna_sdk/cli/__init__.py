@@ -156,7 +156,7 @@ def _main(argv: list[str] | None) -> int:
                 print(f"varuna: cannot serve on {args.address}:{args.port}: {e.strerror or e}; pick another "
                       "--port or --address", file=sys.stderr)
                 return 2
-        if args.cmd == "demo":
+        if args.cmd == "demo" and args.config is None:
             from ..demo import SPOT_DEMO_STEPS
 
             job = demo_config(120 if args.no_spot else SPOT_DEMO_STEPS)

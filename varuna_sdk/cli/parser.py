@@ -17,7 +17,7 @@ from .aws import aws_flags
 
 _EXAMPLES = {
     "train": "varuna train job.yaml\n  varuna train job.yaml --steps 200 --P 2 --D 2 --run-dir runs/my-job",
-    "demo": "varuna demo\n  varuna demo --no-spot --steps 60",
+    "demo": "varuna demo\n  varuna demo --no-spot --steps 60\n  varuna demo job.yaml            # your own job on the same emulated spot VMs",
     "config": "varuna config > job.yaml   # then edit model, data, parallel and train",
     "calibrate": "varuna calibrate job.yaml -o profile.json\n  varuna calibrate job.yaml --refresh",
     "plan": "varuna plan job.yaml --gpus 16 --profile profile.json\n"
@@ -119,9 +119,13 @@ def _add_train_demo_config(sub) -> None:
                      "`varuna launch` calibrates and plans both from measured times and memory.", EXIT_STATUS)
     sp.add_argument("config", help="path to a job YAML (see `varuna config`)")
     _parallel_overrides(sp)
-    sp = _subcommand(sub, "demo", "train the demo GPT-2 on Shakespeare on emulated spot VMs",
+    sp = _subcommand(sub, "demo", "train the demo GPT-2 on Shakespeare (or your job YAML) on emulated spot VMs",
                      "The demo job: GPT-2 on Shakespeare on emulated spot VMs replaying a real pre-emption trace, "
-                     "morphing on each notice, loss and returning VM.")
+                     "morphing on each notice, loss and returning VM. Given a job YAML, that job instead, on the same "
+                     "emulated VMs (local worker processes): a rehearsal of your own job's morphs before renting "
+                     "spot VMs.")
+    sp.add_argument("config", nargs="?", help="a job YAML of your own to run instead of the demo GPT-2 (see "
+                                              "`varuna config`)")
     _parallel_overrides(sp)
     sp.add_argument("--no-spot", dest="no_spot", action="store_true",
                     help="train on a fixed set of local workers (no spot emulator, no morphs)")
