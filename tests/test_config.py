@@ -255,9 +255,21 @@ def test_the_optimizer_is_named_with_its_settings_and_bad_ones_are_refused_befor
                                       r"train.weight_decay: 0"),
         ("train: {optimizer: 'torch.nn:Linear'}", r"is a class that is no torch.optim.Optimizer subclass"),
         ("train: {optimizer: 'nosuchpkg.optim:Lion'}", r"cannot import 'nosuchpkg.optim'"),
+        # (helper-65) a string flag was taken as true; malformed values gave torch's IndexError traceback
+        ("train: {optimizer: Adam, optimizer_kwargs: {amsgrad: 'no'}}", r"amsgrad='no' must be true or false"),
+        ("train: {optimizer: Adam, optimizer_kwargs: {betas: [0.9]}}", r"betas=\(0.9,\) must be 2 numbers, e.g. "
+                                                                       r"\[0.9, 0.999\]"),
+        ("train: {optimizer: Adam, optimizer_kwargs: {eps: '1e-6'}}", r"eps='1e-6' must be a number"),
+        ("train: {optimizer: Muon}", r"Muon cannot train a pipeline: it takes matrices only"),
+        ("train: {optimizer: sdg}", r"did you mean SGD"),
+        ("train: {optimizer: Adam, optimizer_kwargs: {capturable: true}}", r"failed its first step on a test "
+                                                                           r"parameter \(AssertionError: If capturable"),
     ]:
         with pytest.raises(ConfigError, match=said):
             check_optimizer(job(text))
     check_optimizer(job("train: {optimizer: Rprop, weight_decay: 0}"))
+    with pytest.raises(ConfigError) as e:   # the closure advice only where a closure is the matter
+        check_optimizer(job("train: {optimizer: Adam, optimizer_kwargs: {differentiable: true}}"))
+    assert "closure" not in str(e.value)
     with pytest.raises(ConfigError, match=r"train.optimizer=None must be a torch.optim optimizer's name"):
         job("train: {optimizer: null}").validate()

@@ -81,6 +81,15 @@ def test_a_default_spelled_out_continues_the_run_unchanged(run):
     with pytest.raises(ConfigError, match=r"another optimizer than this config \(train.optimizer: 'AdamW' in the "
                                           r"run, 'SGD' here\)"):
         check_continuation(job, run)
+    # a setting whose optimizer needs state the run did not keep (amsgrad's max_exp_avg_sq) crashed the
+    # continued run's workers and left it FAILED for good (helper-65): refused before any work
+    job = _job()
+    job.train.optimizer_kwargs = {"amsgrad": True}
+    with pytest.raises(ConfigError, match=r"cannot step from the optimizer state the run saved \(KeyError: "
+                                          r"'max_exp_avg_sq'\).*Continue with the run's settings"):
+        check_continuation(job, run)
+    job.train.optimizer, job.train.optimizer_kwargs = "adamw", {}   # the same class in another case: the same
+    assert check_continuation(job, run) == [("train.optimizer", "AdamW", "adamw")]
 
 
 @pytest.mark.parametrize("kwargs,said", [

@@ -511,7 +511,7 @@ def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna lau
     diffs, calls = [], []
     for f in CONTINUED_FIELDS:
         a, b = get(old, f), get(new, f)
-        if a == b:
+        if a == b or (f == "train.optimizer" and _same_optimizer(a, b)):   # 'rmsprop' is 'RMSprop'
             continue
         if f in _CALL_ARGUMENTS and isinstance(a, dict) and isinstance(b, dict):
             calls.append((f, a, b))   # compared as the call sees them: below
@@ -545,6 +545,10 @@ def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna lau
     # arguments that differ as written only (a default spelled out): the same job, not a change
     changed = [c for c in _changed_fields(old, new) if not any(c[0] == f or c[0].startswith(f + ".")
                                                                 for f in same_calls)]
+    if any(f.startswith("train.optimizer_kwargs") for f, _, _ in changed):   # the saved state must still step
+        from .optimizer import check_state_carries_over
+
+        check_state_carries_over(JobConfig.from_dict(old), job)
     state, done = _run_progress(run_dir)
     what = _changes_text(changed)
     if state in ("SUCCEEDED", "FAILED"):
@@ -561,6 +565,17 @@ def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna lau
                           f"so continuing it would train nothing. Give train.steps > {done} (or --steps) to train on, "
                           "or another --run-dir to start again")
     return changed
+
+
+def _same_optimizer(a: Any, b: Any) -> bool:
+    """Whether two ``train.optimizer`` values name one class (``rmsprop`` and ``RMSprop``;
+    ``torch.optim:AdamW`` and ``AdamW``); ``False`` where either names none."""
+    from .optimizer import optimizer_class
+
+    try:
+        return isinstance(a, str) and isinstance(b, str) and optimizer_class(a) is optimizer_class(b)
+    except ConfigError:
+        return False
 
 
 def _differs(a: dict, b: dict, k: str) -> bool:

@@ -85,6 +85,19 @@ def _cpu_copy(v: Any) -> Any:
     return v
 
 
+def _constructor_arguments(cls: type) -> set[str] | None:
+    """The names an optimizer class's constructor takes (its settings, which the job's config
+    gives), with ``params``, ``lr`` and ``weight_decay``: what a checkpoint's parameter groups
+    must not override. ``None`` when the signature cannot be read (then nothing is restored)."""
+    import inspect
+
+    try:
+        names = set(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names | {"params", "lr", "weight_decay", "initial_lr"}
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -293,8 +306,9 @@ class StageCheckpointer:
         return load_verified(store, info, fname)
 
     def apply(self, state: StageState) -> dict:
-        """Copy ``state`` into the engine's parameters and buffers (bitwise), the optimizer's state,
-        the loss scaler, the step counter and the RNG; returns the ``common`` dict. Raises
+        """Copy ``state`` into the engine's parameters and buffers (bitwise), the optimizer's state
+        (per parameter, and what it keeps in its parameter groups besides its settings, as rank 0
+        saved it), the loss scaler, the step counter and the RNG; returns the ``common`` dict. Raises
         ``CheckpointError`` for a shape or dtype that does not match."""
         where = f"checkpoint {state.info.name!r}"
         with torch.no_grad():
@@ -315,6 +329,13 @@ class StageCheckpointer:
                        if id(p) in index and state.optim.get(n)}
         self.optimizer.load_state_dict(sd)
         common = state.common
+        # state an optimizer keeps in its parameter groups (a step count, Prodigy's d): entries that are
+        # no setting of its constructor, as rank 0 saved them (settings come from the job's config)
+        saved = common.get("param_groups") or []
+        settings = _constructor_arguments(type(self.optimizer))
+        if settings is not None and len(saved) == len(self.optimizer.param_groups):
+            for g, was in zip(self.optimizer.param_groups, saved):
+                g.update({k: v for k, v in was.items() if k not in settings})
         self.engine.scaler.load_state_dict(common["scaler"])
         self.engine.step_count = int(common["step"])
         torch.set_rng_state(common["rng"]["cpu"])

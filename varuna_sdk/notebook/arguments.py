@@ -247,8 +247,8 @@ def _optimizer_name(value: Any) -> Any:
         if getattr(torch.optim, value.__name__, None) is value:
             return value.__name__
         if value.__module__ in ("__main__", "builtins") or "<locals>" in value.__qualname__:
-            raise TypeError(f"Job(optimizer={value.__name__}) is defined in the notebook; every worker imports the "
-                            "optimizer class by name: put it in a module of your code folder and pass "
+            raise TypeError(f"Job(optimizer={value.__name__}) is defined in the notebook or the main script; every "
+                            "worker imports the optimizer class by name: put it in a module of your code folder and pass "
                             f"optimizer='mymodule:{value.__name__}'")
         return f"{value.__module__}:{value.__qualname__}"
     raise TypeError(f"Job(optimizer=...) takes a torch.optim optimizer's name or class (optimizer='SGD', "
