@@ -915,6 +915,26 @@ def test_plan_for_job_honours_boundaries(P, D, bnd):
     assert free.parallel.boundaries == plan_for_job(_job(), prof)[0].parallel.boundaries
 
 
+def test_plan_for_job_counts_the_jobs_optimizer_state_in_memory():
+    """The memory model counted AdamW's two moments per parameter whatever the job's optimizer
+    (helper-65): a stage's weights and state are now (2 + the optimizer's state factor) x its
+    parameter bytes — SGD without momentum 0, SGD with momentum 1, AdamW 2, Adam with amsgrad 3 —
+    so the same row's memory grows by one parameter copy per step of the factor."""
+    from varuna_sdk.planner.plan import plan_for_job
+
+    prof = synthetic_profile(HEAVY, param_bytes=4e8)
+    mem = {}
+    for name, kw in (("SGD", {}), ("SGD", {"momentum": 0.9}), ("AdamW", {}), ("Adam", {"amsgrad": True})):
+        job = _job(P=2, D=1, gpus=2)
+        job.train.optimizer, job.train.optimizer_kwargs = name, kw
+        _, pl = plan_for_job(job, prof)
+        row = next(r for r in pl.feasible if (r.P, r.D, r.micro_batch_size) == (2, 1, pl.best.micro_batch_size))
+        mem[(name, bool(kw))] = sum(row.stage_memory_bytes)
+    steps = [mem[("SGD", True)] - mem[("SGD", False)], mem[("AdamW", False)] - mem[("SGD", True)],
+             mem[("Adam", True)] - mem[("AdamW", False)]]
+    assert all(x == pytest.approx(8 * 4e8, rel=1e-6) for x in steps), (steps, mem)   # 8 segments x 4e8 bytes
+
+
 @pytest.mark.parametrize("P,D,bnd,gpus,match", [
     (None, None, [[0, 1, 2], [2, 3, 4, 5, 6, 7]], 4, r"parallel.boundaries=.* must list the profile's 8 segments"),
     (2, None, [[0, 1, 2], [2, 3, 4, 5, 6, 7]], 4, r"parallel.boundaries=.* once each, in order"),  # overlapping

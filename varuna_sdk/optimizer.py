@@ -15,8 +15,9 @@ group (Prodigy's ``d``) sees only its stage's parameters at P > 1 (warned about 
 
 Owns ``optimizer_class``, ``optimizer_kwargs``, ``make_optimizer`` (used by the workers and by
 ``reference.plain_pytorch_losses``, so both step the same optimizer), ``check_optimizer`` (the
-settings tried on a two-parameter model before any work) and ``check_state_carries_over`` (a
-continued run's changed settings tried on the state the old ones keep). Sits above ``jobspec`` (its
+settings tried on a two-parameter model before any work), ``check_state_carries_over`` (a
+continued run's changed settings tried on the state the old ones keep) and ``state_factor`` (the
+state's bytes per parameter byte, for the planner's memory model). Sits above ``jobspec`` (its
 ``import_object``); imports torch and the user's module only.
 """
 
@@ -224,6 +225,21 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b) if not isinstance(a, torch.Tensor) else bool(torch.equal(a, b))
     except Exception:  # noqa: BLE001 - values that cannot be compared: count as changed
         return False
+
+
+def state_factor(job: JobConfig) -> float:
+    """Bytes of optimizer state per byte of parameters that ``train.optimizer`` keeps (AdamW: 2.0,
+    its two moments; with ``amsgrad`` 3.0; SGD with momentum 1.0, without 0.0; Adafactor's factored
+    moments less than 1), read off the state of one test step on a 16 × 16 matrix and a bias (its
+    per-parameter scalars, a step count, left out): the planner's memory model (paper §4.4).
+    Raises ``ConfigError`` as ``check_optimizer`` does."""
+    w, b = nn.Parameter(torch.ones(16, 16)), nn.Parameter(torch.zeros(16))
+    opt = make_optimizer([w, b], job)
+    w.grad, b.grad = torch.full_like(w, 0.5), torch.full_like(b, 0.5)
+    opt.step()
+    state = sum(v.numel() * v.element_size() for p in (w, b) for v in opt.state.get(p, {}).values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1)
+    return state / sum(p.numel() * p.element_size() for p in (w, b))
 
 
 def check_state_carries_over(old: JobConfig, new: JobConfig) -> None:

@@ -176,7 +176,9 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
     pool's $ per GPU-hour for the rows' costs (default ``Prices()``'s example figures).
     ``memory_limit_bytes``: bytes per GPU to plan for (a what-if: "would this job fit a 16 GiB
     card?"), as ``plan`` takes it; None: the profile's device memory. ``shared_egress``: as ``plan``
-    takes it (one network link per rank). Raises
+    takes it (one network link per rank). The memory model counts the job's optimizer's state
+    (``optimizer.state_factor``: SGD without momentum keeps none, Adam with amsgrad three copies
+    of the parameters). Raises
     ``ConfigError`` for boundaries that do not list the profile's segments once each in order, a
     P that contradicts them, a P x D over the workers, or when no feasible plan has the fixed P/D
     (listing the feasible ones) or none fits at all.
@@ -206,6 +208,11 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
                               f"{len(bnd) * fixed_D} workers but only {G}; set D to at most "
                               f"{largest_divisor(p.global_batch, G // len(bnd))} (or null), or change boundaries")
         fixed_P = len(bnd)
+    # the memory model counts the job's optimizer's state (the profile's factor is AdamW's two moments)
+    from ..optimizer import state_factor
+
+    profile = copy.copy(profile)
+    profile.optimizer_state_factor = state_factor(job)
     # boundaries fix P and the split; a fixed P caps the depths tried; a fixed D is the only replica count tried
     settings = config_settings(p)
     rec = settings["recompute"]
