@@ -937,7 +937,22 @@ def _runs_on(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
 def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     """Refuse data the model cannot take, before workers start: token ids beyond its vocabulary,
     ``seq_len`` beyond its context, batches without the fields its call reads. Raises
-    ``DataError`` naming the source and the fix."""
+    ``DataError`` naming the source and the fix. What the dry runs warn about (once per micro-batch
+    size tried) is said once per message, after them."""
+    said: list = []
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            _check_together(spec, data, job)
+    finally:
+        shown: set = set()
+        for w in said:
+            if (str(w.message), w.category) not in shown:
+                shown.add((str(w.message), w.category))
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
     T = job.data.seq_len
     if data.tokens is not None:
         check_tokens(data.tokens, spec.vocab_size)

@@ -15,6 +15,7 @@ import json
 import sys
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -335,8 +336,6 @@ class Job:
 
             check_local_backend(self.config, provider)   # NCCL asked for on a machine without it: refused
             if provider is None:   # this machine's worker processes: as many as a fixed P x D needs
-                import warnings
-
                 from ..cluster.provider import LocalProvider
                 from ..runner import local_slots
 
@@ -348,7 +347,9 @@ class Job:
                 self.provider = provider
             from ..runner import prepare_run
 
-            _, out, _ = prepare_run(self.config, self.run_dir, files=self._files)  # config + shipped objects
+            with warnings.catch_warnings():   # Job() showed what resolving this job warns about: not again
+                warnings.filterwarnings("ignore", category=UserWarning, module=r"varuna_sdk\.")
+                _, out, _ = prepare_run(self.config, self.run_dir, files=self._files)  # config + shipped objects
             self.run_dir = out.resolve()
             self.config.to_yaml(self.run_dir / "config.yaml")
             # a stopped or failed job continues under a new job id in the same folder: the
