@@ -192,6 +192,7 @@ def test_emulator_replays_a_trace_on_local_slots(tmp_path):
         assert added.host.name == "local0" and 1.4 < t_a - t0 < 2.9
         time.sleep(0.8)  # node3 (overflow) leaves at 2.0 s: nothing happens
         assert em.overflow == set() and sorted(h.name for h in em.hosts()) == ["local0", "local1"]
+        assert em.overflowed == 1   # node3's add, ignored (gone from .overflow once removed: helper-63)
     rows = [(e.kind, e.host) for e in log.events(job_id="j")]
     assert rows == [(Kind.HOST_ADDED, "local0"), (Kind.HOST_ADDED, "local1"),
                     (Kind.PREEMPTION_NOTICE, "local0"), (Kind.HOST_REMOVED, "local0"),

@@ -18,8 +18,8 @@ going at each drop — without it a 64-VM trace on 4 slots would never touch the
 slots (``local0``...) — and replays the trace in real time on its own thread:
 
 - trace nodes are mapped to host slots (``vm0``.. or ``local0``..) first come, first served; a
-  node added while every slot is taken is ignored for its whole life (counted in
-  ``overflow``); a slot freed by a removal is reused by the next added node (a new VM: a test
+  node added while every slot is taken is ignored for its whole life (``overflow``: those up in
+  the trace now; ``overflowed``: how many adds were ignored; the first is logged); a slot freed by a removal is reused by the next added node (a new VM: a test
   host gets a new sshd and host key);
 - ``notice_s`` **wall-clock seconds** (after compression; the manager needs real time to
   checkpoint) before each removal a ``notice`` event with the deadline is emitted and the host
@@ -399,7 +399,8 @@ class SpotEmulator(PoolProvider):
         self.slots = [f"{prefix}{i}" for i in range(capacity)]
         self._node_of: dict[str, str] = {}   # slot -> trace node
         self._slot_of: dict[str, str] = {}   # trace node -> slot
-        self.overflow: set[str] = set()      # trace nodes that found no free slot
+        self.overflow: set[str] = set()      # trace nodes that found no free slot (and are up in the trace)
+        self.overflowed = 0                   # adds of the trace that found no free slot, in all
         self.removed_count = self.added_count = 0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -557,6 +558,11 @@ class SpotEmulator(PoolProvider):
                 free = [s for s in self.slots if s not in held]
                 if not free:
                     self.overflow.add(e.node)
+                    self.overflowed += 1
+                    if self.overflowed == 1:   # said once: a trace of a larger pool overflows at every add
+                        log.info("spot emulator: trace node %s added while all %d slots are held: ignored, as every "
+                                 "later node that finds no free slot (count: .overflowed; up now: .overflow)",
+                                 e.node, len(self.slots))
                     return
                 self._slot_of[e.node], self._node_of[free[0]] = free[0], e.node
                 try:
