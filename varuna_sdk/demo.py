@@ -29,6 +29,7 @@ Owns ``demo_config``, ``TraceSlice``, ``DEMO_SLICE``, ``trace_path``, ``run_spot
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -387,14 +388,16 @@ def _drive(mgr, emu, on_vm, say, timeout_s: float, t_start: float, t0_box: list)
 def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = None,
                   trace_slice: TraceSlice = DEMO_SLICE, out: Callable[[str], None] | None = None,
                   heartbeat_interval_s: float = 1.0, timeout_s: float = 900.0,
-                  checkpoint_every: int = 5) -> SpotDemoResult:
+                  checkpoint_every: int = 5, signals: bool = False) -> SpotDemoResult:
     """Train ``job`` (default ``demo_config()``; any job of one's own: ``varuna demo job.yaml``)
     under the morph manager on the spot emulator replaying ``trace_slice`` with local slots,
     printing progress with ``out`` (default: print).
 
     ``run_dir``: the job's folder (default ``runs/<name>-<time>``); ``checkpoint_every``: steps
     between periodic checkpoints when the job sets none (bounds the steps a sudden loss costs);
-    ``timeout_s``: the job is cancelled (checkpointed) after that many seconds.
+    ``timeout_s``: the job is cancelled (checkpointed) after that many seconds. ``signals``:
+    SIGINT/SIGTERM stop the job at a boundary with a checkpoint (``runner.stop_on_signals``; the
+    CLI's way: a SIGTERM ended the command and left its workers training unmanaged).
     Returns ``SpotDemoResult``. Raises ``ConfigError`` for a bad job or slice before anything
     starts; every worker process is stopped and every emulated VM removed on return, error or
     Ctrl-C."""
@@ -421,7 +424,10 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
                   generation_options={"sink": _DemoSink(say)}, on_state=on_state, labels=job_labels(resolved))
     box.append(mgr)
     t_wall = time.monotonic()
-    _drive(mgr, emu, on_vm, say, timeout_s, t_start, t0_box)
+    from .runner import stop_on_signals
+
+    with stop_on_signals(mgr) if signals else contextlib.nullcontext():
+        _drive(mgr, emu, on_vm, say, timeout_s, t_start, t0_box)
     summary = mgr.summary()
     res = SpotDemoResult(state=summary["state"], morphs=summary["morphs"], run_dir=run, t0=t0_box[0],
                          vm_events=events, error=summary["error"], wall_s=time.monotonic() - t_wall)

@@ -62,8 +62,12 @@ def _spot_demo(job: JobConfig, args: argparse.Namespace) -> int:
     from ..demo import print_spot_result, run_spot_demo
     from ..runner import new_run_dir
 
-    res = run_spot_demo(job, run_dir=args.run_dir if args.run_dir is not None else new_run_dir(job))
+    res = run_spot_demo(job, run_dir=args.run_dir if args.run_dir is not None else new_run_dir(job), signals=True)
     print_spot_result(res)
+    if res.state == "STOPPED":   # Ctrl-C or SIGTERM (as train/launch say it): the same command continues it
+        print(f"[varuna] stopped with a checkpoint; `{again_command(args.argv, res.run_dir)}` continues the job",
+              flush=True)
+        return stopped_exit_code(res.run_dir)
     return 0 if res.state == "SUCCEEDED" else 1
 
 
