@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"model", "data"},
     {"pipeline", "checkpoint"},
     {"jobspec"},  # resolves a job's model/data/loss spec
+    {"optimizer"},  # the job's optimizer (train.optimizer): built by the workers and the reference, sized by the planner
     {"profiling"},  # calibration, including of a whole job (calibrate_job)
     {"planner"},  # simulator face and configuration search
     {"cluster"},  # hosts, SSH, providers
