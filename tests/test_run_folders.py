@@ -110,7 +110,7 @@ def test_a_run_folder_that_holds_other_runs_says_so_when_another_job_is_refused(
     other.to_yaml(root / "config.yaml")
     (root / "events.db").write_bytes(b"")
     _fake_runs(root, "cnn1", "resmlp1")
-    with pytest.raises(ConfigError, match=r"holds a job that trains another model .*Note: .*/runs also holds 2 run "
+    with pytest.raises(ConfigError, match=r"holds a job that trains another model.*Note: .*/runs also holds 2 run "
                                           r"folder\(s\) of other jobs inside it \(cnn1, resmlp1\): to start a new job "
                                           r"beside them, give a new folder inside it"):
         prepare_run(_job(tmp_path), root)
