@@ -491,7 +491,8 @@ def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna lau
     or the folder holds no started job). A job that already ended (SUCCEEDED, FAILED) is not run
     again, so a changed config for it is refused, as is ``train.steps`` below the steps it has
     done. Reads the folder only (no torch; the factory's module is imported only when its
-    arguments differ as written and nothing else does). Raises ``ConfigError`` naming each
+    arguments differ as written and nothing else does; changed ``train.optimizer_kwargs`` are
+    tried on the state the run's settings keep: ``optimizer.check_state_carries_over``). Raises ``ConfigError`` naming each
     differing field with both values and ``command`` (``varuna train``, ``varuna launch``) as the
     way to continue the run as it was."""
     old_path = Path(run_dir) / "config.yaml"
