@@ -39,7 +39,7 @@ from .config import JobConfig
 from .data.loader import DataError
 from .data.prefetch import BatchPrefetcher
 from .jobspec import ResolvedJob, resolve_job
-from .optimizer import check_optimizer, make_optimizer
+from .optimizer import check_optimizer, make_optimizer, optimizer_kwargs
 from .pipeline.engine import StepResult, Varuna
 
 
@@ -538,7 +538,7 @@ def _start_run(rank: int, job: JobConfig, run_dir: str, generation: int, secret:
         _log(f"[varuna] {job.name}: P={p.P} x D={p.D}, global batch {p.global_batch} = micro-batch "
              f"{p.micro_batch_size} x m={p.num_micro_batches} x D={p.D}, policy {p.policy}, "
              f"{sum(1 for _ in tr.engine.named_parameters())} tensors on rank 0, generation {generation}, optimizer "
-             f"{type(tr.optimizer).__name__}({', '.join(f'{k}={v}' for k, v in (t.optimizer_kwargs or {}).items())})")
+             f"{type(tr.optimizer).__name__}({', '.join(f'{k}={v}' for k, v in optimizer_kwargs(job).items())})")
         if t.warmup_steps > t.steps:
             _log(f"[varuna] note: train.warmup_steps={t.warmup_steps} is longer than the run's {t.steps} steps, so the "
                  f"learning rate peaks at {lr_at(t.steps - 1, job):.3g}, not train.lr={t.lr:g}")
