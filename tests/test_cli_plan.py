@@ -316,3 +316,43 @@ def test_a_saved_calibration_records_the_inputs_it_was_measured_on(tmp_path):
     prof = calibrate_job(job, cache_dir=tmp_path, resolved=r)
     assert {k: prof.model.get(k) for k in ("inputs", "precision")} == profile_inputs(job, r)
     assert prof.model["inputs"]["input_ids"] == [[32], "torch.int64"] and prof.model["precision"] == "fp32"
+
+
+def test_rows_left_as_searched_are_refined_with_refine_and_the_notes_name_the_flags(tmp_path):
+    """Under a memory limit, depths that cannot beat the best row are left as searched (``*``); the
+    command line's notes name its own flags (``--top N``, ``--refine P``; they named the Python
+    calls ``table(top=N)``, ``plan.refine(P)``), and ``--refine P`` prints that row refined exactly
+    as ``Plan.refine(P)`` refines it in Python; a depth the plan has no row of is refused."""
+    from test_planner import _cli_here
+    from varuna_sdk.planner.plan import plan as plan_any
+
+    prof = synthetic_profile(HEAVY)
+    path = tmp_path / "light.json"
+    prof.to_json(path)
+    job = _job()
+    job.parallel.recompute = None
+    cfg = tmp_path / "auto.yaml"
+    job.to_yaml(cfg)
+    limit = 0.5 * max(plan_any(prof, 8, 32, shared_egress=True).best.stage_memory_bytes)
+    gib = f"{limit / 2**30:.9f}"
+    ref = plan_any(prof, 8, 32, memory_limit_bytes=float(gib) * 2**30, shared_egress=True)
+    raw = [r.P for r in ref.feasible if not r.refined]
+    assert raw, "no depth left as searched: the test's limit no longer makes one"
+    r = _cli_here("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--memory-gib", gib, "--top", "2")
+    assert r.returncode == 0, r.stderr
+    assert f"(--top {len(ref.feasible)} shows all)" in r.stdout and "table(top=" not in r.stdout, r.stdout
+    r = _cli_here("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--memory-gib", gib,
+                               "--top", "20")
+    assert r.returncode == 0 and "--refine P refines one" in r.stdout and "plan.refine" not in r.stdout, r.stdout
+    P = raw[0]
+    got = ref.refine(P)
+    r = _cli_here("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--memory-gib", gib,
+                               "--top", "20", "--refine", str(P))
+    assert r.returncode == 0, r.stderr
+    rank = [r.P for r in ref.feasible].index(P) + 1 if got.feasible else None
+    if rank is not None:
+        line = next(ln for ln in r.stdout.splitlines() if ln.split()[:2] == [str(rank), str(P)])
+        assert f"  {got.recompute_label}  " in line and "*" not in line, line
+    r = _cli_here("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--memory-gib", gib,
+                               "--refine", "99")
+    assert r.returncode == 2 and "--refine 99: this plan has no row of depth P=99" in r.stderr, (r.stdout, r.stderr)

@@ -13,7 +13,7 @@ import pytest
 
 from varuna_sdk.config import ConfigError, JobConfig
 from varuna_sdk.manager.events import EventLog
-from varuna_sdk.runner import check_continuation, same_call_arguments
+from varuna_sdk.runner import NOT_GIVEN, _changes_text, check_continuation, same_call_arguments
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,7 +76,10 @@ def test_a_default_spelled_out_continues_the_run_unchanged(run):
     # the optimizer's settings may change (its state still loads); another optimizer's state cannot
     job = _job()
     job.train.optimizer_kwargs = {"betas": [0.9, 0.99]}
-    assert check_continuation(job, run) == [("train.optimizer_kwargs.betas", None, [0.9, 0.99])]
+    changed = check_continuation(job, run)
+    assert changed == [("train.optimizer_kwargs.betas", NOT_GIVEN, [0.9, 0.99])]
+    # said as the run had it: a setting it left out is "not given" (it printed "None -> True")
+    assert _changes_text(changed) == "train.optimizer_kwargs.betas not given -> [0.9, 0.99]"
     job.train.optimizer = "SGD"
     with pytest.raises(ConfigError, match=r"another optimizer than this config \(train.optimizer: 'AdamW' in the "
                                           r"run, 'SGD' here\)"):

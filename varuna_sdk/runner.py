@@ -640,11 +640,23 @@ def _changes_text(changed: list[tuple[str, Any, Any]]) -> str:
     return "; ".join(f"{f} {a!r} -> {b!r}" for f, a, b in changed[:6]) + ("; ..." if len(changed) > 6 else "")
 
 
+class _NotGiven:
+    """A key one of two config dicts leaves out (an optimizer setting given only at the continue):
+    said as "not given", not as None (a value the user could have given)."""
+
+    def __repr__(self) -> str:
+        return "not given"
+
+
+NOT_GIVEN = _NotGiven()
+
+
 def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """``(dotted field, old value, new value)`` for every leaf that differs between two config dicts."""
+    """``(dotted field, old value, new value)`` for every leaf that differs between two config
+    dicts; a key only one of them has: ``NOT_GIVEN`` on the other side."""
     out: list[tuple[str, Any, Any]] = []
     for k in sorted(set(old) | set(new)):
-        a, b, name = old.get(k), new.get(k), f"{prefix}{k}"
+        a, b, name = old.get(k, NOT_GIVEN), new.get(k, NOT_GIVEN), f"{prefix}{k}"
         if isinstance(a, dict) and isinstance(b, dict) and name != "model.kwargs":
             out += _changed_fields(a, b, name + ".")
         elif a != b:

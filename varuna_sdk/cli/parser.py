@@ -170,6 +170,9 @@ def _add_calibrate_plan(sub) -> None:
     sp.add_argument("--on-demand-price", dest="on_demand_price", type=float, help="$ per GPU-hour, on-demand")
     sp.add_argument("--target-examples", dest="target_examples", type=int, help="show time and cost to this many examples")
     sp.add_argument("--top", type=int, default=12, help="rows of the ranked table to print (default 12)")
+    sp.add_argument("--refine", type=int, action="append", metavar="P",
+                    help="refine the row of depth P per stage (recompute only where memory needs it, in-flight caps) "
+                         "where the table marks it * (left as searched: it cannot beat the best row); repeatable")
     sp.add_argument("--best-only", dest="best_only", action="store_true",
                     help="stop once no candidate can beat the best found (about linear in --gpus; other depths are "
                          "not ranked exactly)")

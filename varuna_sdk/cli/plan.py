@@ -51,6 +51,7 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
               + (f"; wrote {args.output}" if args.output else ""))
         return 0
     from ..planner.plan import config_settings, data_prefetch_for, plan
+    from ..planner.rows import CLI_HINTS
 
     prof = load_profile(args.profile, args.config) if args.profile else calibrate_job(job)
     _check_profile_matches(prof, job, args.profile, args.config)
@@ -64,7 +65,12 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
                   prices=_prices(args), target_examples=args.target_examples, data_prefetch=data_prefetch_for(job, prof),
                   **placement)
     pl = plan(prof, G, B, exhaustive=not args.best_only, **common)
-    print(pl.table(top=args.top))
+    for depth in args.refine or []:
+        try:
+            pl.refine(depth)
+        except ValueError as e:
+            raise ConfigError(f"--refine {depth}: {e}") from None
+    print(pl.table(top=args.top, hints=CLI_HINTS))
     print(f"placement: {where}")
     if not pl.feasible:
         print(f"varuna: no configuration fits {G} GPUs and global batch {B}; see the reasons above", file=sys.stderr)

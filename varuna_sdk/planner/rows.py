@@ -45,6 +45,21 @@ class Prices:
             setattr(self, name, float(v))
 
 
+@dataclass(frozen=True)
+class TableHints:
+    """How ``Plan.table``'s notes say to see more: ``show_all`` with ``{n}`` for the number of
+    feasible rows, ``refine`` for refining a depth left as searched."""
+
+    show_all: str
+    refine: str
+
+
+#: a notebook's or script's calls on the ``Plan`` object
+PYTHON_HINTS = TableHints(show_all="table(top={n})", refine="plan.refine(P)")
+#: ``varuna plan``'s flags
+CLI_HINTS = TableHints(show_all="--top {n}", refine="--refine P")
+
+
 @dataclass
 class PlanRow:
     """One configuration. ``stages`` holds the segment indices of each stage; times are
@@ -208,9 +223,11 @@ class Plan:
         recompute per stage and in-flight caps; raises ``ValueError`` as ``best`` does when no row fits."""
         return self.best.parallel_config(self.global_batch, self.policy)
 
-    def _rows_and_notes(self, top: int) -> tuple[list[str], list[list[str]], list[str]]:
+    def _rows_and_notes(self, top: int, hints: TableHints | None = None) -> tuple[list[str], list[list[str]], list[str]]:
         """The table's header, the ``top`` fastest feasible rows as formatted cells, and the lines
-        after it (rows left out, excluded and pruned depths, example prices, notes)."""
+        after it (rows left out, excluded and pruned depths, example prices, notes), whose hints
+        name ``hints``' ways of showing more (default: this object's Python calls)."""
+        hints = hints or PYTHON_HINTS
         if isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 1:
             raise ValueError(f"top={top!r} must be an integer >= 1 (how many feasible rows to show); "
                              "top=len(plan.feasible) shows them all")
@@ -231,12 +248,12 @@ class Plan:
         if len(self.feasible) > top:
             more = len(self.feasible) - top
             notes.append(f"... {more} more feasible configuration{'s' if more > 1 else ''} "
-                         f"(table(top={len(self.feasible)}) shows all)")
+                         f"({hints.show_all.format(n=len(self.feasible))} shows all)")
         raw = [r.P for r in self.feasible[:top] if not r.refined]
         if raw:
             notes.append(f"* P={_ranges(sorted(raw))}: as searched (one recompute setting, no in-flight caps), not "
                          "refined per stage: no refinement of these depths can beat the best row (their lower "
-                         "bounds); plan.refine(P) refines one")
+                         f"bounds); {hints.refine} refines one")
         best = self.feasible[0] if self.feasible else None
         if best is not None and self.policy == "varuna" and best.recompute_why:
             notes += [f"rank 1, stage {s}: {w}" for s, w in enumerate(best.recompute_why)]
@@ -268,11 +285,12 @@ class Plan:
                 f"{_RECOMPUTE_TITLE[self.recompute]}{split} (searched in {self.search_s * 1e3:.1f} ms"
                 f"{'' if self.exhaustive else _BEST_ONLY_NOTE})")
 
-    def table(self, top: int = 12) -> str:
+    def table(self, top: int = 12, hints: TableHints | None = None) -> str:
         """A fixed-width table: the ``top`` (>= 1) fastest feasible rows, a line counting the
-        feasible rows left out, then every excluded P with its reason. Raises ``ValueError`` for
-        ``top`` < 1."""
-        head, rows, notes = self._rows_and_notes(top)
+        feasible rows left out, then every excluded P with its reason. ``hints``: how the notes
+        say to show more rows or refine one (default ``PYTHON_HINTS``, ``table(top=n)``,
+        ``plan.refine(P)``; ``varuna plan`` passes its flags). Raises ``ValueError`` for ``top`` < 1."""
+        head, rows, notes = self._rows_and_notes(top, hints)
         widths = [max(len(c) for c in col) for col in zip(head, *rows)]
         lines = [self._title()] + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
         return "\n".join(lines + [f"  {n}" for n in notes])

@@ -264,7 +264,7 @@ class DepthRefiner:
             if self.req.limit and self.req.policy == "varuna":
                 row.reason += (f"; in-flight caps not tried: no configuration of this depth can beat the best row "
                                f"(lower bound {format_duration(bound)} >= {format_duration(best)} per mini-batch; "
-                               f"Plan.refine({c.P}) tries them)")
+                               f"refining P={c.P} tries them: Plan.refine({c.P}), `varuna plan --refine {c.P}`)")
             row.refined, row.lower_bound_s = False, bound
             return row
         P = c.P
@@ -278,7 +278,7 @@ class DepthRefiner:
         tail = (f" (as searched, uncapped{'; memory as simulated' if self.req.limit else ''}): not refined per "
                 f"stage, since no refinement of this depth can beat the "
                 f"best row (lower bound {format_duration(bound)} >= {format_duration(best)} per mini-batch); "
-                f"Plan.refine({P}) refines it")
+                f"Plan.refine({P}) (`varuna plan --refine {P}`) refines it")
         said = {f: ("recomputes" if f else "keeps activations") + tail for f in (False, True)}
         why = [said[f] for f in flags]
         row = _row(self.req, c, mode, inp, StagePlan(c, flags, [0] * P, memory, why))
