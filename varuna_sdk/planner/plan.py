@@ -225,9 +225,17 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
         pl.refine(fixed_P)  # the job runs this depth: its row refined per stage even when it is not the best
     fits = [r for r in pl.feasible if (fixed_P is None or r.P == fixed_P) and (fixed_D is None or r.D == fixed_D)]
     if not fits:
-        offered = ", ".join(f"P={r.P} D={r.D}" for r in pl.feasible) or "none"
-        if fixed_P is not None and bnd is None:  # the search stopped at the fixed depth
-            offered = f"{offered} (depths up to P={fixed_P} searched)"
+        free = pl
+        if fixed_P is not None or fixed_D is not None or bnd is not None:
+            # what these workers can run with nothing fixed (the search above tried the fixed D only,
+            # and depths up to the fixed P: its rows alone left out P=2 D=1 for P=2 x D=2 on 2 workers)
+            free = plan(profile, G, p.global_batch, gpus_per_vm=min(per_vm, G), compute_slots_per_vm=slots,
+                        exhaustive=True, micro_batch_sizes=micro_batch_sizes, prices=prices,
+                        memory_limit_bytes=memory_limit_bytes, shared_egress=shared_egress,
+                        data_prefetch=data_prefetch_for(job, profile), **settings)
+        offered = ", ".join(f"P={r.P} D={r.D}" for r in free.feasible[:8]) or "none"
+        if len(free.feasible) > 8:
+            offered += f", ... ({len(free.feasible)} in all)"
         fixed = " and ".join(f"{k}={v}" for k, v in (("P", fixed_P), ("D", fixed_D)) if v is not None)
         if bnd is not None:
             fixed += " (from parallel.boundaries)" if p.P is None else " and these boundaries"
@@ -239,7 +247,8 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
         reasons = "; ".join(dict.fromkeys(f"P={r.P} D={r.D}: {r.reason}" for r in why[:3]))
         raise ConfigError(f"no plan for {G} workers and global batch {p.global_batch} has parallel.{fixed}"
                           f"{' (' + reasons + ')' if reasons else ''}; "
-                          f"feasible plans: {offered}. Set P, D and boundaries to null, or change them")
+                          f"feasible on {G} workers, fastest first: {offered}. Set P, D and boundaries to null, or "
+                          "change them")
     best = fits[0]
     job = copy.deepcopy(job)
     job.parallel.P, job.parallel.D = best.P, best.D
