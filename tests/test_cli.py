@@ -167,6 +167,8 @@ def test_ctrl_c_and_varuna_stop_checkpoint_at_a_boundary_and_launch_continues(tm
     finally:
         first.kill()
     assert first.returncode == 130 and "SIGINT: stopping at the next mini-batch boundary" in out, out
+    # the console says the plan as the manager makes it, beside the workers' output
+    assert "[varuna] plan for generation 0: P=2 x D=1 on local0, local1, micro-batch 2 x 2, predicted" in out, out
     try:
         followed = follow.communicate(timeout=30)[0]
     finally:

@@ -961,11 +961,11 @@ def test_plan_for_job_says_why_a_fixed_p_does_not_fit(P, bnd):
     excluded = [r for r in pl.rows if r.P == 2 and not r.feasible]
     assert excluded and all("memory limit of 1.9 GiB" in r.reason for r in excluded)
     with pytest.raises(ConfigError, match=r"has parallel.P=2.*\(P=2 D=\d: .*memory limit of 1.9 GiB"
-                                          r".*\); feasible on 4 workers, fastest first: "):
+                                          r".*\); feasible on 4 workers, each depth's best, fastest first: "):
         plan_for_job(_job_with(P, None, bnd), prof)
     # what the workers can run with nothing fixed (it searched only up to the fixed depth: "none")
     free = ", ".join(f"P={r.P} D={r.D}" for r in plan(prof, 4, 32, exhaustive=True).feasible[:8]) or "none"
-    with pytest.raises(ConfigError, match=f"feasible on 4 workers, fastest first: {free}. Set P"):
+    with pytest.raises(ConfigError, match=f"feasible on 4 workers, each depth's best, fastest first: {free}. Set P"):
         plan_for_job(_job_with(P, None, bnd), prof)
 
 
@@ -977,7 +977,7 @@ def test_a_fixed_p_and_d_over_the_workers_lists_every_plan_they_can_run():
     prof = synthetic_profile(HEAVY, param_bytes=4e8)
     free = plan(prof, 2, 32, exhaustive=True).feasible
     assert {(r.P, r.D) for r in free} == {(1, 2), (2, 1)}
-    with pytest.raises(ConfigError, match=r"has parallel.P=2 and D=2.*feasible on 2 workers, fastest first: "
+    with pytest.raises(ConfigError, match=r"has parallel.P=2 and D=2.*feasible on 2 workers, each depth's best, fastest first: "
                                           r"(.*)\. Set P, D") as e:
         plan_for_job(_job_with(2, 2, None, 2), prof)
     listed = str(e.value).split("fastest first: ")[1].split(". Set")[0].split(", ")

@@ -260,3 +260,49 @@ def test_a_worker_replays_what_its_dead_manager_may_not_have_saved_and_logs_show
     cut._stream.dead = True
     cut.write("after\n")
     assert (tmp_path / "cut.log").read_text() == f"{SENT_BEFORE}\ngh\n{SENT_END}\nafter\n"
+
+
+def test_a_plan_is_said_with_how_it_ranks_and_the_slots_it_leaves_idle():
+    """The PLAN event's sentence says whether the plan is the fastest predicted (and the next one),
+    or, where the config fixed it, which was; and the pool's slots it leaves idle. A payload
+    without a table says the plan alone."""
+    rows = [{"P": 1, "D": 1, "micro_batch_size": 8, "examples_per_s": 2018.7, "feasible": True},
+            {"P": 2, "D": 1, "micro_batch_size": 8, "examples_per_s": 1325.2, "feasible": True},
+            {"P": 3, "D": 1, "micro_batch_size": 8, "examples_per_s": 0.0, "feasible": False}]
+    base = {"generation": 0, "P": 1, "D": 1, "micro_batch_size": 8, "num_micro_batches": 1, "hosts": ["local0"],
+            "predicted_step_s": 0.004, "gpus": 1, "pool_gpus": 2, "rows": rows}
+    said = event_sentence(Event(1, 0.0, "j", Kind.PLAN, None, None, base))
+    assert said == ("plan for generation 0: P=1 x D=1 on local0, micro-batch 8 x 1, predicted 0.004 s per step (the "
+                    "fastest predicted of 2 feasible; next P=2 x D=1 at 1325.2 ex/s against 2018.7; 1 of the pool's 2 "
+                    "worker slots left idle)"), said
+    fixed = {**base, "P": 2, "gpus": 2, "hosts": ["local0", "local1"]}
+    said = event_sentence(Event(1, 0.0, "j", Kind.PLAN, None, None, fixed))
+    assert said.endswith("(as the config fixes it; the fastest predicted of 2 feasible is P=1 x D=1 at 2018.7 ex/s "
+                         "against 1325.2)"), said
+    bare = {k: v for k, v in base.items() if k not in ("rows", "pool_gpus")}
+    assert event_sentence(Event(1, 0.0, "j", Kind.PLAN, None, None, bare)).endswith("0.004 s per step")
+
+
+def test_the_narrator_says_the_events_a_run_appends_after_it_started(tmp_path):
+    """``Narrator`` (the console of ``varuna launch``/``train``) says each new event of its kinds
+    once, in order, from a real event log written beside it; events from before it started (a
+    continued run's) and other kinds are not said."""
+    import time
+
+    from varuna_sdk.manager.events import EventLog
+    from varuna_sdk.manager.runs import Narrator
+
+    log = EventLog(tmp_path / "events.db")
+    try:
+        log.append(Kind.PREEMPTION_NOTICE, job_id="j", host="old", payload={"lead_s": 30})   # before: not said
+        lines: list[str] = []
+        with Narrator(tmp_path, lines.append, poll_s=0.05):
+            log.append(Kind.CHECKPOINT, job_id="j", payload={"step": 3})                      # not narrated
+            log.append(Kind.PREEMPTION_NOTICE, job_id="j", host="vm2", payload={"lead_s": 30})
+            deadline = time.time() + 10
+            while not lines and time.time() < deadline:
+                time.sleep(0.05)
+            log.append(Kind.HOST_LOST, job_id="j", host="vm3", payload={"reason": "heartbeats stopped"})
+        assert lines == ["[varuna] VM vm2 will be pre-empted in 30 s", "[varuna] VM vm3 lost (heartbeats stopped)"]
+    finally:
+        log.close()

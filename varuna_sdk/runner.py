@@ -728,7 +728,7 @@ def stop_on_signals(mgr) -> Iterator[None]:
 
 def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=None, job_id: str | None = None,
                objects: JobObjects | None = None, signals: bool = False, command: str = "varuna launch",
-               warnings_if_accepted: Sequence[str] = (), **manager_options) -> dict:
+               warnings_if_accepted: Sequence[str] = (), narrate=None, **manager_options) -> dict:
     """Run ``job`` under the morph manager in the foreground until it ends, on ``provider``'s
     VMs (default: ``job.launch.gpus`` local worker slots); returns ``Manager.summary()``.
 
@@ -744,7 +744,9 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     ``manager.ManagerError`` at once when another manager runs ``run_dir`` now. ``command``: the
     command that runs it, named when ``run_dir`` holds a job this config cannot continue.
     ``warnings_if_accepted``: warnings (``UserWarning``) to give once ``prepare_run`` has accepted
-    the job, so that a job refused says its real error alone.
+    the job, so that a job refused says its real error alone. ``narrate``: a ``say(line)``
+    callable (the CLI's ``print``) told the run's calibration, plans, notices, lost VMs, morphs and
+    drifting estimates as they happen (``manager.runs.Narrator``).
     """
     from .cluster.provider import LocalProvider
     from .manager.manager import Manager
@@ -766,7 +768,10 @@ def launch_job(job: JobConfig, *, run_dir: str | Path | None = None, provider=No
     try:
         manager_options.setdefault("labels", job_labels(resolved))
         mgr = Manager(job, provider, run_dir=out, job_id=job_id, **manager_options)
-        with stop_on_signals(mgr) if signals else contextlib.nullcontext():
+        from .manager.runs import Narrator
+
+        with stop_on_signals(mgr) if signals else contextlib.nullcontext(), \
+                Narrator(out, narrate) if narrate is not None else contextlib.nullcontext():
             mgr.run()
         return mgr.summary()
     finally:

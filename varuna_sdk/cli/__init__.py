@@ -23,7 +23,7 @@ from pathlib import Path
 from ..config import ConfigError, JobConfig
 from ..demo import demo_config  # re-exported: `from varuna_sdk.cli import demo_config`
 from ..shipping import ShippingError
-from .launch import launch_command
+from .launch import _say, launch_command
 from .parser import add_commands, again_command
 from .plan import calibrate_or_plan
 from .runs import run_folder_command, stopped_exit_code
@@ -174,7 +174,7 @@ def _main(argv: list[str] | None) -> int:
         from ..runner import JobStopped, train_local
 
         try:
-            result = train_local(job, run_dir=args.run_dir, signals=True)
+            result = train_local(job, run_dir=args.run_dir, signals=True, narrate=_say)
         except JobStopped as e:
             print(f"[varuna] {e.sentence}; `{again_command(args.argv, e.run_dir)}` continues the job",
                   file=sys.stderr)

@@ -29,6 +29,11 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
                          heartbeat_interval_s=args.heartbeat, orphan_after_s=args.orphan_after)
 
 
+def _say(line: str) -> None:
+    """The console's line of an event (``manager.runs.Narrator``), beside the workers' output."""
+    print(line, flush=True)
+
+
 def launch_command(args: argparse.Namespace) -> int:
     """``varuna launch CONFIG``: the job under the morph manager until it ends; returns the exit code
     (``cli.parser.EXIT_STATUS``: 0 succeeded or stopped by ``varuna stop``, 1 failed, 2 bad input or
@@ -63,7 +68,7 @@ def launch_command(args: argparse.Namespace) -> int:
 
     try:
         summary = launch_job(job, run_dir=cluster.run_dir, provider=provider, job_id=cluster.job_id,
-                             heartbeat_interval_s=cluster.heartbeat_interval_s, signals=True,
+                             heartbeat_interval_s=cluster.heartbeat_interval_s, signals=True, narrate=_say,
                              generation_options={"orphan_after_s": cluster.orphan_after_s})
     except ManagerError as e:   # another manager runs the folder; a job that cannot go on
         print(f"varuna: {e}", file=sys.stderr)

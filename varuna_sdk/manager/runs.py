@@ -174,6 +174,32 @@ def _choice_text(m: dict) -> str:
     return f" ({why}: {listed})"
 
 
+def _plan_choice_text(p: dict) -> str:
+    """How a PLAN event's plan compares with the others its table ranked (``rows``: feasible ones
+    fastest first) and the pool's worker slots it leaves idle; "" where the payload has no table."""
+    rows = [r for r in (p.get("rows") or []) if isinstance(r, dict) and r.get("feasible")]
+    try:
+        out = []
+        if rows:
+            mine = next((i for i, r in enumerate(rows) if (r["P"], r["D"], r["micro_batch_size"]) ==
+                         (p.get("P"), p.get("D"), p.get("micro_batch_size"))), None)
+            if mine == 0:
+                nxt = rows[1] if len(rows) > 1 else None
+                out.append(f"the fastest predicted of {len(rows)} feasible"
+                           + (f"; next P={nxt['P']} x D={nxt['D']} at {float(nxt['examples_per_s']):.1f} ex/s against "
+                              f"{float(rows[0]['examples_per_s']):.1f}" if nxt else ""))
+            elif mine is not None:
+                out.append(f"as the config fixes it; the fastest predicted of {len(rows)} feasible is "
+                           f"P={rows[0]['P']} x D={rows[0]['D']} at {float(rows[0]['examples_per_s']):.1f} ex/s "
+                           f"against {float(rows[mine]['examples_per_s']):.1f}")
+        pool, used = p.get("pool_gpus"), p.get("gpus")
+        if isinstance(pool, int) and isinstance(used, int) and pool > used:
+            out.append(f"{pool - used} of the pool's {pool} worker slots left idle")
+    except (KeyError, TypeError, ValueError):
+        return ""
+    return f" ({'; '.join(out)})" if out else ""
+
+
 def _downtime_text(m: dict) -> str:
     if m.get("downtime_s") is None:
         return ""
@@ -281,7 +307,8 @@ def event_sentence(e: Event, t0: float | None = None) -> str:
                             + (f", predicted {p['predicted_step_s']:.3f} s per step" if isinstance(
                                 p.get("predicted_step_s"), (int, float)) else "")
                             + (f" ({p['data_wait_s']:.3f} s of it waiting for data)" if isinstance(
-                                p.get("data_wait_s"), (int, float)) and p["data_wait_s"] > 0 else "")),
+                                p.get("data_wait_s"), (int, float)) and p["data_wait_s"] > 0 else "")
+                            + _plan_choice_text(p)),
         Kind.MORPH: lambda: "morph: " + morph_sentence(p),
         Kind.ESTIMATE_DRIFT: lambda: "estimate: " + drift_sentence(p, e.time),
         Kind.HOST_ADDED: lambda: f"VM {vm} joined the pool",
@@ -737,3 +764,60 @@ def watch_stop_requests(run_dir: str | Path, on_request, done, interval_s: float
     t = threading.Thread(target=loop, name="varuna-stop-requests", daemon=True)
     t.start()
     return t
+
+
+#: the events ``Narrator`` says as they happen: what the console of ``varuna launch``/``train`` shows
+NARRATED = (Kind.CALIBRATION_STARTED, Kind.PLAN, Kind.PREEMPTION_NOTICE, Kind.HOST_LOST, Kind.MORPH,
+            Kind.ESTIMATE_DRIFT)
+
+
+class Narrator:
+    """Says a run's events of ``kinds`` (default ``NARRATED``) in words (``event_sentence``) as the
+    manager appends them: a daemon thread reading ``RUN_DIR/events.db`` every ``poll_s`` seconds
+    and calling ``say(sentence)`` for each new one (events already in the log when it started are
+    not said: a continued run says what this run does). A read that fails (the log not written yet)
+    is tried again at the next poll. Use as a context manager; leaving it says what is left, then
+    stops the thread."""
+
+    def __init__(self, run_dir: str | Path, say, kinds=NARRATED, poll_s: float = 0.5):
+        import threading
+
+        self.path, self.say, self.kinds, self.poll_s = Path(run_dir) / "events.db", say, tuple(kinds), poll_s
+        self._cursor: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="varuna-narrator", daemon=True)
+
+    def __enter__(self) -> "Narrator":
+        self._read()   # the cursor: the log's newest event now
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._read()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._read()
+
+    def _read(self) -> None:
+        if not self.path.is_file():
+            if self._cursor is None:
+                self._cursor = 0   # a new run: everything it writes is new
+            return
+        try:
+            with EventLog.reader(self.path) as log:
+                if self._cursor is None:
+                    last = log.events(last=1)
+                    self._cursor = last[-1].id if last else 0
+                    return
+                evs = log.events(kind=self.kinds, since_id=self._cursor)
+        except Exception:  # noqa: BLE001 - a log being created or locked: the next poll reads it
+            return
+        for e in evs:
+            self._cursor = e.id
+            try:
+                self.say(f"[varuna] {event_sentence(e)}")
+            except Exception:  # noqa: BLE001 - a closed console must not stop the job
+                pass

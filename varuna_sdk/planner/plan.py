@@ -247,7 +247,7 @@ def plan_for_job(job: JobConfig, profile: Profile, gpus: int | None = None, *, g
         reasons = "; ".join(dict.fromkeys(f"P={r.P} D={r.D}: {r.reason}" for r in why[:3]))
         raise ConfigError(f"no plan for {G} workers and global batch {p.global_batch} has parallel.{fixed}"
                           f"{' (' + reasons + ')' if reasons else ''}; "
-                          f"feasible on {G} workers, fastest first: {offered}. Set P, D and boundaries to null, or "
+                          f"feasible on {G} workers, each depth's best, fastest first: {offered}. Set P, D and boundaries to null, or "
                           "change them")
     best = fits[0]
     job = copy.deepcopy(job)
