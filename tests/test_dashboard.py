@@ -718,7 +718,7 @@ def test_jobs_table_of_a_folder_of_runs_in_browser(tmp_path, browser):
         assert page.locator("text=all jobs").count() >= 1
         # the estimate that no longer holds, why it may be, and the re-calibrated one
         warn = page.locator("[data-drift]").first.inner_text()
-        assert "25% slower than predicted 0.400 s" in warn and "load now 3.2 on 2 cores" in warn, warn
+        assert "25% slower than predicted 0.400 s" in warn and "load was 3.2 on 2 cores" in warn, warn
         assert "re-calibrated from the job's heartbeats: 0.490 s per step" in warn, warn
         # the workers' output, the newest generation first, escaped (the page shows "<ok>" as text)
         logs = page.locator("pre.logs").first

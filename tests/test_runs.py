@@ -77,7 +77,7 @@ def test_the_drift_sentence_says_how_far_why_and_the_recalibrated_estimate():
          "calibrated_on": "cpu", "load_1min": 3.4, "cpu_count": 2, "workers_here": 4}
     s = drift_sentence(p, now=1000.0 + 7200)
     assert s.startswith("measured step 0.284 s is 42% slower than predicted 0.200 s for 5 steps — "), s
-    assert "calibrated 2.0 h ago on cpu" in s and "load now 3.4 on 2 cores with 4 workers (busier than its cores" in s
+    assert "calibrated 2.0 h ago on cpu" in s and "load was 3.4 on 2 cores with 4 workers (busier than its cores" in s
     assert s.endswith("re-calibrated from the job's heartbeats: 0.270 s per step (29.6 examples/s), which later "
                       "morphs plan from"), s
     assert drift_sentence({"drift": -0.3}).startswith("steps run 30% faster than predicted")

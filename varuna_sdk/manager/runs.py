@@ -255,7 +255,7 @@ def _ago(s: float) -> str:
 
 def drift_sentence(p: dict, now: float | None = None) -> str:
     """An ``estimate_drift`` payload in words: how far the step time left the prediction, why it
-    may have (when the calibration was made, the machine's load now against its cores), and the
+    may have (when the calibration was made, the machine's load then against its cores), and the
     estimate re-simulated from the job's heartbeats. Malformed fields are left out."""
     now = time.time() if now is None else now
 
@@ -277,8 +277,8 @@ def drift_sentence(p: dict, now: float | None = None) -> str:
     load, cores, here = num("load_1min"), num("cpu_count"), num("workers_here")
     if load is not None and cores:
         busy = "busier than its cores" if load > cores else "within its cores"
-        why.append(f"this machine's load now {load:.1f} on {cores:.0f} cores with {here:.0f} workers ({busy}: "
-                   "other processes contend for them)" if here else f"load now {load:.1f} on {cores:.0f} cores ({busy})")
+        why.append(f"this machine's load was {load:.1f} on {cores:.0f} cores with {here:.0f} workers ({busy}: "
+                   "other processes contend for them)" if here else f"load was {load:.1f} on {cores:.0f} cores ({busy})")
     elif drift > 0:
         why.append("contention on the VMs, a slower network or other hardware than calibrated")
     recal, eps = num("recalibrated_step_s"), num("recalibrated_examples_per_s")
