@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,22 @@ def test_morph_table_shows_cause_plans_downtime_and_steps_lost():
     assert "local0,local1,local2,local3 -> local0,local1" in lines[2] and "9.3 s" in lines[2]
     assert lines[3].split()[-4:] == ["-", "4", "step", "50"]
     assert morph_table([]) == "(no morph)"
+
+
+def test_a_continued_demo_tables_its_own_morphs_and_counts_the_earlier_ones():
+    """A continued ``varuna demo`` held its first run's morphs in the summary and tabled them at
+    negative times against the new replay ("-21.0 s", helper-66): they are counted and said apart."""
+    from varuna_sdk.demo import SpotDemoResult, print_spot_result, split_morphs
+
+    plan = {"P": 1, "D": 1, "gpus": 1, "micro_batch_size": 4, "hosts": ["local0"]}
+    before = {"time": 979.0, "cause": "notice", "host": "local2", "old": plan, "new": plan, "downtime_s": 4.8,
+              "steps_lost": 0, "resume_step": 10}
+    after = {**before, "time": 1012.0, "cause": "loss", "steps_lost": 2}
+    mine, earlier = split_morphs([before, after], t_start=1000.0)
+    assert mine == [after] and earlier == 1
+    lines: list[str] = []
+    print_spot_result(SpotDemoResult(state="SUCCEEDED", morphs=mine, run_dir=Path("/r"), t0=1005.0,
+                                     earlier_morphs=earlier), out=lines.append)
+    text = "\n".join(lines)
+    assert "-26.0 s" not in text and "7.0 s" in text, text   # the earlier one is 26 s before this replay
+    assert "whose 1 earlier morph(s) are not above (`varuna status /r` lists every morph" in text, text

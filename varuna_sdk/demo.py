@@ -196,7 +196,9 @@ class SpotDemoResult:
     dicts), ``ppl_start``/``ppl_end`` (held-out perplexity; None if the job did not finish or
     is no language model on text), ``loss_start``/``loss_end`` (held-out loss; None without),
     ``run_dir``, ``t0`` (Unix seconds when the replay started), ``vm_events`` (wall seconds after
-    ``t0``, kind, VM, reason), ``error``, ``wall_s``."""
+    ``t0``, kind, VM, reason), ``error``, ``wall_s``; ``earlier_morphs``: morphs of a continued
+    run made before this demo started (``morphs`` holds this demo's only: their times are after
+    ``t0``'s replay start)."""
 
     state: str
     morphs: list[dict]
@@ -209,6 +211,7 @@ class SpotDemoResult:
     vm_events: list[tuple[float, str, str, str]] = field(default_factory=list)
     error: str | None = None
     wall_s: float = 0.0
+    earlier_morphs: int = 0
 
 
 def _hms(s: float) -> str:
@@ -429,8 +432,10 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     with stop_on_signals(mgr) if signals else contextlib.nullcontext():
         _drive(mgr, emu, on_vm, say, timeout_s, t_start, t0_box)
     summary = mgr.summary()
-    res = SpotDemoResult(state=summary["state"], morphs=summary["morphs"], run_dir=run, t0=t0_box[0],
-                         vm_events=events, error=summary["error"], wall_s=time.monotonic() - t_wall)
+    mine, earlier = split_morphs(summary["morphs"], t_start)
+    res = SpotDemoResult(state=summary["state"], morphs=mine, run_dir=run, t0=t0_box[0],
+                         vm_events=events, error=summary["error"], wall_s=time.monotonic() - t_wall,
+                         earlier_morphs=earlier)
     sfile = run / "summary.json"
     if summary["state"] == JobState.SUCCEEDED.value and sfile.exists():
         s = json.loads(sfile.read_text())
@@ -439,12 +444,23 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     return res
 
 
+def split_morphs(morphs: list[dict], t_start: float) -> tuple[list[dict], int]:
+    """``(this demo's morphs, how many came before)``: a continued run's summary holds its earlier
+    demo's morphs too, whose times (Unix seconds) are before ``t_start``; tabled against this
+    replay's start they showed at negative times ("-21.0 s")."""
+    mine = [m for m in morphs if not isinstance(m.get("time"), (int, float)) or m["time"] >= t_start]
+    return mine, len(morphs) - len(mine)
+
+
 def print_spot_result(res: SpotDemoResult, out: Callable[[str], None] | None = None) -> None:
     """The demo's closing report: morph table, perplexity, where the dashboard can be served."""
     say = out or (lambda s: print(s, flush=True))
     say(f"\n[demo] job {res.state} in {res.wall_s:.0f} s; {len(res.morphs)} morph(s) "
         "(time: seconds after the replay started; downtime: cause seen -> first step of the new plan done):")
     say(morph_table(res.morphs, res.t0))
+    if res.earlier_morphs:
+        say(f"[demo] this run continued a stopped one, whose {res.earlier_morphs} earlier morph(s) are not above "
+            f"(`varuna status {res.run_dir}` lists every morph of the run); the trace replay started again at t = 0")
     if not res.morphs and res.state == "SUCCEEDED" and not any(k in ("notice", "removed") for _, k, _, _ in res.vm_events):
         say(f"[demo] no morph: the job ended {res.wall_s:.0f} s into the replay, before the trace pre-empted any VM; "
             "a longer job (more train.steps) meets its notices, losses and returning VMs")
@@ -463,4 +479,4 @@ def print_spot_result(res: SpotDemoResult, out: Callable[[str], None] | None = N
 
 
 __all__ = ["demo_config", "TraceSlice", "DEMO_SLICE", "TRACES_DIR", "trace_path", "run_spot_demo",
-           "SpotDemoResult", "morph_table", "print_spot_result"]
+           "SpotDemoResult", "morph_table", "print_spot_result", "split_morphs"]
