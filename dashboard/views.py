@@ -112,7 +112,10 @@ def pool_html(st: TelemetryStore) -> str:
     if c["stragglers"]:
         summary += f" · {c['stragglers']} straggler{'s' if c['stragglers'] > 1 else ''}"
     known = [vm.gpus for vm in st.vms.values() if vm.status in ("up", "notice") and vm.gpus is not None]
-    gpus = f" · {sum(known)} GPUs up" if known else ""
+    # a CPU-only VM (gpus 0) runs one worker: "0 GPUs up" beside emulated VMs' labels said none ran
+    cpu = sum(1 for g in known if g == 0)
+    gpus = (f" · {sum(known)} GPUs up" if sum(known) else "") + (
+        f" · {cpu} CPU-only VM{'s' if cpu != 1 else ''} (one worker each)" if cpu else "")
     return (f'<div class="muted" data-vms="{len(st.vms)}" style="margin-bottom:6px">{len(st.vms)} VMs: '
             f'{esc(summary)}{gpus}</div><div class="pool">' + "".join(cards) + "</div>")
 

@@ -519,6 +519,12 @@ def test_store_folds_the_event_contract(tmp_path):
     log.append(Kind.HOST_ADDED, host="b")  # the cloud gives it back
     store.refresh(force=True)
     assert store.vms["b"].status == "up"
+    from dashboard.views import pool_html
+
+    assert "4 GPUs up" in pool_html(store) and "CPU-only" not in pool_html(store)
+    log.append(Kind.HOST_ADDED, host="d", payload={"gpus": 0})   # a CPU-only VM: one worker, no GPU
+    store.refresh(force=True)
+    assert "4 GPUs up · 1 CPU-only VM (one worker each)" in pool_html(store), pool_html(store)
     log.close()
     store.close()
 
