@@ -104,3 +104,23 @@ def test_a_continued_demo_tables_its_own_morphs_and_counts_the_earlier_ones():
     text = "\n".join(lines)
     assert "-26.0 s" not in text and "7.0 s" in text, text   # the earlier one is 26 s before this replay
     assert "whose 1 earlier morph(s) are not above (`varuna status /r` lists every morph" in text, text
+
+
+def test_a_demo_whose_vms_came_back_without_a_grow_says_why(tmp_path):
+    """VMs came back and the job stayed (the planner's predicted gain under the rule's 1.10x):
+    the report said nothing of it (helper-66's own job never grew); it says the manager's reason,
+    read from the run's event log."""
+    from varuna_sdk.demo import SpotDemoResult, print_spot_result
+    from varuna_sdk.manager.events import EventLog, Kind
+
+    log = EventLog(tmp_path / "events.db")
+    log.append(Kind.GROW_DECISION, job_id="j", payload={"current_examples_per_s": 10.0, "new_examples_per_s": 10.7,
+                                                        "decision": "stay", "min_gain": 1.1,
+                                                        "why": "gain 1.07x below 1.10x"})
+    log.close()
+    lines: list[str] = []
+    res = SpotDemoResult(state="SUCCEEDED", morphs=[], run_dir=tmp_path, t0=0.0,
+                         vm_events=[(3.0, "notice", "local2", ""), (20.0, "added", "local2", "")])
+    print_spot_result(res, out=lines.append)
+    assert ("[demo] VMs came back but the job did not grow onto them: VMs free: a plan on them would run 10.7 "
+            "examples/s against 10 now: stay (gain 1.07x below 1.10x)") in lines, lines

@@ -444,6 +444,20 @@ def run_spot_demo(job: JobConfig | None = None, *, run_dir: str | Path | None = 
     return res
 
 
+def _last_stay(run_dir: Path) -> str | None:
+    """The run's last grow decision that stayed, in words (``event_sentence``); None without one
+    or without a readable event log."""
+    from .manager.events import EventLog, Kind
+    from .manager.runs import event_sentence
+
+    try:
+        with EventLog.reader(Path(run_dir) / "events.db") as log:
+            stays = [e for e in log.events(kind=Kind.GROW_DECISION) if e.payload.get("decision") == "stay"]
+    except Exception:  # noqa: BLE001 - a report line; the run's own files say the rest
+        return None
+    return event_sentence(stays[-1]) if stays else None
+
+
 def split_morphs(morphs: list[dict], t_start: float) -> tuple[list[dict], int]:
     """``(this demo's morphs, how many came before)``: a continued run's summary holds its earlier
     demo's morphs too, whose times (Unix seconds) are before ``t_start``; tabled against this
@@ -468,6 +482,10 @@ def print_spot_result(res: SpotDemoResult, out: Callable[[str], None] | None = N
 
     for i, m in enumerate(res.morphs, 1):   # why each plan, and where the downtime went
         say(f"  {i}. {morph_sentence(m, res.t0)}")
+    if any(k == "added" for _, k, _, _ in res.vm_events) and not any(m.get("cause") == "grow" for m in res.morphs):
+        said = _last_stay(res.run_dir)
+        if said:   # VMs came back and the job stayed as it was: why (the planner's predicted gain)
+            say(f"[demo] VMs came back but the job did not grow onto them: {said}")
     if res.error:
         say(f"[demo] error: {res.error}")
     if res.ppl_start is not None:
