@@ -20,6 +20,11 @@ checkpoint read under the new stage map) and ``first step``. Steps lost: trained
 checkpoint does not hold. Targets: median downtime < 30 s (ratio = value / 30 s); steps lost with
 notice 0; without notice <= the checkpoint interval (ratio = value / interval).
 
+The same rounds run twice in one run: first with every worker a fresh process
+(``VARUNA_SDK_START_METHOD=spawn``: each imports torch and ``torch._dynamo`` itself), then as by
+default, forked from the run's zygote (``cluster.zygote``, torch imported once); the ratio of their
+median downtimes has a target of <= 0.7.
+
 Run: ``.venv/bin/python benchmarks/bench_morph.py [--quick] [--rounds N] [--notice S]``.
 """
 
@@ -110,8 +115,10 @@ def breakdown(run: Path, morph: dict) -> dict:
     g = started.payload["generation"]
     joined = [e for e in after if e.kind == Kind.WORKER_JOINED and e.time >= started.time]
     joined = joined[: started.payload["world_size"]]
-    first = min((m for m in metrics if m.get("generation") == g), key=lambda m: m["step"])
-    step_end = float(first.get("wall_time") or first["time"])
+    first = min((m for m in metrics if m.get("generation") == g), key=lambda m: m["step"], default=None)
+    # (a generation whose rows the reader has not seen yet: the morph's own end, its first step done)
+    step_end = (float(first.get("wall_time") or first["time"]) if first is not None
+                else morph["time"] + float(morph["downtime_s"] or 0.0))
     out = {"generation": g}
     if morph["cause"] == "notice":
         finished = [e for e in after if e.kind == Kind.WORKER_FINISHED and e.time <= ended.time]
@@ -175,6 +182,15 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
     idle = common.wait_for_idle(args.wait_idle)
     load0 = common.load_average()
+    # the baseline first: every worker a fresh process (torch imported in each, every generation)
+    import os
+
+    from varuna_sdk.cluster.localproc import START_METHOD_ENV
+
+    os.environ[START_METHOD_ENV] = "spawn"
+    with tempfile.TemporaryDirectory(prefix="varuna-bench-morph-") as tmp:
+        base_morphs, _, _ = run_rounds(rounds, args.notice, Path(tmp))
+    os.environ.pop(START_METHOD_ENV)
     with tempfile.TemporaryDirectory(prefix="varuna-bench-morph-") as tmp:
         t0 = time.monotonic()
         morphs, phases, run = run_rounds(rounds, args.notice, Path(tmp))
@@ -182,6 +198,14 @@ def main() -> None:
         print("\n" + morph_table(morphs, morphs[0]["time"] if morphs else None))
     by = {c: [(m, p) for m, p in zip(morphs, phases) if m["cause"] == c] for c in ("notice", "loss", "grow")}
     figures = []
+    for cause, what in (("notice", "pre-emption notice"), ("loss", "sudden loss")):
+        mine = [m["downtime_s"] for m, _ in by[cause]]
+        fresh = [m["downtime_s"] for m in base_morphs if m["cause"] == cause]
+        if mine and fresh:
+            figures.append(common.Figure(
+                f"downtime after a {what}: workers forked from the run's zygote vs fresh processes (medians)",
+                statistics.median(mine), "s", baseline=statistics.median(fresh), target="<= 0.7",
+                detail={"zygote_s": mine, "fresh_processes_s": fresh}))
     for cause, what in (("notice", "pre-emption notice"), ("loss", "sudden loss")):
         rows = by[cause]
         if not rows:
@@ -211,7 +235,9 @@ def main() -> None:
              f"the demo job (GPT-2 cpu-demo, global batch 16, checkpoint every {EVERY} steps) starts at P=2 x D=2 and "
              "is re-planned after each morph (2 workers of the 3 slots left on this 2-core machine). Downtime = cause "
              f"seen -> first mini-batch of the new plan done; the whole run took {wall:.0f} s. Machine shared with "
-             "other work: see load_average.")
+             "other work: see load_average. The baseline (the same rounds first, VARUNA_SDK_START_METHOD=spawn) starts "
+             "every worker as a fresh process, which imports torch and torch._dynamo itself; by default the run's "
+             "zygote (cluster.zygote) forks them with those imported.")
     common.write_results("morph", figures, notes,
                          machine=common.machine_info(load_average=[load0, common.load_average()], idle_before=idle),
                          extra={"morphs": morphs}, out=args.out)

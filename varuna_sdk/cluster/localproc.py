@@ -13,17 +13,24 @@ the worker and anything it started — SIGTERM then SIGKILL, and checks that not
 Processes are registered under their host's name, so a local slot can be pre-empted like a VM:
 ``kill_host(name)`` SIGKILLs every session started for that slot (the spot emulator's removal).
 
+A worker (``python -m varuna_sdk.worker CONFIG RUN_DIR``) is forked by its run's zygote
+(``cluster.zygote``: torch imported once per run, not once per worker and generation), which
+``close_zygotes`` ends when the job does; any other command, or ``VARUNA_SDK_START_METHOD=spawn``,
+is a plain subprocess.
+
 Owns ``LOCAL_KIND``, ``is_local``, ``local_host``, ``LocalProcess``, ``start_local``,
-``local_processes``, ``kill_host``. Imports ``cluster.hosts`` only; never torch, paramiko or the
-manager.
+``local_processes``, ``kill_host``, ``close_zygotes``. Imports ``cluster.hosts`` and
+``cluster.zygote`` only; never torch, paramiko or the manager.
 """
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +39,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from .hosts import Host, Secret, notify
+from .zygote import ZygoteClient, ZygoteError
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +108,11 @@ class LocalProcess:
         self.ended_at: float | None = None
         self._done = threading.Event()
         self._on_exit = on_exit
-        self._proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      start_new_session=True, close_fds=True)
+        self._proc, out, err = _start(host, list(argv), dict(env), cwd)
         self.pid = self.sid = self._proc.pid
         self._readers = [threading.Thread(target=self._pump, args=(s, cb), daemon=True,
                                           name=f"local-{host.name}-{i}")
-                         for i, (s, cb) in enumerate(((self._proc.stdout, on_stdout),
-                                                      (self._proc.stderr, on_stderr)))]
+                         for i, (s, cb) in enumerate(((out, on_stdout), (err, on_stderr)))]
         for t in self._readers:
             t.start()
         threading.Thread(target=self._reap, daemon=True, name=f"local-{host.name}-wait").start()
@@ -193,6 +198,74 @@ class LocalProcess:
     def __repr__(self) -> str:
         state = "running" if not self.done() else f"exit={self.exit_code}"
         return f"<LocalProcess {self.host.name} pid={self.pid} {state}: {self.command[:60]}>"
+
+
+#: ``VARUNA_SDK_START_METHOD=spawn`` (``pipeline.spawn``'s switch) starts every worker as a fresh
+#: subprocess, without the run's zygote
+START_METHOD_ENV = "VARUNA_SDK_START_METHOD"
+
+_zygotes: dict[tuple[str, str], ZygoteClient] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _start(host: Host, argv: list[str], env: dict[str, str], cwd: str | None):
+    """``(process, stdout, stderr)``: a worker (``python -m varuna_sdk.worker CONFIG RUN_DIR``)
+    forked by its run's zygote (``cluster.zygote``: torch already imported), else — any other
+    command, the zygote off or failing — a subprocess in a new session. ``process`` has ``pid``,
+    ``poll()`` and ``wait()``; the streams are binary pipes."""
+    z = _zygote_for(argv)
+    if z is not None:
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        try:
+            child = z.fork(argv[3:], env, cwd, w_out, w_err)
+        except ZygoteError as e:
+            log.warning("%s: starting the worker as a new process instead (%s)", host.name, e)
+            for fd in (r_out, r_err):
+                os.close(fd)
+        else:
+            return child, open(r_out, "rb"), open(r_err, "rb")
+        finally:
+            for fd in (w_out, w_err):
+                os.close(fd)
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+    return proc, proc.stdout, proc.stderr
+
+
+def _zygote_for(argv: list[str]) -> ZygoteClient | None:
+    """The zygote of the run ``argv`` starts a worker of (started now if none is alive), or None:
+    not a worker command, ``VARUNA_SDK_START_METHOD=spawn``, or no fork here."""
+    if (len(argv) != 5 or argv[1:3] != ["-m", "varuna_sdk.worker"] or os.environ.get(START_METHOD_ENV) == "spawn"
+            or not sys.platform.startswith("linux") or not hasattr(socket, "send_fds")):
+        return None
+    key = (argv[0], str(Path(argv[4]).resolve()))
+    with _zygotes_lock:
+        z = _zygotes.get(key)
+        if z is not None and z.alive:
+            return z
+        if z is not None:
+            z.close(0.5)
+        try:
+            z = _zygotes[key] = ZygoteClient(argv[0], key[1])
+        except ZygoteError as e:
+            log.warning("no zygote for %s: %s", key[1], e)
+            return None
+        return z
+
+
+def close_zygotes(run_dir: str | Path | None = None) -> None:
+    """End the zygote of ``run_dir`` (every zygote: None) — the manager, when its job ends; the
+    workers they forked are not touched."""
+    want = None if run_dir is None else str(Path(run_dir).resolve())
+    with _zygotes_lock:
+        keys = [k for k in _zygotes if want is None or k[1] == want]
+        gone = [_zygotes.pop(k) for k in keys]
+    for z in gone:
+        z.close()
+
+
+atexit.register(close_zygotes)
 
 
 def start_local(host: Host, argv: Sequence[str], *, env: Mapping[str, str | Secret] | None = None,

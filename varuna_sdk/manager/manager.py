@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..cluster.hosts import Host, Secret
+from ..cluster.localproc import close_zygotes
 from ..cluster.provider import HostEvent, Provider
 from ..config import ConfigError, JobConfig
 from .decisions import pool_slots, steps_lost
@@ -369,6 +370,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
             raise
         finally:
             done.set()
+            close_zygotes(self.run_dir)   # the run's local workers' zygote (its workers are gone)
             fd, self._lock_fd = self._lock_fd, None
             if fd is not None:
                 os.close(fd)   # releases the run folder
