@@ -831,3 +831,58 @@ def test_status_and_logs_of_a_job_whose_orphaned_workers_stopped_by_themselves(t
     assert (info.state, info.steps_done, info.orphans) == ("SUCCEEDED", n + 2, None), info
     with EventLog.reader(run / "events.db") as log:
         assert sorted(m["step"] for m in log.metrics() if m.get("generation") == 1) == [n, n + 1]
+
+
+@pytest.mark.timeout(180)
+def test_a_stop_asked_while_the_model_is_calibrated_starts_no_worker(tmp_path, monkeypatch):
+    """``varuna stop`` (or Ctrl-C) while the manager calibrates: it calibrated, planned and then
+    started generation 0 anyway, training a step before stopping (helper-68); a Ctrl-C that also
+    reached the calibration's processes left the run FAILED for good ("calibrating the model
+    failed ... EOFError"). Now: STOPPED, no worker started."""
+    from varuna_sdk.cluster.provider import LocalProvider
+    from varuna_sdk.manager.runs import request_stop
+    import varuna_sdk.profiling.job as profjob
+
+    monkeypatch.setenv("VARUNA_SDK_CACHE_DIR", str(tmp_path / "cache"))   # a cold cache: it calibrates
+    run = tmp_path / "run"
+    provider = LocalProvider(2)
+    job = tiny_job(P=None, D=None)
+    job.launch.gpus = 2
+    mgr = Manager(job, provider, run_dir=run, heartbeat_interval_s=1.0, grow=None, straggler=None,
+                  generation_options={"sink": None})
+    try:
+        mgr.start()
+        deadline = time.time() + 60
+        while not (run / "events.db").exists() or not EventLog.reader(run / "events.db").events(
+                kind=Kind.CALIBRATION_STARTED):
+            assert time.time() < deadline, "no calibration started"
+            time.sleep(0.05)
+        request_stop(run, by="test")
+        assert mgr.wait(120) == JobState.STOPPED, (mgr.state, mgr.error)
+    finally:
+        mgr.cancel()
+        mgr.wait(30)
+        provider.close()
+    with EventLog.reader(run / "events.db") as log:
+        assert not log.events(kind=Kind.GENERATION_STARTED), "a worker started after the stop"
+        reason = log.events(kind=Kind.JOB_STATE)[-1].payload["reason"]
+    assert "stopped by the user before any worker of this launch started" in reason, reason
+    # a calibration whose processes the same Ctrl-C killed (EOFError) is a stop, not the code's failure
+    box: list = []
+
+    def interrupted(*a, **k):
+        box[0].cancel()
+        raise EOFError("unexpected EOF")
+
+    monkeypatch.setattr(profjob, "calibrate_job", interrupted)
+    provider = LocalProvider(2)
+    mgr = Manager(job, provider, run_dir=tmp_path / "run2", heartbeat_interval_s=1.0, grow=None, straggler=None,
+                  generation_options={"sink": None})
+    box.append(mgr)
+    try:
+        assert mgr.run() == JobState.STOPPED, (mgr.state, mgr.error)
+    finally:
+        provider.close()
+    with EventLog.reader(tmp_path / "run2" / "events.db") as log:
+        reason = log.events(kind=Kind.JOB_STATE)[-1].payload["reason"]
+    assert "stopped by the user while the model was calibrated (EOFError: unexpected EOF)" in reason, reason

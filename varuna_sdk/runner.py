@@ -785,6 +785,8 @@ def stopped_sentence(run_dir: str | Path, last_step: int | None, kept: int | Non
     stalled past the stop's deadline got the workers killed), how many it holds and how many will
     be trained again. ``last_step``: the last step done (0-based; None: none)."""
     done = 0 if last_step is None else last_step + 1
+    if done == 0 and not kept:
+        return f"stopped before its first step (nothing to checkpoint yet) in {run_dir}"
     if kept is None or kept >= done:
         return f"stopped after {done} step(s) with a checkpoint in {run_dir}"
     return (f"stopped after {done} step(s) without reaching a mini-batch boundary (the workers were killed); its last "

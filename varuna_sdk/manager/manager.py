@@ -423,6 +423,9 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
             planned = self._plan_generation(hosts, first)
             if isinstance(planned, JobState):
                 return planned
+            if self._cancel.is_set():   # asked to stop while it calibrated or planned: no worker starts
+                self._set(JobState.STOPPED, "stopped by the user before any worker of this launch started")
+                return self.state
             job_g, pl, row, used = planned
             resume = self._resume_step()
             if self._pending is not None:
@@ -453,6 +456,9 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
             else:
                 planned = self._replan(hosts, first=first)
         except CalibrationFailed as e:
+            if self._cancel.is_set():   # a Ctrl-C reaches the calibration's processes too (EOFError): a stop
+                self._set(JobState.STOPPED, f"stopped by the user while the model was calibrated ({e})")
+                return self.state
             return self._fail(f"calibrating the model failed (not retried: the same code fails the same way; "
                               f"fix it and launch again): {e}")
         except (ConfigError, ValueError) as e:
