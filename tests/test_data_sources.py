@@ -845,6 +845,15 @@ def test_class_ids_outside_the_models_outputs_fail_the_job_at_once_naming_id_and
                                             r"is \(4, 4\)\)") as e:
         train_local(job, run_dir=tmp_path / "own")
     assert "Traceback" not in str(e.value), str(e.value)
+    # a model computing its own loss from labels= (Hugging Face's): torch's bare "IndexError: Target 7 is
+    # out of bounds." after a retry (helper-67), now explained and not retried
+    job.model.factory, job.model.loss = "tests.thirdparty.user_data:SelfLossClassifier", "model"
+    job.data.dataset = "tests.thirdparty.user_data:out_of_range_label_dicts"
+    job.parallel.P = 2
+    with pytest.raises(WorkerFailure, match=r"(?s)not retried.*the model's forward failed: Target 7 is out of bounds: "
+                                            r"a class id in the labels of step \d+ is not below the number of classes "
+                                            r"the model outputs.*num_labels") as e:
+        train_local(job, run_dir=tmp_path / "self")
 
 
 def test_int32_class_ids_train_with_the_automatic_cross_entropy(tmp_path):

@@ -72,6 +72,24 @@ class Residual(nn.Module):
         return h + self.net(h)
 
 
+def out_of_range_label_dicts(n: int = 400, features: int = 16, classes: int = 4, seed: int = 0, valid=()):
+    """``out_of_range_labels`` as ``{"x", "labels"}`` examples, for a model computing its own loss."""
+    return [{"x": x, "labels": y} for x, y in out_of_range_labels(n, features, classes, seed, valid)]
+
+
+class SelfLossClassifier(nn.Module):
+    """``Classifier`` that computes its own cross-entropy from ``labels=`` (as a Hugging Face
+    ``...ForSequenceClassification`` does), returning ``{"loss", "logits"}``."""
+
+    def __init__(self, features=16, hidden=32, depth=3, classes=4):
+        super().__init__()
+        self.net = Classifier(features, hidden, depth, classes)
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
 class Classifier(nn.Module):
     def __init__(self, features=16, hidden=32, depth=3, classes=4):
         super().__init__()

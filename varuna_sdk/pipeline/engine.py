@@ -368,6 +368,14 @@ class Varuna:
                     out = call_model(self.model, inputs)
                 except StageExit as e:
                     return e.tensors
+                except IndexError as e:   # a model computing its own loss (labels=) on class ids beyond its outputs
+                    if not _ID_OUT_OF_BOUNDS.search(str(e)):
+                        raise
+                    raise ModelSpecError(
+                        f"the model's forward failed: {str(e).rstrip('.')}: a class id in the labels of step "
+                        f"{self.step_count} is not below the number of classes the model outputs (its own loss "
+                        "computes a cross-entropy on them); class ids must be 0 .. C-1 — check the model's number "
+                        "of classes (a Hugging Face config's num_labels) against the data's labels") from e
                 finally:
                     run.close()
                     if model_s is not None:
