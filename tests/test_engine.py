@@ -565,3 +565,18 @@ def test_a_script_without_a_main_guard_gets_told_to_add_one(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("varuna_sdk.pipeline.spawn.WorkerFailure: worker rank"), r.stderr[-2000:]
     assert f"re-importing the main script {script}" in last and 'if __name__ == "__main__":' in last
+
+
+def test_a_free_port_does_not_follow_the_global_random_generator():
+    """A forward reseeds Python's global generator (``model.rng``: the same draws at any P), so a
+    port drawn from it after a calibration was the same in every manager process of that model, and
+    two jobs clashed (EADDRINUSE at the rendezvous: helper-68). Ports come from the OS's entropy."""
+    import random
+
+    from varuna_sdk.pipeline.spawn import free_port
+
+    drawn = []
+    for _ in range(4):
+        random.seed(1234)   # what model.rng does before each segment's forward
+        drawn.append(free_port())
+    assert len(set(drawn)) > 1, drawn

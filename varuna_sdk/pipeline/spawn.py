@@ -78,8 +78,9 @@ def free_port(host: str = "127.0.0.1") -> int:
             lo = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         lo = 32768
-    for _ in range(200):
-        p = random.randrange(max(1024, lo - 12000), max(1025, lo))
+    draw = random.SystemRandom()   # not the global generator: a forward reseeds it (model.rng), which made every
+    for _ in range(200):           # manager after a calibration of the same model try the same port first (EADDRINUSE)
+        p = draw.randrange(max(1024, lo - 12000), max(1025, lo))
         with socket.socket() as s:
             try:
                 s.bind((host, p))
