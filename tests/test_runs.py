@@ -273,12 +273,14 @@ def test_a_plan_is_said_with_how_it_ranks_and_the_slots_it_leaves_idle():
             "predicted_step_s": 0.004, "gpus": 1, "pool_gpus": 2, "rows": rows}
     said = event_sentence(Event(1, 0.0, "j", Kind.PLAN, None, None, base))
     assert said == ("plan for generation 0: P=1 x D=1 on local0, micro-batch 8 x 1, predicted 0.004 s per step (the "
-                    "fastest predicted of 2 feasible; next P=2 x D=1 at 1325.2 ex/s against 2018.7; 1 of the pool's 2 "
-                    "worker slots left idle)"), said
-    fixed = {**base, "P": 2, "gpus": 2, "hosts": ["local0", "local1"]}
+                    "fastest predicted of the 2 depths that fit; the next, P=2 x D=1, 1325.2 ex/s against 2018.7; 1 of "
+                    "the pool's 2 worker slots left idle)"), said
+    # what the plan was held to (the config's P and D, the kept micro-batch) is said: the table ranked one
+    # row per depth under them, and "2 feasible" read as every plan there is (helper-68)
+    fixed = {**base, "P": 2, "gpus": 2, "hosts": ["local0", "local1"], "held": {"P": 2, "micro_batch_size": 8}}
     said = event_sentence(Event(1, 0.0, "j", Kind.PLAN, None, None, fixed))
-    assert said.endswith("(as the config fixes it; the fastest predicted of 2 feasible is P=1 x D=1 at 2018.7 ex/s "
-                         "against 1325.2)"), said
+    assert said.endswith("(as the config fixes it; the fastest predicted of the 2 depths that fit (keeping P=2, "
+                         "micro-batch=8) is P=1 x D=1 at 2018.7 ex/s against 1325.2)"), said
     bare = {k: v for k, v in base.items() if k not in ("rows", "pool_gpus")}
     assert event_sentence(Event(1, 0.0, "j", Kind.PLAN, None, None, bare)).endswith("0.004 s per step")
 

@@ -154,6 +154,7 @@ class Manager(ManagerSupervision, ManagerTelemetry, ManagerPlanning):
         self._suspect: dict[str, float] = {}      # host -> when reported lost (until re-added)
         self._micro_batch_size: int | None = None  # the first plan's; morphs keep it (see _replan)
         self.plan_kept: dict[str, int] | None = None  # the config's fixed P/D the last plan kept (see _replan)
+        self.plan_held: dict[str, int] = {}   # ... and the micro-batch size it kept: the PLAN event says them
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         # set when the background run ends: waited on instead of Thread.join, which a Ctrl-C (a

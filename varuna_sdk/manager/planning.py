@@ -180,6 +180,9 @@ class ManagerPlanning:
             job.parallel.boundaries = None
             job_g, pl = pinned_or_not(False)   # ... P and D, with the configured micro-batch size when some plan has it
         row = next(r for r in pl.feasible if r.P == job_g.parallel.P and r.D == job_g.parallel.D)
+        if not best_only:   # what the plan a generation runs was held to (its PLAN event says it)
+            self.plan_held = {**(self.plan_kept or {}), **({"micro_batch_size": pinned[0]} if pinned and
+                                                           job_g.parallel.micro_batch_size == pinned[0] else {})}
         if first and not best_only and self._micro_batch_size is None:
             self._micro_batch_size = job_g.parallel.micro_batch_size
         return job_g, pl, row, self._hosts_for(hosts, job_g.parallel.P * job_g.parallel.D)
@@ -232,7 +235,7 @@ class ManagerPlanning:
             "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
             "boundaries": p.boundaries, "hosts": rank_hosts[:p.P * p.D], "predicted_step_s": row.time_s,
             "examples_per_s": row.examples_per_s, "bubble": row.bubble_fraction, "data_wait_s": row.data_wait_s,
-            "notes": list(pl.notes),
+            "notes": list(pl.notes), "held": dict(self.plan_held),
             "mem_per_stage_bytes": row.stage_memory_bytes, "rows": rows, "timeline": timeline, "labels": self.labels,
             "prices": asdict(pl.prices)})
         return per_stage

@@ -178,18 +178,23 @@ def _plan_choice_text(p: dict) -> str:
     """How a PLAN event's plan compares with the others its table ranked (``rows``: feasible ones
     fastest first) and the pool's worker slots it leaves idle; "" where the payload has no table."""
     rows = [r for r in (p.get("rows") or []) if isinstance(r, dict) and r.get("feasible")]
+    held = p.get("held") if isinstance(p.get("held"), dict) else {}
+    # the table ranks one row per depth (its best D and micro-batch), under what the plan was held to
+    within = (" (keeping " + ", ".join(f"{'micro-batch' if k == 'micro_batch_size' else k}={v}"
+                                       for k, v in held.items()) + ")") if held else ""
     try:
         out = []
         if rows:
             mine = next((i for i, r in enumerate(rows) if (r["P"], r["D"], r["micro_batch_size"]) ==
                          (p.get("P"), p.get("D"), p.get("micro_batch_size"))), None)
+            depths = f"{len(rows)} depth{'s' if len(rows) != 1 else ''} that fit{within}"
             if mine == 0:
                 nxt = rows[1] if len(rows) > 1 else None
-                out.append(f"the fastest predicted of {len(rows)} feasible"
-                           + (f"; next P={nxt['P']} x D={nxt['D']} at {float(nxt['examples_per_s']):.1f} ex/s against "
+                out.append(f"the fastest predicted of the {depths}"
+                           + (f"; the next, P={nxt['P']} x D={nxt['D']}, {float(nxt['examples_per_s']):.1f} ex/s against "
                               f"{float(rows[0]['examples_per_s']):.1f}" if nxt else ""))
             elif mine is not None:
-                out.append(f"as the config fixes it; the fastest predicted of {len(rows)} feasible is "
+                out.append(f"as the config fixes it; the fastest predicted of the {depths} is "
                            f"P={rows[0]['P']} x D={rows[0]['D']} at {float(rows[0]['examples_per_s']):.1f} ex/s "
                            f"against {float(rows[mine]['examples_per_s']):.1f}")
         pool, used = p.get("pool_gpus"), p.get("gpus")
