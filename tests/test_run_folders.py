@@ -89,7 +89,12 @@ def test_what_the_refusal_says_to_pass_works(tmp_path, monkeypatch):
     _fake_runs(root, "a")
     check_run_dir(root / "classify", "classify")   # a new folder inside: fine
     check_run_dir(root / "a", "classify")          # a run folder itself: continued (or refused) as before
-    check_run_dir(tmp_path / "empty", "classify")  # not there yet
+    check_run_dir(tmp_path / "empty", "classify")  # not there yet ...
+    check_run_dir(tmp_path / "new" / "deeper", "classify")
+    assert not (tmp_path / "empty").exists() and not (tmp_path / "new").exists()   # ... and still not: tried, removed
+    # a folder that cannot be made is refused at once (it failed after a calibration: helper-68)
+    with pytest.raises(ConfigError, match=r"--run-dir '/proc/varuna-x': the run folder cannot be made \(No such file"):
+        check_run_dir("/proc/varuna-x", "classify")
     job = _job(tmp_path)
     job.train.run_dir = str(root)
     made = new_run_dir(job)

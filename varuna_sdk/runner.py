@@ -138,6 +138,27 @@ def run_folders_inside(path: str | Path) -> list[Path]:
         return []
 
 
+def _check_can_make(p: Path, given: str) -> None:
+    """Make the folder ``p`` (and its missing parents) and remove them again: a run folder that
+    cannot be made (no permission, a read-only or virtual file system such as /proc) is refused
+    now, not after a calibration. Raises ``ConfigError`` naming the reason."""
+    made: list[Path] = []
+    q = p.absolute()
+    while not q.exists() and q != q.parent:
+        made.append(q)
+        q = q.parent
+    try:
+        p.mkdir(parents=True)
+    except OSError as e:
+        raise ConfigError(f"{given}: the run folder cannot be made ({e.strerror or e}); give a folder this user can "
+                          "create and write (e.g. runs/my-job)") from None
+    for d in made:   # innermost first: only what this check made
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
 def check_run_dir(run_dir: str | Path | None, name: str | None = None, *, notebook: bool = False) -> None:
     """Refuse, before any work, a ``run_dir`` that cannot be a job's run folder: an empty or blank
     path (it would make the current directory the run folder), a file, or a path under a file
@@ -162,6 +183,8 @@ def check_run_dir(run_dir: str | Path | None, name: str | None = None, *, notebo
         where = "is a file" if blocker == p else f"is under {str(blocker)!r}, a file"
         raise ConfigError(f"{given} {where}, not a folder: a run folder cannot be made there; give a folder (a new "
                           "one, or a job's run folder to continue it)")
+    if not p.exists():
+        _check_can_make(p, given)
     if not p.is_dir() or (p / "events.db").is_file() or (p / "config.yaml").is_file():
         return
     inner = run_folders_inside(p)
