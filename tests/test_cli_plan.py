@@ -353,6 +353,11 @@ def test_rows_left_as_searched_are_refined_with_refine_and_the_notes_name_the_fl
     if rank is not None:
         line = next(ln for ln in r.stdout.splitlines() if ln.split()[:2] == [str(rank), str(P)])
         assert f"  {got.recompute_label}  " in line and "*" not in line, line
+        # and says what came of it (it was silent: helper-68)
+        assert f"--refine {P}: refined per stage: recompute {got.recompute_label}" in r.stdout, r.stdout
+    best = ref.best.P
+    r = _cli_here("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--memory-gib", gib, "--refine", str(best))
+    assert r.returncode == 0 and f"--refine {best}: the row of P={best} was refined per stage already" in r.stdout
     r = _cli_here("plan", str(cfg), "--gpus", "8", "--profile", str(path), "--memory-gib", gib,
                                "--refine", "99")
     assert r.returncode == 2 and "--refine 99: this plan has no row of depth P=99" in r.stderr, (r.stdout, r.stderr)

@@ -65,12 +65,10 @@ def calibrate_or_plan(args: argparse.Namespace) -> int:
                   prices=_prices(args), target_examples=args.target_examples, data_prefetch=data_prefetch_for(job, prof),
                   **placement)
     pl = plan(prof, G, B, exhaustive=not args.best_only, **common)
-    for depth in args.refine or []:
-        try:
-            pl.refine(depth)
-        except ValueError as e:
-            raise ConfigError(f"--refine {depth}: {e}") from None
+    said = [_refine_row(pl, depth, args.best_only) for depth in args.refine or []]
     print(pl.table(top=args.top, hints=CLI_HINTS))
+    for line in said:
+        print(f"  {line}")
     print(f"placement: {where}")
     if not pl.feasible:
         print(f"varuna: no configuration fits {G} GPUs and global batch {B}; see the reasons above", file=sys.stderr)
@@ -127,6 +125,29 @@ def load_profile(path: str, config: str | None):
     except ValueError as e:   # ProfileError: another version, an entry missing or malformed
         why = str(e).removesuffix("; re-run calibrate()")
         raise ConfigError(f"--profile {path}: {why}; {make}") from None
+
+
+def _refine_row(pl, depth: int, best_only: bool) -> str:
+    """``--refine P``: refine the plan's row of depth P per stage (``Plan.refine``) and say what
+    came of it — its recompute and time against the row as searched, that it was refined already,
+    or why it still does not fit. Raises ``ConfigError`` for a depth the plan has no row of."""
+    from ..planner.rows import format_duration
+
+    before = next((r for r in pl.rows if r.P == depth), None)
+    if before is not None and before.pruned and best_only:
+        raise ConfigError(f"--refine {depth}: P={depth} was pruned by --best-only (never simulated, nothing to "
+                          "refine); leave out --best-only to simulate every depth")
+    try:
+        row = pl.refine(depth)
+    except ValueError as e:
+        raise ConfigError(f"--refine {depth}: {e}") from None
+    if before.refined:
+        return (f"--refine {depth}: the row of P={depth} was refined per stage already (recompute "
+                f"{row.recompute_label}{', ' + format_duration(row.time_s) if row.feasible else ''})")
+    if not row.feasible:
+        return f"--refine {depth}: refined per stage (in-flight caps tried), P={depth} still does not fit: {row.reason}"
+    return (f"--refine {depth}: refined per stage: recompute {row.recompute_label}, {format_duration(row.time_s)} "
+            f"per mini-batch (as searched: {before.recompute_label}, {format_duration(before.time_s)})")
 
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
