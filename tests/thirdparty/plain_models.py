@@ -228,3 +228,25 @@ class DictBlocks(nn.Module):
         for block in self.stages.values():
             x = torch.tanh(block(x))
         return self.head(x)
+
+
+class MaskedFrames(nn.Module):
+    """SpecAugment as Wav2Vec2/HuBERT do it before their first block: the input projected over a
+    sequence, then some frames overwritten in place with a learned vector (``h[mask] = emb``)."""
+
+    def __init__(self, d: int = 16, hidden: int = 24, classes: int = 4, depth: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(d, hidden)
+        self.mask_emb = nn.Parameter(torch.randn(hidden))
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        h = self.inp(x.view(x.shape[0], 2, -1).repeat(1, 1, 2))   # (batch, 2 frames, d)
+        if self.training:
+            mask = torch.zeros(h.shape[:2], dtype=torch.bool)
+            mask[:, 1] = True
+            h[mask] = self.mask_emb.to(h.dtype)
+        for block in self.layers:
+            h = h + block(h)
+        return self.head(h.mean(1))

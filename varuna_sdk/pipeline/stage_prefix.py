@@ -42,6 +42,20 @@ from ..model.tracer import ModelStructure
 
 Swap = tuple[nn.Module, str, nn.Parameter]  # (owning module, attribute name, the real parameter)
 Stub = tuple[nn.Module, list]  # (module, its recorded meta outputs, one per call in a forward)
+
+
+def _fresh(x):
+    """A stub's recorded meta output as a new meta tensor of the same shape, strides and dtype: the
+    recorded one was made under ``no_grad``, often as a view (a ``Linear`` on 3-d input), and a
+    forward that writes into it in place (SpecAugment's ``h[mask] = emb`` before the first block)
+    failed on the stage with "a view was created in no_grad mode" (helper-67); writing into it
+    would also change what the next micro-batch's stub returns. Anything else as it is."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch._C.DisableTorchFunction():   # MetaAsDevice has meta tensors say they are on the stage's device
+        if not x.is_meta:
+            return x
+        return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
 Carried = dict[int, tuple[torch.Tensor, torch.Tensor]]  # id(crossing tensor) -> (it, the tensor received for it)
 
 
@@ -251,7 +265,7 @@ class StagePrefix:
                 # a module called again at the stage's first cut-point (one block object used at
                 # every depth): torch looked its forward up before the cut-point's pre-hook
                 # restored it, so this call runs the real one
-                return real(mod, *a, **k) if restored[0] else next(it)
+                return real(mod, *a, **k) if restored[0] else tree_map(_fresh, next(it))
             return forward
 
         self._swap_in_meta()
