@@ -83,6 +83,8 @@ def test_unknown_keys_are_rejected_with_the_valid_ones_listed():
         JobConfig.from_yaml_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="does not exist"):
         JobConfig.from_yaml("/nonexistent/job.yaml")
+    with pytest.raises(ConfigError, match=r"config file '/tmp' is a folder; give the job's YAML file inside it"):
+        JobConfig.from_yaml("/tmp")   # (it said "does not exist": helper-68)
 
 
 def test_batch_identity_and_derived_sizes():

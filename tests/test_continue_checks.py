@@ -208,3 +208,19 @@ def test_a_run_folder_is_continued_with_a_spelled_out_default_and_its_data_diges
                                           r"Continue it as it was: `varuna train "):
         prepare_run(job(seed=1), run, command="varuna train")
     sys.modules.pop(TORCH_MODULE, None)
+
+
+def test_a_field_left_to_its_default_is_said_so_in_the_refusal(tmp_path):
+    """A preset's depth left null in one config and given in the other: "null (its default)", not
+    "None here" (helper-68 read None as a broken value)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    with EventLog(folder / "events.db"):
+        pass
+    mine = JobConfig.from_dict({"name": "p", "model": {"preset": "tiny"}, "data": {"tokenizer": "byte", "seq_len": 16},
+                                "parallel": {"P": 1, "D": 1, "global_batch": 4, "micro_batch_size": 2}}).validate()
+    deeper = JobConfig.from_dict(mine.to_dict())
+    deeper.model.n_layer = 8
+    deeper.to_yaml(folder / "config.yaml")
+    with pytest.raises(ConfigError, match=r"model.n_layer: 8 in the run, null \(its default\) here"):
+        check_continuation(mine, folder)

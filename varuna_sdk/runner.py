@@ -545,8 +545,9 @@ def check_continuation(job: JobConfig, run_dir: Path, command: str = "varuna lau
                     continue
                 if f"{f}.{k}" in _CALL_ARGUMENTS and isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
                     calls.append((f"{f}.{k}", a[k], b[k]))
-                else:
-                    diffs.append(f"{f}.{k}: {_given(a, k)} in the run, {_given(b, k)} here")
+                else:   # (a field left null takes its default: the preset's own n_layer, say)
+                    diffs.append(f"{f}.{k}: {_given(a, k, 'null (its default)')} in the run, "
+                                 f"{_given(b, k, 'null (its default)')} here")
         else:
             diffs.append(f"{f}: {a!r} in the run, {b!r} here")
     same_calls = set()
@@ -607,8 +608,8 @@ def _differs(a: dict, b: dict, k: str) -> bool:
     return (k in a) != (k in b) or a.get(k) != b.get(k)
 
 
-def _given(d: dict, k: str) -> str:
-    return repr(d[k]) if k in d else "not given"
+def _given(d: dict, k: str, null: str = "None") -> str:
+    return "not given" if k not in d else null if d[k] is None else repr(d[k])
 
 
 #: the factory arguments a continued run compares as the call sees them -> the field naming the factory

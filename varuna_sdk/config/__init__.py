@@ -227,6 +227,9 @@ class JobConfig:
         ``ConfigError`` naming the file if it does not exist, is not YAML (with the line) or holds
         unknown keys."""
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder; give the job's YAML file inside it (e.g. "
+                              f"{str(p / 'job.yaml')!r})")
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         if p.stat().st_size > MAX_CONFIG_BYTES:

@@ -237,8 +237,9 @@ def check_name(name: Any) -> None:
     """A job name: 1-100 letters, digits, ``.``, ``_`` or ``-``, not starting with ``.``/``-`` — it names
     the run folder inside ``train.run_dir``, so it can never point elsewhere."""
     if not (isinstance(name, str) and NAME_RE.match(name)) or name in (".", ".."):
-        raise ConfigError(f"name={_show(name)} must be 1-100 letters, digits, '.', '_' or '-' starting with a letter "
-                          "or digit (it names the run folder inside train.run_dir), e.g. 'my-model-run'")
+        raise ConfigError(f"name={_show(name)} must be 1-100 ASCII letters (a-z, A-Z), digits, '.', '_' or '-' "
+                          "starting with a letter or digit (it names the run folder inside train.run_dir), e.g. "
+                          "'my-model-run'")
 
 
 #: names other tools use for the config's fields (Hugging Face ``TrainingArguments``, Lightning,
