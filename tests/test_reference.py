@@ -163,11 +163,21 @@ def test_frames_overwritten_in_place_before_the_first_block_train_at_P2(tmp_path
     """SpecAugment's ``h[mask] = emb`` on the input projection (Wav2Vec2, HuBERT): a later stage
     got the projection's recorded meta output, a view made under no_grad, and the in-place write
     failed ("a view was created in no_grad mode", helper-67); it trains as plain PyTorch does."""
+    from tests.thirdparty.plain_models import MaskedFrames
+
     job = JobConfig(name="ref-specaug", model=ModelConfig(factory="tests.thirdparty.plain_models:MaskedFrames"),
                     data=DataConfig(dataset="tests.thirdparty.user_data:make_dataset", tokenizer=None),
                     parallel=ParallelConfig(P=2, D=1, global_batch=8, micro_batch_size=2),
                     train=TrainConfig(steps=3, lr=1e-2, warmup_steps=1, eval_batches=1, run_dir=str(tmp_path / "runs")))
-    assert _pipeline_losses(job, tmp_path) == pytest.approx(Job(job).plain_pytorch_losses(3), rel=1e-5)
+    handle = Job(job)
+    assert _pipeline_losses(job, tmp_path) == pytest.approx(handle.plain_pytorch_losses(3), rel=1e-5)
+    # where the cut-points fell, before any plan (helper-67 could not see it): one row per segment
+    segs = handle.segments
+    assert list(segs["modules"]) == ["(the model's own), inp", "layers.0.0", "layers.1.0", "layers.2.0", "layers.3.0",
+                                     "head"], segs
+    model = MaskedFrames()
+    assert segs["param_bytes"].sum() == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert segs["forward_flops_share"].sum() == pytest.approx(1.0)
 
 
 def test_bad_steps_and_micro_batch_sizes_are_refused_with_the_valid_ones(tmp_path):

@@ -652,6 +652,8 @@ class ResolvedJob:
 
     spec: ModelSpec
     data: JobData
+    #: what the dry run learned of the model (its segments between cut-points); None unchecked
+    structure: ModelStructure | None = None
 
     def split(self, fields: Mapping[str, Any]) -> tuple:
         """``(inputs, targets)`` for the engine from a batch's fields."""
@@ -934,16 +936,16 @@ def _runs_on(spec: ModelSpec, data: JobData, meta: nn.Module, b: int, T: int, pr
     return True
 
 
-def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
+def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> ModelStructure:
     """Refuse data the model cannot take, before workers start: token ids beyond its vocabulary,
     ``seq_len`` beyond its context, batches without the fields its call reads. Raises
     ``DataError`` naming the source and the fix. What the dry runs warn about (once per micro-batch
-    size tried) is said once per message, after them."""
+    size tried) is said once per message, after them. Returns the dry run's ``ModelStructure``."""
     said: list = []
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            _check_together(spec, data, job)
+            return _check_together(spec, data, job)
     finally:
         shown: set = set()
         for w in said:
@@ -952,7 +954,7 @@ def check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-def _check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
+def _check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> ModelStructure:
     T = job.data.seq_len
     if data.tokens is not None:
         check_tokens(data.tokens, spec.vocab_size)
@@ -1000,6 +1002,7 @@ def _check_together(spec: ModelSpec, data: JobData, job: JobConfig) -> None:
                 raise DataError(f"{data.source}, {_examples(ids, 'held-out ')} (read before any worker starts): {e}") \
                     from None
         check_finite(val[0], ids, spec, data.source, structure.nonfinite_checks, "held-out ")
+    return structure
 
 
 def _warn_unmerged_buffers(meta: nn.Module, structure: ModelStructure, name: str, D: int | None) -> None:
@@ -1241,9 +1244,7 @@ def resolve_job(job: JobConfig, search: Sequence[str | Path | None] = (), check:
                           "`if __name__ == \"__main__\":` (a notebook needs nothing)")
     data = resolve_data(job, search)
     spec = resolve_model(job, data.tokenizer, data.fields, search, from_text=data.tokens is not None)
-    if check:
-        check_together(spec, data, job)
-    return ResolvedJob(spec, data)
+    return ResolvedJob(spec, data, check_together(spec, data, job) if check else None)
 
 
 def model_identity(job: JobConfig, resolved: ResolvedJob | None = None) -> dict:

@@ -228,6 +228,25 @@ class Job:
 
         return micro_batches(self.config, self.resolved, step, micro_batch_size)
 
+    @property
+    def segments(self):
+        """Where the model's cut-points fell, before any plan or launch: a pandas DataFrame with one
+        row per segment between cut-points (what the planner's stages are made of, paper §3.2):
+        ``segment``, ``modules`` (the modules whose parameters it uses, the first few named),
+        ``param_bytes`` (bytes of the parameters it uses first) and ``forward_flops_share``
+        (its share of the forward's FLOPs at the dry run's micro-batch, 0..1), read off the dry
+        run ``Job()`` made. A stage of a plan is a run of consecutive segments."""
+        import pandas as pd
+
+        st = self.resolved.structure
+        total = sum(st.segment_flops) or 1.0
+        rows = []
+        for i in range(st.num_segments):
+            mods = [m or "(the model's own)" for m in (st.segment_modules[i] if i < len(st.segment_modules) else [])]
+            shown = ", ".join(mods[:4]) + (f" (+{len(mods) - 4} more)" if len(mods) > 4 else "")
+            rows.append([i, shown, int(st.segment_param_bytes[i]), st.segment_flops[i] / total])
+        return pd.DataFrame(rows, columns=["segment", "modules", "param_bytes", "forward_flops_share"])
+
     def plain_pytorch_losses(self, steps: int = 3, micro_batch_size: int | None = None, model=None) -> list[float]:
         """The first ``steps`` losses of the unpartitioned model trained by plain PyTorch on this
         job's micro-batches (``batch``), from ``initial_weights()`` (or your ``model``, which is
