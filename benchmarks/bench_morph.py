@@ -8,8 +8,8 @@ The demo job (``varuna demo``: GPT-2 ``cpu-demo``, 4 blocks, d=128, 50,257-token
 a ``SpotEmulator`` driven by hand: the first generation is P=2 x D=2 on the 4 slots; then, for
 ``--rounds`` rounds, a VM in use gets a pre-emption notice (``--notice`` s) and is taken; once the
 new plan has done a few steps the VM comes back; then a VM in use vanishes without notice, and comes
-back once the job has resumed. (On this 2-core machine the planner uses 2 of the 3-4 slots after
-the first morph, so a returning VM brings no predicted gain and causes no morph.)
+back once the job has resumed. Growing onto returned VMs is off (``grow=None``): a grow decided
+as a VM is lost folds the loss into its own record, and the rounds would no longer be comparable.
 
 Downtime (the manager's ``MorphRecord.downtime_s``): from the notice (resp. the loss) to the end of
 the first mini-batch under the new plan. Broken down from the job's event log:
@@ -43,7 +43,6 @@ common.setup_path()
 
 from varuna_sdk.cluster.spot import SpotEmulator  # noqa: E402
 from varuna_sdk.demo import demo_config, morph_table  # noqa: E402
-from varuna_sdk.manager.decisions import GrowRule  # noqa: E402
 from varuna_sdk.manager.events import EventLog, Kind  # noqa: E402
 from varuna_sdk.manager.manager import Manager  # noqa: E402
 from varuna_sdk.profiling.job import calibrate_job  # noqa: E402
@@ -143,7 +142,7 @@ def run_rounds(rounds: int, notice_s: float, work: Path) -> tuple[list[dict], li
     run = work / "run"
     emu = SpotEmulator(capacity=4, backend="local", notice_s=None).start()
     mgr = Manager(job, emu, run_dir=run, profile=profile, heartbeat_interval_s=1.0, stop_timeout_s=60.0,
-                  grow=GrowRule(min_gain=1.10, cooldown_s=0.0), straggler=None, generation_options={"sink": None})
+                  grow=None, straggler=None, generation_options={"sink": None})
     n = 0
     try:
         mgr.start()
