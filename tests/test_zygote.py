@@ -81,31 +81,57 @@ def test_a_zygote_that_dies_leaves_its_workers_codes_unknown_and_refuses_forks(t
 
 @pytest.mark.timeout(180)
 def test_a_local_worker_is_forked_by_its_runs_zygote_and_named_on_its_command_line(tmp_path):
-    """``start_local`` of a worker command: forked by the run's zygote (its parent), its command
-    line names ``varuna_sdk.worker`` and the run folder; a worker that fails (a config that is not
-    there) says so on its stderr and exits 1; ``close_zygotes`` ends the zygote, and with
-    ``VARUNA_SDK_START_METHOD=spawn`` the worker is a plain subprocess of this process."""
+    """``start_local`` of a worker command: a training worker is forked by the run's zygote (its
+    parent), its command line names ``varuna_sdk.worker`` and the run folder, and it is killed as a
+    session; a worker that fails (a config that is not there) says so on its stderr and exits 1;
+    ``close_zygotes`` ends the zygote; with ``VARUNA_SDK_START_METHOD=spawn`` the worker is a plain
+    subprocess of this process."""
     from varuna_sdk.cluster.localproc import START_METHOD_ENV, _zygotes, close_zygotes, local_host, start_local
+    from varuna_sdk.config import DataConfig, JobConfig, LaunchConfig, ModelConfig, ParallelConfig, TrainConfig
+    from varuna_sdk.pipeline.spawn import free_port
 
     run = tmp_path / "run"
     run.mkdir()
-    lines: list[str] = []
-    argv = [sys.executable, "-m", "varuna_sdk.worker", str(tmp_path / "missing.yaml"), str(run)]
+    cfg = run / "config.yaml"
+    JobConfig(name="zyg", model=ModelConfig(preset="tiny", n_layer=2), data=DataConfig(tokenizer="byte", seq_len=16),
+              parallel=ParallelConfig(P=1, D=1, global_batch=4, micro_batch_size=2),
+              train=TrainConfig(steps=100000, lr=1e-3, eval_batches=1, checkpoint_every=0),
+              launch=LaunchConfig(gpus=1)).to_yaml(cfg)
+
+    def env() -> dict:
+        return {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    def training(argv) -> tuple:
+        out: list[str] = []
+        p = start_local(local_host(0), argv, env=env(), on_stdout=out.append)
+        deadline = time.time() + 120
+        while not any("step" in line for line in out):   # alive and training: its process is there to see
+            assert p.poll() is None and time.time() < deadline, out
+            time.sleep(0.1)
+        return p, parent(p.pid)
+
+    argv = [sys.executable, "-m", "varuna_sdk.worker", str(cfg), str(run)]
     try:
-        p = start_local(local_host(0), argv, env={"RANK": "0", "WORLD_SIZE": "1"}, on_stderr=lines.append)
+        p, ppid = training(argv)
         zygote = _zygotes[(sys.executable, str(run.resolve()))]
-        assert Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(zygote._proc.pid)
+        assert ppid == zygote._proc.pid
         assert p.pid in procs_mentioning(str(run)) and p.pid in procs_mentioning("varuna_sdk.worker")
-        assert p.wait(60) == 1
-        assert any("missing.yaml" in line for line in lines), lines
+        assert p.kill(grace_s=0.5) and p.wait(30) is not None and p.exit_code < 0
+        lines: list[str] = []
+        bad = start_local(local_host(0), [*argv[:3], str(tmp_path / "missing.yaml"), str(run)], env=env(),
+                          on_stderr=lines.append)
+        assert bad.wait(60) == 1 and any("missing.yaml" in line for line in lines), lines
     finally:
         close_zygotes(run)
     assert zygote._proc.poll() is not None and not procs_mentioning(str(run))
     os.environ[START_METHOD_ENV] = "spawn"
     try:
-        p = start_local(local_host(0), argv, env={"RANK": "0", "WORLD_SIZE": "1"})
-        assert Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
-        assert p.wait(60) == 1 and not _zygotes
+        p, ppid = training(argv)
+        assert ppid == os.getpid() and not _zygotes
+        assert p.kill(grace_s=0.5)
     finally:
         os.environ.pop(START_METHOD_ENV)
     deadline = time.time() + 10

@@ -13,7 +13,8 @@ environment and working folder as one JSON message with its two output pipes att
 (``SCM_RIGHTS``), and gets back the worker's pid; the zygote reaps its children and reports each
 exit code. The worker leads its own session (as a ``start_new_session`` subprocess does), its
 stdin is ``/dev/null``, its environment exactly the one sent, its ``sys.path`` that of a fresh
-``python -m`` in its working folder with that environment's ``PYTHONPATH``; its command line is
+``python -m`` in its working folder with that environment's ``PYTHONPATH`` (and the
+``sitecustomize`` that path finds is run, as at an interpreter's start); its command line is
 the zygote's, which names ``varuna_sdk.worker`` and the run folder (what ``ps``, the orphan check
 and the tests look for). What torch reads from the environment when it is imported is what the
 zygote saw (as for ``pipeline.spawn``'s fork server); the CUDA and NCCL settings are read later,
@@ -309,6 +310,25 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+def _site_customize() -> None:
+    """As a fresh interpreter's ``site`` does at start-up: import the ``sitecustomize`` module the
+    worker's ``sys.path`` finds (a folder on its ``PYTHONPATH`` may hold one), unless the zygote
+    ran that very file already; an error in it is said on stderr, as ``site`` says it, and the
+    worker goes on."""
+    import importlib
+    import importlib.machinery
+
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
+    had = sys.modules.get("sitecustomize")
+    if spec is None or (had is not None and getattr(had, "__file__", None) == spec.origin):
+        return
+    sys.modules.pop("sitecustomize", None)
+    try:
+        importlib.import_module("sitecustomize")
+    except Exception as e:  # noqa: BLE001 - as site.execsitecustomize: said, not fatal
+        print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(e).__name__}: {e}", file=sys.stderr)
+
+
 def _child(sock: socket.socket, fds: list[int], req: dict, base: list[str], run: Callable[[list[str]], int]) -> None:
     """In the forked worker: become what a fresh ``python -m varuna_sdk.worker`` started in its
     own session would be, run it, exit with its code."""
@@ -338,6 +358,7 @@ def _child(sock: socket.socket, fds: list[int], req: dict, base: list[str], run:
                                       errors="backslashreplace", line_buffering=True, write_through=True)
         if "numpy" in sys.modules:   # a fresh process's global NumPy generator is seeded afresh
             sys.modules["numpy"].random.seed()
+        _site_customize()
         code = run(list(req["args"]))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
