@@ -15,6 +15,17 @@ from varuna_sdk.pipeline.spawn import spawn_workers
 _counter = itertools.count()
 
 
+@pytest.fixture(autouse=True)
+def _no_zygote_outlives_its_test():
+    """A test that drives a ``Generation`` without a ``Manager`` leaves its run's zygote
+    (``cluster.zygote``, ~300 MB) to the process's exit, since only the manager ends it: ended
+    after every test instead."""
+    yield
+    from varuna_sdk.cluster.localproc import close_zygotes
+
+    close_zygotes()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _own_cache_dir(tmp_path_factory):
     """Calibrations and tokenized corpora of this test session in a folder of its own (unless

@@ -130,7 +130,7 @@ def test_a_local_worker_is_forked_by_its_runs_zygote_and_named_on_its_command_li
     os.environ[START_METHOD_ENV] = "spawn"
     try:
         p, ppid = training(argv)
-        assert ppid == os.getpid() and not _zygotes
+        assert ppid == os.getpid() and (sys.executable, str(run.resolve())) not in _zygotes
         assert p.kill(grace_s=0.5)
     finally:
         os.environ.pop(START_METHOD_ENV)
