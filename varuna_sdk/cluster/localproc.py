@@ -19,8 +19,9 @@ A worker (``python -m varuna_sdk.worker CONFIG RUN_DIR``) is forked by its run's
 is a plain subprocess.
 
 Owns ``LOCAL_KIND``, ``is_local``, ``local_host``, ``LocalProcess``, ``start_local``,
-``local_processes``, ``kill_host``, ``close_zygotes``. Imports ``cluster.hosts`` and
-``cluster.zygote`` only; never torch, paramiko or the manager.
+``local_processes``, ``kill_host``, ``close_zygotes``. Imports ``cluster.hosts``,
+``cluster.zygote`` and ``pipeline.spawn``'s switch (``START_METHOD_ENV``); never torch,
+paramiko or the manager.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from ..pipeline.spawn import START_METHOD_ENV   # =spawn: every worker a fresh subprocess, no zygote (torch-free import)
 from .hosts import Host, Secret, notify
 from .zygote import ZygoteClient, ZygoteError
 
@@ -199,10 +201,6 @@ class LocalProcess:
         state = "running" if not self.done() else f"exit={self.exit_code}"
         return f"<LocalProcess {self.host.name} pid={self.pid} {state}: {self.command[:60]}>"
 
-
-#: ``VARUNA_SDK_START_METHOD=spawn`` (``pipeline.spawn``'s switch) starts every worker as a fresh
-#: subprocess, without the run's zygote
-START_METHOD_ENV = "VARUNA_SDK_START_METHOD"
 
 _zygotes: dict[tuple[str, str], ZygoteClient] = {}
 _zygotes_lock = threading.Lock()
