@@ -184,7 +184,7 @@ def main() -> None:
     # the baseline first: every worker a fresh process (torch imported in each, every generation)
     import os
 
-    from varuna_sdk.cluster.localproc import START_METHOD_ENV
+    from varuna_sdk.pipeline.spawn import START_METHOD_ENV
 
     os.environ[START_METHOD_ENV] = "spawn"
     with tempfile.TemporaryDirectory(prefix="varuna-bench-morph-") as tmp:
